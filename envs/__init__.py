@@ -1,0 +1,34 @@
+"""Torch-batched environments for a solar + battery + EV-charging site, and the site model they run on.
+
+Importing this package registers ``EVHub-v0`` with gymnasium::
+
+    import gymnasium as gym
+    import envs  # noqa: F401  (registers the ids)
+
+    vec = gym.make_vec("EVHub-v0", num_envs=4096, vectorization_mode="vector_entry_point", device="cuda")
+    single = gym.make("EVHub-v0")
+"""
+
+import gymnasium as gym
+
+from envs.evhub import INFO_KEYS, EVHubEnv, EVHubVectorEnv
+from envs.site import ConfigError, Site, SiteConfig, SplitData, load_config, load_site
+
+__all__ = [
+    "INFO_KEYS",
+    "ConfigError",
+    "EVHubEnv",
+    "EVHubVectorEnv",
+    "Site",
+    "SiteConfig",
+    "SplitData",
+    "load_config",
+    "load_site",
+]
+
+if "EVHub-v0" not in gym.registry:
+    gym.register(
+        id="EVHub-v0",
+        entry_point="envs.evhub:EVHubEnv",
+        vector_entry_point="envs.evhub:EVHubVectorEnv",
+    )

@@ -1,0 +1,415 @@
+"""``EVHub-v0``: a solar + battery + EV-charging site as a torch-batched gymnasium environment.
+
+:class:`EVHubVectorEnv` steps ``num_envs`` copies of the site at once with pure tensor code on one device
+(no Python loop over envs or sockets, no host sync in ``step``). :class:`EVHubEnv` wraps one copy as a
+plain ``gymnasium.Env`` with NumPy spaces for tools that expect one (``check_env``, Stable-Baselines3).
+
+Physics per step of ``dt`` hours (units: kW, kWh, kg CO2/kWh; see the project's design notes):
+
+* EV sockets: an EV plugged into socket i still needs ``e_i`` kWh and leaves after ``n_i`` steps. Its
+  power lies between the least-laxity floor ``f_i = clip((e_i - Pmax*dt*(n_i-1))/dt, 0, c_i)`` (only when
+  ``ev.deadline_floor``, else 0) and the cap ``c_i = min(Pmax, e_i/dt)``; the action picks a point between.
+  At departure what is still needed is *unserved energy*.
+* BESS: ``a_bess`` in [-1, 1] times the power limit, positive charges; clipped so SOC stays in
+  [SOC_min, SOC_max]; discharge is also limited to the site's deficit (the battery never exports).
+  ``E' = E + eta_c * P_ch * dt - P_dis * dt / eta_d``.
+* Grid: ``G_imp - G_exp - P_curt = L + sum_i P_i + P_ch - P_pv - P_dis``; a surplus is exported if
+  allowed, else curtailed. Import above the limit cuts EV power first, then battery charging.
+* Emissions ``CO2 = G_imp * MOER * dt``; reward
+  ``-scale * (w_co2 * CO2 + w_unserved * unserved + w_peak * max(0, G_imp - peak_threshold))``.
+
+Action modes: ``"socket"``: ``1 + n_sockets`` numbers ``[a_bess, a_1..a_N]``; ``"hub"``: two numbers
+``[a_bess, a_ev]`` where ``a_ev`` sets the total EV power between the sum of floors and the sum of caps,
+shared earliest-deadline-first. EV actions are clipped to [0, 1] (negative means floor only).
+
+Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per kWp now and 3 steps
+ahead (4), MOER of the last step and its forecasts for this and the next two steps (4), SOC (1),
+aggregates (occupied fraction, energy needed, floor and cap power; 4), then per socket (occupied,
+energy needed, steps to departure; 3 * n_sockets).
+
+Episodes: training draws a random window of ``episode.train_steps`` steps of the split per env;
+``full_split=True`` runs the whole split once from its first step (evaluation). Episodes end by time
+limit only (``truncated``); ``autoreset_mode`` is SAME_STEP: the observation returned on the last step
+is already the first of the next episode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.vector import AutoresetMode, VectorEnv
+
+from envs.site import Site, SplitData, load_site
+
+INFO_KEYS = (
+    "pv_kw",
+    "pv_curtailed_kw",
+    "grid_import_kw",
+    "grid_export_kw",
+    "bess_charge_kw",
+    "bess_discharge_kw",
+    "ev_charge_kw",
+    "load_kw",
+    "co2_kg",
+    "unserved_kwh",
+)
+"""Keys of the per-step ``info`` dict; each value has shape ``(num_envs,)`` (kW, kg or kWh)."""
+
+MOER_CENTER = 0.25  # kg/kWh; typical CAISO marginal rate, used only to centre the observation
+MOER_SCALE = 0.25
+OBS_BOUND = 10.0  # observations are clipped to [-OBS_BOUND, OBS_BOUND]
+
+
+def action_dim(action_mode: str, n_sockets: int) -> int:
+    """Size of the action vector: 2 for ``"hub"``, ``1 + n_sockets`` for ``"socket"``.
+
+    Raises:
+        ValueError: unknown action mode.
+    """
+    if action_mode == "hub":
+        return 2
+    if action_mode == "socket":
+        return 1 + n_sockets
+    raise ValueError(f"unknown action_mode {action_mode!r}: expected 'hub' or 'socket'")
+
+
+def obs_dim(n_sockets: int) -> int:
+    """Size of the observation vector for a site with ``n_sockets`` sockets."""
+    return 17 + 3 * n_sockets
+
+
+class EVHubVectorEnv(VectorEnv):
+    """``num_envs`` copies of one site's split, stepped together on ``device``.
+
+    Args:
+        num_envs: number of parallel copies.
+        site: site name, TOML path or loaded :class:`~envs.site.Site` (default ``"caltech"``).
+        split: ``"train"`` or ``"test"``.
+        action_mode: ``"hub"`` (2 actions) or ``"socket"`` (1 + n_sockets actions).
+        device: torch device of all state and returned tensors.
+        full_split: run the whole split once from step 0 (evaluation) instead of random windows.
+        episode_steps: training window length in steps (default: the site's ``episode.train_steps``).
+        dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
+
+    ``step(actions)`` takes a tensor ``(num_envs, action_dim)`` (anything ``torch.as_tensor`` accepts)
+    and returns ``obs (num_envs, obs_dim)``, ``reward``, ``terminated``, ``truncated`` (each
+    ``(num_envs,)``) and ``info`` with exactly the keys of :data:`INFO_KEYS`, each ``(num_envs,)``.
+    ``reset(seed=..., options={"start_steps": [...]})`` can pin each env's first step.
+
+    Raises:
+        ValueError: bad ``action_mode``, ``num_envs < 1``, or a window longer than the split.
+    """
+
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
+
+    def __init__(
+        self,
+        num_envs: int = 1,
+        site: str | Path | Site = "caltech",
+        split: str = "train",
+        action_mode: str = "hub",
+        device: str | torch.device = "cpu",
+        full_split: bool = False,
+        episode_steps: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        if num_envs < 1:
+            raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        self.site = load_site(site)
+        self.data: SplitData = self.site.split(split)
+        cfg = self.site.config
+        self.cfg = cfg
+        self.num_envs = num_envs
+        self.split = split
+        self.action_mode = action_mode
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.full_split = full_split
+        T = self.data.num_steps
+        self.episode_steps = T if full_split else int(episode_steps or cfg.episode.train_steps)
+        if self.episode_steps > T:
+            raise ValueError(f"episode_steps={self.episode_steps} exceeds the {T} steps of split '{split}'")
+        self.n_sockets = cfg.ev.n_sockets
+
+        adim = action_dim(action_mode, self.n_sockets)
+        odim = obs_dim(self.n_sockets)
+        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (adim,), np.float32)
+        self.single_observation_space = gym.spaces.Box(-OBS_BOUND, OBS_BOUND, (odim,), np.float32)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+
+        def t(x, dt=dtype):
+            return torch.as_tensor(np.asarray(x), dtype=dt, device=self.device)
+
+        d = self.data
+        kwp = max(cfg.pv.kwp, 1e-9)
+        # exogenous per-step tables, padded at the end so that look-ahead indices never run out
+        pad = 4
+        pv = np.concatenate([d.pv_kw, np.repeat(d.pv_kw[-1:], pad)])
+        self._pv_kw = t(pv)
+        self._load_kw = t(np.concatenate([d.load_kw, np.repeat(d.load_kw[-1:], pad)]))
+        self._moer = t(d.moer)
+        moer_prev = np.concatenate([d.moer[:1], d.moer[:-1]])
+        exo = np.concatenate(
+            [
+                d.time_features,
+                np.stack([pv[i : i + T] / kwp for i in range(4)], axis=1),
+                (np.concatenate([moer_prev[:, None], d.moer_fc], axis=1) - MOER_CENTER) / MOER_SCALE,
+            ],
+            axis=1,
+        )
+        self._exo_obs = t(exo)
+        self._arrival_need = t(d.arrival_need_kwh)
+        self._arrival_stay = t(d.arrival_stay_steps, torch.int64)
+
+        b = cfg.bess
+        self._e_min = b.soc_min * b.capacity_kwh
+        self._e_max = b.soc_max * b.capacity_kwh
+        self._e_init = b.soc_initial * b.capacity_kwh
+        self._need_scale = cfg.ev.socket_kw * cfg.dt_h * 8.0  # kWh; an 8-hour full-power charge
+        self._num_steps_total = T
+
+        B, N = num_envs, self.n_sockets
+        z = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=self.device)  # noqa: E731
+        self.t = z(B, dt=torch.int64)  # absolute step index in the split
+        self.elapsed = z(B, dt=torch.int64)  # steps since episode start
+        self.energy_kwh = z(B)  # BESS energy content, kWh
+        self.ev_need_kwh = z(B, N)  # energy each plugged EV still needs, kWh
+        self.ev_steps_left = z(B, N, dt=torch.int64)  # steps until departure; 0 = socket free
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(0)
+        self._arange = torch.arange(B, device=self.device)
+
+    # ------------------------------------------------------------------ state helpers
+    @property
+    def soc(self) -> torch.Tensor:
+        """State of charge of the BESS, fraction of capacity, shape ``(num_envs,)``."""
+        return self.energy_kwh / max(self.cfg.bess.capacity_kwh, 1e-9)
+
+    def _ev_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-socket (floor, cap) charging power, kW, shape ``(num_envs, n_sockets)`` each."""
+        dt = self.cfg.dt_h
+        pmax = self.cfg.ev.socket_kw
+        occupied = self.ev_steps_left > 0
+        cap = torch.where(occupied, torch.clamp(self.ev_need_kwh / dt, max=pmax), 0.0)
+        if self.cfg.ev.deadline_floor:
+            later = pmax * dt * (self.ev_steps_left - 1).clamp(min=0).to(self.dtype)
+            floor = torch.minimum(((self.ev_need_kwh - later) / dt).clamp(min=0.0), cap)
+        else:
+            floor = torch.zeros_like(cap)
+        return floor, cap
+
+    def power_outlook(self) -> dict[str, torch.Tensor]:
+        """What the site faces in the current step, shape ``(num_envs,)`` each (for rule-based controllers).
+
+        Returns:
+            ``pv_kw`` available PV, ``load_kw`` base load, ``ev_floor_kw`` and ``ev_max_kw`` (sum over
+            sockets of the least and the most EV power this step), ``bess_charge_max_kw`` and
+            ``bess_discharge_max_kw`` (SOC and power limits).
+        """
+        floor, cap = self._ev_bounds()
+        b, dt = self.cfg.bess, self.cfg.dt_h
+        return {
+            "pv_kw": self._pv_kw[self.t],
+            "load_kw": self._load_kw[self.t],
+            "ev_floor_kw": floor.sum(1),
+            "ev_max_kw": cap.sum(1),
+            "bess_charge_max_kw": ((self._e_max - self.energy_kwh) / (b.eta_charge * dt)).clamp(0, b.power_kw),
+            "bess_discharge_max_kw": ((self.energy_kwh - self._e_min) * b.eta_discharge / dt).clamp(0, b.power_kw),
+        }
+
+    def _plug_in(self, mask: torch.Tensor) -> None:
+        """Connect the sessions arriving at the current step into free sockets (envs where ``mask``)."""
+        need = self._arrival_need[self.t]
+        stay = self._arrival_stay[self.t]
+        arrive = (stay > 0) & mask[:, None]
+        self.ev_need_kwh = torch.where(arrive, need, self.ev_need_kwh)
+        self.ev_steps_left = torch.where(arrive, stay, self.ev_steps_left)
+
+    def _observe(self) -> torch.Tensor:
+        N = self.n_sockets
+        pmax = self.cfg.ev.socket_kw
+        occupied = (self.ev_steps_left > 0).to(self.dtype)
+        floor, cap = self._ev_bounds()
+        need = self.ev_need_kwh / self._need_scale
+        steps = self.ev_steps_left.to(self.dtype) / 24.0
+        agg = torch.stack(
+            [occupied.mean(1), need.sum(1) / N * 4.0, floor.sum(1) / (N * pmax) * 4.0, cap.sum(1) / (N * pmax)],
+            dim=1,
+        )
+        soc = (2.0 * self.soc - 1.0)[:, None]
+        obs = torch.cat([self._exo_obs[self.t], soc, agg, occupied, need, steps], dim=1)
+        return obs.clamp(-OBS_BOUND, OBS_BOUND)
+
+    # ------------------------------------------------------------------ gymnasium API
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Start new episodes in every env.
+
+        Args:
+            seed: seeds the env's torch generator (window starts).
+            options: ``{"start_steps": sequence of num_envs ints}`` pins each env's first step.
+
+        Returns:
+            ``(obs, info)``: obs ``(num_envs, obs_dim)``; info is empty.
+
+        Raises:
+            ValueError: a pinned start that leaves less than one episode before the split ends.
+        """
+        if seed is not None:
+            self._generator.manual_seed(int(seed))
+        starts = None if options is None else options.get("start_steps")
+        if starts is not None:
+            starts = torch.as_tensor(starts, dtype=torch.int64, device=self.device).reshape(self.num_envs)
+            last = self._num_steps_total - self.episode_steps
+            if bool(((starts < 0) | (starts > last)).any()):
+                raise ValueError(f"start_steps must lie in [0, {last}] for episodes of {self.episode_steps} steps")
+        all_envs = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
+        self._reset_envs(all_envs, starts)
+        return self._observe(), {}
+
+    def _reset_envs(self, mask: torch.Tensor, starts: torch.Tensor | None = None) -> None:
+        if starts is None:
+            if self.full_split:
+                starts = torch.zeros(self.num_envs, dtype=torch.int64, device=self.device)
+            else:
+                high = self._num_steps_total - self.episode_steps + 1
+                starts = torch.randint(0, high, (self.num_envs,), generator=self._generator, device=self.device)
+        self.t = torch.where(mask, starts, self.t)
+        self.elapsed = torch.where(mask, 0, self.elapsed)
+        self.energy_kwh = torch.where(mask, self._e_init, self.energy_kwh)
+        self.ev_need_kwh = torch.where(mask[:, None], 0.0, self.ev_need_kwh)
+        self.ev_steps_left = torch.where(mask[:, None], 0, self.ev_steps_left)
+        self._plug_in(mask)
+
+    def _ev_power(self, a_ev: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        """Per-socket EV power, kW, ``(num_envs, n_sockets)``, from the EV part of the action."""
+        if self.action_mode == "socket":
+            return floor + a_ev.clamp(0.0, 1.0) * (cap - floor)
+        # hub: total flexible power shared earliest-deadline-first
+        flex = cap - floor
+        level = a_ev[:, 0].clamp(0.0, 1.0)
+        budget = level * flex.sum(1)
+        deadline = torch.where(flex > 0, self.ev_steps_left, torch.iinfo(torch.int64).max)
+        order = torch.sort(deadline, dim=1, stable=True).indices
+        flex_sorted = torch.gather(flex, 1, order)
+        before = torch.cumsum(flex_sorted, 1) - flex_sorted
+        alloc_sorted = torch.minimum((budget[:, None] - before).clamp(min=0.0), flex_sorted)
+        alloc = torch.zeros_like(flex).scatter(1, order, alloc_sorted)
+        return floor + alloc
+
+    def step(self, actions):
+        """Advance every env by one step; see the class docstring for shapes and the module's for physics."""
+        cfg = self.cfg
+        dt = cfg.dt_h
+        b = cfg.bess
+        a = torch.as_tensor(actions, device=self.device).to(self.dtype).reshape(self.num_envs, -1)
+        pv = self._pv_kw[self.t]
+        load = self._load_kw[self.t]
+        moer = self._moer[self.t]
+
+        floor, cap = self._ev_bounds()
+        ev = self._ev_power(a[:, 1:], floor, cap)
+        ev_total = ev.sum(1)
+
+        p_bess = a[:, 0].clamp(-1.0, 1.0) * b.power_kw
+        charge_max = ((self._e_max - self.energy_kwh) / (b.eta_charge * dt)).clamp(min=0.0)
+        discharge_max = ((self.energy_kwh - self._e_min) * b.eta_discharge / dt).clamp(min=0.0)
+        deficit = (load + ev_total - pv).clamp(min=0.0)
+        charge = torch.minimum(p_bess.clamp(min=0.0), charge_max)
+        discharge = torch.minimum(torch.minimum((-p_bess).clamp(min=0.0), discharge_max), deficit)
+
+        # grid import limit: cut EV power first, then battery charging
+        excess = (load + ev_total + charge - pv - discharge - cfg.grid.import_limit_kw).clamp(min=0.0)
+        ev_cut = torch.minimum(excess, ev_total)
+        ev = ev * torch.where(ev_total > 0, (ev_total - ev_cut) / ev_total.clamp(min=1e-12), 0.0)[:, None]
+        ev_total = ev.sum(1)
+        charge = charge - torch.minimum(excess - ev_cut, charge)
+
+        net = load + ev_total + charge - pv - discharge
+        grid_import = net.clamp(min=0.0)
+        surplus = (-net).clamp(min=0.0)
+        zero = torch.zeros_like(surplus)
+        grid_export = surplus if cfg.grid.export_allowed else zero
+        curtailed = zero if cfg.grid.export_allowed else surplus
+
+        self.energy_kwh = (self.energy_kwh + b.eta_charge * charge * dt - discharge * dt / b.eta_discharge).clamp(
+            self._e_min, self._e_max
+        )
+        co2 = grid_import * moer * dt
+        self.ev_need_kwh = (self.ev_need_kwh - ev * dt).clamp(min=0.0)
+
+        # time passes: departures, then the end of episodes, then arrivals
+        self.t = self.t + 1
+        self.elapsed = self.elapsed + 1
+        self.ev_steps_left = (self.ev_steps_left - 1).clamp(min=0)
+        departed = self.ev_steps_left == 0
+        unserved = torch.where(departed, self.ev_need_kwh, 0.0).sum(1)
+        self.ev_need_kwh = torch.where(departed, 0.0, self.ev_need_kwh)
+        truncated = self.elapsed >= self.episode_steps
+        # EVs still plugged in when a training window ends are not counted as unserved (their
+        # departure lies beyond the window); in full-split runs every departure lies within the split.
+        # The final step of the split has no successor: clamp before reading, then reset those envs.
+        self.t = self.t.clamp(max=self._num_steps_total - 1)
+        self._reset_envs(truncated)
+        self._plug_in(~truncated)
+
+        r = cfg.reward
+        cost = r.w_co2 * co2 + r.w_unserved * unserved + r.w_peak * (grid_import - r.peak_threshold_kw).clamp(min=0.0)
+        reward = -r.scale * cost
+        terminated = torch.zeros_like(truncated)
+        info = {
+            "pv_kw": pv,
+            "pv_curtailed_kw": curtailed,
+            "grid_import_kw": grid_import,
+            "grid_export_kw": grid_export,
+            "bess_charge_kw": charge,
+            "bess_discharge_kw": discharge,
+            "ev_charge_kw": ev_total,
+            "load_kw": load,
+            "co2_kg": co2,
+            "unserved_kwh": unserved,
+        }
+        return self._observe(), reward, terminated, truncated, info
+
+
+class EVHubEnv(gym.Env):
+    """One copy of :class:`EVHubVectorEnv` as a plain ``gymnasium.Env`` with NumPy float32 spaces.
+
+    Takes the same keyword arguments as :class:`EVHubVectorEnv` (except ``num_envs``); runs on the CPU
+    in float64 so its accounting is exact. ``info`` holds the :data:`INFO_KEYS` flows as Python floats.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, render_mode: str | None = None, **kwargs: Any):
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("dtype", torch.float64)
+        self.vec = EVHubVectorEnv(num_envs=1, **kwargs)
+        self.observation_space = self.vec.single_observation_space
+        self.action_space = self.vec.single_action_space
+        self.render_mode = render_mode
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Start an episode; ``options={"start_step": int}`` pins its first step."""
+        super().reset(seed=seed)
+        torch_seed = int(self.np_random.integers(0, 2**62))
+        vec_options = None
+        if options and "start_step" in options:
+            vec_options = {"start_steps": [int(options["start_step"])]}
+        obs, _ = self.vec.reset(seed=torch_seed, options=vec_options)
+        return obs[0].cpu().numpy().astype(np.float32), {}
+
+    def step(self, action):
+        """One step; returns NumPy obs, float reward, bools and a dict of floats."""
+        obs, reward, terminated, truncated, info = self.vec.step(torch.as_tensor(np.asarray(action))[None])
+        return (
+            obs[0].cpu().numpy().astype(np.float32),
+            float(reward[0]),
+            bool(terminated[0]),
+            bool(truncated[0]),
+            {k: float(v[0]) for k, v in info.items()},
+        )

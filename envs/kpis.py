@@ -1,0 +1,203 @@
+"""Evaluate a policy over a whole split and turn its hourly traces into the study's KPIs.
+
+Every controller of the study (baselines, agents, the oracle) ends as an hourly *traces* table with the
+columns of :data:`TRACE_COLUMNS`; :func:`kpis_from_traces` computes the KPIs of one run from it, so they
+are defined once for all.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from envs.evhub import INFO_KEYS, EVHubVectorEnv
+from envs.site import Site, SplitData
+
+TRACE_COLUMNS = ("time", *INFO_KEYS, "soc", "moer_kg_per_kwh")
+"""Columns of a traces table: UTC step start, the flows of :data:`envs.evhub.INFO_KEYS` (kW over the
+step, ``co2_kg`` kg, ``unserved_kwh`` kWh), the BESS SOC at the end of the step (fraction) and the
+carbon intensity of the step (kg/kWh)."""
+
+KPI_COLUMNS = (
+    "co2_kg",
+    "co2_reduction_pct",
+    "oracle_gap_closed_pct",
+    "grid_import_kwh",
+    "grid_export_kwh",
+    "pv_generation_kwh",
+    "pv_self_consumption_pct",
+    "ev_energy_requested_kwh",
+    "ev_energy_delivered_kwh",
+    "ev_energy_served_pct",
+    "unserved_kwh",
+    "sessions_rejected",
+    "peak_import_kw",
+    "co2_per_kwh_delivered",
+    "train_wall_s",
+    "env_steps",
+    "steps_per_s",
+)
+"""KPI columns of ``co2_comparison.parquet`` (design notes). ``co2_reduction_pct`` and
+``oracle_gap_closed_pct`` need the uncontrolled and oracle rows: :func:`add_relative_kpis` fills them."""
+
+BALANCE_TOL = 1e-4
+"""Largest allowed energy-balance residual, relative to the step's largest flow (at least 1 kW)."""
+
+Policy = Callable[[torch.Tensor, EVHubVectorEnv], torch.Tensor]
+"""A controller: ``policy(obs (1, obs_dim), env) -> action (1, action_dim)``."""
+
+
+def balance_residual(tr: pd.DataFrame | dict) -> np.ndarray:
+    """Energy-balance residual per step, relative to the step's largest flow (dimensionless).
+
+    ``pv - curtailed + import + discharge - (load + ev + charge + export)`` divided by
+    ``max(1 kW, largest flow)``; shape ``(T,)``.
+    """
+    supply = tr["pv_kw"] - tr["pv_curtailed_kw"] + tr["grid_import_kw"] + tr["bess_discharge_kw"]
+    demand = tr["load_kw"] + tr["ev_charge_kw"] + tr["bess_charge_kw"] + tr["grid_export_kw"]
+    flows = np.maximum.reduce([np.abs(np.asarray(tr[k], dtype=np.float64)) for k in INFO_KEYS if k.endswith("_kw")])
+    return np.abs(np.asarray(supply - demand, dtype=np.float64)) / np.maximum(flows, 1.0)
+
+
+def rollout_traces(
+    policy: Policy,
+    site: Site,
+    split: str,
+    action_mode: str = "hub",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float64,
+) -> tuple[pd.DataFrame, float]:
+    """Run ``policy`` once over the whole split, deterministically, and record hourly traces.
+
+    Returns:
+        ``(traces, wall_s)``: a DataFrame with :data:`TRACE_COLUMNS`, one row per step, and the
+        simulation wall time in seconds.
+
+    Raises:
+        RuntimeError: the energy balance is violated by more than :data:`BALANCE_TOL` in some step
+            (names the step's time).
+    """
+    env = EVHubVectorEnv(1, site=site, split=split, action_mode=action_mode, device=device, full_split=True, dtype=dtype)
+    obs, _ = env.reset(seed=0)
+    T = env.data.num_steps
+    rows: list[torch.Tensor] = []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(T):
+            action = policy(obs, env)
+            obs, _, _, _, info = env.step(action)
+            rows.append(torch.stack([info[k][0].to(torch.float64) for k in INFO_KEYS]))
+    wall = time.perf_counter() - start
+    traces = pd.DataFrame(torch.stack(rows).cpu().numpy(), columns=list(INFO_KEYS))
+    # SOC from the flows (the env auto-resets after the last step, so its own SOC is gone by then)
+    b = site.config.bess
+    delta = (b.eta_charge * traces.bess_charge_kw - traces.bess_discharge_kw / b.eta_discharge) * site.config.dt_h
+    traces["soc"] = (b.soc_initial * b.capacity_kwh + delta.cumsum()) / max(b.capacity_kwh, 1e-9)
+    traces.insert(0, "time", env.data.time)
+    traces["moer_kg_per_kwh"] = env.data.moer
+    check_balance(traces, f"{split} split")
+    return traces, wall
+
+
+def check_balance(traces: pd.DataFrame, what: str) -> None:
+    """Raise ``RuntimeError`` naming the first step whose balance residual exceeds :data:`BALANCE_TOL`."""
+    res = balance_residual(traces)
+    bad = np.flatnonzero(res > BALANCE_TOL)
+    if len(bad):
+        i = bad[0]
+        raise RuntimeError(f"{what}: energy balance off by {res[i]:.2e} (relative) at {traces.time.iloc[i]}")
+
+
+def kpis_from_traces(traces: pd.DataFrame, data: SplitData) -> dict[str, float]:
+    """KPIs of one run (see :data:`KPI_COLUMNS`), except the relative ones and the training columns.
+
+    Args:
+        traces: hourly traces of the run (:data:`TRACE_COLUMNS`).
+        data: the split the run covered (for the EV energy asked and the rejected sessions).
+
+    Returns:
+        dict of floats: energies in kWh, CO2 in kg, percentages in %, peak in kW.
+    """
+    dt = data.config.dt_h
+    accepted = data.sessions[~data.sessions.rejected]
+    requested = float(accepted.need_kwh.sum())
+    unserved = float(traces.unserved_kwh.sum())
+    delivered = float(traces.ev_charge_kw.sum() * dt)
+    pv = float(traces.pv_kw.sum() * dt)
+    pv_used = float((traces.pv_kw - traces.pv_curtailed_kw - traces.grid_export_kw).sum() * dt)
+    co2 = float(traces.co2_kg.sum())
+    return {
+        "co2_kg": co2,
+        "grid_import_kwh": float(traces.grid_import_kw.sum() * dt),
+        "grid_export_kwh": float(traces.grid_export_kw.sum() * dt),
+        "pv_generation_kwh": pv,
+        "pv_self_consumption_pct": 100.0 * pv_used / pv if pv > 0 else math.nan,
+        "ev_energy_requested_kwh": requested,
+        "ev_energy_delivered_kwh": delivered,
+        "ev_energy_served_pct": 100.0 * delivered / requested if requested > 0 else math.nan,
+        "unserved_kwh": unserved,
+        "sessions_rejected": float(data.sessions.rejected.sum()),
+        "peak_import_kw": float(traces.grid_import_kw.max()),
+        "co2_per_kwh_delivered": co2 / delivered if delivered > 0 else math.nan,
+    }
+
+
+def add_relative_kpis(table: pd.DataFrame) -> pd.DataFrame:
+    """Fill ``co2_reduction_pct`` (vs ``uncontrolled``) and ``oracle_gap_closed_pct`` per split.
+
+    ``oracle_gap_closed_pct = 100 * (CO2_uncontrolled - CO2) / (CO2_uncontrolled - CO2_oracle)``: the share of
+    the oracle's CO2 saving a controller achieves. Rows with ``controller`` and ``split`` columns; rows of a
+    split without an uncontrolled (or oracle) row get NaN.
+    """
+    out = table.copy()
+    out["co2_reduction_pct"] = math.nan
+    out["oracle_gap_closed_pct"] = math.nan
+    for split, rows in out.groupby("split"):
+        base = rows.loc[rows.controller == "uncontrolled", "co2_kg"]
+        oracle = rows.loc[rows.controller == "oracle", "co2_kg"]
+        if len(base):
+            b = float(base.iloc[0])
+            out.loc[rows.index, "co2_reduction_pct"] = 100.0 * (b - rows.co2_kg) / b
+            if len(oracle) and b - float(oracle.iloc[0]) > 0:
+                out.loc[rows.index, "oracle_gap_closed_pct"] = 100.0 * (b - rows.co2_kg) / (b - float(oracle.iloc[0]))
+    return out
+
+
+def kpi_row(controller: str, split: str, traces: pd.DataFrame, data: SplitData, **extra: float) -> pd.DataFrame:
+    """One-row KPI table for a run, with all :data:`KPI_COLUMNS` (missing ones NaN) plus ``extra``."""
+    row = {"controller": controller, "split": split, **{k: math.nan for k in KPI_COLUMNS}}
+    row.update(kpis_from_traces(traces, data))
+    row.update(extra)
+    return pd.DataFrame([row])
+
+
+def write_parquet(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write a DataFrame to Parquet atomically (temporary file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.to_parquet(tmp, index=False)
+    tmp.replace(path)
+    return path
+
+
+def evaluate_policy(
+    policy: Policy,
+    site: Site,
+    split: str,
+    controller: str,
+    action_mode: str = "hub",
+    device: str | torch.device = "cpu",
+    **extra: float,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Run a policy over a whole split and return ``(kpi_row, traces)``; see :func:`rollout_traces`."""
+    traces, wall = rollout_traces(policy, site, split, action_mode, device)
+    data = site.split(split)
+    extra = {"env_steps": float(data.num_steps), "steps_per_s": data.num_steps / max(wall, 1e-9), **extra}
+    return kpi_row(controller, split, traces, data, **extra), traces

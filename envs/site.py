@@ -1,0 +1,512 @@
+"""The site model: a site config (TOML) plus its processed data, turned into per-split arrays.
+
+A *site* is a config file such as ``envs/sites/caltech.toml`` and a data folder beside it holding
+``hourly.parquet`` (one row per UTC hour) and ``sessions.parquet`` (one row per EV session); see
+``envs/sites/caltech/README.md`` for the columns and their sources. :func:`load_site` reads both;
+:meth:`Site.split` cuts one split out of it and precomputes everything the environment, the KPIs and the
+oracle need, as NumPy arrays, so that they all see exactly the same hourly discretisation.
+
+Units: power kW, energy kWh, carbon intensity kg CO2/kWh, time steps of ``dt_h`` hours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+SITES_DIR = Path(__file__).resolve().parent / "sites"
+
+
+class ConfigError(ValueError):
+    """A site config is malformed or inconsistent; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class PVConfig:
+    kwp: float = 20.0
+    """DC nameplate of the PV array, kWp."""
+
+
+@dataclass(frozen=True)
+class BESSConfig:
+    capacity_kwh: float = 40.0
+    """Nameplate energy of the battery, kWh."""
+    power_kw: float = 20.0
+    """Charge and discharge power limit, kW."""
+    eta_charge: float = 0.95
+    """One-way charge efficiency, fraction."""
+    eta_discharge: float = 0.95
+    """One-way discharge efficiency, fraction."""
+    soc_min: float = 0.1
+    """Lowest allowed state of charge, fraction of capacity."""
+    soc_max: float = 0.9
+    """Highest allowed state of charge, fraction of capacity."""
+    soc_initial: float = 0.5
+    """State of charge at the start of every episode, fraction of capacity."""
+
+
+@dataclass(frozen=True)
+class EVConfig:
+    n_sockets: int = 55
+    """Number of charging sockets."""
+    socket_kw: float = 6.6
+    """Maximum charging power of one socket, kW."""
+    deadline_floor: bool = True
+    """Raise each socket to the least-laxity power that still meets its departure."""
+
+
+@dataclass(frozen=True)
+class GridConfig:
+    import_limit_kw: float = 300.0
+    """Grid import limit of the service connection, kW."""
+    export_allowed: bool = False
+    """Whether surplus PV may be exported; curtailed otherwise."""
+    base_load_kw: float = 0.0
+    """Constant non-EV site load, kW."""
+
+
+@dataclass(frozen=True)
+class SplitsConfig:
+    train: tuple[str, str] = ("2019-05-01", "2019-12-31")
+    """Inclusive local dates of the training split."""
+    test: tuple[str, str] = ("2021-05-01", "2021-08-31")
+    """Inclusive local dates of the test split."""
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    train_steps: int = 168
+    """Length of a training episode, steps."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    w_co2: float = 1.0
+    """Weight per kg CO2."""
+    w_unserved: float = 2.0
+    """Weight per kWh of EV energy still needed at departure."""
+    w_peak: float = 0.0
+    """Weight per kW of grid import above ``peak_threshold_kw``."""
+    peak_threshold_kw: float = 150.0
+    """Import above which the peak term applies, kW."""
+    scale: float = 0.1
+    """Overall reward scale."""
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """A site's configuration, as read from its TOML file (one table per nested dataclass)."""
+
+    name: str = "site"
+    timezone: str = "UTC"
+    data_dir: str = "."
+    dt_h: float = 1.0
+    pv: PVConfig = field(default_factory=PVConfig)
+    bess: BESSConfig = field(default_factory=BESSConfig)
+    ev: EVConfig = field(default_factory=EVConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
+    splits: SplitsConfig = field(default_factory=SplitsConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def replace(self, **sections: dict[str, Any] | Any) -> "SiteConfig":
+        """Return a copy with some values changed, e.g. ``cfg.replace(pv={"kwp": 0.0}, dt_h=1.0)``.
+
+        Raises:
+            ConfigError: unknown key or inconsistent values (see :func:`check_config`).
+        """
+        raw = dataclasses.asdict(self)
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(raw.get(key), dict):
+                raw[key] = {**raw[key], **value}
+            else:
+                raw[key] = value
+        return config_from_dict(raw, source="<replace>")
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> SiteConfig:
+    """Build and check a :class:`SiteConfig` from nested dicts (the TOML's structure).
+
+    Raises:
+        ConfigError: an unknown table or key (typos are not ignored), a wrong type, or an inconsistent
+            value; the message names ``source`` and the dotted key.
+    """
+    kwargs: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(SiteConfig)}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(fields)})")
+        sub = _SECTIONS.get(key)
+        if sub is None:
+            kwargs[key] = _coerce(value, fields[key].type, f"{source}: key '{key}'")
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: '{key}' must be a table, got {value!r}")
+        sub_fields = {f.name: f for f in dataclasses.fields(sub)}
+        sub_kwargs = {}
+        for k, v in value.items():
+            if k not in sub_fields:
+                raise ConfigError(f"{source}: unknown key '{key}.{k}' (known: {', '.join(sub_fields)})")
+            sub_kwargs[k] = _coerce(v, sub_fields[k].type, f"{source}: key '{key}.{k}'")
+        kwargs[key] = sub(**sub_kwargs)
+    cfg = SiteConfig(**kwargs)
+    check_config(cfg, source)
+    return cfg
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    t = str(type_name)
+    if t == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if t == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if t == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if t == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if t.startswith("tuple"):
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{where} must be two dates [\"YYYY-MM-DD\", \"YYYY-MM-DD\"], got {value!r}")
+        return tuple(value)
+    return value
+
+
+_SECTIONS = {
+    "pv": PVConfig,
+    "bess": BESSConfig,
+    "ev": EVConfig,
+    "grid": GridConfig,
+    "splits": SplitsConfig,
+    "episode": EpisodeConfig,
+    "reward": RewardConfig,
+}
+
+
+def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
+    """Check physical consistency of a config.
+
+    Raises:
+        ConfigError: naming ``source`` and the offending key, e.g. ``bess.soc_min >= bess.soc_max``,
+            a negative size, zero sockets, an efficiency outside (0, 1], unparsable or empty or
+            overlapping split dates, an unknown time zone.
+    """
+
+    def bad(key: str, msg: str) -> ConfigError:
+        return ConfigError(f"{source}: key '{key}' {msg}")
+
+    if cfg.dt_h <= 0:
+        raise bad("dt_h", f"must be > 0 hours, got {cfg.dt_h}")
+    if cfg.dt_h != 1.0:
+        raise bad("dt_h", f"must be 1.0: the processed data is hourly, got {cfg.dt_h}")
+    if cfg.pv.kwp < 0:
+        raise bad("pv.kwp", f"must be >= 0 kWp, got {cfg.pv.kwp}")
+    b = cfg.bess
+    for k in ("capacity_kwh", "power_kw"):
+        if getattr(b, k) < 0:
+            raise bad(f"bess.{k}", f"must be >= 0, got {getattr(b, k)}")
+    for k in ("eta_charge", "eta_discharge"):
+        if not 0 < getattr(b, k) <= 1:
+            raise bad(f"bess.{k}", f"must be in (0, 1], got {getattr(b, k)}")
+    for k in ("soc_min", "soc_max", "soc_initial"):
+        if not 0 <= getattr(b, k) <= 1:
+            raise bad(f"bess.{k}", f"must be a fraction in [0, 1], got {getattr(b, k)}")
+    if b.soc_min >= b.soc_max:
+        raise bad("bess.soc_min", f"({b.soc_min}) must be below bess.soc_max ({b.soc_max})")
+    if not b.soc_min <= b.soc_initial <= b.soc_max:
+        raise bad("bess.soc_initial", f"({b.soc_initial}) must lie in [soc_min, soc_max]")
+    if cfg.ev.n_sockets < 1:
+        raise bad("ev.n_sockets", f"must be >= 1, got {cfg.ev.n_sockets}")
+    if cfg.ev.socket_kw <= 0:
+        raise bad("ev.socket_kw", f"must be > 0 kW, got {cfg.ev.socket_kw}")
+    if cfg.grid.import_limit_kw <= 0:
+        raise bad("grid.import_limit_kw", f"must be > 0 kW, got {cfg.grid.import_limit_kw}")
+    if cfg.grid.base_load_kw < 0:
+        raise bad("grid.base_load_kw", f"must be >= 0 kW, got {cfg.grid.base_load_kw}")
+    if cfg.episode.train_steps < 1:
+        raise bad("episode.train_steps", f"must be >= 1, got {cfg.episode.train_steps}")
+    for k in ("w_co2", "w_unserved", "w_peak", "scale"):
+        if getattr(cfg.reward, k) < 0:
+            raise bad(f"reward.{k}", f"must be >= 0, got {getattr(cfg.reward, k)}")
+    try:
+        import zoneinfo
+
+        zoneinfo.ZoneInfo(cfg.timezone)
+    except Exception as exc:  # noqa: BLE001 - any failure means the name is unusable
+        raise bad("timezone", f"is not a known IANA time zone: {cfg.timezone!r}") from exc
+    ranges = {}
+    for split in ("train", "test"):
+        start, end = getattr(cfg.splits, split)
+        try:
+            s, e = pd.Timestamp(start), pd.Timestamp(end)
+        except ValueError as exc:
+            raise bad(f"splits.{split}", f"has an unparsable date: {start!r}..{end!r}") from exc
+        if e < s:
+            raise bad(f"splits.{split}", f"is empty: end {end} before start {start}")
+        ranges[split] = (s, e)
+    (s1, e1), (s2, e2) = ranges["train"], ranges["test"]
+    if s1 <= e2 and s2 <= e1:
+        raise bad("splits.test", f"overlaps splits.train ({s1.date()}..{e1.date()} vs {s2.date()}..{e2.date()})")
+
+
+def load_config(site: str | Path) -> tuple[SiteConfig, Path]:
+    """Read a site config.
+
+    Args:
+        site: a site name shipped with the package (``"caltech"`` -> ``envs/sites/caltech.toml``) or a
+            path to a TOML file.
+
+    Returns:
+        ``(config, path)``: the checked config and the resolved TOML path.
+
+    Raises:
+        FileNotFoundError: no such site or file.
+        ConfigError: invalid TOML, unknown keys or inconsistent values (message names file and key).
+    """
+    path = Path(site)
+    if path.suffix != ".toml":
+        path = SITES_DIR / f"{site}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in SITES_DIR.glob("*.toml"))
+        raise FileNotFoundError(f"site config not found: {path} (sites shipped: {', '.join(known)})")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return config_from_dict(raw, source=str(path)), path.resolve()
+
+
+@dataclass
+class SplitData:
+    """One split of a site, discretised into ``T`` steps of ``dt_h`` hours (all arrays NumPy).
+
+    Exogenous series, shape ``(T,)`` float64 unless noted:
+        time: ``pd.DatetimeIndex`` (UTC) of step starts.
+        pv_kw: available AC PV power, kW (``pv_kw_per_kwp * pv.kwp``).
+        load_kw: non-EV site load, kW.
+        moer: carbon intensity of grid import during the step, kg CO2/kWh (hourly mean MOER).
+        moer_fc: ``(T, 3)`` MOER forecasts issued at the step start for steps t, t+1, t+2, kg/kWh.
+        time_features: ``(T, 4)`` sin/cos of local hour of day and of local day of week.
+
+    Sessions (one row per session arriving in the split, length ``S``):
+        sessions: DataFrame with ``session_id, station_id, arrival_step, departure_step, socket,
+            energy_kwh`` (delivered energy in the data), ``need_kwh`` (what the env asks to deliver: the
+            data's energy capped at what the socket can deliver between arrival and departure step),
+            ``rejected`` (bool: no free socket at arrival).
+        Departures after the split's end are moved to ``T`` (the end).
+
+    Per-step arrival tables, shape ``(T, n_sockets)``:
+        arrival_need_kwh: energy need of the session plugging into socket i at step t (0 if none).
+        arrival_stay_steps: its number of steps until departure (int64; 0 if none).
+    """
+
+    config: SiteConfig
+    split: str
+    time: pd.DatetimeIndex
+    pv_kw: np.ndarray
+    load_kw: np.ndarray
+    moer: np.ndarray
+    moer_fc: np.ndarray
+    time_features: np.ndarray
+    sessions: pd.DataFrame
+    arrival_need_kwh: np.ndarray
+    arrival_stay_steps: np.ndarray
+
+    @property
+    def num_steps(self) -> int:
+        """Number of steps ``T`` in the split."""
+        return len(self.time)
+
+    @property
+    def capped_kwh(self) -> float:
+        """EV energy in the data above what the sockets could deliver in the stays, kWh (accepted sessions)."""
+        s = self.sessions[~self.sessions.rejected]
+        return float((s.energy_kwh - s.need_kwh).sum())
+
+
+@dataclass
+class Site:
+    """A site config with its processed data frames (see module docstring).
+
+    Attributes:
+        config: the checked :class:`SiteConfig`.
+        hourly: DataFrame, one row per UTC hour: ``time`` (UTC), ``pv_kw_per_kwp``,
+            ``moer_kg_per_kwh``, ``moer_fc_h0``, ``moer_fc_h1``, ``moer_fc_h2``.
+        sessions: DataFrame, one row per EV session: ``session_id``, ``station_id``, ``arrival`` and
+            ``departure`` (UTC), ``energy_kwh``.
+        source: where each piece came from (``{"config": path, "hourly": path, "sessions": path}``).
+    """
+
+    config: SiteConfig
+    hourly: pd.DataFrame
+    sessions: pd.DataFrame
+    source: dict[str, str] = field(default_factory=dict)
+    _splits: dict[str, SplitData] = field(default_factory=dict, repr=False)
+
+    def split_bounds(self, split: str) -> tuple[pd.Timestamp, pd.Timestamp]:
+        """UTC ``[start, end)`` of a split: local midnight of its first date to local midnight after its last.
+
+        Raises:
+            KeyError: unknown split name.
+        """
+        if split not in ("train", "test"):
+            raise KeyError(f"unknown split {split!r}: expected 'train' or 'test'")
+        first, last = getattr(self.config.splits, split)
+        tz = self.config.timezone
+        start = pd.Timestamp(first).tz_localize(tz).tz_convert("UTC")
+        end = (pd.Timestamp(last) + pd.Timedelta(days=1)).tz_localize(tz).tz_convert("UTC")
+        return start, end
+
+    def split(self, split: str) -> SplitData:
+        """Cut and discretise one split (cached).
+
+        Raises:
+            KeyError: unknown split name.
+            ValueError: the split holds no hourly data, or the hourly data does not cover it completely
+                (message names the data file and the first missing hour).
+        """
+        if split not in self._splits:
+            self._splits[split] = self._make_split(split)
+        return self._splits[split]
+
+    def _make_split(self, split: str) -> SplitData:
+        cfg = self.config
+        start, end = self.split_bounds(split)
+        expected = pd.date_range(start, end, freq="h", inclusive="left")
+        hourly = self.hourly.set_index("time")
+        hourly = hourly[(hourly.index >= start) & (hourly.index < end)]
+        src = self.source.get("hourly", "hourly data")
+        if len(hourly) == 0:
+            raise ValueError(f"{src}: split '{split}' ({start}..{end} UTC) holds no hourly rows")
+        missing = expected.difference(hourly.index)
+        if len(missing):
+            raise ValueError(
+                f"{src}: column 'time' misses {len(missing)} hour(s) of split '{split}', first {missing[0]}"
+            )
+        hourly = hourly.loc[expected]
+        T = len(expected)
+        local = expected.tz_convert(cfg.timezone)
+        hour = local.hour.to_numpy() + local.minute.to_numpy() / 60.0
+        dow = local.dayofweek.to_numpy() + hour / 24.0
+        time_features = np.stack(
+            [
+                np.sin(2 * math.pi * hour / 24),
+                np.cos(2 * math.pi * hour / 24),
+                np.sin(2 * math.pi * dow / 7),
+                np.cos(2 * math.pi * dow / 7),
+            ],
+            axis=1,
+        )
+        sessions = self._discretise_sessions(split, start, end, T)
+        need, stay = _arrival_tables(sessions, T, cfg.ev.n_sockets)
+        return SplitData(
+            config=cfg,
+            split=split,
+            time=expected,
+            pv_kw=hourly["pv_kw_per_kwp"].to_numpy(np.float64) * cfg.pv.kwp,
+            load_kw=np.full(T, cfg.grid.base_load_kw, dtype=np.float64),
+            moer=hourly["moer_kg_per_kwh"].to_numpy(np.float64),
+            moer_fc=hourly[["moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]].to_numpy(np.float64),
+            time_features=time_features,
+            sessions=sessions,
+            arrival_need_kwh=need,
+            arrival_stay_steps=stay,
+        )
+
+    def _discretise_sessions(self, split: str, start: pd.Timestamp, end: pd.Timestamp, T: int) -> pd.DataFrame:
+        cfg = self.config
+        dt = pd.Timedelta(hours=cfg.dt_h)
+        s = self.sessions
+        s = s[(s.arrival >= start) & (s.arrival < end)].sort_values(["arrival", "session_id"])
+        arr = np.rint((s.arrival - start) / dt).to_numpy().astype(np.int64)
+        dep = np.rint((s.departure - start) / dt).to_numpy().astype(np.int64)
+        arr = np.minimum(arr, T - 1)
+        dep = np.clip(np.maximum(dep, arr + 1), None, T)
+        # sockets: one per station (sorted ids over the whole dataset, so a station keeps its socket in
+        # every split), wrapped if the config has fewer sockets than the data has stations
+        stations = sorted(self.sessions.station_id.unique())
+        station_socket = {st: i % cfg.ev.n_sockets for i, st in enumerate(stations)}
+        preferred = s.station_id.map(station_socket).to_numpy()
+        socket = np.full(len(s), -1, dtype=np.int64)
+        free_at = np.zeros(cfg.ev.n_sockets, dtype=np.int64)  # first step each socket is free again
+        for j in range(len(s)):  # once per split, not per env step
+            p = preferred[j]
+            if free_at[p] <= arr[j]:
+                k = p
+            else:
+                free = np.flatnonzero(free_at <= arr[j])
+                if len(free) == 0:
+                    continue
+                k = free[0]
+            socket[j] = k
+            free_at[k] = dep[j]
+        energy = s.energy_kwh.to_numpy(np.float64)
+        need = np.minimum(energy, cfg.ev.socket_kw * cfg.dt_h * (dep - arr))
+        return pd.DataFrame(
+            {
+                "session_id": s.session_id.to_numpy(),
+                "station_id": s.station_id.to_numpy(),
+                "arrival_step": arr,
+                "departure_step": dep,
+                "socket": socket,
+                "energy_kwh": energy,
+                "need_kwh": need,
+                "rejected": socket < 0,
+            }
+        )
+
+
+def _arrival_tables(sessions: pd.DataFrame, T: int, n_sockets: int) -> tuple[np.ndarray, np.ndarray]:
+    need = np.zeros((T, n_sockets), dtype=np.float64)
+    stay = np.zeros((T, n_sockets), dtype=np.int64)
+    ok = sessions[~sessions.rejected]
+    t = ok.arrival_step.to_numpy()
+    k = ok.socket.to_numpy()
+    need[t, k] = ok.need_kwh.to_numpy()
+    stay[t, k] = (ok.departure_step - ok.arrival_step).to_numpy()
+    return need, stay
+
+
+def load_site(site: str | Path | Site, validate: bool = True) -> Site:
+    """Load a site: its config and the processed Parquet data beside it.
+
+    Args:
+        site: a shipped site name (``"caltech"``), a path to a site TOML, or an already loaded
+            :class:`Site` (returned as is).
+        validate: run the pandera schemas of :mod:`envs.schemas` over the data.
+
+    Raises:
+        FileNotFoundError: missing config or data file.
+        ConfigError: invalid config.
+        envs.schemas.DataValidationError: the data breaks a schema (message names file, column, row).
+    """
+    if isinstance(site, Site):
+        return site
+    from envs.schemas import read_table, validate_site_data
+
+    cfg, path = load_config(site)
+    data_dir = path.parent / cfg.data_dir
+    files = {name: data_dir / f"{name}.parquet" for name in ("hourly", "sessions")}
+    for f in files.values():
+        if not f.is_file():
+            raise FileNotFoundError(f"{path}: data file {f} is missing (run `python -m pipeline.ingest`)")
+    hourly = read_table(files["hourly"])
+    sessions = read_table(files["sessions"])
+    source = {"config": str(path), **{k: str(v) for k, v in files.items()}}
+    if validate:
+        validate_site_data(hourly, sessions, source)
+    return Site(cfg, hourly, sessions, source)

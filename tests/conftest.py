@@ -1,0 +1,75 @@
+"""Shared fixtures: a small synthetic site (fast, independent of the shipped data) and the real one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from envs.site import Site, config_from_dict
+
+
+def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) -> Site:
+    """A synthetic site: ``days`` of train and of test data, sunny days, a daily MOER cycle, random sessions.
+
+    The train split is the first ``days`` local days from 2019-05-01, the test split the next ``days``.
+    ``overrides`` are config tables, e.g. ``bess={"capacity_kwh": 0.0}``.
+    """
+    rng = np.random.default_rng(seed)
+    tz = "America/Los_Angeles"
+    start = pd.Timestamp("2019-05-01").tz_localize(tz).tz_convert("UTC")
+    end = (pd.Timestamp("2019-05-01") + pd.Timedelta(days=2 * days)).tz_localize(tz).tz_convert("UTC")
+    time = pd.date_range(start, end, freq="h", inclusive="left")
+    hour = time.tz_convert(tz).hour.to_numpy()
+    pv = np.clip(np.sin((hour - 6) / 12 * np.pi), 0, None) * 0.8 * rng.uniform(0.6, 1.0, len(time))
+    moer = 0.25 + 0.12 * np.cos((hour - 13) / 24 * 2 * np.pi) + rng.normal(0, 0.02, len(time))
+    hourly = pd.DataFrame(
+        {
+            "time": time,
+            "pv_kw_per_kwp": pv.astype(np.float32),
+            "moer_kg_per_kwh": moer.astype(np.float32),
+            "moer_fc_h0": moer.astype(np.float32),
+            "moer_fc_h1": np.roll(moer, -1).astype(np.float32),
+            "moer_fc_h2": np.roll(moer, -2).astype(np.float32),
+        }
+    )
+    rows = []
+    for d in range(2 * days):
+        day = pd.Timestamp("2019-05-01").tz_localize(tz) + pd.Timedelta(days=d)
+        for k in range(rng.integers(n_sockets // 2, 2 * n_sockets)):
+            arr = day + pd.Timedelta(hours=float(rng.uniform(6, 12)))
+            dep = arr + pd.Timedelta(hours=float(rng.uniform(0.3, 10)))
+            rows.append(
+                {
+                    "session_id": f"s{d}_{k}",
+                    "station_id": f"CA-{rng.integers(0, n_sockets + 2)}",
+                    "arrival": arr.tz_convert("UTC"),
+                    "departure": dep.tz_convert("UTC"),
+                    "energy_kwh": np.float32(rng.uniform(1, 30)),
+                    "requested_energy_kwh": np.float32(rng.uniform(1, 40)),
+                }
+            )
+    sessions = pd.DataFrame(rows).sort_values("arrival").reset_index(drop=True)
+    sessions["arrival"] = pd.to_datetime(sessions.arrival, utc=True).astype("datetime64[ns, UTC]")
+    sessions["departure"] = pd.to_datetime(sessions.departure, utc=True).astype("datetime64[ns, UTC]")
+    last = (pd.Timestamp("2019-05-01") + pd.Timedelta(days=days - 1)).date().isoformat()
+    first_test = (pd.Timestamp("2019-05-01") + pd.Timedelta(days=days)).date().isoformat()
+    last_test = (pd.Timestamp("2019-05-01") + pd.Timedelta(days=2 * days - 1)).date().isoformat()
+    raw = {
+        "name": "synthetic",
+        "timezone": tz,
+        "pv": {"kwp": 10.0},
+        "bess": {"capacity_kwh": 20.0, "power_kw": 10.0},
+        "ev": {"n_sockets": n_sockets, "socket_kw": 6.6},
+        "grid": {"import_limit_kw": 100.0},
+        "splits": {"train": ["2019-05-01", last], "test": [first_test, last_test]},
+        "episode": {"train_steps": 48},
+    }
+    for key, value in overrides.items():
+        raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+    return Site(config_from_dict(raw, "synthetic"), hourly, sessions, {"hourly": "synthetic/hourly.parquet"})
+
+
+@pytest.fixture
+def site() -> Site:
+    return make_site()
