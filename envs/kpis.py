@@ -201,3 +201,31 @@ def evaluate_policy(
     data = site.split(split)
     extra = {"env_steps": float(data.num_steps), "steps_per_s": data.num_steps / max(wall, 1e-9), **extra}
     return kpi_row(controller, split, traces, data, **extra), traces
+
+
+def load_policy(path: str | Path, device: str | torch.device = "cpu") -> Policy:
+    """Load a deterministic policy exported by an ``algos/*.py`` script.
+
+    Args:
+        path: ``policy.pt2`` (``torch.export.save`` of a module mapping float32 observations
+            ``(B, obs_dim)`` to actions ``(B, action_dim)`` in [-1, 1]) or ``policy.pt`` (TorchScript).
+
+    Returns:
+        a :data:`Policy` usable with :func:`evaluate_policy`.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"policy file not found: {path}")
+    if path.suffix == ".pt2":
+        module = torch.export.load(str(path)).module()
+    else:
+        module = torch.jit.load(str(path), map_location=device)
+    module = module.to(device) if hasattr(module, "to") else module
+
+    def policy(obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
+        return module(obs.to(device=device, dtype=torch.float32)).clamp(-1.0, 1.0).to(obs.dtype)
+
+    return policy

@@ -401,7 +401,7 @@ class Site:
         T = len(expected)
         local = expected.tz_convert(cfg.timezone)
         hour = local.hour.to_numpy() + local.minute.to_numpy() / 60.0
-        dow = local.dayofweek.to_numpy() + hour / 24.0
+        dow = local.day_of_week.to_numpy() + hour / 24.0
         time_features = np.stack(
             [
                 np.sin(2 * math.pi * hour / 24),

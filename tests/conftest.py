@@ -73,3 +73,36 @@ def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) ->
 @pytest.fixture
 def site() -> Site:
     return make_site()
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def write_site(site: Site, folder) -> "Path":
+    """Write a site to ``folder/<name>.toml`` + ``folder/<name>/{hourly,sessions}.parquet``; returns the TOML path."""
+    import dataclasses
+    from pathlib import Path
+
+    folder = Path(folder)
+    raw = dataclasses.asdict(site.config)
+    raw["data_dir"] = raw["name"]
+    lines = [f"{k} = {_toml_value(v)}" for k, v in raw.items() if not isinstance(v, dict)]
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+    data = folder / raw["name"]
+    data.mkdir(parents=True, exist_ok=True)
+    site.hourly.to_parquet(data / "hourly.parquet", index=False)
+    site.sessions.to_parquet(data / "sessions.parquet", index=False)
+    toml = folder / f"{raw['name']}.toml"
+    toml.write_text("\n".join(lines) + "\n")
+    return toml

@@ -1,0 +1,127 @@
+"""The study as doit tasks: ``doit run pipeline`` runs it end to end; ``doit list`` explains each task.
+
+doit decides what is out of date (file dependencies, targets, the study's settings); each task then
+computes its stage of the Dask graph of ``pipeline.graph``, which fans the work out over the cluster.
+
+Settings, as doit variables after the command or as environment variables::
+
+    doit run pipeline site=path/to/site.toml      # EVHUB_SITE          (default: caltech)
+    doit run pipeline experiment=trial            # EVHUB_EXPERIMENT    (default: the site's name)
+    doit run pipeline total_timesteps=20000       # EVHUB_TOTAL_TIMESTEPS (default: each script's own)
+    doit run pipeline seeds=1,2,3                 # EVHUB_SEEDS
+    doit run pipeline scheduler=tcp://host:8786   # DASK_SCHEDULER_ADDRESS (default: a LocalCluster)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from pipeline.config import PROJECT_ROOT, from_environment
+from pipeline.graph import outputs, run
+
+DOIT_CONFIG = {"default_tasks": ["pipeline"], "verbosity": 2, "action_string_formatting": "new"}
+
+CFG = from_environment()
+OUT = outputs(CFG)
+SITE_TOML = CFG.site_toml
+
+
+def _site_files() -> list[str]:
+    from envs.site import load_config
+
+    cfg, path = load_config(SITE_TOML)
+    data = path.parent / cfg.data_dir
+    return [str(path), str(data / "hourly.parquet"), str(data / "sessions.parquet")]
+
+
+def _code(*names: str) -> list[str]:
+    return [str(PROJECT_ROOT / n) for n in names]
+
+
+ENV_CODE = _code("envs/site.py", "envs/evhub.py", "envs/kpis.py")
+SETTINGS = CFG.as_dict()
+
+
+def _stage(stage: str, cfg=CFG):
+    def action():
+        run(cfg, stages={stage})
+
+    return action
+
+
+def _targets(stage: str) -> list[str]:
+    return [str(p) for p in OUT[stage]]
+
+
+def task_validate():
+    """Check the site config and its data (pandera schemas, physical bounds), one Dask task per input."""
+    return {
+        "actions": [_stage("validate")],
+        "file_dep": _site_files() + _code("envs/schemas.py", "envs/site.py", "pipeline/tasks.py"),
+        "targets": _targets("validate"),
+        "uptodate": [_config_changed()],
+        "clean": True,
+    }
+
+
+def task_baselines():
+    """Simulate uncontrolled and rule-based control and solve the perfect-foresight oracle on each split."""
+    return {
+        "actions": [_stage("baselines")],
+        "file_dep": _targets("validate") + _site_files() + ENV_CODE + _code("pipeline/baselines.py", "pipeline/oracle.py"),
+        "targets": _targets("baselines"),
+        "uptodate": [_config_changed()],
+        "clean": True,
+    }
+
+
+def task_train():
+    """Train each agent (algos/<name>.py) on the train split, one after another (Dask resource GPU=1)."""
+    for algo in CFG.algos:
+        cfg = replace(CFG, algos=(algo,))
+        yield {
+            "name": algo,
+            "doc": f"train {algo} (algos/{algo}.py) for seeds {list(CFG.seeds)}",
+            "actions": [_stage("train", cfg)],
+            "file_dep": _targets("validate") + _site_files() + ENV_CODE + _code(f"algos/{algo}.py"),
+            "targets": [str(p) for p in outputs(cfg)["train"]],
+            "uptodate": [_config_changed()],
+            "clean": True,
+        }
+
+
+def task_evaluate():
+    """Evaluate every trained policy deterministically over the train and the test split."""
+    return {
+        "actions": [_stage("evaluate")],
+        "file_dep": _targets("train") + _site_files() + ENV_CODE,
+        "targets": _targets("evaluate"),
+        "clean": True,
+    }
+
+
+def task_report():
+    """Write the CO2 comparison report: report.md, co2_comparison.parquet and figures."""
+    return {
+        "actions": [_stage("report")],
+        "file_dep": _targets("baselines") + _targets("evaluate") + _code("pipeline/report.py", "pipeline/tasks.py"),
+        "targets": _targets("report"),
+        "clean": True,
+    }
+
+
+def task_pipeline():
+    """The whole study: validate -> baselines -> train -> evaluate -> report (the default task)."""
+    return {
+        "actions": [lambda: print(f"report: {Path(_targets('report')[0])}")],
+        "task_dep": ["report"],
+        "uptodate": [False],
+        "verbosity": 2,
+    }
+
+
+def _config_changed():
+    from doit.tools import config_changed
+
+    return config_changed({k: v for k, v in SETTINGS.items() if k not in ("scheduler_address",)})

@@ -1,0 +1,213 @@
+"""The study's tasks: plain functions from file paths to file paths, run as Dask tasks by ``pipeline.graph``.
+
+Every task writes its outputs atomically (temporary name, then rename), so a killed task leaves the
+previous file or none. Output layout under ``<output_dir>/<experiment>/``::
+
+    validate/<input>.json                       what was checked, written only when every input passed
+    baselines/<controller>_<split>.parquet      one KPI row   (+ ``_traces.parquet``: hourly traces)
+    runs/<algo>_seed<seed>/                     TensorBoard events, metrics.parquet, checkpoint, policy
+    eval/<algo>_seed<seed>_<split>.parquet      one KPI row   (+ ``_traces.parquet``)
+    report/                                     report.md, co2_comparison.parquet, figures
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from envs.kpis import evaluate_policy, load_policy, write_parquet
+from envs.site import load_config, load_site
+from pipeline.config import PROJECT_ROOT, SPLITS
+
+INPUTS = ("config", "hourly", "sessions")
+"""Inputs validated one task each."""
+
+
+def _atomic_text(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def validate_input(site_toml: str, kind: str) -> dict:
+    """Validate one input of a site and return a summary (nothing is written).
+
+    Args:
+        site_toml: path of the site config.
+        kind: ``"config"`` (the TOML, and that both splits hold data and sessions), ``"hourly"`` or
+            ``"sessions"`` (the processed tables against their pandera schemas).
+
+    Returns:
+        dict with ``input``, ``file``, ``rows`` and, for the config, per-split step and session counts.
+
+    Raises:
+        envs.site.ConfigError, envs.schemas.DataValidationError, ValueError: the message names the file,
+            the column or key, and the row or time.
+    """
+    from envs.schemas import read_table, validate_table
+
+    cfg, path = load_config(site_toml)
+    if kind == "config":
+        site = load_site(path, validate=False)
+        summary = {"input": kind, "file": str(path)}
+        for split in SPLITS:
+            data = site.split(split)
+            if len(data.sessions) == 0:
+                raise ValueError(f"{path}: key 'splits.{split}' selects no EV sessions in {site.source['sessions']}")
+            summary[split] = {"steps": data.num_steps, "sessions": len(data.sessions)}
+        return summary
+    if kind not in ("hourly", "sessions"):
+        raise ValueError(f"unknown input kind {kind!r}: expected one of {INPUTS}")
+    file = path.parent / cfg.data_dir / f"{kind}.parquet"
+    df = read_table(file)
+    validate_table(kind, df, str(file))
+    return {"input": kind, "file": str(file), "rows": len(df)}
+
+
+def write_validation(summaries: list[dict], out_dir: str) -> list[str]:
+    """Write one ``<input>.json`` per validated input into ``out_dir`` (called only when all passed)."""
+    return [str(_atomic_text(Path(out_dir) / f"{s['input']}.json", json.dumps(s, indent=2))) for s in summaries]
+
+
+def run_baseline(site_toml: str, controller: str, split: str, out_dir: str, *deps) -> list[str]:
+    """Simulate a baseline controller over a whole split; returns ``[kpi_path, traces_path]``.
+
+    Raises:
+        KeyError: unknown controller.
+        RuntimeError: the energy balance is violated in some step.
+    """
+    from pipeline.baselines import CONTROLLERS
+
+    if controller not in CONTROLLERS:
+        raise KeyError(f"unknown controller {controller!r}: known are {sorted(CONTROLLERS)}")
+    site = load_site(site_toml)
+    kpis, traces = evaluate_policy(CONTROLLERS[controller], site, split, controller, train_wall_s=0.0)
+    return _write_run(kpis, traces, Path(out_dir) / f"{controller}_{split}")
+
+
+def run_oracle(site_toml: str, split: str, out_dir: str, *deps) -> list[str]:
+    """Solve the perfect-foresight LP for a split; returns ``[kpi_path, traces_path]``."""
+    from pipeline.oracle import solve_oracle
+
+    kpis, traces = solve_oracle(load_site(site_toml), split)
+    return _write_run(kpis, traces, Path(out_dir) / f"oracle_{split}")
+
+
+def _write_run(kpis: pd.DataFrame, traces: pd.DataFrame, stem: Path) -> list[str]:
+    traces_path = write_parquet(traces, stem.with_name(stem.name + "_traces.parquet"))
+    kpi_path = write_parquet(kpis, stem.with_name(stem.name + ".parquet"))
+    return [str(kpi_path), str(traces_path)]
+
+
+def algo_script(algo: str) -> Path:
+    """Path of an algorithm's script, ``algos/<algo>.py``."""
+    return PROJECT_ROOT / "algos" / f"{algo}.py"
+
+
+def train_agent(
+    algo: str,
+    seed: int,
+    site_toml: str,
+    run_dir: str,
+    total_timesteps: int | None = None,
+    extra_args: tuple[str, ...] = (),
+    *deps,
+) -> str:
+    """Train one agent by running its script in a subprocess; returns the run folder.
+
+    The script's output goes to ``<run_dir>/train.log`` and is echoed line by line. A re-run resumes from
+    the run's checkpoint when the script supports ``--resume``.
+
+    Raises:
+        RuntimeError: the script failed; the message holds the end of its log.
+    """
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(algo_script(algo)), "--site", site_toml, "--seed", str(seed), "--output-dir", str(run)]
+    if total_timesteps is not None:
+        cmd += ["--total-timesteps", str(total_timesteps)]
+    cmd += list(extra_args)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log_path = run / "train.log"
+    tail: list[str] = []
+    with open(log_path, "w") as log, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=PROJECT_ROOT
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            tail = (tail + [line])[-40:]
+            if "\r" not in line:
+                print(f"[{algo} seed {seed}] {line}", end="", flush=True)
+        code = proc.wait()
+    if code != 0:
+        raise RuntimeError(f"{algo} (seed {seed}) failed with exit code {code}; end of {log_path}:\n{''.join(tail)}")
+    return str(run)
+
+
+def find_policy(run_dir: str | Path) -> Path:
+    """The exported policy of a run (``policy.pt2`` or ``policy.pt``).
+
+    Raises:
+        FileNotFoundError: the run has no exported policy.
+    """
+    for name in ("policy.pt2", "policy.pt"):
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    raise FileNotFoundError(f"{run_dir}: no policy.pt2 or policy.pt (did training finish?)")
+
+
+def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: str, out_dir: str) -> list[str]:
+    """Evaluate a trained agent's exported policy over a whole split, deterministically.
+
+    Training figures (``train_wall_s``, ``env_steps``, ``steps_per_s``) come from the run's
+    ``metrics.parquet``. Returns ``[kpi_path, traces_path]``.
+    """
+    site = load_site(site_toml)
+    extra = {"seed": float(seed)}
+    metrics_path = Path(run_dir) / "metrics.parquet"
+    if metrics_path.is_file():
+        m = pd.read_parquet(metrics_path)
+        if len(m):
+            last = m.iloc[-1]
+            extra |= {
+                "train_wall_s": float(last.wall_s),
+                "env_steps": float(last.global_step),
+                "steps_per_s": float(last.global_step / max(last.wall_s, 1e-9)),
+            }
+    kpis, traces = evaluate_policy(load_policy(find_policy(run_dir)), site, split, algo)
+    for k, v in extra.items():
+        kpis[k] = v
+    return _write_run(kpis, traces, Path(out_dir) / f"{algo}_seed{seed}_{split}")
+
+
+def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics: dict, out_dir: str) -> str:
+    """Write the CO2 comparison report from the KPI and trace files; returns the report.md path."""
+    from pipeline.report import write_report
+
+    c = load_config(cfg_dict["site_toml"])[0]
+    summary = {
+        "site": f"{c.name} ({cfg_dict['site_toml']})",
+        "PV": f"{c.pv.kwp:g} kWp",
+        "BESS": f"{c.bess.capacity_kwh:g} kWh / {c.bess.power_kw:g} kW, SOC {c.bess.soc_min:g}..{c.bess.soc_max:g}",
+        "EV sockets": f"{c.ev.n_sockets} x {c.ev.socket_kw:g} kW (deadline floor: {c.ev.deadline_floor})",
+        "grid": f"import limit {c.grid.import_limit_kw:g} kW, export {'allowed' if c.grid.export_allowed else 'not allowed'}",
+        "splits": f"train {c.splits.train[0]}..{c.splits.train[1]}, test {c.splits.test[0]}..{c.splits.test[1]}",
+        "agents": ", ".join(cfg_dict["algos"]),
+    }
+    path = write_report(
+        [Path(p) for p in kpi_paths],
+        {tuple(k.split("|")): Path(v) for k, v in trace_paths.items()},
+        {k: Path(v) for k, v in metrics.items()},
+        Path(out_dir),
+        title=f"CO2 comparison: {c.name}",
+        site_summary=summary,
+    )
+    return str(path)
