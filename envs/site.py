@@ -237,6 +237,8 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
         raise bad("grid.import_limit_kw", f"must be > 0 kW, got {cfg.grid.import_limit_kw}")
     if cfg.grid.base_load_kw < 0:
         raise bad("grid.base_load_kw", f"must be >= 0 kW, got {cfg.grid.base_load_kw}")
+    if cfg.grid.base_load_kw > cfg.grid.import_limit_kw:
+        raise bad("grid.base_load_kw", f"({cfg.grid.base_load_kw}) exceeds grid.import_limit_kw ({cfg.grid.import_limit_kw})")
     if cfg.episode.train_steps < 1:
         raise bad("episode.train_steps", f"must be >= 1, got {cfg.episode.train_steps}")
     for k in ("w_co2", "w_unserved", "w_peak", "scale"):

@@ -1,0 +1,260 @@
+"""The perfect-foresight oracle: a linear program over a whole split, solved with HiGHS.
+
+The oracle sees the whole split at once (PV, load, MOER, every session's arrival, departure and energy)
+and minimises the site's CO2 subject to a *relaxation* of the constraints of :mod:`envs.evhub`, so that
+no controller run through the environment can emit less while delivering the same EV energy. It is the
+physical limit every controller is reported against (``oracle_gap_closed_pct``).
+
+Formulation (``T`` steps of ``dt`` hours, accepted sessions ``s`` with steps ``[a_s, d_s)``):
+
+Variables, all continuous:
+    ``p[s, t]``  EV power of session ``s`` in step ``t``, kW, ``0 <= p <= socket_kw``, only for
+                 ``a_s <= t < d_s``.
+    ``ch[t]``    BESS charge power, kW, ``0 <= ch <= power_kw``.
+    ``dis[t]``   BESS discharge power, kW, ``0 <= dis <= power_kw``.
+    ``E[t]``     BESS energy at the END of step ``t``, kWh, ``soc_min*cap <= E <= soc_max*cap``.
+    ``g[t]``     grid import, kW, ``0 <= g <= max(import_limit_kw, load[t] - pv[t])`` (the env cannot
+                 cut the base load, so it may exceed the limit by that much and no more).
+    ``u[t]``     PV curtailment, kW, ``0 <= u <= pv[t]``.
+    ``x[t]``     grid export, kW, ``x >= 0`` if ``grid.export_allowed`` else ``x = 0``.
+    ``slack[s]`` EV energy of session ``s`` not delivered by its departure, kWh, ``>= 0``.
+
+Constraints:
+    balance      ``pv[t] - u[t] + g[t] + dis[t] = load[t] + sum_s p[s, t] + ch[t] + x[t]``   (T rows)
+    storage      ``E[t] = E[t-1] + eta_c*ch[t]*dt - dis[t]*dt/eta_d``, ``E[-1] = soc_initial*cap`` (T rows)
+    EV energy    ``sum_t p[s, t]*dt + slack[s] = need_kwh[s]``                               (S rows)
+
+Objective: ``min sum_t moer[t]*g[t]*dt + UNSERVED_PENALTY * sum_s slack[s]`` (kg CO2 + penalty). The
+penalty (per kWh) is far above any MOER, so all EV energy is served wherever physically possible. There is
+no terminal SOC constraint (the env has none either).
+
+Why it is a relaxation of the env: the env's EV power is additionally bounded below by the least-laxity
+floor and above by ``need/dt`` per step and is shared earliest-deadline-first in hub mode; its battery
+cannot charge and discharge in one step and discharges only into the site's deficit; it curtails only a
+surplus. The LP drops all of these. Every trajectory of the env is feasible for the LP with the same CO2, so
+for any controller that serves all EV energy, ``CO2_oracle <= CO2_controller``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+from scipy.optimize import linprog
+
+from envs.kpis import TRACE_COLUMNS, check_balance, kpi_row
+from envs.site import Site, SplitData, load_site
+
+UNSERVED_PENALTY = 1e3
+"""Objective weight per kWh of EV energy not delivered, kg-CO2-equivalent (MOER is below ~2 kg/kWh)."""
+
+
+def _session_arrays(data: SplitData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Accepted sessions' ``(arrival_step, departure_step, need_kwh)``, each shape ``(S,)``."""
+    s = data.sessions[~data.sessions.rejected.to_numpy(bool)]
+    arr = s.arrival_step.to_numpy(np.int64)
+    dep = s.departure_step.to_numpy(np.int64)
+    need = s.need_kwh.to_numpy(np.float64)
+    return arr, dep, need
+
+
+def build_lp(data: SplitData) -> dict:
+    """Build the oracle's LP for one split (see the module docstring for the formulation).
+
+    Args:
+        data: the discretised split (``Site.split``).
+
+    Returns:
+        dict with ``c`` (objective, shape ``(n,)``), ``A_eq`` (CSR, ``(T + T + S, n)``), ``b_eq``,
+        ``bounds`` (``(n, 2)``), and the index helpers ``T``, ``S``, ``n_p`` (number of EV power
+        variables), ``p_sess``, ``p_step`` (session and step of each EV variable, ``(n_p,)``),
+        ``off`` (dict: first column of each variable block ``p, ch, dis, E, g, u, x, slack``),
+        ``dep`` (departure step of each accepted session, ``(S,)``).
+        Column order: ``[p (n_p), ch (T), dis (T), E (T), g (T), u (T), x (T), slack (S)]``.
+
+    Raises:
+        ValueError: a session whose steps lie outside ``[0, T]`` or whose stay is empty.
+    """
+    cfg = data.config
+    b, dt = cfg.bess, cfg.dt_h
+    T = data.num_steps
+    arr, dep, need = _session_arrays(data)
+    S = len(arr)
+    if S and ((arr < 0).any() or (dep > T).any() or (dep <= arr).any()):
+        raise ValueError(f"split '{data.split}': sessions with steps outside [0, {T}] or an empty stay")
+
+    # EV power variables: one per (session, step of its stay), vectorised
+    stay = dep - arr
+    n_p = int(stay.sum())
+    p_sess = np.repeat(np.arange(S, dtype=np.int64), stay)
+    starts = np.cumsum(stay) - stay  # first EV column of each session
+    p_step = np.arange(n_p, dtype=np.int64) - np.repeat(starts, stay) + np.repeat(arr, stay)
+
+    off = {}
+    col = n_p
+    for name, size in (("ch", T), ("dis", T), ("E", T), ("g", T), ("u", T), ("x", T), ("slack", S)):
+        off[name] = col
+        col += size
+    off["p"] = 0
+    n = col
+    steps = np.arange(T, dtype=np.int64)
+
+    # ---- equality rows: balance (0..T-1), storage (T..2T-1), EV energy (2T..2T+S-1)
+    rows, cols, vals = [], [], []
+
+    def add(r, c, v):
+        rows.append(np.asarray(r, dtype=np.int64))
+        cols.append(np.asarray(c, dtype=np.int64))
+        vals.append(np.broadcast_to(np.asarray(v, dtype=np.float64), np.shape(r)))
+
+    # balance: -u + g + dis - ch - x - sum_s p = load - pv
+    add(p_step, off["p"] + np.arange(n_p), -1.0)
+    add(steps, off["ch"] + steps, -1.0)
+    add(steps, off["dis"] + steps, 1.0)
+    add(steps, off["g"] + steps, 1.0)
+    add(steps, off["u"] + steps, -1.0)
+    add(steps, off["x"] + steps, -1.0)
+    # storage: E[t] - E[t-1] - eta_c*dt*ch[t] + dt/eta_d*dis[t] = (E_init if t == 0 else 0)
+    add(T + steps, off["E"] + steps, 1.0)
+    add(T + steps[1:], off["E"] + steps[:-1], -1.0)
+    add(T + steps, off["ch"] + steps, -b.eta_charge * dt)
+    add(T + steps, off["dis"] + steps, dt / b.eta_discharge)
+    # EV energy: sum_t p*dt + slack = need
+    add(2 * T + p_sess, off["p"] + np.arange(n_p), dt)
+    add(2 * T + np.arange(S), off["slack"] + np.arange(S), 1.0)
+
+    A_eq = sp.csr_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(2 * T + S, n)
+    )
+    b_eq = np.zeros(2 * T + S)
+    b_eq[:T] = data.load_kw - data.pv_kw
+    b_eq[T] = b.soc_initial * b.capacity_kwh
+    b_eq[2 * T :] = need
+
+    # ---- bounds
+    lo = np.zeros(n)
+    hi = np.full(n, np.inf)
+    hi[:n_p] = cfg.ev.socket_kw
+    hi[off["ch"] : off["ch"] + T] = b.power_kw
+    hi[off["dis"] : off["dis"] + T] = b.power_kw
+    lo[off["E"] : off["E"] + T] = b.soc_min * b.capacity_kwh
+    hi[off["E"] : off["E"] + T] = b.soc_max * b.capacity_kwh
+    hi[off["g"] : off["g"] + T] = np.maximum(cfg.grid.import_limit_kw, data.load_kw - data.pv_kw)
+    hi[off["u"] : off["u"] + T] = data.pv_kw
+    if not cfg.grid.export_allowed:
+        hi[off["x"] : off["x"] + T] = 0.0
+
+    # ---- objective: kg CO2 of import + penalty on unserved EV energy
+    c = np.zeros(n)
+    c[off["g"] : off["g"] + T] = data.moer * dt
+    c[off["slack"] : off["slack"] + S] = UNSERVED_PENALTY
+
+    return {
+        "c": c,
+        "A_eq": A_eq,
+        "b_eq": b_eq,
+        "bounds": np.stack([lo, hi], axis=1),
+        "T": T,
+        "S": S,
+        "n_p": n_p,
+        "p_sess": p_sess,
+        "p_step": p_step,
+        "off": off,
+        "dep": dep,
+    }
+
+
+def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Solve the perfect-foresight LP over one split and return its KPIs and hourly traces.
+
+    Args:
+        site: a loaded :class:`~envs.site.Site` (or anything :func:`envs.site.load_site` accepts).
+        split: ``"train"`` or ``"test"``.
+        time_limit_s: HiGHS wall-clock limit, seconds.
+
+    Returns:
+        ``(kpi_row, traces)`` like :func:`envs.kpis.evaluate_policy`: a one-row DataFrame with
+        ``controller="oracle"``, all KPI columns, ``env_steps = T``, ``train_wall_s`` = build + solve
+        seconds, and the extra column ``solve_s`` (HiGHS seconds); and a ``(T,)``-row DataFrame with
+        :data:`envs.kpis.TRACE_COLUMNS`: UTC step start ``time``, flows in kW over the step, ``co2_kg``
+        (kg), ``unserved_kwh`` (kWh, a session's undelivered energy on its last step ``departure_step-1``),
+        ``soc`` at the END of the step (fraction of capacity) and ``moer_kg_per_kwh``. In steps with
+        ``MOER >= 0`` the traces never import while curtailing or exporting (the LP's ties are netted out).
+
+    Raises:
+        KeyError: unknown split.
+        RuntimeError: HiGHS did not reach an optimum (message names the split and HiGHS's status), or the
+            solution breaks the energy balance by more than :data:`envs.kpis.BALANCE_TOL`.
+    """
+    site = load_site(site)
+    data = site.split(split)
+    cfg = data.config
+    b, dt = cfg.bess, cfg.dt_h
+    t0 = time.perf_counter()
+    lp = build_lp(data)
+    T, S, off = lp["T"], lp["S"], lp["off"]
+    n_var, n_con, nnz = lp["A_eq"].shape[1], lp["A_eq"].shape[0], lp["A_eq"].nnz
+    t1 = time.perf_counter()
+    res = linprog(
+        lp["c"],
+        A_eq=lp["A_eq"],
+        b_eq=lp["b_eq"],
+        bounds=lp["bounds"],
+        method="highs",
+        options={"time_limit": float(time_limit_s), "presolve": True},
+    )
+    t2 = time.perf_counter()
+    if res.status != 0 or res.x is None:
+        raise RuntimeError(
+            f"oracle LP for split '{split}' not solved to optimality: HiGHS status {res.status} ({res.message}); "
+            f"{n_var} variables, {n_con} constraints, {t2 - t1:.1f} s (time limit {time_limit_s} s)"
+        )
+    z = res.x
+
+    def block(name: str, size: int) -> np.ndarray:
+        lo_b = lp["bounds"][off[name] : off[name] + size, 0]
+        hi_b = lp["bounds"][off[name] : off[name] + size, 1]
+        return np.clip(z[off[name] : off[name] + size], lo_b, hi_b)  # drop solver-tolerance excursions
+
+    p = np.clip(z[: lp["n_p"]], 0.0, cfg.ev.socket_kw)
+    ev_kw = np.bincount(lp["p_step"], weights=p, minlength=T)
+    slack = block("slack", S)
+    unserved = np.bincount(lp["dep"] - 1, weights=slack, minlength=T) if S else np.zeros(T)
+    g, u, x = block("g", T), block("u", T), block("x", T)
+    # In hours with MOER = 0 (the data has some) importing while curtailing or exporting costs nothing, so
+    # the LP's optimum may do both; net them out (balance kept, CO2 unchanged or lower where MOER >= 0).
+    tidy = data.moer >= 0
+    both = np.where(tidy, np.minimum(g, u), 0.0)
+    g, u = g - both, u - both
+    both = np.where(tidy, np.minimum(g, x), 0.0)
+    g, x = g - both, x - both
+    energy = block("E", T)
+    traces = pd.DataFrame(
+        {
+            "time": data.time,
+            "pv_kw": data.pv_kw,
+            "pv_curtailed_kw": u,
+            "grid_import_kw": g,
+            "grid_export_kw": x,
+            "bess_charge_kw": block("ch", T),
+            "bess_discharge_kw": block("dis", T),
+            "ev_charge_kw": ev_kw,
+            "load_kw": data.load_kw,
+            "co2_kg": g * data.moer * dt,
+            "unserved_kwh": unserved,
+            "soc": energy / max(b.capacity_kwh, 1e-9),
+            "moer_kg_per_kwh": data.moer,
+        }
+    )[list(TRACE_COLUMNS)]
+    check_balance(traces, f"oracle, {split} split")
+    wall = time.perf_counter() - t0
+    print(
+        f"oracle {split}: {T} steps, {S} sessions, {n_var} variables ({lp['n_p']} EV), {n_con} constraints, "
+        f"{nnz} nonzeros; build {t1 - t0:.2f} s, HiGHS {t2 - t1:.2f} s; CO2 {traces.co2_kg.sum():.1f} kg, "
+        f"unserved {slack.sum():.3f} kWh",
+        flush=True,
+    )
+    row = kpi_row("oracle", split, traces, data, env_steps=float(T), train_wall_s=wall, solve_s=t2 - t1)
+    return row, traces
