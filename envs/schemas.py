@@ -1,0 +1,373 @@
+"""Pandera schemas of a site's processed data, their validation, and the table reader.
+
+A site's processed data are two tables (written by ``python -m pipeline.ingest``; columns, units and
+provenance in ``envs/sites/<site>/README.md``):
+
+``hourly`` (:data:`HOURLY_SCHEMA`), one row per UTC hour, strictly hourly without gaps:
+    ``time``             datetime64[ns, UTC]  hour start
+    ``pv_kw_per_kwp``    float32  AC PV output per kWp DC, mean over the hour, kW/kWp, in [0, 1.1]
+    ``moer_kg_per_kwh``  float32  marginal operating emissions rate, mean over the hour, kg CO2/kWh, in [0, 2]
+    ``moer_fc_h0..h2``   float32  MOER forecast issued at the hour start for this hour / the next / the one
+                                  after, kg CO2/kWh, in [0, 2]
+
+``sessions`` (:data:`SESSIONS_SCHEMA`), one row per EV charging session, sorted by arrival:
+    ``session_id``, ``station_id``  str  (session ids unique)
+    ``arrival``, ``departure``      datetime64[ns, UTC], departure > arrival
+    ``energy_kwh``                  float32  energy delivered, kWh, in [0, 200]
+    ``requested_energy_kwh``        float32  energy the driver asked for, kWh, >= 0
+
+No column may hold NaN/NaT. Extra columns are allowed. :func:`validate_site_data` runs both schemas and
+turns pandera's failure cases into one :class:`DataValidationError` whose message names the file, the column,
+the row and its timestamp or session id, for example::
+
+    .../sessions.parquet: column 'energy_kwh' row 17 (session 2_39_...): -3.0 fails greater_than_or_equal_to(0)
+
+This module imports nothing from the rest of the project.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pandera.pandas as pa
+from pandera.errors import SchemaError, SchemaErrors
+
+__all__ = [
+    "DataValidationError",
+    "HOURLY_SCHEMA",
+    "SESSIONS_SCHEMA",
+    "HOURLY_COLUMNS",
+    "SESSIONS_COLUMNS",
+    "validate_site_data",
+    "read_table",
+]
+
+UTC_NS = pd.DatetimeTZDtype("ns", "UTC")
+"""dtype of every timestamp column: nanoseconds, tz-aware UTC."""
+
+MOER_COLUMNS = ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2")
+HOURLY_COLUMNS = ("time", "pv_kw_per_kwp", *MOER_COLUMNS)
+SESSIONS_COLUMNS = ("session_id", "station_id", "arrival", "departure", "energy_kwh", "requested_energy_kwh")
+_TIME_COLUMNS = ("time", "arrival", "departure")
+_FLOAT32_COLUMNS = ("pv_kw_per_kwp", *MOER_COLUMNS, "energy_kwh", "requested_energy_kwh")
+_STRING_COLUMNS = ("session_id", "station_id")
+
+MOER_MAX_KG_PER_KWH = 2
+"""Upper bound of plausible MOER, kg CO2/kWh (real values stay below ~1.1; a g/kWh file reads ~100s)."""
+PV_MAX_KW_PER_KWP = 1.1
+"""Upper bound of plausible AC PV output per kWp DC (irradiance above 1 kW/m2 on a cold module)."""
+ENERGY_MAX_KWH = 200
+"""Upper bound of plausible energy delivered in one session, kWh (largest EV batteries)."""
+
+
+class DataValidationError(ValueError):
+    """Processed site data break a schema, or a table file cannot be read.
+
+    The message names the file, the column and the row (0-based position in the table) with its
+    timestamp or session id of the first offending value of each failed check, one line per check.
+    """
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _strictly_hourly(s: pd.Series) -> pd.Series:
+    """Element-wise: each timestamp is exactly one hour after the previous row's (first row passes)."""
+    if not pd.api.types.is_datetime64_any_dtype(s):
+        return pd.Series(True, index=s.index)
+    d = s.diff()
+    return d.isna() | (d == pd.Timedelta(hours=1))
+
+
+def _non_decreasing(s: pd.Series) -> pd.Series:
+    """Element-wise: each value is >= the previous row's (first row passes)."""
+    if not pd.api.types.is_datetime64_any_dtype(s):
+        return pd.Series(True, index=s.index)
+    d = s.diff()
+    return d.isna() | (d >= pd.Timedelta(0))
+
+
+def _departure_after_arrival(df: pd.DataFrame) -> pd.Series | bool:
+    """Row-wise: departure strictly after arrival (rows with a missing value are left to not_nullable)."""
+    if "arrival" not in df or "departure" not in df:
+        return True  # the missing column is reported by its own check
+    try:
+        ok = df["departure"] > df["arrival"]
+    except TypeError:
+        return True  # a dtype failure is reported by the column's dtype check
+    return ok | df["departure"].isna() | df["arrival"].isna()
+
+
+def _float_column(lo: float, hi: float | None = None) -> pa.Column:
+    checks = [pa.Check.ge(lo)] if hi is None else [pa.Check.ge(lo), pa.Check.le(hi)]
+    return pa.Column(np.float32, checks=checks, nullable=False)
+
+
+HOURLY_SCHEMA = pa.DataFrameSchema(
+    {
+        "time": pa.Column(
+            UTC_NS,
+            checks=[pa.Check(_strictly_hourly, name="strictly_hourly")],
+            nullable=False,
+            unique=True,
+        ),
+        "pv_kw_per_kwp": _float_column(0, PV_MAX_KW_PER_KWP),
+        **{c: _float_column(0, MOER_MAX_KG_PER_KWH) for c in MOER_COLUMNS},
+    },
+    strict=False,
+    name="hourly",
+)
+"""Schema of ``hourly.parquet`` (see module docstring). Validate with ``lazy=True`` to get all failures."""
+
+SESSIONS_SCHEMA = pa.DataFrameSchema(
+    {
+        "session_id": pa.Column(str, nullable=False, unique=True),
+        "station_id": pa.Column(str, nullable=False),
+        "arrival": pa.Column(
+            UTC_NS,
+            checks=[pa.Check(_non_decreasing, name="sorted_by_arrival")],
+            nullable=False,
+        ),
+        "departure": pa.Column(UTC_NS, nullable=False),
+        "energy_kwh": _float_column(0, ENERGY_MAX_KWH),
+        "requested_energy_kwh": _float_column(0),
+    },
+    checks=[pa.Check(_departure_after_arrival, name="departure_after_arrival")],
+    strict=False,
+    name="sessions",
+)
+"""Schema of ``sessions.parquet`` (see module docstring). Validate with ``lazy=True`` to get all failures."""
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _normalise_time_units(df: pd.DataFrame) -> pd.DataFrame:
+    """Copy with a RangeIndex and UTC timestamp columns in ns (a unit or a UTC alias is not a defect)."""
+    df = df.reset_index(drop=True)
+    for c in _TIME_COLUMNS:
+        if c in df and isinstance(df[c].dtype, pd.DatetimeTZDtype):
+            tz = df[c].dtype.tz
+            if str(tz) in ("UTC", "utc", "Etc/UTC", "UTC+00:00") and df[c].dtype != UTC_NS:
+                df[c] = df[c].astype(UTC_NS)
+    return df
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, (float, np.floating)):
+        return str(np.float32(v)) if np.isfinite(v) and abs(v) < 3e38 else str(v)
+    return str(v)
+
+
+def _row_label(kind: str, df: pd.DataFrame, row: int) -> str:
+    """'(time ...)' for hourly rows, '(session ...)' for session rows, '' when unknown."""
+    if not 0 <= row < len(df):
+        return ""
+    col = "time" if kind == "hourly" else "session_id"
+    if col not in df:
+        return ""
+    return f" ({'time' if kind == 'hourly' else 'session'} {df[col].iloc[row]})"
+
+
+def _format_failures(kind: str, file: str, df: pd.DataFrame, fc: pd.DataFrame) -> list[str]:
+    """One message line per (column, check), naming the first offending row."""
+    lines: list[tuple[float, str]] = []
+    fc = fc.copy()
+    fc["column"] = fc["column"].astype(object).where(fc["column"].notna(), None)
+    # table-level failures: missing columns, wrong dtypes (no row index); a check that crashed on a column
+    # with a wrong dtype only repeats the dtype failure, so it is left out
+    table = fc[fc["index"].isna()]
+    bad_dtype = set(table.loc[table["check"].astype(str).str.startswith("dtype("), "column"])
+    crashed = ~table["check"].astype(str).str.startswith("dtype(") & table["column"].isin(bad_dtype)
+    for _, r in table[~crashed].iterrows():
+        check = str(r["check"])
+        if check == "column_in_dataframe":
+            present = ", ".join(map(str, df.columns))
+            lines.append((-2, f"{file}: column '{r['failure_case']}' is missing (all rows; columns present: {present})"))
+        elif check.startswith("dtype("):
+            expected = check[len("dtype(") : -1].strip("'")
+            hint = ""
+            if r["column"] in _TIME_COLUMNS:
+                hint = " (timestamps must be tz-aware UTC)"
+            lines.append(
+                (-1, f"{file}: column '{r['column']}' has dtype {r['failure_case']}, expected {expected}{hint}")
+            )
+        elif check == "departure_after_arrival" or r["column"] is None:
+            lines.append((-1, f"{file}: check {check} failed: {r['failure_case']}"))
+        else:
+            lines.append((-1, f"{file}: column '{r['column']}' fails {check}: {r['failure_case']}"))
+    rows = fc[fc["index"].notna()].copy()
+    rows["index"] = rows["index"].astype(np.int64)
+    # the wide departure/arrival check lists every column of a failing row: keep one per row
+    wide = rows["check"] == "departure_after_arrival"
+    rows.loc[wide, "column"] = "departure"
+    rows = rows.drop_duplicates(["column", "check", "index"])
+    for (column, check), g in rows.groupby(["column", "check"], sort=False):
+        g = g.sort_values("index")
+        row = int(g["index"].iloc[0])
+        n = len(g)
+        value = _fmt_value(g["failure_case"].iloc[0])
+        detail = ""
+        if check == "departure_after_arrival":
+            value = f"departure {df['departure'].iloc[row]} <= arrival {df['arrival'].iloc[row]}"
+            check_txt = "departure > arrival"
+        elif check == "strictly_hourly":
+            prev = df["time"].iloc[row - 1] if row >= 1 else None
+            gap = df["time"].iloc[row] - prev if prev is not None else None
+            if gap is not None and gap > pd.Timedelta(hours=1):
+                hours = gap / pd.Timedelta(hours=1)
+                missing = f"{int(hours) - 1} hour(s)" if hours == int(hours) else f"{hours - 1:g} h"
+                detail = f": {missing} missing after {prev}"
+            elif gap is not None and gap == pd.Timedelta(0):
+                detail = ": same as the previous row (duplicate timestamp)"
+            elif gap is not None and gap < pd.Timedelta(0):
+                detail = f": before the previous row's {prev} (out of order)"
+            else:
+                detail = f": {gap} after the previous row's {prev}, not 1 h"
+            check_txt = "strictly hourly"
+        elif check == "field_uniqueness":
+            check_txt = "unique (duplicate value)"
+        elif check == "not_nullable":
+            check_txt = "not_nullable (NaN/NaT)"
+        elif check == "sorted_by_arrival":
+            check_txt = f"sorted by arrival (previous row arrives {df['arrival'].iloc[row - 1]})"
+        else:
+            check_txt = str(check)
+        if column in MOER_COLUMNS and str(check).startswith("less_than") and column in df:
+            if float(np.nanmedian(df[column].to_numpy(np.float64))) > MOER_MAX_KG_PER_KWH:
+                detail += "; looks like g/kWh: expected kg CO2/kWh (divide by 1000)"
+        if column == "pv_kw_per_kwp" and str(check).startswith("less_than") and column in df:
+            if float(np.nanmax(df[column].to_numpy(np.float64))) > 100:
+                detail += "; looks like W per kWp: expected kW per kWp (divide by 1000)"
+        more = f" [{n} rows in all]" if n > 1 else ""
+        lines.append(
+            (
+                row,
+                f"{file}: column '{column}' row {row}{_row_label(kind, df, row)}: {value} fails {check_txt}"
+                f"{detail}{more}",
+            )
+        )
+    lines.sort(key=lambda t: t[0])
+    return [text for _, text in lines]
+
+
+def _validate_one(kind: str, schema: pa.DataFrameSchema, df: pd.DataFrame, file: str) -> list[str]:
+    if not isinstance(df, pd.DataFrame):
+        return [f"{file}: expected a pandas DataFrame, got {type(df).__name__}"]
+    if len(df) == 0:
+        return [f"{file}: the table has no rows"]
+    df = _normalise_time_units(df)
+    try:
+        schema.validate(df, lazy=True)
+    except SchemaErrors as exc:
+        return _format_failures(kind, file, df, exc.failure_cases)
+    except SchemaError as exc:  # not expected with lazy=True, but keep the file name in any case
+        return [f"{file}: {exc}"]
+    return []
+
+
+def validate_table(kind: str, df: pd.DataFrame, file: str) -> None:
+    """Validate one processed table (``kind`` is ``"hourly"`` or ``"sessions"``); see :func:`validate_site_data`.
+
+    Raises:
+        ValueError: unknown ``kind``.
+        DataValidationError: one line per failed check, naming ``file``, the column and the row.
+    """
+    schemas = {"hourly": HOURLY_SCHEMA, "sessions": SESSIONS_SCHEMA}
+    if kind not in schemas:
+        raise ValueError(f"unknown table kind {kind!r}: expected 'hourly' or 'sessions'")
+    problems = _validate_one(kind, schemas[kind], df, str(file))
+    if problems:
+        raise DataValidationError("\n".join(problems))
+
+
+def validate_site_data(hourly: pd.DataFrame, sessions: pd.DataFrame, source: dict[str, str]) -> None:
+    """Validate a site's two processed tables against :data:`HOURLY_SCHEMA` and :data:`SESSIONS_SCHEMA`.
+
+    Args:
+        hourly: the hourly table, shape ``(T, >=6)``, columns as in the module docstring
+            (``time`` datetime64[ns, UTC], float32 ``pv_kw_per_kwp`` kW/kWp and ``moer_*`` kg CO2/kWh).
+            Timestamp columns in another unit (e.g. ``us``) of UTC are accepted.
+        sessions: the session table, shape ``(S, >=6)``, columns as in the module docstring
+            (str ids, datetime64[ns, UTC] ``arrival``/``departure``, float32 ``energy_kwh``,
+            ``requested_energy_kwh`` in kWh).
+        source: file paths used in messages, keys ``"hourly"`` and ``"sessions"`` (others are ignored;
+            missing keys fall back to ``"hourly data"`` / ``"sessions data"``).
+
+    Checks: required columns present with their dtypes; no NaN/NaT; hourly ``time`` unique, UTC and
+    strictly hourly (no gap); ``pv_kw_per_kwp`` in [0, 1.1]; ``moer_*`` in [0, 2] kg/kWh (a column whose
+    median exceeds 2 is reported as "looks like g/kWh"); ``energy_kwh`` in [0, 200]; ``requested_energy_kwh``
+    >= 0; ``session_id`` unique; sessions sorted by arrival; ``departure > arrival``. Neither frame is modified.
+
+    Raises:
+        DataValidationError: one line per failed check (both tables are checked before raising), each
+            naming the file, the column and the first offending row (0-based position) with its timestamp
+            (hourly) or session id (sessions), the value, the check and the count of offending rows.
+    """
+    problems = _validate_one("hourly", HOURLY_SCHEMA, hourly, str(source.get("hourly", "hourly data")))
+    problems += _validate_one("sessions", SESSIONS_SCHEMA, sessions, str(source.get("sessions", "sessions data")))
+    if problems:
+        raise DataValidationError("\n".join(problems))
+
+
+# ------------------------------------------------------------------------------------------------ read
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    """Read one processed table from a ``.parquet`` or ``.csv`` file.
+
+    Parquet files are read as stored. CSV carries no dtypes, so the known columns are converted to the
+    processed format: ``time``/``arrival``/``departure`` parsed as datetime64[ns, UTC] (strings must carry
+    a UTC offset or be UTC), the float columns of the module docstring to float32, ``session_id`` and
+    ``station_id`` to str. UTC timestamp columns in another unit are converted to ns in both cases. The
+    result is not validated: call :func:`validate_site_data`.
+
+    Args:
+        path: file path; the suffix decides the format (``.parquet``/``.pq`` or ``.csv``/``.csv.gz``).
+
+    Returns:
+        The table as a DataFrame with a RangeIndex.
+
+    Raises:
+        FileNotFoundError: no such file (message names it).
+        DataValidationError: an unsupported suffix, a file that is not readable as its format, or a CSV
+            column that cannot be converted (message names the file, and the column where known).
+    """
+    path = Path(path)
+    suffixes = "".join(path.suffixes[-2:]).lower()
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".pq"):
+        fmt = "parquet"
+    elif suffix == ".csv" or suffixes == ".csv.gz":
+        fmt = "csv"
+    else:
+        raise DataValidationError(
+            f"{path}: unsupported file type {suffix or '(no suffix)'!r}: expected .parquet or .csv"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    try:
+        if fmt == "parquet":
+            df = pd.read_parquet(path)
+        else:
+            df = pd.read_csv(path, dtype={c: str for c in _STRING_COLUMNS})
+    except Exception as exc:  # noqa: BLE001 - any reader failure means the file is not that format
+        raise DataValidationError(f"{path}: not readable as {fmt}: {type(exc).__name__}: {exc}") from exc
+    df = df.reset_index(drop=True)
+    if fmt == "csv":
+        for c in _TIME_COLUMNS:
+            if c in df:
+                try:
+                    df[c] = pd.to_datetime(df[c], utc=True, format="ISO8601").astype(UTC_NS)
+                except (ValueError, TypeError) as exc:
+                    raise DataValidationError(f"{path}: column '{c}' is not parsable as timestamps: {exc}") from exc
+        for c in _FLOAT32_COLUMNS:
+            if c in df:
+                try:
+                    df[c] = pd.to_numeric(df[c]).astype(np.float32)
+                except (ValueError, TypeError) as exc:
+                    raise DataValidationError(f"{path}: column '{c}' is not numeric: {exc}") from exc
+    return _normalise_time_units(df)

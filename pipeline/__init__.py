@@ -1,0 +1,1 @@
+"""Pipeline of the study: ingestion, validation, baselines, oracle, evaluation, the Dask graph and the report."""
