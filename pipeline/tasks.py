@@ -195,6 +195,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     c = load_config(cfg_dict["site_toml"])[0]
     summary = {
         "site": f"{c.name} ({cfg_dict['site_toml']})",
+        "timezone": c.timezone,
         "PV": f"{c.pv.kwp:g} kWp",
         "BESS": f"{c.bess.capacity_kwh:g} kWh / {c.bess.power_kw:g} kW, SOC {c.bess.soc_min:g}..{c.bess.soc_max:g}",
         "EV sockets": f"{c.ev.n_sockets} x {c.ev.socket_kw:g} kW (deadline floor: {c.ev.deadline_floor})",

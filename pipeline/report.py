@@ -1,0 +1,488 @@
+"""The study's CO2 comparison report: one table, three figures and a Markdown page.
+
+:func:`write_report` gathers the KPI rows of every controller x split (baselines, oracle, evaluated
+agents; each a Parquet written by :func:`envs.kpis.kpi_row`), their hourly traces and the agents' training
+``metrics.parquet``, and writes into one folder:
+
+- ``co2_comparison.parquet``: one row per controller x split, columns ``controller``, ``split`` and exactly
+  :data:`envs.kpis.KPI_COLUMNS`, relative KPIs filled by :func:`envs.kpis.add_relative_kpis`;
+- ``co2_by_controller.png``: CO2 (kg) per controller, one group per split, with unserved energy (kWh)
+  beside it;
+- ``test_week_traces.png``: one test-split week of hourly traces (the week with the most EV energy);
+- ``learning_curves.png``: episodic CO2 and unserved energy vs ``global_step`` per agent (when metrics exist);
+- ``report.md``: title, site summary, KPI tables per split, a generated summary and the figures.
+
+Every file is written atomically (temporary name in the output folder, then :func:`os.replace`), so a
+reader never sees half a report. Figures use matplotlib's Agg canvas through :class:`matplotlib.figure.Figure`
+(pyplot's global backend state is left alone).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib import dates as mdates
+from matplotlib.figure import Figure
+
+from envs.kpis import KPI_COLUMNS, add_relative_kpis, write_parquet
+
+BASELINES = ("uncontrolled", "rule_based", "oracle")
+"""Non-learning controllers, in report order; every other controller name is an agent (sorted by name)."""
+
+SPLIT_ORDER = ("train", "test")
+"""Splits in report order; other split names follow alphabetically."""
+
+RELATIVE_KPIS = ("co2_reduction_pct", "oracle_gap_closed_pct")
+"""KPIs recomputed here from the uncontrolled and oracle rows (an input file need not carry them)."""
+
+REQUIRED_KPI_COLUMNS = ("controller", "split", *(c for c in KPI_COLUMNS if c not in RELATIVE_KPIS))
+"""Columns every KPI file must have."""
+
+TRACE_PLOT_COLUMNS = ("time", "pv_kw", "pv_curtailed_kw", "grid_import_kw", "soc", "ev_charge_kw", "moer_kg_per_kwh")
+"""Trace columns :func:`write_report` plots (a subset of :data:`envs.kpis.TRACE_COLUMNS`)."""
+
+SERVED_SHARE_MIN = 0.99
+"""An agent must deliver at least this share of the uncontrolled controller's delivered EV energy."""
+
+# (column, header with unit, decimals) of the Markdown KPI tables
+TABLE_COLUMNS = (
+    ("co2_kg", "CO2 (kg)", 1),
+    ("co2_reduction_pct", "CO2 reduction vs uncontrolled (%)", 1),
+    ("oracle_gap_closed_pct", "Oracle gap closed (%)", 1),
+    ("ev_energy_served_pct", "EV energy served (%)", 1),
+    ("unserved_kwh", "Unserved energy (kWh)", 1),
+    ("sessions_rejected", "Sessions rejected (count)", 0),
+    ("grid_import_kwh", "Grid import (kWh)", 1),
+    ("pv_self_consumption_pct", "PV self-consumption (%)", 1),
+    ("peak_import_kw", "Peak import (kW)", 1),
+    ("train_wall_s", "Training wall time (s)", 0),
+    ("steps_per_s", "Evaluation speed (steps/s)", 0),
+)
+
+FIGURE_DPI = 110
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def controller_sort_key(name: str) -> tuple[int, str]:
+    """Sort key: ``uncontrolled``, ``rule_based``, ``oracle``, then agents alphabetically."""
+    return (BASELINES.index(name), "") if name in BASELINES else (len(BASELINES), name)
+
+
+def split_sort_key(name: str) -> tuple[int, str]:
+    """Sort key: ``train``, ``test``, then other splits alphabetically."""
+    return (SPLIT_ORDER.index(name), "") if name in SPLIT_ORDER else (len(SPLIT_ORDER), name)
+
+
+def _is_agent(name: str) -> bool:
+    return name not in BASELINES
+
+
+def _atomic_write_text(text: str, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _atomic_savefig(fig: Figure, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=FIGURE_DPI, bbox_inches="tight")
+    os.replace(tmp, path)
+    return path
+
+
+def _fmt(value: object, decimals: int) -> str:
+    """Number for a Markdown cell: thousands separators, ``decimals`` places, an en dash for NaN/None."""
+    if value is None:
+        return "–"
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if math.isnan(v):
+        return "–"
+    return f"{v:,.{decimals}f}"
+
+
+# ------------------------------------------------------------------------------------------ the table
+def read_kpi_files(kpi_files: Iterable[Path]) -> pd.DataFrame:
+    """Read KPI Parquet files into one ``co2_comparison`` table.
+
+    Args:
+        kpi_files: Parquet files as written from :func:`envs.kpis.kpi_row` (one or a few rows each; columns
+            ``controller``, ``split``, the KPIs, possibly extra columns, which are dropped).
+
+    Returns:
+        DataFrame with one row per controller x split, columns ``controller``, ``split`` and exactly
+        :data:`KPI_COLUMNS` (float64) in that order, relative KPIs recomputed, rows ordered by split
+        (train, test, others) then controller (see :func:`controller_sort_key`).
+
+    Raises:
+        ValueError: no files; a file lacks a required column (names the file and the columns); or a
+            controller x split appears twice (names both files).
+    """
+    frames = []
+    seen: dict[tuple[str, str], Path] = {}
+    for path in kpi_files:
+        path = Path(path)
+        df = pd.read_parquet(path)
+        missing = [c for c in REQUIRED_KPI_COLUMNS if c not in df.columns]
+        if missing:
+            raise ValueError(f"KPI file {path} lacks required columns: {', '.join(missing)}")
+        for c in RELATIVE_KPIS:
+            if c not in df.columns:
+                df[c] = math.nan
+        df = df[["controller", "split", *KPI_COLUMNS]].copy()
+        df["controller"] = df["controller"].astype(str)
+        df["split"] = df["split"].astype(str)
+        for key in zip(df.controller, df.split):
+            if key in seen:
+                raise ValueError(f"controller {key[0]!r} on split {key[1]!r} appears in both {seen[key]} and {path}")
+            seen[key] = path
+        frames.append(df)
+    if not frames:
+        raise ValueError("write_report needs at least one KPI file")
+    table = pd.concat(frames, ignore_index=True)
+    table[list(KPI_COLUMNS)] = table[list(KPI_COLUMNS)].astype("float64")
+    table = add_relative_kpis(table)
+    order = sorted(range(len(table)), key=lambda i: (split_sort_key(table.split[i]), controller_sort_key(table.controller[i])))
+    return table.iloc[order].reset_index(drop=True)[["controller", "split", *KPI_COLUMNS]]
+
+
+# ---------------------------------------------------------------------------------------------- figures
+def plot_co2_by_controller(table: pd.DataFrame, path: Path) -> Path:
+    """Grouped bars of CO2 (kg, left) and unserved energy (kWh, right) per controller, one group per split.
+
+    Args:
+        table: the ``co2_comparison`` table (:func:`read_kpi_files`).
+        path: PNG to write (atomically).
+    """
+    splits = sorted(table.split.unique(), key=split_sort_key)
+    controllers = sorted(table.controller.unique(), key=controller_sort_key)
+    colors = {c: f"C{i % 10}" for i, c in enumerate(controllers)}
+    fig = Figure(figsize=(max(8.0, 2.2 * len(splits) * (1 + 0.35 * len(controllers))), 4.8), layout="constrained")
+    ax_co2, ax_uns = fig.subplots(1, 2, width_ratios=(2, 1))
+    width = 0.8 / max(len(controllers), 1)
+    x = np.arange(len(splits))
+    for ax, col, unit, decimals in ((ax_co2, "co2_kg", "CO2 (kg)", 0), (ax_uns, "unserved_kwh", "Unserved EV energy (kWh)", 1)):
+        for j, c in enumerate(controllers):
+            vals = []
+            for s in splits:
+                row = table[(table.controller == c) & (table.split == s)]
+                vals.append(float(row[col].iloc[0]) if len(row) else math.nan)
+            pos = x - 0.4 + width * (j + 0.5)
+            bars = ax.bar(pos, np.nan_to_num(vals), width * 0.92, color=colors[c], label=c)
+            labels = ["" if math.isnan(v) else f"{v:,.{decimals}f}" for v in vals]
+            ax.bar_label(bars, labels=labels, fontsize=7, padding=2, rotation=90 if len(controllers) > 4 else 0)
+        ax.set_xticks(x, [f"{s} split" for s in splits])
+        ax.set_ylabel(unit)
+        ax.margins(y=0.18)
+        top = np.nanmax(table[col].to_numpy(np.float64)) if table[col].notna().any() else 0.0
+        ax.set_ylim(0.0, max(1.2 * top, 1.0))  # all-zero unserved energy still gets an axis from 0 up
+        ax.grid(axis="y", alpha=0.3)
+    ax_co2.set_title("Grid CO2 per controller")
+    ax_uns.set_title("Unserved EV energy (always beside CO2)")
+    handles, labels = ax_co2.get_legend_handles_labels()
+    fig.legend(handles, labels, title="controller", loc="outside lower center", ncols=min(len(controllers), 8), fontsize=9)
+    return _atomic_savefig(fig, path)
+
+
+def _read_traces(path: Path) -> pd.DataFrame:
+    df = pd.read_parquet(path)
+    missing = [c for c in TRACE_PLOT_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"trace file {path} lacks columns: {', '.join(missing)}")
+    time = pd.to_datetime(df["time"])
+    df["time"] = time.dt.tz_localize("UTC") if time.dt.tz is None else time.dt.tz_convert("UTC")
+    return df.sort_values("time").reset_index(drop=True)
+
+
+def choose_week(traces: pd.DataFrame, timezone: str = "UTC") -> tuple[pd.Timestamp, pd.Timestamp]:
+    """The week of ``traces`` with the most EV energy: ``(start, end)`` UTC timestamps, end exclusive.
+
+    Candidate starts are local Mondays 00:00 (in ``timezone``) with a whole week of steps after them; if
+    there is none, every step with a whole week after it; if the traces are shorter than a week, the
+    whole table. EV energy is ``sum(ev_charge_kw) * dt`` (kWh); ties go to the earliest week.
+    """
+    t = traces["time"]
+    if len(t) < 2:
+        return t.iloc[0], t.iloc[0] + pd.Timedelta(hours=1)
+    dt = pd.Series(t).diff().median()
+    n = max(1, round(pd.Timedelta(days=7) / dt))
+    if len(t) <= n:
+        return t.iloc[0], t.iloc[-1] + dt
+    energy = traces["ev_charge_kw"].to_numpy(np.float64)
+    window = np.convolve(energy, np.ones(n), mode="valid")  # window[i] = sum(energy[i:i+n])
+    local = t.dt.tz_convert(timezone)
+    monday = ((local.dt.day_of_week == 0) & (local.dt.hour == 0) & (local.dt.minute == 0)).to_numpy()[: len(window)]
+    candidates = np.flatnonzero(monday) if monday.any() else np.arange(len(window))
+    i = int(candidates[np.argmax(window[candidates])])
+    return t.iloc[i], t.iloc[i] + n * dt
+
+
+def _week_columns(available: Iterable[str], table: pd.DataFrame) -> list[str]:
+    """Controllers shown in the week figure: uncontrolled, one agent (``ppo``, else the test split's
+    lowest-CO2 agent, else the first by name), oracle; those that exist; else up to three of any."""
+    available = sorted(set(available), key=controller_sort_key)
+    agents = [c for c in available if _is_agent(c)]
+    agent: list[str] = []
+    if "ppo" in agents:
+        agent = ["ppo"]
+    elif agents:
+        test = table[(table.split == "test") & table.controller.isin(agents)].sort_values("co2_kg")
+        agent = [str(test.controller.iloc[0])] if len(test) else agents[:1]
+    cols = [c for c in ("uncontrolled",) if c in available] + agent + [c for c in ("oracle",) if c in available]
+    return cols or available[:3]
+
+
+def plot_test_week(
+    traces: Mapping[str, pd.DataFrame], table: pd.DataFrame, path: Path, timezone: str = "UTC"
+) -> tuple[Path, tuple[pd.Timestamp, pd.Timestamp]] | None:
+    """One test week of hourly traces, one column of panels per controller, shared y per row.
+
+    Rows: PV available and curtailed (kW), grid import (kW), BESS SOC (%), EV charging (kW), carbon
+    intensity (kg/kWh). The week is chosen by :func:`choose_week` on the uncontrolled traces (else the
+    first shown controller's). Returns ``(path, (start, end))`` or ``None`` when ``traces`` is empty.
+    """
+    cols = _week_columns(traces, table)
+    if not cols:
+        return None
+    ref = traces["uncontrolled"] if "uncontrolled" in traces else traces[cols[0]]
+    start, end = choose_week(ref, timezone)
+    rows = (
+        ("PV (kW)", "pv"),
+        ("Grid import (kW)", "grid_import_kw"),
+        ("BESS SOC (%)", "soc"),
+        ("EV charging (kW)", "ev_charge_kw"),
+        ("Carbon intensity\n(kg CO2/kWh)", "moer_kg_per_kwh"),
+    )
+    fig = Figure(figsize=(4.6 * len(cols) + 1.0, 10.5), layout="constrained")
+    axes = fig.subplots(len(rows), len(cols), sharex="col", sharey="row", squeeze=False)
+    for j, c in enumerate(cols):
+        tr = traces[c]
+        w = tr[(tr.time >= start) & (tr.time < end)]
+        x = w.time.dt.tz_convert(timezone).dt.tz_localize(None)
+        for i, (label, key) in enumerate(rows):
+            ax = axes[i, j]
+            if key == "pv":
+                ax.plot(x, w.pv_kw, drawstyle="steps-post", color="goldenrod", lw=1.2, label="PV available")
+                ax.fill_between(x, w.pv_curtailed_kw, step="post", color="tab:red", alpha=0.45, lw=0, label="PV curtailed")
+            elif key == "soc":
+                ax.plot(x, 100.0 * w.soc, drawstyle="steps-post", color="tab:green", lw=1.2)
+                ax.set_ylim(-5, 105)
+            else:
+                color = {"grid_import_kw": "tab:blue", "ev_charge_kw": "tab:purple", "moer_kg_per_kwh": "dimgray"}[key]
+                ax.plot(x, w[key], drawstyle="steps-post", color=color, lw=1.2)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel(label)
+        axes[-1, j].xaxis.set_major_formatter(mdates.DateFormatter("%a %d %b"))
+        axes[-1, j].tick_params(axis="x", labelrotation=45, labelsize=8)
+        for lab in axes[-1, j].get_xticklabels():
+            lab.set_horizontalalignment("right")
+        axes[-1, j].set_xlabel(f"local time ({timezone})")
+        co2 = float(w.co2_kg.sum()) if "co2_kg" in w else math.nan
+        uns = float(w.unserved_kwh.sum()) if "unserved_kwh" in w else math.nan
+        axes[0, j].set_title(f"{c}\nweek CO2 {co2:,.1f} kg, unserved {uns:,.1f} kWh", fontsize=10)
+    axes[0, 0].legend(fontsize=8, loc="upper left")
+    local_start = start.tz_convert(timezone)
+    fig.suptitle(f"Test split, week from {local_start:%a %Y-%m-%d %H:%M} (the week with the most EV energy)")
+    return _atomic_savefig(fig, path), (start, end)
+
+
+def _read_metrics(path: Path | None) -> pd.DataFrame | None:
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        df = pd.read_parquet(path)
+    except Exception:  # a half-written or foreign file: skip the curve, the report still stands
+        return None
+    if "global_step" not in df.columns or df.empty:
+        return None
+    return df
+
+
+def plot_learning_curves(metrics_files: Mapping[str, Path], path: Path) -> Path | None:
+    """Episodic CO2 (kg) and unserved energy (kWh) per training episode vs ``global_step``, per agent.
+
+    Missing, unreadable or empty metrics files, or ones without ``global_step`` and either episodic
+    column, are skipped; returns ``None`` (and writes nothing) when no agent has anything to plot.
+    Raw points are drawn faintly with a rolling mean over about 1/20 of the points.
+    """
+    panels = (("episodic_co2_kg", "CO2 per training episode (kg)"), ("episodic_unserved_kwh", "Unserved per training episode (kWh)"))
+    data = {}
+    for agent in sorted(metrics_files):
+        df = _read_metrics(metrics_files[agent])
+        if df is not None and any(k in df.columns and df[k].notna().any() for k, _ in panels):
+            data[agent] = df
+    if not data:
+        return None
+    fig = Figure(figsize=(9.0, 6.5), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    for k, (agent, df) in enumerate(data.items()):
+        color = f"C{k % 10}"
+        for ax, (col, _) in zip(axes, panels):
+            if col not in df.columns:
+                continue
+            d = df[["global_step", col]].dropna().sort_values("global_step")
+            if d.empty:
+                continue
+            smooth = d[col].rolling(max(1, len(d) // 20), min_periods=1).mean()
+            ax.plot(d.global_step, d[col], color=color, alpha=0.25, lw=0.8, marker="." if len(d) < 50 else None)
+            ax.plot(d.global_step, smooth, color=color, lw=1.8, label=agent)
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(title="agent", fontsize=8)
+    axes[0].set_title("Learning curves (train-split episodes)")
+    axes[-1].set_xlabel("global_step (environment steps)")
+    return _atomic_savefig(fig, path)
+
+
+# ------------------------------------------------------------------------------------------- markdown
+def kpi_markdown_table(rows: pd.DataFrame) -> str:
+    """Markdown table of the main KPIs of one split's rows (headers carry units; NaN shows as –)."""
+    header = "| Controller | " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |"
+    sep = "|---|" + "|".join("---:" for _ in TABLE_COLUMNS) + "|"
+    lines = [header, sep]
+    for _, r in rows.iterrows():
+        lines.append(f"| {r.controller} | " + " | ".join(_fmt(r[c], d) for c, _, d in TABLE_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
+    """Generated sentences for one split: the lowest-CO2 controller apart from the oracle (with its
+    unserved energy), and whether every agent delivers >= 99% of the uncontrolled EV energy."""
+    out = []
+    others = rows[rows.controller != "oracle"].dropna(subset=["co2_kg"])
+    if len(others):
+        best = others.loc[others.co2_kg.idxmin()]
+        s = f"On the **{split}** split the lowest CO2 apart from the oracle is **{best.controller}**'s, {best.co2_kg:,.1f} kg"
+        details = []
+        if not math.isnan(best.co2_reduction_pct):
+            details.append(f"{best.co2_reduction_pct:.1f}% below uncontrolled")
+        if not math.isnan(best.oracle_gap_closed_pct):
+            details.append(f"{best.oracle_gap_closed_pct:.1f}% of the oracle's saving")
+        details.append(f"unserved {best.unserved_kwh:,.1f} kWh")
+        s += " (" + ", ".join(details) + ")"
+        oracle = rows[rows.controller == "oracle"]
+        if len(oracle):
+            bound = float(oracle.co2_kg.iloc[0])
+            s += f"; the oracle's lower bound is {bound:,.1f} kg"
+            if best.co2_kg < bound * (1 - 1e-6) and best.ev_energy_delivered_kwh >= float(oracle.ev_energy_delivered_kwh.iloc[0]):
+                s += " (**below the oracle's bound while delivering as much EV energy: check the oracle and the evaluation**)"
+        out.append(s + ".")
+    agents = rows[rows.controller.map(_is_agent)]
+    base = rows[rows.controller == "uncontrolled"]
+    if agents.empty:
+        out.append("No agent was evaluated on this split.")
+    elif base.empty or math.isnan(float(base.ev_energy_delivered_kwh.iloc[0])):
+        out.append("Without an uncontrolled row the agents' EV service cannot be compared with it.")
+    else:
+        ref = float(base.ev_energy_delivered_kwh.iloc[0])
+        share = {r.controller: (r.ev_energy_delivered_kwh / ref if ref > 0 else math.nan) for _, r in agents.iterrows()}
+        short = {a: v for a, v in share.items() if not v >= SERVED_SHARE_MIN}
+        pct = f"{100 * SERVED_SHARE_MIN:.0f}%"
+        if not short:
+            out.append(
+                f"Every agent delivers at least {pct} of the EV energy the uncontrolled controller delivers "
+                f"({ref:,.1f} kWh): " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in share.items()) + "."
+            )
+        else:
+            out.append(
+                f"**Not every agent serves the EVs**: below {pct} of the uncontrolled delivered EV energy "
+                f"({ref:,.1f} kWh) are " + ", ".join(f"{a} ({100 * v:.1f}%)" for a, v in short.items())
+                + "; their CO2 is not a fair saving."
+            )
+    return " ".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- entry
+def write_report(
+    kpi_files: list[Path],
+    trace_files: dict[tuple[str, str], Path],
+    metrics_files: dict[str, Path],
+    out_dir: Path,
+    title: str,
+    site_summary: dict[str, str],
+) -> Path:
+    """Write the CO2 comparison report (table, figures, Markdown) into ``out_dir``.
+
+    Args:
+        kpi_files: KPI Parquet files, one or a few rows each, as from :func:`envs.kpis.kpi_row` (columns
+            ``controller``, ``split``, :data:`KPI_COLUMNS`; extra columns ignored, the relative KPIs may be
+            absent and are recomputed).
+        trace_files: ``(controller, split) -> traces Parquet`` with :data:`envs.kpis.TRACE_COLUMNS`, one row
+            per step; only the test split's are plotted.
+        metrics_files: ``agent -> metrics.parquet`` of its training run (``global_step``,
+            ``episodic_co2_kg``, ``episodic_unserved_kwh``, ...); missing or empty files are skipped.
+        out_dir: output folder, created if needed.
+        title: the report's title (Markdown heading).
+        site_summary: ``key -> value`` lines for the report's site section, in order. A ``timezone`` key
+            (IANA name) sets the local time of the week figure (default UTC).
+
+    Returns:
+        Path of ``report.md``. Beside it: ``co2_comparison.parquet``, ``co2_by_controller.png``, and when
+        their inputs exist ``test_week_traces.png`` and ``learning_curves.png``.
+
+    Raises:
+        ValueError: no KPI file; a KPI file lacks required columns, or a trace file lacks plotted columns
+            (names the file); a controller x split appears in two KPI files.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    timezone = str(site_summary.get("timezone", "UTC"))
+
+    table = read_kpi_files(kpi_files)
+    write_parquet(table, out_dir / "co2_comparison.parquet")
+    figures: list[tuple[str, str, str]] = []  # (file, alt text, caption)
+
+    plot_co2_by_controller(table, out_dir / "co2_by_controller.png")
+    figures.append(("co2_by_controller.png", "CO2 by controller", "Grid CO2 (kg) and unserved EV energy (kWh) per controller and split."))
+
+    test_traces = {c: _read_traces(Path(p)) for (c, s), p in sorted(trace_files.items()) if s == "test"}
+    week = plot_test_week(test_traces, table, out_dir / "test_week_traces.png", timezone) if test_traces else None
+    if week is not None:
+        start = week[1][0].tz_convert(timezone)
+        figures.append(
+            (
+                "test_week_traces.png",
+                "Test week traces",
+                f"Hourly traces of the test-split week from {start:%Y-%m-%d} ({timezone}), the week with the most EV energy.",
+            )
+        )
+
+    if plot_learning_curves(metrics_files, out_dir / "learning_curves.png") is not None:
+        figures.append(("learning_curves.png", "Learning curves", "Episodic CO2 and unserved energy during training, per agent."))
+
+    for stale in ({"test_week_traces.png", "learning_curves.png"} - {f for f, _, _ in figures}):
+        (out_dir / stale).unlink(missing_ok=True)  # left by an earlier run; this report does not show it
+
+    md = [f"# {title}", "", "## Site", ""]
+    md += [f"- **{k}**: {v}" for k, v in site_summary.items()] or ["- (no site summary given)"]
+    md += ["", "## Results", ""]
+    for split in sorted(table.split.unique(), key=split_sort_key):
+        rows = table[table.split == split]
+        md += [f"### {split} split", "", kpi_markdown_table(rows), "", summary_paragraph(split, rows), ""]
+    md += [
+        "> **Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; "
+        "the unserved energy (kWh still needed at departure) and the share of EV energy served show whether a "
+        "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Oracle gap closed` is the "
+        "share of the perfect-foresight oracle's saving a controller achieves (the oracle is the physical lower bound).",
+        "",
+        "## Figures",
+        "",
+    ]
+    for file, alt, caption in figures:
+        md += [f"![{alt}]({file})", "", f"*{caption}*", ""]
+    if not any(f == "learning_curves.png" for f, _, _ in figures):
+        md += ["No training metrics were found, so the learning curves are omitted.", ""]
+    if week is None:
+        md += ["No test-split traces were given, so the test-week figure is omitted.", ""]
+    md += ["The full table is in `co2_comparison.parquet`.", ""]
+    return _atomic_write_text("\n".join(md), out_dir / "report.md")
