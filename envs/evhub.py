@@ -214,8 +214,8 @@ class EVHubVectorEnv(VectorEnv):
         floor, cap = self._ev_bounds()
         b, dt = self.cfg.bess, self.cfg.dt_h
         return {
-            "pv_kw": self._pv_kw[self.t],
-            "load_kw": self._load_kw[self.t],
+            "pv_kw": self._pv_kw.index_select(0, self.t),
+            "load_kw": self._load_kw.index_select(0, self.t),
             "ev_floor_kw": floor.sum(1),
             "ev_max_kw": cap.sum(1),
             "bess_charge_max_kw": ((self._e_max - self.energy_kwh) / (b.eta_charge * dt)).clamp(0, b.power_kw),
@@ -224,8 +224,8 @@ class EVHubVectorEnv(VectorEnv):
 
     def _plug_in(self, mask: torch.Tensor) -> None:
         """Connect the sessions arriving at the current step into free sockets (envs where ``mask``)."""
-        need = self._arrival_need[self.t]
-        stay = self._arrival_stay[self.t]
+        need = self._arrival_need.index_select(0, self.t)
+        stay = self._arrival_stay.index_select(0, self.t)
         arrive = (stay > 0) & mask[:, None]
         self.ev_need_kwh = torch.where(arrive, need, self.ev_need_kwh)
         self.ev_steps_left = torch.where(arrive, stay, self.ev_steps_left)
@@ -242,7 +242,7 @@ class EVHubVectorEnv(VectorEnv):
             dim=1,
         )
         soc = (2.0 * self.soc - 1.0)[:, None]
-        obs = torch.cat([self._exo_obs[self.t], soc, agg, occupied, need, steps], dim=1)
+        obs = torch.cat([self._exo_obs.index_select(0, self.t), soc, agg, occupied, need, steps], dim=1)
         return obs.clamp(-OBS_BOUND, OBS_BOUND)
 
     # ------------------------------------------------------------------ gymnasium API
@@ -307,9 +307,9 @@ class EVHubVectorEnv(VectorEnv):
         dt = cfg.dt_h
         b = cfg.bess
         a = torch.as_tensor(actions, device=self.device).to(self.dtype).reshape(self.num_envs, -1)
-        pv = self._pv_kw[self.t]
-        load = self._load_kw[self.t]
-        moer = self._moer[self.t]
+        pv = self._pv_kw.index_select(0, self.t)
+        load = self._load_kw.index_select(0, self.t)
+        moer = self._moer.index_select(0, self.t)
 
         floor, cap = self._ev_bounds()
         ev = self._ev_power(a[:, 1:], floor, cap)
