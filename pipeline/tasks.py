@@ -134,7 +134,9 @@ def train_agent(
     if total_timesteps is not None:
         cmd += ["--total-timesteps", str(total_timesteps)]
     cmd += list(extra_args)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Dask workers pin OMP/MKL/OpenBLAS to one thread; a training run owns its worker's cores (and GPU)
+    thread_caps = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in thread_caps} | {"PYTHONUNBUFFERED": "1"}
     log_path = run / "train.log"
     tail: list[str] = []
     with open(log_path, "w") as log, subprocess.Popen(
