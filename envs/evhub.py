@@ -21,6 +21,8 @@ Physics per step of ``dt`` hours (units: kW, kWh, kg CO2/kWh; see the project's 
 Action modes: ``"socket"``: ``1 + n_sockets`` numbers ``[a_bess, a_1..a_N]``; ``"hub"``: two numbers
 ``[a_bess, a_ev]`` where ``a_ev`` sets the total EV power between the sum of floors and the sum of caps,
 shared earliest-deadline-first. EV actions are clipped to [0, 1] (negative means floor only).
+``"discrete"``: one integer per env choosing a hub action from a grid of BESS levels x EV levels
+(:func:`discrete_action_table`), for value-based agents such as DQN.
 
 Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per kWp now and 3 steps
 ahead (4), MOER of the last step and its forecasts for this and the next two steps (4), SOC (1),
@@ -64,8 +66,21 @@ MOER_SCALE = 0.25
 OBS_BOUND = 10.0  # observations are clipped to [-OBS_BOUND, OBS_BOUND]
 
 
+DISCRETE_BESS_LEVELS = (-1.0, -0.5, 0.0, 0.5, 1.0)
+"""BESS set-points of the ``"discrete"`` action mode, fractions of the power limit (positive charges)."""
+DISCRETE_EV_LEVELS = (0.0, 0.5, 1.0)
+"""EV levels of the ``"discrete"`` action mode (0: deadline floor only, 1: full power)."""
+
+
+def discrete_action_table() -> torch.Tensor:
+    """Hub actions of the ``"discrete"`` mode, shape ``(n_actions, 2)`` float64: row ``k`` is
+    ``[bess_level, ev_level]`` with ``k = i_bess * len(DISCRETE_EV_LEVELS) + i_ev``."""
+    return torch.tensor([[b, e] for b in DISCRETE_BESS_LEVELS for e in DISCRETE_EV_LEVELS], dtype=torch.float64)
+
+
 def action_dim(action_mode: str, n_sockets: int) -> int:
-    """Size of the action vector: 2 for ``"hub"``, ``1 + n_sockets`` for ``"socket"``.
+    """Size of the action vector: 2 for ``"hub"``, ``1 + n_sockets`` for ``"socket"``; for ``"discrete"``
+    the number of discrete actions (``len(DISCRETE_BESS_LEVELS) * len(DISCRETE_EV_LEVELS)``).
 
     Raises:
         ValueError: unknown action mode.
@@ -74,7 +89,9 @@ def action_dim(action_mode: str, n_sockets: int) -> int:
         return 2
     if action_mode == "socket":
         return 1 + n_sockets
-    raise ValueError(f"unknown action_mode {action_mode!r}: expected 'hub' or 'socket'")
+    if action_mode == "discrete":
+        return len(DISCRETE_BESS_LEVELS) * len(DISCRETE_EV_LEVELS)
+    raise ValueError(f"unknown action_mode {action_mode!r}: expected 'hub', 'socket' or 'discrete'")
 
 
 def obs_dim(n_sockets: int) -> int:
@@ -89,7 +106,8 @@ class EVHubVectorEnv(VectorEnv):
         num_envs: number of parallel copies.
         site: site name, TOML path or loaded :class:`~envs.site.Site` (default ``"caltech"``).
         split: ``"train"`` or ``"test"``.
-        action_mode: ``"hub"`` (2 actions) or ``"socket"`` (1 + n_sockets actions).
+        action_mode: ``"hub"`` (2 actions), ``"socket"`` (1 + n_sockets actions) or ``"discrete"`` (one
+            integer per env indexing :func:`discrete_action_table`: BESS levels x EV levels of the hub mode).
         device: torch device of all state and returned tensors.
         full_split: run the whole split once from step 0 (evaluation) instead of random windows.
         episode_steps: training window length in steps (default: the site's ``episode.train_steps``).
@@ -137,7 +155,11 @@ class EVHubVectorEnv(VectorEnv):
 
         adim = action_dim(action_mode, self.n_sockets)
         odim = obs_dim(self.n_sockets)
-        self.single_action_space = gym.spaces.Box(-1.0, 1.0, (adim,), np.float32)
+        if action_mode == "discrete":
+            self.single_action_space = gym.spaces.Discrete(adim)
+            self._discrete_actions = discrete_action_table().to(device=self.device, dtype=dtype)
+        else:
+            self.single_action_space = gym.spaces.Box(-1.0, 1.0, (adim,), np.float32)
         self.single_observation_space = gym.spaces.Box(-OBS_BOUND, OBS_BOUND, (odim,), np.float32)
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
         self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
@@ -306,7 +328,11 @@ class EVHubVectorEnv(VectorEnv):
         cfg = self.cfg
         dt = cfg.dt_h
         b = cfg.bess
-        a = torch.as_tensor(actions, device=self.device).to(self.dtype).reshape(self.num_envs, -1)
+        if self.action_mode == "discrete":
+            index = torch.as_tensor(actions, device=self.device).reshape(self.num_envs).long()
+            a = self._discrete_actions.index_select(0, index)
+        else:
+            a = torch.as_tensor(actions, device=self.device).to(self.dtype).reshape(self.num_envs, -1)
         pv = self._pv_kw.index_select(0, self.t)
         load = self._load_kw.index_select(0, self.t)
         moer = self._moer.index_select(0, self.t)

@@ -147,3 +147,27 @@ def test_float32_env_balance(site):
     for _ in range(100):
         _, _, _, _, info = env.step(torch.rand(256, env.single_action_space.shape[0]) * 2 - 1)
         assert balance_residual({k: v.double() for k, v in info.items()}).max() < BALANCE_TOL
+
+
+def test_discrete_mode_equals_hub_mode_with_the_table_action(site):
+    from envs.evhub import discrete_action_table
+
+    table = discrete_action_table()
+    n = 6
+    hub = EVHubVectorEnv(n, site=site, action_mode="hub", dtype=torch.float64)
+    disc = EVHubVectorEnv(n, site=site, action_mode="discrete", dtype=torch.float64)
+    assert disc.single_action_space == gym.spaces.Discrete(len(table))
+    starts = [0, 10, 20, 30, 40, 50]
+    hub.reset(options={"start_steps": starts})
+    disc.reset(options={"start_steps": starts})
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        k = torch.randint(0, len(table), (n,), generator=gen)
+        o1, r1, _, _, i1 = hub.step(table[k])
+        o2, r2, _, _, i2 = disc.step(k)
+        assert torch.equal(o1, o2) and torch.equal(r1, r2)
+        assert all(torch.equal(i1[key], i2[key]) for key in INFO_KEYS)
+
+
+def test_check_env_discrete(site):
+    check_env(EVHubEnv(site=site, action_mode="discrete"))
