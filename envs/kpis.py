@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 
 from envs.evhub import INFO_KEYS, EVHubVectorEnv
+from envs.files import write_parquet  # noqa: F401  (re-exported for the algos)
 from envs.site import Site, SplitData
 
 TRACE_COLUMNS = ("time", *INFO_KEYS, "soc", "moer_kg_per_kwh")
@@ -175,16 +176,6 @@ def kpi_row(controller: str, split: str, traces: pd.DataFrame, data: SplitData, 
     row.update(kpis_from_traces(traces, data))
     row.update(extra)
     return pd.DataFrame([row])
-
-
-def write_parquet(df: pd.DataFrame, path: str | Path) -> Path:
-    """Write a DataFrame to Parquet atomically (temporary file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    df.to_parquet(tmp, index=False)
-    tmp.replace(path)
-    return path
 
 
 def evaluate_policy(

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import pandas as pd
 import pvlib
 from tqdm import tqdm
 
+from envs import files
 from envs.schemas import validate_site_data
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -392,28 +391,6 @@ def split_summary(hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str = SITE_T
 # ---------------------------------------------------------------------------------------------- write
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` on a temporary name in ``path``'s folder, then ``os.replace`` it onto ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_parquet(df: pd.DataFrame, path: Path) -> None:
-    """Write ``df`` (no index) as zstd-compressed Parquet, atomically."""
-    _atomic_write(path, lambda p: df.to_parquet(p, engine="pyarrow", compression="zstd", index=False))
-
-
-def write_text(text: str, path: Path) -> None:
-    """Write UTF-8 text atomically."""
-    _atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
 def _sha256(path: Path) -> str:
@@ -607,9 +584,9 @@ def ingest(raw_dir: str | Path = DEFAULT_RAW_DIR, out_dir: str | Path = DEFAULT_
     paths = {"hourly": out_dir / "hourly.parquet", "sessions": out_dir / "sessions.parquet", "readme": out_dir / "README.md"}
     validate_site_data(hourly, sessions, {k: str(v) for k, v in paths.items()})
     readme = render_readme(raw_dir, hourly, sessions, info, report, params)
-    write_parquet(hourly, paths["hourly"])
-    write_parquet(sessions, paths["sessions"])
-    write_text(readme, paths["readme"])
+    files.write_parquet(hourly, paths["hourly"], compression="zstd")
+    files.write_parquet(sessions, paths["sessions"], compression="zstd")
+    files.write_text(paths["readme"], readme)
     splits = split_summary(hourly, sessions)
     sizes = {k: p.stat().st_size for k, p in paths.items()}
     print(f"Hourly: {len(hourly):,} rows {hourly.time.iloc[0]} .. {hourly.time.iloc[-1]}; sessions: {len(sessions):,}")

@@ -20,7 +20,6 @@ reader never sees half a report. Figures use matplotlib's Agg canvas through :cl
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -29,7 +28,8 @@ import pandas as pd
 from matplotlib import dates as mdates
 from matplotlib.figure import Figure
 
-from envs.kpis import KPI_COLUMNS, add_relative_kpis, write_parquet
+from envs.files import atomic_write, write_parquet, write_text
+from envs.kpis import KPI_COLUMNS, add_relative_kpis
 
 BASELINES = ("uncontrolled", "rule_based", "oracle")
 """Non-learning controllers, in report order; every other controller name is an agent (sorted by name)."""
@@ -82,18 +82,8 @@ def _is_agent(name: str) -> bool:
     return name not in BASELINES
 
 
-def _atomic_write_text(text: str, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
-
-
 def _atomic_savefig(fig: Figure, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=FIGURE_DPI, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=FIGURE_DPI, bbox_inches="tight"))
 
 
 def _fmt(value: object, decimals: int) -> str:
@@ -485,4 +475,4 @@ def write_report(
     if week is None:
         md += ["No test-split traces were given, so the test-week figure is omitted.", ""]
     md += ["The full table is in `co2_comparison.parquet`.", ""]
-    return _atomic_write_text("\n".join(md), out_dir / "report.md")
+    return write_text(out_dir / "report.md", "\n".join(md))

@@ -20,20 +20,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from envs.kpis import evaluate_policy, load_policy, write_parquet
+from envs.files import write_parquet, write_text
+from envs.kpis import evaluate_policy, load_policy
 from envs.site import load_config, load_site
 from pipeline.config import PROJECT_ROOT, SPLITS
 
 INPUTS = ("config", "hourly", "sessions")
 """Inputs validated one task each."""
-
-
-def _atomic_text(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
 
 
 def validate_input(site_toml: str, kind: str) -> dict:
@@ -73,7 +66,7 @@ def validate_input(site_toml: str, kind: str) -> dict:
 
 def write_validation(summaries: list[dict], out_dir: str) -> list[str]:
     """Write one ``<input>.json`` per validated input into ``out_dir`` (called only when all passed)."""
-    return [str(_atomic_text(Path(out_dir) / f"{s['input']}.json", json.dumps(s, indent=2))) for s in summaries]
+    return [str(write_text(Path(out_dir) / f"{s['input']}.json", json.dumps(s, indent=2))) for s in summaries]
 
 
 def run_baseline(site_toml: str, controller: str, split: str, out_dir: str, *deps) -> list[str]:

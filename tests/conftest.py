@@ -87,7 +87,7 @@ def _toml_value(v) -> str:
     raise TypeError(type(v))
 
 
-def write_site(site: Site, folder) -> "Path":
+def write_site(site: Site, folder):
     """Write a site to ``folder/<name>.toml`` + ``folder/<name>/{hourly,sessions}.parquet``; returns the TOML path."""
     import dataclasses
     from pathlib import Path
