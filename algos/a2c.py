@@ -1,0 +1,887 @@
+"""Synchronous advantage actor-critic (A2C) with a Gaussian policy for ``EVHub-v0``, CleanRL style.
+
+One file, everything on one device. Each iteration steps ``num_envs`` copies of the site for a short
+rollout of ``num_steps`` steps, computes returns and advantages by GAE (``gae_lambda=1`` gives the classic
+n-step returns bootstrapped from the value of the observation after the rollout) and takes ONE gradient
+step on ``policy_loss + vf_coef * value_loss - ent_coef * entropy`` with RMSprop (``alpha=0.99, eps=1e-5``
+as in Stable-Baselines3 / CleanRL) or Adam, clipped to ``max_grad_norm``. Observations and rewards are
+normalised with running statistics kept on the device, as in ``algos/ppo.py``.
+
+Hot paths are plain module-level functions -- :func:`policy_step` (observation normalisation + action
+selection), :func:`update` (bootstrap value, GAE, loss, gradient step) -- bound to the agent once with
+:func:`functools.partial`; ``--compile`` rebinds them to ``torch.compile`` versions, ``--cudagraphs`` to
+CUDA-graph replays (:class:`CudaGraphed`, with a capturable optimizer and a device-tensor learning rate),
+``--amp`` runs the network forward passes under bf16 autocast. No host sync inside the loop: statistics
+are summed on the device and read every ``log_every`` iterations.
+
+Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device)::
+
+    python algos/a2c.py
+    python algos/a2c.py --site path/to/site.toml --total-timesteps 200000 --optimizer adam --gae-lambda 0.95
+    tensorboard --logdir outputs/
+
+Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
+(model, optimizer, counters, RNG and env state; ``--resume`` continues from it), ``policy.pt2`` (the
+deterministic actor as a ``torch.export`` program: obs float32 ``(B, obs_dim)`` -> action in [-1, 1]
+``(B, act_dim)``; load with ``envs.kpis.load_policy``), and the deterministic evaluation over
+``eval_split``: ``eval_{split}.parquet`` (one KPI row, controller ``"a2c"``) and
+``eval_{split}_traces.parquet`` (hourly traces).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from torch.distributions.normal import Normal
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+try:
+    import envs
+except ModuleNotFoundError:  # run as `python algos/a2c.py` from a checkout that is not pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import envs
+from envs.kpis import evaluate_policy, write_parquet
+
+PRESETS = {
+    # 2 CPU cores: ~100 envs, short rollouts, a small net; a few minutes on the caltech site with evaluation
+    "cpu": {"num_envs": 128, "num_steps": 16, "total_timesteps": 4_000_000, "hidden_size": 64, "log_every": 50,
+            "num_threads": 1},
+    # one GPU: thousands of envs, a wider net
+    "gpu": {"num_envs": 2048, "num_steps": 16, "total_timesteps": 64_000_000, "hidden_size": 256, "log_every": 50,
+            "num_threads": 0},
+}
+"""Defaults per preset for the fields left at ``None``; any of them can be set on the command line."""
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the default output folder)"""
+    seed: int = 1
+    """seed of the experiment (Python, NumPy, torch and the env's window draws)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, use CUDA when it is available (agent and env on the same device)"""
+    preset: Literal["auto", "cpu", "gpu"] = "auto"
+    """size preset for the fields left at None: 'auto' picks 'gpu' on CUDA and 'cpu' otherwise"""
+    num_threads: int | None = None
+    """torch intra-op CPU threads, 0 keeps torch's default (None: preset, 1 on cpu: the tensors of a few hundred
+    envs are too small to gain from more, and spinning threads cost a lot on a busy machine; 0 on gpu)"""
+    env_id: str = "EVHub-v0"
+    """the id of the environment"""
+    site: str = "caltech"
+    """site to train on: a shipped site name or a path to a site TOML file"""
+    action_mode: str = "hub"
+    """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
+    total_timesteps: int | None = None
+    """total env steps of the experiment (None: preset, 4,000,000 on cpu, 64,000,000 on gpu)"""
+    learning_rate: float = 7e-4
+    """the learning rate of the optimizer"""
+    num_envs: int | None = None
+    """the number of parallel env copies (None: preset, 128 on cpu, 2048 on gpu)"""
+    num_steps: int | None = None
+    """the number of steps per env in each rollout, one gradient step per rollout (None: preset, 16)"""
+    anneal_lr: bool = True
+    """toggle learning rate annealing (linear to zero over the run)"""
+    optimizer: Literal["rmsprop", "adam"] = "rmsprop"
+    """the optimizer: 'rmsprop' (alpha=rmsprop_alpha, eps=optimizer_eps, as SB3/CleanRL A2C) or 'adam'"""
+    rmsprop_alpha: float = 0.99
+    """the smoothing constant alpha of RMSprop"""
+    optimizer_eps: float = 1e-5
+    """the epsilon of the optimizer (RMSprop and Adam)"""
+    gamma: float = 0.98
+    """the discount factor gamma (0.98: a horizon of about two days of hourly steps)"""
+    gae_lambda: float = 1.0
+    """the lambda of the generalised advantage estimation (1.0: plain n-step returns, as SB3's A2C)"""
+    norm_adv: bool = False
+    """toggles advantage normalisation over the batch (off in SB3's A2C)"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss (mean squared error of value and return)"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    hidden_size: int | None = None
+    """width of the two hidden layers of actor and critic (None: preset, 64 on cpu, 256 on gpu)"""
+    init_logstd: float = -0.5
+    """initial log standard deviation of the Gaussian policy (state-independent, learned)"""
+    socket_features: bool = True
+    """feed the per-socket observations to the networks (False: only the site-level features before them)"""
+    weekday_features: bool = False
+    """feed the day-of-week features (sin/cos) to the networks (off: the policy reads the EV demand from the
+    sockets instead of learning the weekday pattern of the training year, which transfers worse to other years)"""
+    norm_obs: bool = True
+    """standardise observations with running statistics kept in the agent (CleanRL's NormalizeObservation)"""
+    norm_reward: bool = True
+    """scale rewards by a running std of the discounted return (CleanRL's NormalizeReward, on device)"""
+    bootstrap_truncation: bool = True
+    """bootstrap through the time-limit truncation (the site never terminates; with SAME_STEP autoreset the
+    value of the next window's first observation stands in for the lost final one); False: truncation is terminal"""
+    compile: bool = False
+    """torch.compile the hot functions (action selection and the update)"""
+    cudagraphs: bool = False
+    """capture action selection and the update in CUDA graphs (capturable optimizer, device-tensor LR); needs CUDA"""
+    amp: bool = False
+    """bf16 autocast of the network forward passes (CUDA or CPU)"""
+    log_every: int | None = None
+    """iterations between host reads of the statistics: TensorBoard, metrics.parquet, progress (None: preset, 50)"""
+    output_dir: str | None = None
+    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed})"""
+    checkpoint_every: int = 1000
+    """iterations between checkpoints (0: only at the end)"""
+    resume: bool = False
+    """continue from output_dir/checkpoint.pt (model, optimizer, counters, RNG and env state)"""
+    eval_split: str = "test"
+    """split for the final deterministic evaluation ('none' skips it)"""
+
+    # filled in at runtime
+    batch_size: int = 0
+    """the batch size of one update (computed in runtime: num_envs * num_steps)"""
+    num_iterations: int = 0
+    """the number of iterations = updates (computed in runtime: total_timesteps // batch_size)"""
+
+
+OBS_WEEKDAY = (2, 3)
+"""Indices of the day-of-week features (sin, cos) in EVHub-v0's observation."""
+
+LOSS_NAMES = ("value_loss", "policy_loss", "entropy", "grad_norm")
+"""Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
+
+ENV_STATE = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left")
+"""EVHubVectorEnv state tensors saved in the checkpoint, so that ``--resume`` continues the same episodes."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss (or the gradient norm) became NaN or infinite; training stops, the last checkpoint is kept."""
+
+
+# ---------------------------------------------------------------------------------------------- agent
+def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class RunningObsNorm(nn.Module):
+    """Running mean/variance of the observations (as buffers on the device, updated without host sync).
+
+    ``forward`` standardises and clips to ``[-clip, clip]``; :meth:`update` folds a batch into the statistics
+    in place. Being part of the agent, it travels with the checkpoint and the exported policy.
+    """
+
+    def __init__(self, dim: int, clip: float = 10.0, eps: float = 1e-8):
+        super().__init__()
+        self.clip, self.eps = clip, eps
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("var", torch.ones(dim))
+        self.register_buffer("count", torch.full((), 1e-4))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        n = x.shape[0]
+        b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
+        delta = b_mean - self.mean
+        tot = self.count + n
+        m2 = self.var * self.count + b_var * n + delta.square() * self.count * n / tot
+        self.mean.copy_(self.mean + delta * n / tot)
+        self.var.copy_(m2 / tot)
+        self.count.copy_(tot)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean) / torch.sqrt(self.var + self.eps)).clamp(-self.clip, self.clip)
+
+
+class Select(nn.Module):
+    """Keeps the observation features listed in ``keep`` (the networks' inputs)."""
+
+    def __init__(self, keep: list[int]):
+        super().__init__()
+        self.register_buffer("keep", torch.as_tensor(keep, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(-1, self.keep)
+
+
+def mlp(n_in: int, hidden: int, n_out: int, out_std: float, select: nn.Module) -> nn.Sequential:
+    return nn.Sequential(
+        select,
+        layer_init(nn.Linear(n_in, hidden)),
+        nn.Tanh(),
+        layer_init(nn.Linear(hidden, hidden)),
+        nn.Tanh(),
+        layer_init(nn.Linear(hidden, n_out), std=out_std),
+    )
+
+
+class Agent(nn.Module):
+    """Separate actor and critic MLPs; Gaussian actor with an unsquashed mean and a state-independent log-std.
+
+    ``obs_norm`` (running standardisation, or identity) maps raw env observations to the network inputs;
+    the rollout stores normalised observations, so the update works on those.
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int,
+        hidden: int,
+        init_logstd: float = 0.0,
+        norm_obs: bool = True,
+        inputs: list[int] | None = None,
+    ):
+        super().__init__()
+        inputs = list(range(obs_dim)) if inputs is None else list(inputs)
+        n_in = len(inputs)
+        sel = (lambda: Select(inputs)) if n_in < obs_dim else nn.Identity
+        self.obs_norm = RunningObsNorm(obs_dim) if norm_obs else nn.Identity()
+        self.critic = mlp(n_in, hidden, 1, 1.0, sel())
+        self.actor_mean = mlp(n_in, hidden, act_dim, 0.01, sel())
+        self.actor_logstd = nn.Parameter(torch.full((1, act_dim), float(init_logstd)))
+
+    def dist_and_value(self, x: torch.Tensor, amp: bool = False) -> tuple[Normal, torch.Tensor]:
+        """Policy distribution and value ``(B,)`` at normalised observations ``x``; ``amp``: bf16 forward passes."""
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
+            mean = self.actor_mean(x)
+            value = self.critic(x)
+        mean = mean.float()
+        std = torch.exp(self.actor_logstd.expand_as(mean))
+        return Normal(mean, std, validate_args=False), value.float().squeeze(-1)  # validation would sync
+
+
+class DeterministicActor(nn.Module):
+    """The deterministic policy: raw obs float32 ``(B, obs_dim)`` -> clipped mean action ``(B, act_dim)`` in [-1, 1].
+
+    Observation normalisation (frozen statistics) is part of it, so callers pass the env's observations as is.
+    """
+
+    def __init__(self, obs_norm: nn.Module, actor_mean: nn.Module):
+        super().__init__()
+        self.obs_norm = obs_norm
+        self.actor_mean = actor_mean
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.actor_mean(self.obs_norm(obs)).clamp(-1.0, 1.0)
+
+
+def make_optimizer(
+    params, name: str, lr: torch.Tensor | float, alpha: float = 0.99, eps: float = 1e-5, capturable: bool = False
+) -> torch.optim.Optimizer:
+    """The optimizer by name: ``"rmsprop"`` (PyTorch RMSprop, ``alpha``, ``eps``, as SB3/CleanRL A2C) or ``"adam"``.
+
+    ``lr`` may be a device tensor (updated in place for annealing, as CUDA graphs and torch.compile need);
+    ``capturable`` keeps the optimizer state on the device for CUDA-graph capture.
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, alpha=alpha, eps=eps, capturable=capturable)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, eps=eps, capturable=capturable)
+    raise ValueError(f"unknown optimizer {name!r}: expected 'rmsprop' or 'adam'")
+
+
+# ---------------------------------------------------------------------------------------------- state
+def make_storage(num_steps: int, num_envs: int, obs_dim: int, act_dim: int, device: torch.device) -> dict:
+    """Preallocated rollout storage on ``device``: ``(num_steps, num_envs, ...)`` tensors.
+
+    ``terminals[t]``/``dones[t]`` flag the transition of step ``t``: no bootstrap from its next observation /
+    the episode ended there (the advantage trace is cut).
+    """
+    z = lambda *s: torch.zeros(num_steps, num_envs, *s, device=device)  # noqa: E731
+    return {
+        "obs": z(obs_dim),
+        "actions": z(act_dim),
+        "rewards": z(),
+        "values": z(),
+        "terminals": z(),
+        "dones": z(),
+    }
+
+
+def make_episode_stats(num_envs: int, device: torch.device) -> dict:
+    """Per-env running sums of the current episode and device sums over the episodes finished since the last log."""
+    z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float64)  # noqa: E731
+    return {
+        "ep_return": z(num_envs),
+        "ep_co2_kg": z(num_envs),
+        "ep_unserved_kwh": z(num_envs),
+        "ep_length": z(num_envs),
+        "n_done": z(()),
+        "sum_return": z(()),
+        "sum_co2_kg": z(()),
+        "sum_unserved_kwh": z(()),
+        "sum_length": z(()),
+    }
+
+
+def make_reward_norm(num_envs: int, device: torch.device) -> dict:
+    """State of the running return normaliser: per-env discounted return and its running mean/var/count."""
+    return {
+        "ret": torch.zeros(num_envs, device=device, dtype=torch.float64),
+        "mean": torch.zeros((), device=device, dtype=torch.float64),
+        "var": torch.ones((), device=device, dtype=torch.float64),
+        "count": torch.full((), 1e-4, device=device, dtype=torch.float64),
+    }
+
+
+def normalize_reward(rn: dict, reward: torch.Tensor, done: torch.Tensor, gamma: float, eps: float = 1e-8) -> torch.Tensor:
+    """Fold ``reward`` into the discounted return (restarted after ``done``), update its running variance
+    in place and return ``reward / std``."""
+    ret = rn["ret"] * gamma * (1.0 - done.to(torch.float64)) + reward.to(torch.float64)
+    rn["ret"].copy_(ret)
+    n = ret.numel()
+    b_mean, b_var = ret.mean(), ret.var(unbiased=False)
+    delta = b_mean - rn["mean"]
+    tot = rn["count"] + n
+    m2 = rn["var"] * rn["count"] + b_var * n + delta.square() * rn["count"] * n / tot
+    rn["mean"].copy_(rn["mean"] + delta * n / tot)
+    rn["var"].copy_(m2 / tot)
+    rn["count"].copy_(tot)
+    return (reward / torch.sqrt(rn["var"] + eps)).to(reward.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- pure pieces
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_value: torch.Tensor,
+    terminals: torch.Tensor,
+    dones: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over a rollout; ``gae_lambda=1`` gives n-step returns.
+
+    Args:
+        rewards, values: ``(num_steps, num_envs)``; ``values[t]`` is the value of the observation of step ``t``.
+        next_value: ``(num_envs,)`` value of the observation after the last step.
+        terminals: ``(num_steps, num_envs)``, 1 where the transition of step ``t`` is terminal (no bootstrap
+            from the next observation).
+        dones: ``(num_steps, num_envs)``, 1 where the episode ended at step ``t`` (terminated or truncated):
+            the advantage trace stops there. Where ``dones`` but not ``terminals`` (a truncation to bootstrap
+            through), step ``t`` bootstraps from the next stored value, ``gamma * V(s_{t+1})``, and nothing of the
+            following episode enters its return.
+
+    Returns:
+        ``(advantages, returns)``, each ``(num_steps, num_envs)``; ``returns = advantages + values``.
+    """
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = torch.zeros_like(next_value)
+    for t in reversed(range(num_steps)):
+        nextvalues = next_value if t == num_steps - 1 else values[t + 1]
+        delta = rewards[t] + gamma * nextvalues * (1.0 - terminals[t]) - values[t]
+        lastgaelam = delta + gamma * gae_lambda * (1.0 - dones[t]) * lastgaelam
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
+def explained_variance(y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``1 - Var[y - y_pred] / Var[y]`` as a device scalar (NaN where ``Var[y] == 0``)."""
+    var_y = y.var()
+    ev = 1.0 - (y - y_pred).var() / var_y
+    return torch.where(var_y == 0, torch.full_like(var_y, float("nan")), ev)
+
+
+# ---------------------------------------------------------------------------------------------- hot paths
+def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold raw ``obs`` into the running normaliser, normalise, sample an action; no host sync.
+
+    Returns:
+        ``(obs_normalised, action, value)``: action unclipped ``(B, act_dim)`` (the env gets it clipped).
+    """
+    with torch.no_grad():
+        if isinstance(agent.obs_norm, RunningObsNorm):
+            agent.obs_norm.update(obs)
+        obs_n = agent.obs_norm(obs)
+        dist, value = agent.dist_and_value(obs_n, amp)
+        # mean + std * noise rather than dist.sample(): torch.normal checks std >= 0 on the host (a sync on CUDA,
+        # and an exception before the NaN check could name the bad update)
+        return obs_n, dist.loc + dist.scale * torch.randn_like(dist.loc), value
+
+
+def update(
+    agent: Agent,
+    optimizer: torch.optim.Optimizer,
+    obs: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    terminals: torch.Tensor,
+    dones: torch.Tensor,
+    next_obs: torch.Tensor,
+    *,
+    gamma: float,
+    gae_lambda: float,
+    vf_coef: float,
+    ent_coef: float,
+    max_grad_norm: float,
+    norm_adv: bool,
+    amp: bool,
+) -> dict[str, torch.Tensor]:
+    """One A2C step: bootstrap value of ``next_obs`` (raw), GAE returns, one gradient step on the whole batch.
+
+    Returns:
+        device tensors ``value_loss, policy_loss, entropy, grad_norm, explained_variance`` and ``bad``: a
+        ``(len(LOSS_NAMES),)`` bool tensor, True where that quantity is non-finite.
+    """
+    with torch.no_grad():
+        _, next_value = agent.dist_and_value(agent.obs_norm(next_obs), amp)
+        advantages, returns = compute_gae(rewards, values, next_value, terminals, dones, gamma, gae_lambda)
+    b_obs = obs.reshape(-1, obs.shape[-1])
+    b_actions = actions.reshape(-1, actions.shape[-1])
+    b_adv, b_returns = advantages.reshape(-1), returns.reshape(-1)
+    if norm_adv:
+        b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
+
+    dist, new_value = agent.dist_and_value(b_obs, amp)
+    logprob = dist.log_prob(b_actions).sum(1)
+    entropy = dist.entropy().sum(1).mean()
+    pg_loss = -(b_adv * logprob).mean()
+    v_loss = F.mse_loss(new_value, b_returns)
+    loss = pg_loss + vf_coef * v_loss - ent_coef * entropy
+
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
+    optimizer.step()
+    with torch.no_grad():
+        out = torch.stack([v_loss, pg_loss, entropy, grad_norm]).detach()
+        return {
+            "value_loss": out[0],
+            "policy_loss": out[1],
+            "entropy": out[2],
+            "grad_norm": out[3],
+            "explained_variance": explained_variance(values.reshape(-1), b_returns),
+            "bad": ~torch.isfinite(out),
+        }
+
+
+class CudaGraphed:
+    """Replays ``fn(*tensors)`` from a CUDA graph: ``warmup`` eager calls on a side stream, then capture.
+
+    Inputs are copied into static buffers before each replay; the returned tensors are the graph's static
+    outputs, overwritten by the next call (use them before calling again). ``fn`` must not sync with the host.
+    """
+
+    def __init__(self, fn, warmup: int = 3):
+        self.fn, self.warmup, self.calls = fn, warmup, 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_in: tuple[torch.Tensor, ...] = ()
+        self.static_out = None
+
+    def __call__(self, *args: torch.Tensor):
+        if self.graph is not None:
+            for dst, src in zip(self.static_in, args):
+                dst.copy_(src)
+            self.graph.replay()
+            return self.static_out
+        self.calls += 1
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        if self.calls <= self.warmup:
+            with torch.cuda.stream(stream):
+                out = self.fn(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            return out
+        self.static_in = tuple(a.clone() for a in args)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self.fn(*self.static_in)
+        self.graph.replay()  # capture records the work without running it
+        return self.static_out
+
+
+def record_step(stats: dict, reward: torch.Tensor, info: dict, episode_end: torch.Tensor) -> None:
+    """Add one step to the per-env episode sums; move the sums of finished episodes into the totals."""
+    end = episode_end.to(torch.float64)
+    stats["ep_return"] += reward
+    stats["ep_co2_kg"] += info["co2_kg"]
+    stats["ep_unserved_kwh"] += info["unserved_kwh"]
+    stats["ep_length"] += 1.0
+    stats["n_done"] += end.sum()
+    for key in ("return", "co2_kg", "unserved_kwh", "length"):
+        stats[f"sum_{key}"] += (stats[f"ep_{key}"] * end).sum()
+        stats[f"ep_{key}"] *= 1.0 - end
+
+
+def rollout(
+    env, act, next_obs: torch.Tensor, storage: dict, stats: dict, rn: dict | None, gamma: float, bootstrap_truncation: bool
+) -> torch.Tensor:
+    """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``act`` (:func:`policy_step`
+    bound to the agent); no host sync. Returns the raw observation after the last step."""
+    for step in range(storage["obs"].shape[0]):
+        obs_n, action, value = act(next_obs)
+        storage["obs"][step] = obs_n
+        storage["actions"][step] = action
+        storage["values"][step] = value
+        next_obs, reward, terminated, truncated, info = env.step(action.clamp(-1.0, 1.0))
+        next_obs = next_obs.to(torch.float32)
+        reward = reward.to(torch.float32)
+        episode_end = terminated | truncated
+        record_step(stats, reward, info, episode_end)
+        if rn is not None:
+            reward = normalize_reward(rn, reward, episode_end, gamma)
+        storage["rewards"][step] = reward
+        storage["terminals"][step] = terminated if bootstrap_truncation else episode_end
+        storage["dones"][step] = episode_end
+    return next_obs
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def resolve_args(args: Args, device: torch.device) -> Args:
+    """Fill the fields left at ``None`` from the preset and compute the runtime sizes.
+
+    Raises:
+        ValueError: ``--cudagraphs`` without CUDA, or a bad size.
+    """
+    if args.cudagraphs and device.type != "cuda":
+        raise ValueError("--cudagraphs needs CUDA (no CUDA device in use); drop the flag or run on a GPU")
+    name = args.preset if args.preset != "auto" else ("gpu" if device.type == "cuda" else "cpu")
+    args.preset = name
+    for key, value in PRESETS[name].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.output_dir is None:
+        args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}")
+    if min(args.num_envs, args.num_steps, args.log_every) < 1:
+        raise ValueError("num_envs, num_steps and log_every must be >= 1")
+    args.batch_size = int(args.num_envs * args.num_steps)
+    args.num_iterations = max(1, args.total_timesteps // args.batch_size)
+    return args
+
+
+def rng_state(env) -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "env_generator": env._generator.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(env, state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    env._generator.set_state(state["env_generator"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, **payload) -> None:
+    """Write the checkpoint atomically (temporary file, then rename), so a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)
+
+
+def check_finite(bad_any: torch.Tensor, first_bad_step: torch.Tensor, ckpt: Path) -> None:
+    """Raise :class:`NonFiniteLossError` if any update produced a non-finite loss (one host sync)."""
+    step = int(first_bad_step)
+    if step >= 0:
+        names = [n for n, b in zip(LOSS_NAMES, bad_any.tolist()) if b]
+        kept = f"the last good checkpoint {ckpt} is left untouched" if ckpt.exists() else "no checkpoint was written"
+        raise NonFiniteLossError(
+            f"non-finite {', '.join(names)} in the update at global_step {step}; training stopped, {kept}"
+        )
+
+
+def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
+    """Save the deterministic actor (float32, CPU) for code that does not import ``algos``.
+
+    ``torch.export`` with a dynamic batch dimension to ``policy.pt2``; if export fails, a TorchScript trace to
+    ``policy.pt``. Returns the written path.
+    """
+    actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_mean)).cpu().float().eval()
+    example = torch.zeros(2, obs_dim)
+    try:
+        batch = torch.export.Dim("batch", min=1)
+        program = torch.export.export(actor, (example,), dynamic_shapes={"obs": {0: batch}})
+        path = out_dir / "policy.pt2"
+        torch.export.save(program, path)
+    except Exception as exc:  # noqa: BLE001 - any export failure falls back to TorchScript
+        print(f"torch.export failed ({type(exc).__name__}: {exc}); saving a TorchScript trace instead", file=sys.stderr)
+        path = out_dir / "policy.pt"
+        torch.jit.trace(actor, example).save(str(path))
+    return path
+
+
+def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float) -> dict:
+    return {
+        "global_step": global_step,
+        "wall_s": wall_s,
+        "sps": sps,
+        "episodic_return": ep["return"],
+        "episodic_co2_kg": ep["co2_kg"],
+        "episodic_unserved_kwh": ep["unserved_kwh"],
+        "value_loss": losses["value_loss"],
+        "policy_loss": losses["policy_loss"],
+        "entropy": losses["entropy"],
+        "grad_norm": losses["grad_norm"],
+        "explained_variance": losses["explained_variance"],
+        "learning_rate": lr,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(args: Args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    args = resolve_args(args, device)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "checkpoint.pt"
+    if args.resume and not ckpt_path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+    site = envs.load_site(args.site)
+    env = gym.make_vec(
+        args.env_id,
+        num_envs=args.num_envs,
+        vectorization_mode="vector_entry_point",
+        site=site,
+        split="train",
+        action_mode=args.action_mode,
+        device=device,
+    )
+    env = getattr(env, "unwrapped", env)
+    obs_dim = int(np.prod(env.single_observation_space.shape))
+    act_dim = int(np.prod(env.single_action_space.shape))
+
+    inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
+    if not args.weekday_features:
+        inputs = [i for i in inputs if i not in OBS_WEEKDAY]
+    agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs).to(device)
+    # a device-tensor learning rate, annealed in place: no recompilation, and CUDA graphs see the new value.
+    # On CUDA the optimizers take a tensor LR only as capturable (their foreach paths need it; graphs need it too).
+    lr_t = torch.tensor(args.learning_rate, device=device)
+    optimizer = make_optimizer(
+        agent.parameters(), args.optimizer, lr_t, args.rmsprop_alpha, args.optimizer_eps, capturable=device.type == "cuda"
+    )
+    storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
+    stats = make_episode_stats(args.num_envs, device)
+    rn = make_reward_norm(args.num_envs, device) if args.norm_reward else None
+
+    next_obs, _ = env.reset(seed=args.seed)
+    next_obs = next_obs.to(torch.float32)
+    global_step, start_iteration, train_wall_prev = 0, 1, 0.0
+    rows: list[dict] = []
+    if args.resume:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own file
+        agent.load_state_dict(ckpt["agent"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        global_step, start_iteration = int(ckpt["global_step"]), int(ckpt["iteration"]) + 1
+        train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
+        set_rng_state(env, ckpt["rng"])
+        if ckpt.get("num_envs") == args.num_envs:
+            for name, value in ckpt["env_state"].items():
+                setattr(env, name, value.to(device))
+            next_obs = ckpt["next_obs"].to(device)
+            for key, value in ckpt["episode_stats"].items():
+                stats[key].copy_(value)
+            if rn is not None and ckpt.get("reward_norm") is not None:
+                for key, value in ckpt["reward_norm"].items():
+                    rn[key].copy_(value)
+        else:
+            print(f"resume: num_envs changed ({ckpt.get('num_envs')} -> {args.num_envs}); envs start new episodes")
+        if (out_dir / "metrics.parquet").is_file():
+            old = pd.read_parquet(out_dir / "metrics.parquet")
+            rows = old[old.global_step <= global_step].to_dict("records")
+        print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}")
+    for group in optimizer.param_groups:  # load_state_dict replaces the LR; the command line's value holds
+        group["lr"] = lr_t
+
+    # the hot functions, bound once; the speed switches rebind the same names
+    act = functools.partial(policy_step, agent, amp=args.amp)
+    learn = functools.partial(
+        update,
+        agent,
+        optimizer,
+        gamma=args.gamma,
+        gae_lambda=args.gae_lambda,
+        vf_coef=args.vf_coef,
+        ent_coef=args.ent_coef,
+        max_grad_norm=args.max_grad_norm,
+        norm_adv=args.norm_adv,
+        amp=args.amp,
+    )
+    if args.compile:
+        act = torch.compile(act)
+        learn = torch.compile(learn)
+    if args.cudagraphs:
+        act = CudaGraphed(act)
+        learn = CudaGraphed(learn)
+
+    writer = SummaryWriter(str(out_dir))
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items())),
+    )
+    print(
+        f"A2C on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
+        f"{args.num_envs} envs x {args.num_steps} steps, {args.num_iterations} updates, "
+        f"{args.total_timesteps:,} steps; output {out_dir}"
+    )
+    print("args: " + ", ".join(f"{k}={v}" for k, v in vars(args).items()), flush=True)
+
+    def checkpoint(iteration: int, train_wall: float) -> None:
+        check_finite(bad_any, first_bad_step, ckpt_path)
+        save_checkpoint(
+            ckpt_path,
+            agent=agent.state_dict(),
+            optimizer=optimizer.state_dict(),
+            global_step=global_step,
+            iteration=iteration,
+            train_wall_s=train_wall,
+            args=dataclasses.asdict(args),
+            num_envs=args.num_envs,
+            rng=rng_state(env),
+            env_state={name: getattr(env, name) for name in ENV_STATE},
+            next_obs=next_obs,
+            episode_stats=stats,
+            reward_norm=rn,
+        )
+
+    bad_any = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
+    first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+    start_time = time.perf_counter()
+    session_start_step = global_step
+    sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
+    iteration = start_iteration - 1
+    bar = tqdm(
+        range(start_iteration, args.num_iterations + 1),
+        initial=start_iteration - 1,
+        total=args.num_iterations,
+        disable=not sys.stderr.isatty(),
+        desc="a2c",
+    )
+    try:
+        for iteration in bar:
+            if args.anneal_lr:
+                lr_t.fill_((1.0 - (iteration - 1.0) / args.num_iterations) * args.learning_rate)
+
+            next_obs = rollout(env, act, next_obs, storage, stats, rn, args.gamma, args.bootstrap_truncation)
+            global_step += args.batch_size
+            out = learn(
+                storage["obs"],
+                storage["actions"],
+                storage["rewards"],
+                storage["values"],
+                storage["terminals"],
+                storage["dones"],
+                next_obs,
+            )
+            bad = out["bad"]
+            first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
+            bad_any |= bad
+
+            last = iteration == args.num_iterations
+            if iteration % args.log_every == 0 or last:
+                check_finite(bad_any, first_bad_step, ckpt_path)  # host sync
+                losses = {k: float(v) for k, v in out.items() if k != "bad"}
+                lr_now = float(lr_t)
+                n_done = float(stats["n_done"])
+                ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done else math.nan for k in ("return", "co2_kg", "unserved_kwh", "length")}
+                for key in ("n_done", "sum_return", "sum_co2_kg", "sum_unserved_kwh", "sum_length"):
+                    stats[key].zero_()
+                wall = time.perf_counter() - start_time
+                sps = (global_step - session_start_step) / max(wall, 1e-9)
+                if n_done:
+                    writer.add_scalar("charts/episodic_return", ep["return"], global_step)
+                    writer.add_scalar("charts/episodic_length", ep["length"], global_step)
+                    writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
+                    writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                writer.add_scalar("charts/learning_rate", lr_now, global_step)
+                for key in ("value_loss", "policy_loss", "entropy", "grad_norm", "explained_variance"):
+                    writer.add_scalar(f"losses/{key}", losses[key], global_step)
+                writer.add_scalar("charts/SPS", int(sps), global_step)
+                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses, lr_now))
+                write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
+                bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", refresh=False)
+                n_logs = max(1, args.num_iterations // args.log_every)
+                if (bar.disable and (iteration // args.log_every) % max(1, n_logs // 10) == 0) or last:
+                    print(
+                        f"iter {iteration}/{args.num_iterations} step {global_step} SPS {int(sps)} "
+                        f"return {ep['return']:.2f} co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} "
+                        f"v_loss {losses['value_loss']:.4f} ev {losses['explained_variance']:.3f} "
+                        f"entropy {losses['entropy']:.3f}",
+                        flush=True,
+                    )
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0 and not last:
+                checkpoint(iteration, train_wall_prev + time.perf_counter() - start_time)
+    except NonFiniteLossError:
+        writer.close()
+        bar.close()
+        raise
+    bar.close()
+
+    train_wall = train_wall_prev + time.perf_counter() - start_time
+    checkpoint(iteration, train_wall)
+    policy_path = export_policy(agent, obs_dim, out_dir)
+    print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
+
+    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
+    if args.eval_split.lower() != "none":
+        actor = DeterministicActor(agent.obs_norm, agent.actor_mean).eval()
+
+        def policy(obs: torch.Tensor, env_) -> torch.Tensor:
+            return actor(obs.float()).to(obs.dtype)
+
+        row, traces = evaluate_policy(
+            policy,
+            site,
+            args.eval_split,
+            "a2c",
+            args.action_mode,
+            device,
+            train_wall_s=train_wall,
+            env_steps=float(global_step),
+            steps_per_s=sps,
+        )
+        write_parquet(row, out_dir / f"eval_{args.eval_split}.parquet")
+        write_parquet(traces, out_dir / f"eval_{args.eval_split}_traces.parquet")
+        kpis = row.iloc[0]
+        print(f"deterministic evaluation on the {args.eval_split} split:")
+        for key in ("co2_kg", "grid_import_kwh", "pv_self_consumption_pct", "ev_energy_served_pct", "unserved_kwh", "peak_import_kw"):
+            print(f"  {key:<26} {kpis[key]:.2f}")
+            writer.add_scalar(f"eval/{key}", float(kpis[key]), global_step)
+        result["eval"] = row
+    writer.close()
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,311 @@
+"""``algos/a2c.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, n-step returns and
+GAE (with truncation), the optimizer choice, the speed switches and ``--help``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_site, write_site
+
+import envs
+from envs.kpis import evaluate_policy, load_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "algos" / "a2c.py"
+
+TINY = [
+    "--num-envs", "4",
+    "--num-steps", "8",
+    "--hidden-size", "16",
+    "--log-every", "6",
+    "--checkpoint-every", "6",
+    "--no-cuda",
+]  # fmt: skip
+"""Tiny budget: 4 envs x 8 steps per update; a log row every 6 updates = 48 steps, one synthetic episode."""
+
+
+def load_a2c():
+    """Import ``algos/a2c.py`` as a module (the algos are scripts, not a package)."""
+    name = "algos_a2c_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_a2c(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def site_toml(tmp_path_factory) -> Path:
+    return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("run") / "a2c"
+    proc = run_a2c("--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "384", *TINY)
+    return out, proc
+
+
+def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
+    out, proc = trained
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "preset=cpu" in proc.stdout and "num_envs=4" in proc.stdout  # the resolved values are printed
+    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (out / "checkpoint.pt").is_file()
+
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [192, 384]  # 12 updates of 4 x 8 steps, a row every 6
+    for col in ("wall_s", "sps", "episodic_return", "episodic_co2_kg", "episodic_unserved_kwh", "value_loss",
+                "policy_loss", "entropy", "explained_variance", "learning_rate"):  # fmt: skip
+        assert col in metrics, col
+    assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
+    assert (metrics.episodic_co2_kg > 0).all()
+
+    obs_dim = 17 + 3 * 6
+    module = torch.export.load(out / "policy.pt2").module()
+    for batch in (1, 5):  # dynamic batch dimension
+        action = module(torch.randn(batch, obs_dim))
+        assert action.shape == (batch, 2) and action.dtype == torch.float32
+        assert (action.abs() <= 1.0).all()
+    policy = load_policy(out / "policy.pt2")
+    assert policy(torch.zeros(1, obs_dim, dtype=torch.float64), None).shape == (1, 2)
+
+    kpi = pd.read_parquet(out / "eval_test.parquet")
+    assert kpi.controller.tolist() == ["a2c"] and kpi.split.tolist() == ["test"]
+    assert math.isfinite(kpi.co2_kg.iloc[0]) and kpi.co2_kg.iloc[0] > 0
+    assert kpi.env_steps.iloc[0] == 384
+    assert kpi.train_wall_s.iloc[0] > 0 and kpi.steps_per_s.iloc[0] > 0
+    traces = pd.read_parquet(out / "eval_test_traces.parquet")
+    assert len(traces) == 7 * 24 and "co2_kg" in traces
+    assert traces.co2_kg.sum() == pytest.approx(kpi.co2_kg.iloc[0])
+    assert "co2_kg" in proc.stdout  # the KPIs are printed
+
+    # TensorBoard scalars under the CleanRL / SB3 names
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/explained_variance",
+                "charts/learning_rate", "charts/SPS", "charts/episodic_return", "charts/episodic_co2_kg",
+                "charts/episodic_unserved_kwh"):  # fmt: skip
+        assert tag in tags, tag
+
+
+def test_exported_policy_reproduces_the_eval(trained, site_toml):
+    out, proc = trained
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row, _ = evaluate_policy(load_policy(out / "policy.pt2"), envs.load_site(site_toml), "test", "a2c")
+    kpi = pd.read_parquet(out / "eval_test.parquet")
+    assert row.co2_kg.iloc[0] == pytest.approx(kpi.co2_kg.iloc[0], rel=1e-4)
+
+
+def test_resume_continues_from_the_checkpoint(trained, site_toml):
+    out, first = trained
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = run_a2c(
+        "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "576", "--resume",
+        "--eval-split", "none", *TINY,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed" in proc.stdout and "global_step 384" in proc.stdout
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [192, 384, 576]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 576 and ckpt["iteration"] == 18
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(trained, site_toml, tmp_path):
+    out, first = trained
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "nan"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes())
+    before = (run / "checkpoint.pt").read_bytes()
+    step = torch.load(run / "checkpoint.pt", weights_only=False)["global_step"]
+    # an infinite learning rate makes the weights non-finite after the first step; the next update's losses show it
+    proc = run_a2c(
+        "--site", str(site_toml), "--output-dir", str(run), "--total-timesteps", str(step + 384), "--resume",
+        "--learning-rate", "inf", "--no-anneal-lr", *TINY,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "NonFiniteLossError" in proc.stderr and f"global_step {step + 64}" in proc.stderr, proc.stderr[-2000:]
+    assert (run / "checkpoint.pt").read_bytes() == before
+    assert not (run / "policy.pt2").exists()
+
+
+def test_help_documents_every_field():
+    a2c = load_a2c()
+    proc = run_a2c("--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for f in dataclasses.fields(a2c.Args):
+        assert f"--{f.name.replace('_', '-')}" in text, f.name
+    # every field has its docstring in the help (first few words, as tyro may wrap lines)
+    assert "the lambda of the generalised advantage estimation" in text
+    assert "the smoothing constant alpha of RMSprop" in text
+    assert "continue from output_dir/checkpoint.pt" in text
+    for choice in ("rmsprop", "adam", "auto", "cpu", "gpu"):
+        assert choice in text
+
+
+# ---------------------------------------------------------------------------------------------- pure pieces
+# Two envs, three steps, gamma 0.9. Env 0 is truncated at step 1 (the only way EVHub episodes end): the
+# observation stored at step 2 is already the next window's first (SAME_STEP autoreset).
+REWARDS = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 1.0]])
+VALUES = torch.tensor([[0.5, 0.0], [1.0, 0.0], [1.5, 0.0]])
+NEXT_VALUE = torch.tensor([2.0, 1.0])
+DONES = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+NO_TERMINALS = torch.zeros(3, 2)
+
+
+def test_n_step_returns_bootstrap_through_truncation():
+    a2c = load_a2c()
+    adv, ret = a2c.compute_gae(REWARDS, VALUES, NEXT_VALUE, NO_TERMINALS, DONES, 0.9, 1.0)
+    # env 0: step 2: 3 + 0.9*2 = 4.8; step 1 ends its episode, bootstraps from V(s_2) = 1.5: 2 + 0.9*1.5 = 3.35;
+    #        step 0: 1 + 0.9*3.35 = 4.015 (nothing of the next episode enters)
+    # env 1: no episode end: 1 + 0.9*1 = 1.9; 0.9*1.9 = 1.71; 0.9*1.71 = 1.539
+    expected_ret = torch.tensor([[4.015, 1.539], [3.35, 1.71], [4.8, 1.9]])
+    torch.testing.assert_close(ret, expected_ret)
+    torch.testing.assert_close(adv, expected_ret - VALUES)
+
+
+def test_n_step_returns_with_truncation_as_terminal():
+    a2c = load_a2c()
+    _, ret = a2c.compute_gae(REWARDS, VALUES, NEXT_VALUE, DONES, DONES, 0.9, 1.0)
+    # env 0, step 1 does not bootstrap: 2; step 0: 1 + 0.9*2 = 2.8; env 1 unchanged
+    torch.testing.assert_close(ret, torch.tensor([[2.8, 1.539], [2.0, 1.71], [4.8, 1.9]]))
+
+
+def test_gae_matches_a_hand_computed_example():
+    a2c = load_a2c()
+    gamma, lam = 0.9, 0.8
+    adv, ret = a2c.compute_gae(REWARDS, VALUES, NEXT_VALUE, NO_TERMINALS, DONES, gamma, lam)
+    # env 0: d2 = 3 + 1.8 - 1.5 = 3.3; d1 = 2 + 0.9*1.5 - 1 = 2.35 (trace cut after it); d0 = 1 + 0.9 - 0.5 = 1.4
+    #        A2 = 3.3, A1 = 2.35, A0 = 1.4 + 0.72*2.35 = 3.092
+    # env 1: d2 = 1 + 0.9 = 1.9, d1 = d0 = 0: A2 = 1.9, A1 = 0.72*1.9 = 1.368, A0 = 0.72*1.368 = 0.98496
+    expected = torch.tensor([[3.092, 0.98496], [2.35, 1.368], [3.3, 1.9]])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, expected + VALUES)
+    # lambda = 0: one-step TD errors
+    adv0, _ = a2c.compute_gae(REWARDS, VALUES, NEXT_VALUE, NO_TERMINALS, DONES, gamma, 0.0)
+    torch.testing.assert_close(adv0, torch.tensor([[1.4, 0.0], [2.35, 0.0], [3.3, 1.9]]))
+
+
+@pytest.mark.parametrize("bootstrap", [True, False])
+def test_rollout_flags_the_truncations_of_the_env(bootstrap):
+    """The env only truncates: ``dones`` mark the window ends; ``terminals`` too unless bootstrapping."""
+    a2c = load_a2c()
+    torch.manual_seed(0)
+    site = make_site(days=3, n_sockets=4)  # 48-step windows
+    env = envs.EVHubVectorEnv(3, site=site, split="train")
+    obs, _ = env.reset(seed=0)
+    agent = a2c.Agent(env.single_observation_space.shape[0], 2, 8)
+    dev = torch.device("cpu")
+    storage = a2c.make_storage(50, 3, obs.shape[1], 2, dev)
+    stats = a2c.make_episode_stats(3, dev)
+    act = functools.partial(a2c.policy_step, agent)
+    a2c.rollout(env, act, obs.float(), storage, stats, a2c.make_reward_norm(3, dev), 0.98, bootstrap)
+    expected = torch.zeros(50, 3)
+    expected[47] = 1.0
+    torch.testing.assert_close(storage["dones"], expected)
+    torch.testing.assert_close(storage["terminals"], torch.zeros(50, 3) if bootstrap else expected)
+    assert float(stats["n_done"]) == 3 and float(stats["sum_co2_kg"]) > 0
+    assert torch.isfinite(storage["rewards"]).all() and torch.isfinite(storage["obs"]).all()
+
+
+def test_optimizer_choice():
+    a2c = load_a2c()
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    lr = torch.tensor(7e-4)
+    rms = a2c.make_optimizer(params, "rmsprop", lr, alpha=0.99, eps=1e-5)
+    assert isinstance(rms, torch.optim.RMSprop)
+    group = rms.param_groups[0]
+    assert group["alpha"] == 0.99 and group["eps"] == 1e-5 and not group["centered"] and group["momentum"] == 0
+    adam = a2c.make_optimizer(params, "adam", lr, eps=1e-5)
+    assert isinstance(adam, torch.optim.Adam) and adam.param_groups[0]["eps"] == 1e-5
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        a2c.make_optimizer(params, "sgd", lr)
+    defaults = a2c.Args()
+    assert (defaults.optimizer, defaults.rmsprop_alpha, defaults.optimizer_eps) == ("rmsprop", 0.99, 1e-5)
+    # the learning rate is a tensor annealed in place: the optimizer sees the new value
+    params[0].grad = torch.ones(3)
+    lr.fill_(0.0)
+    rms.step()
+    assert (params[0] == 0).all()
+    lr.fill_(1e-2)
+    rms.step()
+    assert (params[0] < 0).all()
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_update_takes_one_finite_step(amp):
+    a2c = load_a2c()
+    torch.manual_seed(0)
+    T, N, obs_dim = 5, 6, 7
+    agent = a2c.Agent(obs_dim, 2, 16)
+    opt = a2c.make_optimizer(agent.parameters(), "rmsprop", torch.tensor(1e-3))
+    before = [p.detach().clone() for p in agent.parameters()]
+    out = a2c.update(
+        agent, opt, torch.randn(T, N, obs_dim), torch.randn(T, N, 2), torch.randn(T, N), torch.randn(T, N),
+        torch.zeros(T, N), torch.zeros(T, N), torch.randn(N, obs_dim),
+        gamma=0.9, gae_lambda=1.0, vf_coef=0.5, ent_coef=0.01, max_grad_norm=0.5, norm_adv=True, amp=amp,
+    )  # fmt: skip
+    assert not out["bad"].any()
+    for key in ("value_loss", "policy_loss", "entropy", "grad_norm", "explained_variance"):
+        assert out[key].shape == () and torch.isfinite(out[key]), key
+    assert any(not torch.equal(b, p) for b, p in zip(before, agent.parameters()))
+
+
+def test_cudagraphs_needs_cuda():
+    a2c = load_a2c()
+    with pytest.raises(ValueError, match="needs CUDA"):
+        a2c.resolve_args(a2c.Args(cudagraphs=True), torch.device("cpu"))
+    args = a2c.resolve_args(a2c.Args(), torch.device("cpu"))
+    assert args.preset == "cpu" and args.num_envs == a2c.PRESETS["cpu"]["num_envs"]
+    args = a2c.resolve_args(a2c.Args(preset="gpu", num_envs=7), torch.device("cpu"))
+    assert args.num_envs == 7 and args.hidden_size == a2c.PRESETS["gpu"]["hidden_size"]
+
+
+@pytest.mark.slow
+def test_compile_smoke_on_cpu(site_toml, tmp_path):
+    proc = run_a2c(
+        "--site", str(site_toml), "--output-dir", str(tmp_path / "c"), "--total-timesteps", "384", "--compile",
+        "--amp", "--eval-split", "none", *TINY, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert np.isfinite(pd.read_parquet(tmp_path / "c" / "metrics.parquet").to_numpy(dtype=float)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flags", [["--cudagraphs"], ["--amp"], ["--cudagraphs", "--amp", "--optimizer", "adam"]])
+def test_speed_switches_on_cuda(site_toml, tmp_path, flags):
+    tiny_cuda = [a for a in TINY if a != "--no-cuda"]
+    proc = run_a2c(
+        "--site", str(site_toml), "--output-dir", str(tmp_path / "g"), "--total-timesteps", "384", *flags, *tiny_cuda,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "device=cuda" in proc.stdout
+    assert np.isfinite(pd.read_parquet(tmp_path / "g" / "metrics.parquet").to_numpy(dtype=float)).all()
+    assert (tmp_path / "g" / "policy.pt2").is_file()
