@@ -1,0 +1,263 @@
+"""``algos/dqn.py``: a tiny CPU training run on a synthetic site, ``--help``, and the pure pieces (epsilon
+schedule, TD target with and without double-Q, target update, replay-buffer wraparound, greedy hub policy)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_site, write_site
+
+from envs.evhub import EVHubVectorEnv, discrete_action_table
+from envs.kpis import evaluate_policy, load_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "algos" / "dqn.py"
+
+TINY = [
+    "--num-envs", "4",
+    "--num-steps", "2",
+    "--gradient-steps", "2",
+    "--batch-size", "32",
+    "--buffer-size", "100",  # smaller than the run: the buffer wraps around
+    "--learning-starts", "64",
+    "--target-network-frequency", "40",
+    "--hidden-size", "16",
+    "--log-every", "8",
+    "--checkpoint-every", "16",
+    "--no-cuda",
+]  # fmt: skip
+"""Tiny budget: 4 envs x 2 steps (8 env steps) and 2 gradient steps per iteration."""
+
+
+def load_dqn():
+    """Import ``algos/dqn.py`` as a module (the algos are scripts, not a package)."""
+    name = "algos_dqn_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_dqn(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def site_toml(tmp_path_factory) -> Path:
+    return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("run") / "dqn"
+    proc = run_dqn("--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "256", *TINY)
+    return out, proc
+
+
+def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained, site_toml):
+    out, proc = trained
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (out / "checkpoint.pt").is_file()
+
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [64, 128, 192, 256]  # 32 iterations of 8 steps, a row every 8
+    for col in ("global_step", "wall_s", "sps", "episodic_return", "episodic_co2_kg", "episodic_unserved_kwh",
+                "td_loss", "q_values", "epsilon", "learning_rate"):  # fmt: skip
+        assert col in metrics, col
+    # the episodes (48 steps, 4 envs) end at step 192: that row has finite episode statistics
+    ended = metrics[metrics.global_step == 192]
+    assert np.isfinite(ended.to_numpy(dtype=float)).all(), metrics.T
+    assert (ended.episodic_co2_kg > 0).all()
+    assert np.isfinite(metrics[["td_loss", "q_values", "epsilon", "sps"]].to_numpy()).all(), metrics.T
+    assert (metrics.epsilon.diff().dropna() <= 0).all()
+
+    policy = load_policy(out / "policy.pt2")
+    env = EVHubVectorEnv(5, site=str(site_toml), action_mode="hub")
+    obs, _ = env.reset(seed=0)
+    action = policy(obs, env)
+    assert action.shape == (5, 2)
+    table = discrete_action_table().float()
+    assert all(any(torch.equal(a, row) for row in table) for a in action)  # every action is a table row
+    program = torch.export.load(out / "policy.pt2").module()
+    assert program(torch.randn(1, obs.shape[1])).shape == (1, 2)  # dynamic batch dimension
+
+    kpi = pd.read_parquet(out / "eval_test.parquet")
+    assert kpi.controller.tolist() == ["dqn"] and kpi.split.tolist() == ["test"]
+    assert math.isfinite(kpi.co2_kg.iloc[0]) and kpi.co2_kg.iloc[0] > 0
+    assert kpi.env_steps.iloc[0] == 256
+    traces = pd.read_parquet(out / "eval_test_traces.parquet")
+    assert len(traces) == 7 * 24 and traces.co2_kg.sum() == pytest.approx(kpi.co2_kg.iloc[0])
+    assert "co2_kg" in proc.stdout
+
+
+def test_resume_continues_from_the_checkpoint(trained, site_toml):
+    out, first = trained
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = run_dqn(
+        "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "320", "--resume",
+        "--eval-split", "none", *TINY,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed" in proc.stdout and "global_step 256" in proc.stdout
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [64, 128, 192, 256, 320]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 320 and ckpt["iteration"] == 40
+
+
+def test_cudagraphs_on_cpu_stops_with_a_clear_error(site_toml, tmp_path):
+    proc = run_dqn("--site", str(site_toml), "--output-dir", str(tmp_path), "--cudagraphs", *TINY, timeout=60)
+    assert proc.returncode != 0 and "needs CUDA" in proc.stderr
+
+
+def test_help_documents_every_field():
+    dqn = load_dqn()
+    proc = run_dqn("--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for f in dataclasses.fields(dqn.Args):
+        assert f"--{f.name.replace('_', '-')}" in text, f.name
+    assert "the target network update rate" in text
+    assert "use the double-DQN target" in text
+    assert "continue from output_dir/checkpoint.pt" in text
+
+
+def test_epsilon_schedule_is_linear_then_constant():
+    dqn = load_dqn()
+    t = torch.tensor([0.0, 50.0, 100.0, 150.0, 1e9])
+    eps = dqn.linear_schedule(1.0, 0.1, 100, t)
+    torch.testing.assert_close(eps, torch.tensor([1.0, 0.55, 0.1, 0.1, 0.1]))
+    assert dqn.linear_schedule(1.0, 0.1, 100, torch.tensor(25.0)).shape == ()
+
+
+def test_td_target_plain_and_double_q():
+    dqn = load_dqn()
+    rewards = torch.tensor([1.0, -1.0])
+    dones = torch.tensor([0.0, 1.0])
+    next_q_target = torch.tensor([[1.0, 5.0, 2.0], [3.0, 0.0, 4.0]])
+    next_q_online = torch.tensor([[9.0, 0.0, 0.0], [0.0, 0.0, 1.0]])  # online prefers action 0 in row 0
+    gamma = 0.5
+    plain = dqn.td_target(rewards, dones, next_q_target, None, gamma)
+    # row 0: 1 + 0.5 * max(1, 5, 2) = 3.5; row 1: terminal, -1
+    torch.testing.assert_close(plain, torch.tensor([3.5, -1.0]))
+    double = dqn.td_target(rewards, dones, next_q_target, next_q_online, gamma)
+    # row 0: online argmax 0 -> target Q 1.0: 1 + 0.5 = 1.5; row 1: terminal, -1
+    torch.testing.assert_close(double, torch.tensor([1.5, -1.0]))
+
+
+def test_target_update_hard_and_polyak():
+    dqn = load_dqn()
+    online = dqn.QNetwork(4, 3, 8)
+    target = dqn.QNetwork(4, 3, 8)
+    online.obs_norm.mean.fill_(2.0)
+    before = [p.detach().clone() for p in target.parameters()]
+    dqn.target_update(target, online, 0.25)
+    for b, t, o in zip(before, target.parameters(), online.parameters()):
+        torch.testing.assert_close(t, 0.75 * b + 0.25 * o)
+    assert torch.equal(target.obs_norm.mean, online.obs_norm.mean)  # buffers are copied
+    dqn.target_update(target, online, 1.0)
+    for t, o in zip(target.parameters(), online.parameters()):
+        assert torch.equal(t, o)
+
+
+def test_replay_buffer_wraps_around():
+    dqn = load_dqn()
+    rb = dqn.make_replay_buffer(5, 2, torch.device("cpu"))
+    for k in range(3):  # 3 batches of 2: rows 0,1 | 2,3 | 4,0 (the 6th transition overwrites row 0)
+        ids = torch.tensor([2.0 * k, 2.0 * k + 1])
+        dqn.buffer_add(rb, ids[:, None].expand(2, 2), ids.long(), ids, ids[:, None].expand(2, 2) + 100, torch.zeros(2))
+    assert rb["pos"] == 1 and rb["count"] == 5 and float(rb["count_t"]) == 5
+    assert rb["actions"].tolist() == [5, 1, 2, 3, 4]
+    assert rb["next_obs"][:, 0].tolist() == [105.0, 101.0, 102.0, 103.0, 104.0]
+    obs, actions, rewards, next_obs, dones = dqn.buffer_sample(rb, 1000)
+    assert set(actions.tolist()) == {1, 2, 3, 4, 5}  # only filled rows, all of them
+    torch.testing.assert_close(obs[:, 0], actions.float())
+    torch.testing.assert_close(next_obs[:, 0], rewards + 100)
+    with pytest.raises(ValueError, match="buffer_size"):
+        dqn.buffer_add(rb, torch.zeros(6, 2), torch.zeros(6), torch.zeros(6), torch.zeros(6, 2), torch.zeros(6))
+
+
+def test_act_is_greedy_at_epsilon_zero_and_random_at_one():
+    dqn = load_dqn()
+    torch.manual_seed(0)
+    qnet = dqn.QNetwork(4, 15, 8, norm_obs=False)
+    obs = torch.randn(2000, 4)
+    greedy = qnet(obs).argmax(1)
+    assert torch.equal(dqn.act(qnet, obs, torch.tensor(0.0)), greedy)
+    rand = dqn.act(qnet, obs, torch.tensor(1.0))
+    assert rand.min() >= 0 and rand.max() <= 14 and len(set(rand.tolist())) == 15
+
+
+def test_greedy_hub_policy_equals_the_discrete_env(site):
+    """The exported hub action, run in the hub mode, reproduces the discrete env stepped with the argmax index."""
+    dqn = load_dqn()
+    torch.manual_seed(0)
+    n = 4
+    hub = EVHubVectorEnv(n, site=site, action_mode="hub", dtype=torch.float64)
+    disc = EVHubVectorEnv(n, site=site, action_mode="discrete", dtype=torch.float64)
+    qnet = dqn.QNetwork(hub.single_observation_space.shape[0], 15, 16, norm_obs=False)
+    policy = dqn.GreedyHubPolicy(qnet, discrete_action_table())
+    starts = [0, 30, 60, 90]
+    o1, _ = hub.reset(options={"start_steps": starts})
+    o2, _ = disc.reset(options={"start_steps": starts})
+    for _ in range(48):
+        a_hub = policy(o1.float()).clamp(-1, 1).double()  # what envs.kpis.load_policy does
+        o1, r1, _, _, _ = hub.step(a_hub)
+        o2, r2, _, _, _ = disc.step(qnet(o2.float()).argmax(1))
+        assert torch.equal(o1, o2) and torch.equal(r1, r2)
+    row, _ = evaluate_policy(lambda obs, env: policy(obs.float()).to(obs.dtype), site, "test", "dqn", "hub")
+    assert row.co2_kg.iloc[0] > 0
+
+
+def test_compile_and_amp_smoke_on_cpu(site_toml, tmp_path):
+    """``--compile`` (about 30 s of compilation on 2 CPU cores) together with ``--amp`` (bf16 autocast on CPU)."""
+    proc = run_dqn(
+        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "128", "--compile", "--amp",
+        "--eval-split", "none", *TINY, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "policy.pt2").is_file()
+    metrics = pd.read_parquet(tmp_path / "metrics.parquet")
+    assert np.isfinite(metrics.td_loss.iloc[-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flags", [["--cudagraphs"], ["--amp"], ["--cudagraphs", "--amp"]])
+def test_gpu_switches(site_toml, tmp_path, flags):
+    tiny_gpu = [a for a in TINY if a != "--no-cuda"]
+    proc = run_dqn(
+        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "256", *flags, *tiny_gpu,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = pd.read_parquet(tmp_path / "metrics.parquet")
+    assert np.isfinite(metrics[["td_loss", "q_values"]].to_numpy()).all()
+    kpi = pd.read_parquet(tmp_path / "eval_test.parquet")
+    assert kpi.co2_kg.iloc[0] > 0
+
+
+def test_non_finite_loss_stops_without_exporting(site_toml, tmp_path):
+    # an infinite learning rate turns the weights into inf/NaN after the first optimizer step
+    proc = run_dqn(
+        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "128", "--learning-rate", "inf",
+        *TINY,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "NonFiniteLossError" in proc.stderr and "td_loss" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "policy.pt2").exists()
