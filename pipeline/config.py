@@ -15,7 +15,7 @@ from pathlib import Path
 from envs.site import load_config
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-ALGOS = ("ppo",)
+ALGOS = ("ppo", "sac", "a2c", "dqn")
 """Agents the pipeline knows how to train (one ``algos/<name>.py`` script each)."""
 SPLITS = ("train", "test")
 

@@ -1,0 +1,878 @@
+"""Soft Actor-Critic for continuous actions on ``EVHub-v0``, CleanRL style: one file, everything on one device.
+
+Twin Q networks with Polyak-averaged target copies, a tanh-squashed Gaussian actor, and automatic entropy
+tuning (``log_alpha`` with target entropy ``-act_dim``). Each iteration steps ``num_envs`` env copies once,
+writes their transitions into a replay buffer preallocated on the training device (circular tensors,
+sampled with ``torch.randint`` on the device) and then takes ``gradient_steps`` gradient steps, so the
+update-to-data ratio is ``gradient_steps / num_envs``. Episode statistics are summed on the device; the host
+reads numbers back only every ``log_every`` iterations.
+
+The hot paths (:func:`sample_action`, :func:`update_critic`, :func:`update_actor`, :func:`soft_update`) are
+plain functions; ``--compile`` rebinds them once with ``torch.compile`` and ``--cudagraphs`` once more with a
+CUDA-graph replay (:class:`CudaGraphFn`), LeanRL-style. ``--amp`` runs the network forward passes under
+bf16 autocast.
+
+The site never terminates (episodes end by time limit only, and the env resets in the same step), so by
+default the truncation is treated as non-terminal: the target bootstraps into the next window.
+
+Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device)::
+
+    python algos/sac.py
+    python algos/sac.py --preset cpu --site path/to/site.toml --total-timesteps 200000 --seed 2
+    tensorboard --logdir outputs/
+
+Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
+(networks, optimizers, counters, RNG and env state, optionally the replay buffer; ``--resume`` continues from
+it), ``policy.pt2`` (the deterministic actor ``tanh(mean)`` as a ``torch.export`` program: obs float32
+``(B, obs_dim)`` -> action in [-1, 1] ``(B, act_dim)``), and the deterministic evaluation over ``eval_split``:
+``eval_{split}.parquet`` (one KPI row, controller ``"sac"``) and ``eval_{split}_traces.parquet``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+try:
+    import envs
+except ModuleNotFoundError:  # run as `python algos/sac.py` from a checkout that is not pip-installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import envs
+from envs.kpis import evaluate_policy, write_parquet
+
+PRESETS = {
+    # 2 CPU cores: a few dozen envs, a small net, a few gradient steps per iteration; 2.5 to 4 minutes
+    # on the caltech site, evaluation included
+    "cpu": {
+        "num_envs": 32,
+        "total_timesteps": 300_000,
+        "buffer_size": 300_000,
+        "batch_size": 256,
+        "gradient_steps": 4,
+        "learning_starts": 5_000,
+        "hidden_size": 128,
+        "log_every": 168,
+        "threads": 1,
+    },
+    # one GPU: hundreds of envs, wide batches and nets, more gradient steps per iteration
+    "gpu": {
+        "num_envs": 256,
+        "total_timesteps": 5_000_000,
+        "buffer_size": 2_000_000,
+        "batch_size": 2048,
+        "gradient_steps": 8,
+        "learning_starts": 25_600,
+        "hidden_size": 256,
+        "log_every": 168,
+        "threads": 0,
+    },
+}
+"""Values per preset for the fields left at ``None``; any of them can be set on the command line."""
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment (part of the default output folder)"""
+    seed: int = 1
+    """seed of the experiment (Python, NumPy, torch and the env's window draws)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, use CUDA when it is available (agent, env and replay buffer on the same device)"""
+    preset: str = "auto"
+    """default values of the fields left unset: 'cpu', 'gpu' or 'auto' (by the device)"""
+    env_id: str = "EVHub-v0"
+    """the id of the environment"""
+    site: str = "caltech"
+    """site to train on: a shipped site name or a path to a site TOML file"""
+    action_mode: str = "hub"
+    """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket); SAC needs continuous actions"""
+    total_timesteps: int | None = None
+    """total env steps of the experiment (None: preset, 300,000 cpu, 5,000,000 gpu)"""
+    num_envs: int | None = None
+    """the number of parallel env copies stepped per iteration (None: preset, 32 cpu, 256 gpu)"""
+    buffer_size: int | None = None
+    """the replay memory buffer size, in transitions (None: preset, 300,000 cpu, 2,000,000 gpu)"""
+    gamma: float = 0.9
+    """the discount factor gamma (0.9: a horizon of about ten hourly steps, enough to carry noon PV to the evening;
+    on caltech 0.9 evaluated better than 0.95, 0.98 and 0.8 within the CPU budget)"""
+    tau: float = 0.005
+    """target smoothing coefficient (Polyak averaging: target <- (1 - tau) * target + tau * online)"""
+    batch_size: int | None = None
+    """the batch size of a sample from the replay memory (None: preset, 256 cpu, 2048 gpu)"""
+    learning_starts: int | None = None
+    """env steps of uniform random actions before learning starts (None: preset, 5,000 cpu, 25,600 gpu)"""
+    gradient_steps: int | None = None
+    """gradient steps per iteration of num_envs env steps (update-to-data ratio gradient_steps / num_envs;
+    None: preset, 4 cpu, 8 gpu)"""
+    policy_lr: float = 3e-4
+    """the learning rate of the policy network optimizer"""
+    q_lr: float = 1e-3
+    """the learning rate of the Q network optimizer"""
+    policy_frequency: int = 2
+    """the frequency of training the policy (delayed), in gradient steps; the policy then takes that many steps"""
+    target_network_frequency: int = 1
+    """the frequency of updates for the target networks, in gradient steps"""
+    alpha: float = 0.2
+    """entropy regularization coefficient (initial value when autotune is on)"""
+    autotune: bool = True
+    """automatic tuning of the entropy coefficient (target entropy = -act_dim)"""
+    hidden_size: int | None = None
+    """width of the two hidden layers of actor and critics (None: preset, 128 cpu, 256 gpu)"""
+    reward_scale: float = 1.0
+    """constant factor on the env reward before it enters the replay buffer (statistics use the raw reward)"""
+    socket_features: bool | None = None
+    """feed the per-socket observations to the networks (None: only in 'socket' mode; in 'hub' mode the site
+    aggregates (energy needed, deadline floor and cap power) carry what the hub action needs, at a fraction of
+    the cost of the first layers)"""
+    weekday_features: bool = False
+    """feed the day-of-week features (sin/cos) to the networks (off: the policy reads the EV demand from the
+    sockets instead of learning the weekday pattern of the training year, which transfers worse to other years)"""
+    bootstrap_truncation: bool = True
+    """treat the time-limit truncation as non-terminal (the site never terminates): bootstrap through the
+    autoreset into the next window; False treats it as terminal"""
+    compile: bool = False
+    """torch.compile the action sampling, the critic and actor updates and the target update"""
+    cudagraphs: bool = False
+    """capture the action sampling and the updates in CUDA graphs (needs CUDA; capturable Adam, tensor learning rates)"""
+    amp: bool = False
+    """bf16 autocast of the network forward passes (losses and optimizer state stay float32)"""
+    threads: int | None = None
+    """torch intra-op CPU threads (None: preset, 1 cpu: these small nets run fastest on one thread; 0: torch's default)"""
+    log_every: int | None = None
+    """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar; None: preset,
+    168: one caltech episode, so every log sees the envs' episodes end)"""
+    output_dir: str | None = None
+    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed})"""
+    checkpoint_every: int = 0
+    """iterations between checkpoints (0: only at the end)"""
+    save_buffer: bool = False
+    """also store the replay buffer in the checkpoint (large); without it a resumed run refills the buffer
+    for learning_starts steps with the current policy before updating again"""
+    resume: bool = False
+    """continue from output_dir/checkpoint.pt (networks, optimizers, counters, RNG and env state)"""
+    eval_split: str = "test"
+    """split for the final deterministic evaluation ('none' skips it)"""
+
+    # filled in at runtime
+    num_iterations: int = 0
+    """the number of iterations (computed in runtime: total_timesteps // num_envs)"""
+
+
+OBS_WEEKDAY = (2, 3)
+"""Indices of the day-of-week features (sin, cos) in EVHub-v0's observation."""
+
+LOSS_NAMES = ("qf_loss", "actor_loss", "alpha_loss")
+"""Quantities checked for finiteness after each update, in the order of the ``bad`` flags."""
+
+ENV_STATE = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left")
+"""EVHubVectorEnv state tensors saved in the checkpoint, so that ``--resume`` continues the same episodes."""
+
+LOG_STD_MAX = 2.0
+LOG_STD_MIN = -5.0
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss became NaN or infinite; training stops, the last checkpoint is kept."""
+
+
+# ---------------------------------------------------------------------------------------------- pure pieces
+def squashed_gaussian_sample(
+    mean: torch.Tensor, log_std: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reparameterised sample of ``tanh(N(mean, exp(log_std)))`` from standard-normal ``noise``.
+
+    Returns:
+        ``(action, log_prob)``: action in (-1, 1) ``(B, act_dim)`` and its log-density ``(B,)``, the Gaussian
+        log-density minus the tanh change of variables ``sum log(1 - tanh(u)^2)``, written in the stable form
+        ``2 * (log 2 - u - softplus(-2u))``.
+    """
+    std = log_std.exp()
+    u = mean + std * noise
+    gauss = (-0.5 * noise.square() - log_std - 0.5 * math.log(2.0 * math.pi)).sum(-1)
+    log_det = (2.0 * (math.log(2.0) - u - F.softplus(-2.0 * u))).sum(-1)
+    return torch.tanh(u), gauss - log_det
+
+
+@torch.no_grad()
+def soft_update(target: list[torch.Tensor], source: list[torch.Tensor], tau: float) -> None:
+    """Polyak averaging in place: ``target <- (1 - tau) * target + tau * source`` for each pair of tensors."""
+    torch._foreach_lerp_(target, source, tau)
+
+
+class ReplayBuffer:
+    """Circular replay memory of preallocated tensors on ``device``.
+
+    ``add`` writes a batch of ``n`` transitions at the write position (wrapping around past the end, where
+    they overwrite the oldest rows); ``sample`` draws rows uniformly with replacement among the filled ones.
+    The write position and fill level are host integers that advance by known amounts, so neither reads
+    anything back from the device.
+    """
+
+    FIELDS = ("obs", "actions", "rewards", "next_obs", "dones")
+
+    def __init__(self, capacity: int, obs_dim: int, act_dim: int, device: torch.device, dtype=torch.float32):
+        self.capacity, self.device = int(capacity), torch.device(device)
+        z = lambda *s: torch.zeros(self.capacity, *s, device=device, dtype=dtype)  # noqa: E731
+        self.data = {"obs": z(obs_dim), "actions": z(act_dim), "rewards": z(), "next_obs": z(obs_dim), "dones": z()}
+        self.pos, self.size = 0, 0
+
+    def add(self, obs, actions, rewards, next_obs, dones) -> None:
+        n = obs.shape[0]
+        if n > self.capacity:
+            raise ValueError(f"cannot add {n} transitions to a buffer of {self.capacity}")
+        idx = torch.arange(self.pos, self.pos + n, device=self.device) % self.capacity
+        for key, value in zip(self.FIELDS, (obs, actions, rewards, next_obs, dones)):
+            self.data[key].index_copy_(0, idx, value.to(self.data[key].dtype))
+        self.pos = (self.pos + n) % self.capacity
+        self.size = min(self.size + n, self.capacity)
+
+    def sample(self, batch_size: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        if self.size == 0:
+            raise ValueError("sample from an empty replay buffer")
+        idx = torch.randint(0, self.size, (batch_size,), device=self.device, generator=generator)
+        return {key: value.index_select(0, idx) for key, value in self.data.items()}
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "size": self.size, **{k: v[: self.size] for k, v in self.data.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        n = min(int(state["size"]), self.capacity)
+        for key in self.FIELDS:
+            self.data[key][:n].copy_(state[key][:n])
+        # a smaller buffer keeps the first rows and writes over them from the start
+        self.size = n
+        self.pos = int(state["pos"]) % self.capacity if n == int(state["size"]) else 0
+
+
+# ---------------------------------------------------------------------------------------------- networks
+class Select(nn.Module):
+    """Keeps the observation features listed in ``keep`` (the networks' inputs)."""
+
+    def __init__(self, keep: list[int]):
+        super().__init__()
+        self.register_buffer("keep", torch.as_tensor(keep, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(-1, self.keep)
+
+
+def mlp(n_in: int, hidden: int, n_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_out))
+
+
+class SoftQNetwork(nn.Module):
+    """Q(s, a): an MLP over the selected observation features and the action."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int, inputs: list[int]):
+        super().__init__()
+        self.select = Select(inputs) if len(inputs) < obs_dim else nn.Identity()
+        self.net = mlp(len(inputs) + act_dim, hidden, 1)
+
+    def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([self.select(obs), act.to(obs.dtype)], -1)).squeeze(-1)
+
+
+class Actor(nn.Module):
+    """Gaussian policy over the pre-squash action; ``log_std`` is state-dependent and squashed into
+    ``[LOG_STD_MIN, LOG_STD_MAX]``. The env's action box is [-1, 1], so tanh needs no rescaling."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int, inputs: list[int]):
+        super().__init__()
+        self.select = Select(inputs) if len(inputs) < obs_dim else nn.Identity()
+        self.trunk = nn.Sequential(nn.Linear(len(inputs), hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.fc_mean = nn.Linear(hidden, act_dim)
+        self.fc_logstd = nn.Linear(hidden, act_dim)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(self.select(obs))
+        log_std = torch.tanh(self.fc_logstd(h))
+        return self.fc_mean(h), LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1.0)
+
+    def get_action(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sampled action, its log-prob, deterministic action tanh(mean))``, all float32."""
+        mean, log_std = self(obs)
+        mean, log_std = mean.float(), log_std.float()
+        action, log_prob = squashed_gaussian_sample(mean, log_std, torch.randn_like(mean))
+        return action, log_prob, torch.tanh(mean)
+
+
+class DeterministicActor(nn.Module):
+    """The deterministic policy: raw obs float32 ``(B, obs_dim)`` -> ``tanh(mean)`` ``(B, act_dim)`` in [-1, 1]."""
+
+    def __init__(self, actor: Actor):
+        super().__init__()
+        self.actor = actor
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.actor(obs)[0])
+
+
+# ---------------------------------------------------------------------------------------------- hot paths
+def autocast(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def sample_action(actor: Actor, obs: torch.Tensor, amp: bool) -> torch.Tensor:
+    """A stochastic action of the current policy for each env (the exploration of the rollout)."""
+    with torch.no_grad(), autocast(obs.device, amp):
+        return actor.get_action(obs)[0]
+
+
+def update_critic(
+    obs: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    next_obs: torch.Tensor,
+    dones: torch.Tensor,
+    *,
+    actor: Actor,
+    qf1: SoftQNetwork,
+    qf2: SoftQNetwork,
+    qf1_target: SoftQNetwork,
+    qf2_target: SoftQNetwork,
+    log_alpha: torch.Tensor,
+    q_optimizer: torch.optim.Optimizer,
+    gamma: float,
+    amp: bool,
+) -> dict[str, torch.Tensor]:
+    """One gradient step of both Q networks on the soft Bellman target of the target networks."""
+    with torch.no_grad():
+        with autocast(obs.device, amp):
+            next_actions, next_log_pi, _ = actor.get_action(next_obs)
+            q1_next = qf1_target(next_obs, next_actions).float()
+            q2_next = qf2_target(next_obs, next_actions).float()
+        min_q_next = torch.minimum(q1_next, q2_next) - log_alpha.exp() * next_log_pi
+        target = rewards + (1.0 - dones) * gamma * min_q_next
+    with autocast(obs.device, amp):
+        q1 = qf1(obs, actions).float()
+        q2 = qf2(obs, actions).float()
+    qf1_loss = F.mse_loss(q1, target)
+    qf2_loss = F.mse_loss(q2, target)
+    qf_loss = qf1_loss + qf2_loss
+    q_optimizer.zero_grad(set_to_none=True)
+    params = [p for group in q_optimizer.param_groups for p in group["params"]]
+    torch.autograd.backward(qf_loss, inputs=params)
+    q_optimizer.step()
+    return {
+        "qf1_values": q1.detach().mean(),
+        "qf2_values": q2.detach().mean(),
+        "qf1_loss": qf1_loss.detach(),
+        "qf2_loss": qf2_loss.detach(),
+        "qf_loss": qf_loss.detach() / 2.0,
+        "bad": ~torch.isfinite(qf_loss.detach()),
+    }
+
+
+def update_actor(
+    obs: torch.Tensor,
+    *,
+    actor: Actor,
+    qf1: SoftQNetwork,
+    qf2: SoftQNetwork,
+    log_alpha: torch.Tensor,
+    actor_optimizer: torch.optim.Optimizer,
+    a_optimizer: torch.optim.Optimizer | None,
+    target_entropy: float,
+    amp: bool,
+) -> dict[str, torch.Tensor]:
+    """One gradient step of the actor (maximise min Q - alpha log pi) and, with autotune, of ``log_alpha``."""
+    with autocast(obs.device, amp):
+        pi, log_pi, _ = actor.get_action(obs)
+        min_q = torch.minimum(qf1(obs, pi), qf2(obs, pi)).float()
+    alpha = log_alpha.exp().detach()
+    actor_loss = (alpha * log_pi - min_q).mean()
+    actor_optimizer.zero_grad(set_to_none=True)
+    # gradients only into the actor: the critics' grads are left alone (they belong to the critic step)
+    torch.autograd.backward(actor_loss, inputs=list(actor.parameters()))
+    actor_optimizer.step()
+    if a_optimizer is not None:
+        alpha_loss = (-log_alpha.exp() * (log_pi.detach() + target_entropy)).mean()
+        a_optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(alpha_loss, inputs=[log_alpha])
+        a_optimizer.step()
+    else:
+        alpha_loss = torch.zeros((), device=obs.device)
+    return {
+        "actor_loss": actor_loss.detach(),
+        "alpha": log_alpha.detach().exp(),
+        "alpha_loss": alpha_loss.detach(),
+        "bad": ~torch.isfinite(torch.stack([actor_loss.detach(), alpha_loss.detach()])),
+    }
+
+
+def record_episode_stats(stats: dict, reward: torch.Tensor, info: dict, episode_end: torch.Tensor) -> None:
+    """Add one step to the per-env episode sums; fold the envs whose episode ended into the log sums."""
+    end = episode_end.to(torch.float64)
+    stats["ep_return"] += reward
+    stats["ep_co2_kg"] += info["co2_kg"]
+    stats["ep_unserved_kwh"] += info["unserved_kwh"]
+    stats["ep_length"] += 1.0
+    stats["n_done"] += end.sum()
+    for key in ("return", "co2_kg", "unserved_kwh", "length"):
+        stats[f"sum_{key}"] += (stats[f"ep_{key}"] * end).sum()
+        stats[f"ep_{key}"] *= 1.0 - end
+
+
+class CudaGraphFn:
+    """Replays ``fn`` as a CUDA graph: the first call warms ``fn`` up on a side stream (``warmup`` real calls),
+    captures one call on static copies of the arguments and replays it; later calls copy the arguments into
+    the static inputs and replay. The returned tensors are the static outputs, overwritten by the next call.
+    """
+
+    def __init__(self, fn, warmup: int = 3):
+        self.fn, self.warmup = fn, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, *args):
+        if self.graph is None:
+            self.static_in = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(self.warmup):
+                    self.fn(*self.static_in)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.static_out = self.fn(*self.static_in)
+        else:
+            for dst, src in zip(tree_flatten(self.static_in)[0], tree_flatten(args)[0]):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+        self.graph.replay()
+        return self.static_out
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def resolve_args(args: Args, device: torch.device) -> Args:
+    """Fill the fields left at ``None`` from the preset and compute the runtime sizes."""
+    name = args.preset.lower()
+    if name == "auto":
+        name = "gpu" if device.type == "cuda" else "cpu"
+    if name == "cuda":
+        name = "gpu"
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}: expected 'auto', 'cpu' or 'gpu'")
+    args.preset = name
+    for key, value in PRESETS[name].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.action_mode not in ("hub", "socket"):
+        raise ValueError(f"SAC needs continuous actions: action_mode 'hub' or 'socket', not {args.action_mode!r}")
+    if args.output_dir is None:
+        args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}")
+    if args.socket_features is None:
+        args.socket_features = args.action_mode == "socket"
+    args.num_iterations = max(1, args.total_timesteps // args.num_envs)
+    if args.buffer_size < args.num_envs:
+        raise ValueError(f"buffer_size={args.buffer_size} is smaller than num_envs={args.num_envs}")
+    return args
+
+
+def make_episode_stats(num_envs: int, device: torch.device) -> dict:
+    """Per-env running sums of the current episode and device sums over the episodes finished since the last log."""
+    z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float64)  # noqa: E731
+    return {
+        "ep_return": z(num_envs),
+        "ep_co2_kg": z(num_envs),
+        "ep_unserved_kwh": z(num_envs),
+        "ep_length": z(num_envs),
+        "n_done": z(()),
+        "sum_return": z(()),
+        "sum_co2_kg": z(()),
+        "sum_unserved_kwh": z(()),
+        "sum_length": z(()),
+    }
+
+
+def make_buffer(args: Args, obs_dim: int, act_dim: int, device: torch.device) -> ReplayBuffer:
+    """Allocate the replay buffer; on CUDA out-of-memory halve its size and retry, saying so."""
+    while True:
+        try:
+            return ReplayBuffer(args.buffer_size, obs_dim, act_dim, device)
+        except torch.OutOfMemoryError:
+            if args.buffer_size // 2 < max(args.num_envs, args.batch_size):
+                raise
+            torch.cuda.empty_cache()
+            print(f"CUDA out of memory for a replay buffer of {args.buffer_size:,}; retrying with {args.buffer_size // 2:,}", file=sys.stderr)
+            args.buffer_size //= 2
+
+
+def rng_state(env) -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "env_generator": env._generator.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(env, state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    env._generator.set_state(state["env_generator"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: Path, **payload) -> None:
+    """Write the checkpoint atomically (temporary file, then rename), so a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)
+
+
+def check_finite(bad_any: torch.Tensor, first_bad_step: torch.Tensor, ckpt: Path) -> None:
+    """Raise :class:`NonFiniteLossError` if any update produced a non-finite loss (one host sync)."""
+    step = int(first_bad_step)
+    if step >= 0:
+        names = [n for n, b in zip(LOSS_NAMES, bad_any.tolist()) if b]
+        kept = f"the last good checkpoint {ckpt} is left untouched" if ckpt.exists() else "no checkpoint was written"
+        raise NonFiniteLossError(f"non-finite {', '.join(names)} in the update at global_step {step}; training stopped, {kept}")
+
+
+def export_policy(actor: Actor, obs_dim: int, out_dir: Path) -> Path:
+    """Save the deterministic actor (``torch.export`` with a dynamic batch to ``policy.pt2``; TorchScript
+    ``policy.pt`` if export fails). Returns the written path."""
+    module = DeterministicActor(copy.deepcopy(actor)).cpu().float().eval()
+    example = torch.zeros(2, obs_dim)
+    try:
+        batch = torch.export.Dim("batch", min=1)
+        program = torch.export.export(module, (example,), dynamic_shapes={"obs": {0: batch}})
+        path = out_dir / "policy.pt2"
+        torch.export.save(program, path)
+    except Exception as exc:  # noqa: BLE001 - any export failure falls back to TorchScript
+        print(f"torch.export failed ({type(exc).__name__}: {exc}); saving a TorchScript trace instead", file=sys.stderr)
+        path = out_dir / "policy.pt"
+        torch.jit.trace(module, example).save(str(path))
+    return path
+
+
+LOSS_KEYS = ("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss", "actor_loss", "alpha", "alpha_loss")
+"""Columns of metrics.parquet / ``losses/*`` scalars (NaN before learning starts)."""
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(args: Args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.cudagraphs and device.type != "cuda":
+        raise SystemExit("--cudagraphs needs CUDA (no CUDA device is available or --no-cuda was given)")
+    args = resolve_args(args, device)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "checkpoint.pt"
+    if args.resume and not ckpt_path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+    site = envs.load_site(args.site)
+    env = gym.make_vec(
+        args.env_id,
+        num_envs=args.num_envs,
+        vectorization_mode="vector_entry_point",
+        site=site,
+        split="train",
+        action_mode=args.action_mode,
+        device=device,
+    )
+    env = getattr(env, "unwrapped", env)
+    obs_dim = int(np.prod(env.single_observation_space.shape))
+    act_dim = int(np.prod(env.single_action_space.shape))
+
+    inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
+    if not args.weekday_features:
+        inputs = [i for i in inputs if i not in OBS_WEEKDAY]
+    actor = Actor(obs_dim, act_dim, args.hidden_size, inputs).to(device)
+    qf1 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
+    qf2 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
+    qf1_target, qf2_target = copy.deepcopy(qf1), copy.deepcopy(qf2)
+    for p in [*qf1_target.parameters(), *qf2_target.parameters()]:
+        p.requires_grad_(False)
+    log_alpha = torch.full((), math.log(args.alpha), device=device, requires_grad=args.autotune)
+    target_entropy = -float(act_dim)
+
+    def lr(value: float):  # a device tensor under CUDA graphs, so a change of it needs no re-capture
+        return torch.tensor(value, device=device) if args.cudagraphs else value
+
+    adam = functools.partial(torch.optim.Adam, capturable=args.cudagraphs)
+    q_optimizer = adam([*qf1.parameters(), *qf2.parameters()], lr=lr(args.q_lr))
+    actor_optimizer = adam(list(actor.parameters()), lr=lr(args.policy_lr))
+    a_optimizer = adam([log_alpha], lr=lr(args.q_lr)) if args.autotune else None
+    rb = make_buffer(args, obs_dim, act_dim, device)
+    stats = make_episode_stats(args.num_envs, device)
+
+    obs, _ = env.reset(seed=args.seed)
+    obs = obs.to(torch.float32)
+    global_step, start_iteration, train_wall_prev, n_updates = 0, 1, 0.0, 0
+    rows: list[dict] = []
+    if args.resume:
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own file
+        for name, module in (("actor", actor), ("qf1", qf1), ("qf2", qf2), ("qf1_target", qf1_target), ("qf2_target", qf2_target)):
+            module.load_state_dict(ckpt[name])
+        with torch.no_grad():
+            log_alpha.copy_(ckpt["log_alpha"])
+        q_optimizer.load_state_dict(ckpt["q_optimizer"])
+        actor_optimizer.load_state_dict(ckpt["actor_optimizer"])
+        if a_optimizer is not None and ckpt.get("a_optimizer") is not None:
+            a_optimizer.load_state_dict(ckpt["a_optimizer"])
+        for opt, value in ((q_optimizer, args.q_lr), (actor_optimizer, args.policy_lr), (a_optimizer, args.q_lr)):
+            for group in [] if opt is None else opt.param_groups:  # the command line's learning rates win
+                group["lr"] = lr(value)
+        global_step, start_iteration = int(ckpt["global_step"]), int(ckpt["iteration"]) + 1
+        n_updates = int(ckpt.get("n_updates", 0))
+        train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
+        set_rng_state(env, ckpt["rng"])
+        if ckpt.get("replay_buffer") is not None:
+            rb.load_state_dict(ckpt["replay_buffer"])
+        if ckpt.get("num_envs") == args.num_envs:
+            for name, value in ckpt["env_state"].items():
+                setattr(env, name, value.to(device))
+            obs = ckpt["obs"].to(device)
+            for key, value in ckpt["episode_stats"].items():
+                stats[key].copy_(value)
+        else:
+            print(f"resume: num_envs changed ({ckpt.get('num_envs')} -> {args.num_envs}); envs start new episodes")
+        if (out_dir / "metrics.parquet").is_file():
+            old = pd.read_parquet(out_dir / "metrics.parquet")
+            rows = old[old.global_step <= global_step].to_dict("records")
+        print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}, buffer {rb.size:,} rows")
+    # updates begin once the buffer holds learning_starts rows (a resumed run without its buffer refills it)
+    updates_from_step = global_step + max(0, args.learning_starts - rb.size) if args.resume else args.learning_starts
+
+    # the hot paths, bound once; --compile and --cudagraphs rebind the same names
+    policy_step = functools.partial(sample_action, actor, amp=args.amp)
+    critic_step = functools.partial(
+        update_critic,
+        actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target, log_alpha=log_alpha,
+        q_optimizer=q_optimizer, gamma=args.gamma, amp=args.amp,
+    )  # fmt: skip
+    actor_step = functools.partial(
+        update_actor,
+        actor=actor, qf1=qf1, qf2=qf2, log_alpha=log_alpha, actor_optimizer=actor_optimizer,
+        a_optimizer=a_optimizer, target_entropy=target_entropy, amp=args.amp,
+    )  # fmt: skip
+    q_params = [*qf1.parameters(), *qf2.parameters()]
+    q_target_params = [*qf1_target.parameters(), *qf2_target.parameters()]
+    target_step = functools.partial(soft_update, q_target_params, q_params, args.tau)
+    if args.compile:
+        policy_step = torch.compile(policy_step)
+        critic_step = torch.compile(critic_step)
+        actor_step = torch.compile(actor_step)
+        target_step = torch.compile(target_step)
+    if args.cudagraphs:
+        policy_step = CudaGraphFn(policy_step)
+        critic_step = CudaGraphFn(critic_step)
+        actor_step = CudaGraphFn(actor_step)
+        target_step = CudaGraphFn(target_step)
+
+    writer = SummaryWriter(str(out_dir))
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items())),
+    )
+    print(
+        f"SAC on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
+        f"{args.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD {args.gradient_steps / args.num_envs:.3g}), "
+        f"batch {args.batch_size}, buffer {args.buffer_size:,}, {args.num_iterations} iterations, "
+        f"{args.total_timesteps:,} steps; output {out_dir}"
+    )
+    print("args: " + ", ".join(f"{k}={v}" for k, v in vars(args).items()), flush=True)
+
+    def checkpoint(iteration: int, train_wall: float) -> None:
+        check_finite(bad_any, first_bad_step, ckpt_path)
+        save_checkpoint(
+            ckpt_path,
+            actor=actor.state_dict(),
+            qf1=qf1.state_dict(),
+            qf2=qf2.state_dict(),
+            qf1_target=qf1_target.state_dict(),
+            qf2_target=qf2_target.state_dict(),
+            log_alpha=log_alpha.detach(),
+            q_optimizer=q_optimizer.state_dict(),
+            actor_optimizer=actor_optimizer.state_dict(),
+            a_optimizer=None if a_optimizer is None else a_optimizer.state_dict(),
+            global_step=global_step,
+            iteration=iteration,
+            n_updates=n_updates,
+            train_wall_s=train_wall,
+            args=dataclasses.asdict(args),
+            num_envs=args.num_envs,
+            rng=rng_state(env),
+            env_state={name: getattr(env, name) for name in ENV_STATE},
+            obs=obs,
+            episode_stats=stats,
+            replay_buffer=rb.state_dict() if args.save_buffer else None,
+        )
+
+    bad_any = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
+    first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+    out_q: dict = {}
+    out_pi: dict = {}
+    start_time = time.perf_counter()
+    session_start_step = global_step
+    sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
+    iteration = start_iteration - 1
+    bar = tqdm(
+        range(start_iteration, args.num_iterations + 1),
+        initial=start_iteration - 1,
+        total=args.num_iterations,
+        disable=not sys.stderr.isatty(),
+        desc="sac",
+    )
+    try:
+        for iteration in bar:
+            # ---- act: uniform random actions before learning starts, then the stochastic policy
+            if global_step < args.learning_starts:
+                actions = torch.rand(args.num_envs, act_dim, device=device) * 2.0 - 1.0
+            else:
+                actions = policy_step(obs)
+            next_obs, reward, terminated, truncated, info = env.step(actions)
+            next_obs = next_obs.to(torch.float32)
+            reward = reward.to(torch.float32)
+            dones = terminated if args.bootstrap_truncation else terminated | truncated
+            rb.add(obs, actions, reward * args.reward_scale, next_obs, dones.to(torch.float32))
+            record_episode_stats(stats, reward, info, terminated | truncated)
+            obs = next_obs
+            global_step += args.num_envs
+
+            # ---- learn: gradient_steps updates on uniform samples of the replay buffer
+            if global_step >= updates_from_step:
+                for _ in range(args.gradient_steps):
+                    data = rb.sample(args.batch_size)
+                    out_q = critic_step(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
+                    bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
+                    bad[0] = out_q["bad"]
+                    n_updates += 1
+                    if n_updates % args.policy_frequency == 0:  # delayed policy updates, TD3-style
+                        for _ in range(args.policy_frequency):
+                            out_pi = actor_step(data["obs"])
+                            bad[1:] |= out_pi["bad"]
+                    if n_updates % args.target_network_frequency == 0:
+                        target_step()
+                    first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
+                    bad_any |= bad
+
+            last = iteration == args.num_iterations
+            if iteration % args.log_every == 0 or last:
+                check_finite(bad_any, first_bad_step, ckpt_path)  # host sync
+                losses = {k: float(out_q[k]) if k in out_q else math.nan for k in LOSS_KEYS[:5]}
+                losses.update({k: float(out_pi[k]) if k in out_pi else math.nan for k in LOSS_KEYS[5:]})
+                n_done = float(stats["n_done"])
+                ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done else math.nan for k in ("return", "co2_kg", "unserved_kwh", "length")}
+                for key in ("n_done", "sum_return", "sum_co2_kg", "sum_unserved_kwh", "sum_length"):
+                    stats[key].zero_()
+                wall = time.perf_counter() - start_time
+                sps = (global_step - session_start_step) / max(wall, 1e-9)
+                if n_done:
+                    writer.add_scalar("charts/episodic_return", ep["return"], global_step)
+                    writer.add_scalar("charts/episodic_length", ep["length"], global_step)
+                    writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
+                    writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                if out_q:
+                    for key in LOSS_KEYS:
+                        if math.isfinite(losses[key]):
+                            writer.add_scalar(f"losses/{key}", losses[key], global_step)
+                writer.add_scalar("charts/SPS", int(sps), global_step)
+                rows.append(
+                    {
+                        "global_step": global_step,
+                        "wall_s": train_wall_prev + wall,
+                        "sps": sps,
+                        "episodic_return": ep["return"],
+                        "episodic_co2_kg": ep["co2_kg"],
+                        "episodic_unserved_kwh": ep["unserved_kwh"],
+                        **losses,
+                        "learning_rate": args.q_lr,
+                        "policy_lr": args.policy_lr,
+                        "gradient_steps": n_updates,
+                    }
+                )
+                write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
+                bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", refresh=False)
+                if (bar.disable and (iteration // args.log_every) % max(1, args.num_iterations // args.log_every // 10) == 0) or last:
+                    print(
+                        f"iter {iteration}/{args.num_iterations} step {global_step} SPS {int(sps)} "
+                        f"return {ep['return']:.2f} co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} "
+                        f"qf_loss {losses['qf_loss']:.4f} q1 {losses['qf1_values']:.2f} alpha {losses['alpha']:.4f}",
+                        flush=True,
+                    )
+            if args.checkpoint_every and iteration % args.checkpoint_every == 0 and not last:
+                checkpoint(iteration, train_wall_prev + time.perf_counter() - start_time)
+    except NonFiniteLossError:
+        writer.close()
+        bar.close()
+        raise
+    bar.close()
+
+    train_wall = train_wall_prev + time.perf_counter() - start_time
+    checkpoint(iteration, train_wall)
+    policy_path = export_policy(actor, obs_dim, out_dir)
+    print(f"training: {global_step:,} steps, {n_updates:,} gradient steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
+
+    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
+    if args.eval_split.lower() != "none":
+        deterministic = DeterministicActor(actor).eval()
+
+        def policy(obs_: torch.Tensor, env_) -> torch.Tensor:
+            with torch.no_grad():
+                return deterministic(obs_.float()).to(obs_.dtype)
+
+        row, traces = evaluate_policy(
+            policy,
+            site,
+            args.eval_split,
+            "sac",
+            args.action_mode,
+            device,
+            train_wall_s=train_wall,
+            env_steps=float(global_step),
+            steps_per_s=sps,
+        )
+        write_parquet(row, out_dir / f"eval_{args.eval_split}.parquet")
+        write_parquet(traces, out_dir / f"eval_{args.eval_split}_traces.parquet")
+        kpis = row.iloc[0]
+        print(f"deterministic evaluation on the {args.eval_split} split:")
+        for key in ("co2_kg", "grid_import_kwh", "pv_self_consumption_pct", "ev_energy_served_pct", "unserved_kwh", "peak_import_kw"):
+            print(f"  {key:<26} {kpis[key]:.2f}")
+            writer.add_scalar(f"eval/{key}", float(kpis[key]), global_step)
+        result["eval"] = row
+    writer.close()
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,285 @@
+"""``algos/sac.py``: a tiny CPU training run on a synthetic site, resume, ``--help``, and the pure pieces
+(Polyak update, replay buffer, squashed-Gaussian log-prob)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_site, write_site
+
+from envs.kpis import load_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "algos" / "sac.py"
+
+TINY = [
+    "--preset", "cpu",
+    "--num-envs", "4",
+    "--hidden-size", "16",
+    "--batch-size", "32",
+    "--buffer-size", "500",
+    "--learning-starts", "64",
+    "--gradient-steps", "2",
+    "--log-every", "48",
+    "--checkpoint-every", "48",
+    "--no-cuda",
+]  # fmt: skip
+"""Tiny budget: 4 envs; a log every 48 iterations (one synthetic episode); learning from step 64."""
+
+
+def load_sac():
+    """Import ``algos/sac.py`` as a module (the algos are scripts, not a package)."""
+    name = "algos_sac_under_test"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_sac(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def site_toml(tmp_path_factory) -> Path:
+    return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("run") / "sac"
+    proc = run_sac("--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "384", *TINY)
+    return out, proc
+
+
+def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
+    out, proc = trained
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (out / "checkpoint.pt").is_file()
+    assert "preset=cpu" in proc.stdout and "batch_size=32" in proc.stdout  # the values are printed at start
+
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [192, 384]  # 4 envs x 48 iterations per log
+    assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
+    assert (metrics.episodic_co2_kg > 0).all()
+    for col in ("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss", "actor_loss", "alpha", "alpha_loss", "learning_rate"):
+        assert col in metrics, col
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("losses/qf1_values", "losses/qf_loss", "losses/actor_loss", "losses/alpha", "losses/alpha_loss", "charts/SPS", "charts/episodic_return", "charts/episodic_co2_kg", "charts/episodic_unserved_kwh"):
+        assert tag in tags, tag
+
+    policy = load_policy(out / "policy.pt2")
+    obs_dim = 17 + 3 * 6
+    for batch in (1, 5):  # dynamic batch dimension
+        action = policy(torch.randn(batch, obs_dim), None)
+        assert action.shape == (batch, 2)
+        assert (action.abs() <= 1.0).all()
+
+    kpi = pd.read_parquet(out / "eval_test.parquet")
+    assert kpi.controller.tolist() == ["sac"] and kpi.split.tolist() == ["test"]
+    assert math.isfinite(kpi.co2_kg.iloc[0]) and kpi.co2_kg.iloc[0] > 0
+    assert kpi.env_steps.iloc[0] == 384
+    traces = pd.read_parquet(out / "eval_test_traces.parquet")
+    assert len(traces) == 7 * 24 and "co2_kg" in traces
+    assert traces.co2_kg.sum() == pytest.approx(kpi.co2_kg.iloc[0])
+
+
+def test_resume_continues_from_the_checkpoint(trained, site_toml):
+    out, first = trained
+    assert first.returncode == 0, first.stderr[-3000:]
+    proc = run_sac(
+        "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "576", "--resume",
+        "--eval-split", "none", *TINY,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed" in proc.stdout and "global_step 384" in proc.stdout
+    assert list(pd.read_parquet(out / "metrics.parquet").global_step) == [192, 384, 576]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 576 and ckpt["iteration"] == 144
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(trained, site_toml, tmp_path):
+    out, first = trained
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "nan"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes())
+    before = (run / "checkpoint.pt").read_bytes()
+    step = torch.load(run / "checkpoint.pt", weights_only=False)["global_step"]
+    # an infinite learning rate turns the Q weights into inf/NaN after the first optimizer step
+    proc = run_sac(
+        "--site", str(site_toml), "--output-dir", str(run), "--total-timesteps", str(step + 192), "--resume",
+        "--q-lr", "inf", *TINY,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "NonFiniteLossError" in proc.stderr and "qf_loss" in proc.stderr, proc.stderr[-2000:]
+    assert (run / "checkpoint.pt").read_bytes() == before
+    assert not (run / "policy.pt2").exists()
+
+
+def test_help_documents_every_field():
+    sac = load_sac()
+    proc = run_sac("--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    for f in dataclasses.fields(sac.Args):
+        assert f"--{f.name.replace('_', '-')}" in text, f.name
+    assert "target smoothing coefficient" in text
+    assert "needs CUDA" in text
+
+
+def test_cudagraphs_on_cpu_stops_with_a_clear_error(tmp_path):
+    proc = run_sac("--no-cuda", "--cudagraphs", "--output-dir", str(tmp_path / "x"), timeout=60)
+    assert proc.returncode != 0
+    assert "needs CUDA" in proc.stderr
+
+
+def test_soft_update_is_polyak_averaging():
+    sac = load_sac()
+    torch.manual_seed(0)
+    target = [torch.randn(3, 4), torch.randn(5)]
+    source = [torch.randn(3, 4), torch.randn(5)]
+    expected = [0.9 * t + 0.1 * s for t, s in zip(target, source)]
+    sac.soft_update(target, source, 0.1)
+    for t, e in zip(target, expected):
+        torch.testing.assert_close(t, e)
+    sac.soft_update(target, source, 1.0)  # tau = 1 copies
+    for t, s in zip(target, source):
+        torch.testing.assert_close(t, s)
+
+
+def test_replay_buffer_wraps_around_and_samples_only_filled_rows():
+    sac = load_sac()
+    rb = sac.ReplayBuffer(5, obs_dim=2, act_dim=1, device=torch.device("cpu"))
+
+    def batch(start: int, n: int):
+        v = torch.arange(start, start + n, dtype=torch.float32)
+        return v[:, None].repeat(1, 2), v[:, None], v, v[:, None].repeat(1, 2) + 0.5, torch.zeros(n)
+
+    rb.add(*batch(1, 3))
+    assert (rb.pos, rb.size) == (3, 3)
+    gen = torch.Generator().manual_seed(0)
+    drawn = rb.sample(1000, generator=gen)
+    assert set(drawn["rewards"].tolist()) == {1.0, 2.0, 3.0}  # never the empty rows (zeros)
+    torch.testing.assert_close(drawn["obs"][:, 0], drawn["rewards"])  # fields of one row stay together
+    torch.testing.assert_close(drawn["next_obs"][:, 1], drawn["rewards"] + 0.5)
+
+    rb.add(*batch(4, 3))  # rows 4, 5 fill the end, 6 wraps to the front over 1
+    assert (rb.pos, rb.size) == (1, 5)
+    assert rb.data["rewards"].tolist() == [6.0, 2.0, 3.0, 4.0, 5.0]
+    rb.add(*batch(7, 5))  # a whole capacity at once, starting at pos 1
+    assert rb.data["rewards"].tolist() == [11.0, 7.0, 8.0, 9.0, 10.0]
+    assert set(rb.sample(1000, generator=gen)["rewards"].tolist()) == {7.0, 8.0, 9.0, 10.0, 11.0}
+
+    restored = sac.ReplayBuffer(5, obs_dim=2, act_dim=1, device=torch.device("cpu"))
+    restored.load_state_dict(rb.state_dict())
+    assert (restored.pos, restored.size) == (rb.pos, rb.size)
+    torch.testing.assert_close(restored.data["obs"], rb.data["obs"])
+    with pytest.raises(ValueError):
+        rb.add(*batch(0, 6))
+
+
+def test_squashed_gaussian_log_prob_matches_the_change_of_variables():
+    sac = load_sac()
+    from torch.distributions import Normal, TransformedDistribution
+    from torch.distributions.transforms import TanhTransform
+
+    torch.manual_seed(0)
+    mean = torch.randn(64, 3, dtype=torch.float64) * 2.0
+    log_std = torch.rand(64, 3, dtype=torch.float64) * 3.0 - 2.0
+    noise = torch.randn(64, 3, dtype=torch.float64)
+    action, log_prob = sac.squashed_gaussian_sample(mean, log_std, noise)
+    u = mean + log_std.exp() * noise
+    torch.testing.assert_close(action, torch.tanh(u))
+    # the naive formula, where it is still accurate
+    naive = Normal(mean, log_std.exp()).log_prob(u).sum(-1) - torch.log(1.0 - torch.tanh(u) ** 2).sum(-1)
+    torch.testing.assert_close(log_prob, naive, rtol=1e-6, atol=1e-6)
+    # torch's own tanh-transformed distribution, evaluated at the pre-image
+    dist = TransformedDistribution(Normal(mean, log_std.exp()), [TanhTransform()])
+    torch.testing.assert_close(log_prob, dist.log_prob(torch.tanh(u)).sum(-1), rtol=1e-4, atol=1e-4)
+    # stays finite where tanh saturates (|u| large: 1 - tanh(u)^2 underflows in the naive form)
+    a, lp = sac.squashed_gaussian_sample(torch.full((1, 2), 30.0), torch.zeros(1, 2), torch.zeros(1, 2))
+    assert torch.isfinite(lp).all() and (a <= 1.0).all()
+
+
+def test_actor_and_updates_run_and_move_the_parameters():
+    sac = load_sac()
+    torch.manual_seed(0)
+    obs_dim, act_dim, inputs = 7, 2, [0, 1, 4, 5, 6]
+    actor = sac.Actor(obs_dim, act_dim, 8, inputs)
+    qf1, qf2 = sac.SoftQNetwork(obs_dim, act_dim, 8, inputs), sac.SoftQNetwork(obs_dim, act_dim, 8, inputs)
+    qt1, qt2 = sac.SoftQNetwork(obs_dim, act_dim, 8, inputs), sac.SoftQNetwork(obs_dim, act_dim, 8, inputs)
+    log_alpha = torch.zeros((), requires_grad=True)
+    q_opt = torch.optim.Adam([*qf1.parameters(), *qf2.parameters()], lr=1e-2)
+    pi_opt = torch.optim.Adam(actor.parameters(), lr=1e-2)
+    a_opt = torch.optim.Adam([log_alpha], lr=1e-2)
+    obs, next_obs = torch.randn(16, obs_dim), torch.randn(16, obs_dim)
+    actions, rewards, dones = torch.rand(16, act_dim) * 2 - 1, torch.randn(16), torch.zeros(16)
+    q_before = [p.clone() for p in qf1.parameters()]
+    pi_before = [p.clone() for p in actor.parameters()]
+    out = sac.update_critic(
+        obs, actions, rewards, next_obs, dones, actor=actor, qf1=qf1, qf2=qf2, qf1_target=qt1, qf2_target=qt2,
+        log_alpha=log_alpha, q_optimizer=q_opt, gamma=0.9, amp=False,
+    )  # fmt: skip
+    assert not bool(out["bad"]) and all(torch.isfinite(out[k]) for k in ("qf1_values", "qf_loss"))
+    assert all(not torch.equal(a, b) for a, b in zip(q_before, qf1.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(pi_before, actor.parameters()))  # the critic step leaves the actor
+    q_after_critic = [p.clone() for p in qf1.parameters()]
+    out = sac.update_actor(
+        obs, actor=actor, qf1=qf1, qf2=qf2, log_alpha=log_alpha, actor_optimizer=pi_opt, a_optimizer=a_opt,
+        target_entropy=-float(act_dim), amp=False,
+    )  # fmt: skip
+    assert not bool(out["bad"].any())
+    assert all(torch.equal(a, b) for a, b in zip(q_after_critic, qf1.parameters()))  # the actor step leaves the critics
+    assert any(not torch.equal(a, b) for a, b in zip(pi_before, actor.parameters()))
+    assert float(log_alpha.detach()) != 0.0
+
+    deterministic = sac.DeterministicActor(actor)
+    action = deterministic(obs)
+    assert action.shape == (16, act_dim) and (action.abs() <= 1.0).all()
+    torch.testing.assert_close(action, actor.get_action(obs)[2])
+
+
+@pytest.mark.slow
+def test_compile_smoke_run_on_cpu(site_toml, tmp_path):
+    proc = run_sac(
+        "--site", str(site_toml), "--output-dir", str(tmp_path / "c"), "--total-timesteps", "384", "--compile",
+        "--eval-split", "none", *TINY, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert np.isfinite(pd.read_parquet(tmp_path / "c" / "metrics.parquet").to_numpy(dtype=float)).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flags", [["--cudagraphs"], ["--amp"], ["--cudagraphs", "--amp"]])
+def test_cuda_speed_switches(site_toml, tmp_path, flags):
+    args = [a for a in TINY if a != "--no-cuda"]
+    proc = run_sac(
+        "--site", str(site_toml), "--output-dir", str(tmp_path / "g"), "--total-timesteps", "384",
+        "--eval-split", "test", *args, *flags, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
+    assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
+    assert (tmp_path / "g" / "policy.pt2").is_file()
