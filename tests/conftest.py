@@ -106,3 +106,37 @@ def write_site(site: Site, folder):
     toml = folder / f"{raw['name']}.toml"
     toml.write_text("\n".join(lines) + "\n")
     return toml
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def load_algo(name: str):
+    """Import ``algos/<name>.py`` as a module (the algos are scripts, not a package)."""
+    import importlib.util
+    import sys
+
+    module_name = f"algos_{name}_under_test"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, ROOT / "algos" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+def run_algo(name: str, *args: str, timeout: float = 120):
+    """Run ``python algos/<name>.py *args`` in a subprocess (one BLAS thread); returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(ROOT / "algos" / f"{name}.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def site_toml(tmp_path_factory):
+    """A one-week synthetic site with 6 sockets written to disk, shared by the tests of one module."""
+    return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("site"))

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
+from functools import partial
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import make_site, write_site
+from conftest import load_algo, make_site, run_algo
 
 import envs
 from envs.kpis import evaluate_policy, load_policy
@@ -35,27 +33,8 @@ TINY = [
 """Tiny budget: 4 envs x 8 steps per update; a log row every 6 updates = 48 steps, one synthetic episode."""
 
 
-def load_a2c():
-    """Import ``algos/a2c.py`` as a module (the algos are scripts, not a package)."""
-    name = "algos_a2c_under_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def run_a2c(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-@pytest.fixture(scope="module")
-def site_toml(tmp_path_factory) -> Path:
-    return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("site"))
+load_a2c = partial(load_algo, "a2c")
+run_a2c = partial(run_algo, "a2c")
 
 
 @pytest.fixture(scope="module")

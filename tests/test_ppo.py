@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+from functools import partial
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import make_site, write_site
+from conftest import load_algo, run_algo
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "algos" / "ppo.py"
@@ -31,27 +29,8 @@ TINY = [
 """Tiny budget: 4 envs x 48 steps (one synthetic episode) per iteration."""
 
 
-def load_ppo():
-    """Import ``algos/ppo.py`` as a module (the algos are scripts, not a package)."""
-    name = "algos_ppo_under_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def run_ppo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-@pytest.fixture(scope="module")
-def site_toml(tmp_path_factory) -> Path:
-    return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("site"))
+load_ppo = partial(load_algo, "ppo")
+run_ppo = partial(run_algo, "ppo")
 
 
 @pytest.fixture(scope="module")
