@@ -244,11 +244,11 @@ class EVHubVectorEnv(VectorEnv):
             "bess_discharge_max_kw": ((self.energy_kwh - self._e_min) * b.eta_discharge / dt).clamp(0, b.power_kw),
         }
 
-    def _plug_in(self, mask: torch.Tensor) -> None:
-        """Connect the sessions arriving at the current step into free sockets (envs where ``mask``)."""
+    def _plug_in(self) -> None:
+        """Connect the sessions arriving at each env's current step into their sockets."""
         need = self._arrival_need.index_select(0, self.t)
         stay = self._arrival_stay.index_select(0, self.t)
-        arrive = (stay > 0) & mask[:, None]
+        arrive = stay > 0
         self.ev_need_kwh = torch.where(arrive, need, self.ev_need_kwh)
         self.ev_steps_left = torch.where(arrive, stay, self.ev_steps_left)
 
@@ -291,6 +291,7 @@ class EVHubVectorEnv(VectorEnv):
                 raise ValueError(f"start_steps must lie in [0, {last}] for episodes of {self.episode_steps} steps")
         all_envs = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
         self._reset_envs(all_envs, starts)
+        self._plug_in()
         return self._observe(), {}
 
     def _reset_envs(self, mask: torch.Tensor, starts: torch.Tensor | None = None) -> None:
@@ -305,7 +306,6 @@ class EVHubVectorEnv(VectorEnv):
         self.energy_kwh = torch.where(mask, self._e_init, self.energy_kwh)
         self.ev_need_kwh = torch.where(mask[:, None], 0.0, self.ev_need_kwh)
         self.ev_steps_left = torch.where(mask[:, None], 0, self.ev_steps_left)
-        self._plug_in(mask)
 
     def _ev_power(self, a_ev: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """Per-socket EV power, kW, ``(num_envs, n_sockets)``, from the EV part of the action."""
@@ -381,7 +381,7 @@ class EVHubVectorEnv(VectorEnv):
         # The final step of the split has no successor: clamp before reading, then reset those envs.
         self.t = self.t.clamp(max=self._num_steps_total - 1)
         self._reset_envs(truncated)
-        self._plug_in(~truncated)
+        self._plug_in()
 
         r = cfg.reward
         cost = r.w_co2 * co2 + r.w_unserved * unserved + r.w_peak * (grid_import - r.peak_threshold_kw).clamp(min=0.0)
