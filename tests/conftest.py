@@ -140,3 +140,9 @@ def run_algo(name: str, *args: str, timeout: float = 120):
 def site_toml(tmp_path_factory):
     """A one-week synthetic site with 6 sockets written to disk, shared by the tests of one module."""
     return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("site"))
+
+
+def tiny_run(name: str, site_toml, tmp_path_factory, *args: str):
+    """Train ``algos/<name>.py`` on ``site_toml`` with ``args`` into a fresh folder; returns ``(folder, process)``."""
+    out = tmp_path_factory.mktemp("run") / name
+    return out, run_algo(name, "--site", str(site_toml), "--output-dir", str(out), *args)

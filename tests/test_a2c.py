@@ -14,12 +14,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import load_algo, make_site, run_algo
+from conftest import ROOT, load_algo, make_site, run_algo, tiny_run
 
 import envs
 from envs.kpis import evaluate_policy, load_policy
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "algos" / "a2c.py"
 
 TINY = [
@@ -39,9 +38,7 @@ run_a2c = partial(run_algo, "a2c")
 
 @pytest.fixture(scope="module")
 def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("run") / "a2c"
-    proc = run_a2c("--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "384", *TINY)
-    return out, proc
+    return tiny_run("a2c", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
 
 
 def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):

@@ -13,12 +13,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import load_algo, run_algo
+from conftest import ROOT, load_algo, run_algo, tiny_run
 
 from envs.evhub import EVHubVectorEnv, discrete_action_table
 from envs.kpis import evaluate_policy, load_policy
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "algos" / "dqn.py"
 
 TINY = [
@@ -43,9 +42,7 @@ run_dqn = partial(run_algo, "dqn")
 
 @pytest.fixture(scope="module")
 def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("run") / "dqn"
-    proc = run_dqn("--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "256", *TINY)
-    return out, proc
+    return tiny_run("dqn", site_toml, tmp_path_factory, "--total-timesteps", "256", *TINY)
 
 
 def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained, site_toml):

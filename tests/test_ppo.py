@@ -12,9 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import load_algo, run_algo
+from conftest import ROOT, load_algo, run_algo, tiny_run
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "algos" / "ppo.py"
 
 TINY = [
@@ -35,9 +34,7 @@ run_ppo = partial(run_algo, "ppo")
 
 @pytest.fixture(scope="module")
 def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("run") / "ppo"
-    proc = run_ppo("--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "384", *TINY)
-    return out, proc
+    return tiny_run("ppo", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
 
 
 @pytest.mark.slow

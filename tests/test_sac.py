@@ -13,11 +13,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import load_algo, run_algo
+from conftest import ROOT, load_algo, run_algo, tiny_run
 
 from envs.kpis import load_policy
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "algos" / "sac.py"
 
 TINY = [
@@ -41,9 +40,7 @@ run_sac = partial(run_algo, "sac")
 
 @pytest.fixture(scope="module")
 def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("run") / "sac"
-    proc = run_sac("--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "384", *TINY)
-    return out, proc
+    return tiny_run("sac", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
 
 
 def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
