@@ -58,7 +58,7 @@ try:
 except ModuleNotFoundError:  # run as `python algos/a2c.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import envs
-from envs.kpis import evaluate_policy, write_parquet
+from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
 PRESETS = {
     # 2 CPU cores: ~100 envs, short rollouts, a small net; a few minutes on the caltech site with evaluation
@@ -92,6 +92,9 @@ class Args:
     """site to train on: a shipped site name or a path to a site TOML file"""
     action_mode: str = "hub"
     """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
+    bess_action: Literal["surplus", "setpoint"] = "surplus"
+    """meaning of the BESS action: 'surplus' (0 = the self-consumption rule: store the PV surplus, cover the
+    deficit; +1 / -1 = full charge / discharge) or 'setpoint' (a_bess times the BESS power limit)"""
     total_timesteps: int | None = None
     """total env steps of the experiment (None: preset, 4,000,000 on cpu, 64,000,000 on gpu)"""
     learning_rate: float = 7e-4
@@ -165,9 +168,6 @@ OBS_WEEKDAY = (2, 3)
 
 LOSS_NAMES = ("value_loss", "policy_loss", "entropy", "grad_norm")
 """Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
-
-ENV_STATE = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left")
-"""EVHubVectorEnv state tensors saved in the checkpoint, so that ``--resume`` continues the same episodes."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -676,6 +676,7 @@ def main(args: Args) -> dict:
         split="train",
         action_mode=args.action_mode,
         device=device,
+        bess_action=args.bess_action,
     )
     env = getattr(env, "unwrapped", env)
     obs_dim = int(np.prod(env.single_observation_space.shape))
@@ -707,8 +708,7 @@ def main(args: Args) -> dict:
         train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
         set_rng_state(env, ckpt["rng"])
         if ckpt.get("num_envs") == args.num_envs:
-            for name, value in ckpt["env_state"].items():
-                setattr(env, name, value.to(device))
+            env.load_state_dict(ckpt["env_state"])
             next_obs = ckpt["next_obs"].to(device)
             for key, value in ckpt["episode_stats"].items():
                 stats[key].copy_(value)
@@ -769,7 +769,7 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state={name: getattr(env, name) for name in ENV_STATE},
+            env_state=env.state_dict(),
             next_obs=next_obs,
             episode_stats=stats,
             reward_norm=rn,
@@ -851,6 +851,7 @@ def main(args: Args) -> dict:
     train_wall = train_wall_prev + time.perf_counter() - start_time
     checkpoint(iteration, train_wall)
     policy_path = export_policy(agent, obs_dim, out_dir)
+    write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
@@ -867,6 +868,7 @@ def main(args: Args) -> dict:
             "a2c",
             args.action_mode,
             device,
+            bess_action=args.bess_action,
             train_wall_s=train_wall,
             env_steps=float(global_step),
             steps_per_s=sps,

@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -57,7 +58,7 @@ except ModuleNotFoundError:  # run as `python algos/dqn.py` from a checkout that
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import envs
 from envs.evhub import discrete_action_table
-from envs.kpis import evaluate_policy, write_parquet
+from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
 PRESETS = {
     # 2 CPU cores: a few dozen envs, a small net, a replay ratio of 8 samples per env step
@@ -104,6 +105,9 @@ class Args:
     """the id of the environment (trained in its 'discrete' action mode)"""
     site: str = "caltech"
     """site to train on: a shipped site name or a path to a site TOML file"""
+    bess_action: Literal["surplus", "setpoint"] = "surplus"
+    """meaning of the BESS action: 'surplus' (0 = the self-consumption rule: store the PV surplus, cover the
+    deficit; +1 / -1 = full charge / discharge) or 'setpoint' (a_bess times the BESS power limit)"""
     total_timesteps: int | None = None
     """total env steps of the experiment (None: preset, 1,000,000 on cpu, 20,000,000 on gpu)"""
     learning_rate: float = 5e-4
@@ -185,9 +189,6 @@ OBS_WEEKDAY = (2, 3)
 
 LOSS_NAMES = ("td_loss", "q_values", "grad_norm")
 """Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
-
-ENV_STATE = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left")
-"""EVHubVectorEnv state tensors saved in the checkpoint, so that ``--resume`` continues the same episodes."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -619,6 +620,7 @@ def main(args: Args) -> dict:
         split="train",
         action_mode="discrete",
         device=device,
+        bess_action=args.bess_action,
     )
     env = getattr(env, "unwrapped", env)
     obs_dim = int(np.prod(env.single_observation_space.shape))
@@ -649,8 +651,7 @@ def main(args: Args) -> dict:
         train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
         set_rng_state(env, ckpt["rng"])
         if ckpt.get("num_envs") == args.num_envs:
-            for name, value in ckpt["env_state"].items():
-                setattr(env, name, value.to(device))
+            env.load_state_dict(ckpt["env_state"])
             next_obs = ckpt["next_obs"].to(device)
             for key, value in ckpt["episode_stats"].items():
                 stats[key].copy_(value)
@@ -700,7 +701,7 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state={name: getattr(env, name) for name in ENV_STATE},
+            env_state=env.state_dict(),
             next_obs=next_obs,
             episode_stats=stats,
         )
@@ -788,6 +789,7 @@ def main(args: Args) -> dict:
     train_wall = train_wall_prev + time.perf_counter() - start_time
     checkpoint(iteration, train_wall)
     policy_path = export_policy(qnet, obs_dim, out_dir)
+    write_policy_spec(out_dir, args.env_id, "hub", args.bess_action)
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
@@ -805,6 +807,7 @@ def main(args: Args) -> dict:
             "dqn",
             "hub",
             device,
+            bess_action=args.bess_action,
             train_wall_s=train_wall,
             env_steps=float(global_step),
             steps_per_s=sps,

@@ -2,14 +2,22 @@
 
 The whole rollout stays on the device: the torch-batched env steps ``num_envs`` copies of the site, the
 agent samples actions from tensors, rollout storage is preallocated, and episode statistics are summed
-on the device; the host reads numbers back only every ``log_every`` iterations. The hot paths
-(:func:`rollout`, :func:`compute_gae`, :func:`update`) are plain module-level functions so that a later
-``--compile`` / ``--cudagraphs`` switch can rebind them once.
+on the device; the host reads numbers back only every ``log_every`` iterations.
+
+Hot paths are plain module-level functions -- :func:`policy_step` (observation normalisation + action
+selection), :func:`estimate_advantages` (bootstrap value + GAE) and :func:`update_minibatch` (the clipped
+surrogate loss and one gradient step on one minibatch) -- bound to the agent once with
+:func:`functools.partial`; :func:`update` runs them over ``update_epochs`` epochs of minibatches drawn by a
+device-side permutation. ``--compile`` rebinds the bound functions to ``torch.compile`` versions,
+``--cudagraphs`` to CUDA-graph replays (:class:`CudaGraphed`, with a capturable optimizer and a device-tensor
+learning rate), ``--amp`` runs the network forward passes under bf16 autocast. No host sync inside the loop,
+except ``--target-kl``'s early stop (one read per epoch; refused with ``--cudagraphs``).
 
 Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device)::
 
     python algos/ppo.py
     python algos/ppo.py --site path/to/site.toml --total-timesteps 200000 --seed 2
+    python algos/ppo.py --preset gpu --compile --cudagraphs
     tensorboard --logdir outputs/
 
 Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -31,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -47,15 +57,15 @@ try:
 except ModuleNotFoundError:  # run as `python algos/ppo.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import envs
-from envs.kpis import evaluate_policy, write_parquet
+from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
 PRESETS = {
-    # 2 CPU cores: ~100 envs, a small net; about 2 minutes on the caltech site, evaluation included
-    "cpu": {"num_envs": 128, "num_steps": 168, "total_timesteps": 4_000_000, "hidden_size": 64},
+    # 2 CPU cores: ~100 envs, a small net, one torch thread; about 2 minutes on the caltech site, evaluation included
+    "cpu": {"num_envs": 128, "num_steps": 168, "total_timesteps": 4_000_000, "hidden_size": 64, "num_threads": 1},
     # one GPU: thousands of envs, a wider net
-    "cuda": {"num_envs": 2048, "num_steps": 168, "total_timesteps": 50_000_000, "hidden_size": 256},
+    "gpu": {"num_envs": 2048, "num_steps": 168, "total_timesteps": 50_000_000, "hidden_size": 256, "num_threads": 0},
 }
-"""Defaults per device for the fields left at ``None``; any of them can be set on the command line."""
+"""Defaults per preset for the fields left at ``None``; any of them can be set on the command line."""
 
 
 @dataclass
@@ -68,20 +78,28 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
     """if toggled, use CUDA when it is available (agent and env on the same device)"""
+    preset: Literal["auto", "cpu", "gpu"] = "auto"
+    """size preset for the fields left at None: 'auto' picks 'gpu' on CUDA and 'cpu' otherwise"""
+    num_threads: int | None = None
+    """torch intra-op CPU threads, 0 keeps torch's default (None: preset, 1 on cpu: the tensors of a few hundred
+    envs are too small to gain from more, and spinning threads cost a lot on a busy machine; 0 on gpu)"""
     env_id: str = "EVHub-v0"
     """the id of the environment"""
     site: str = "caltech"
     """site to train on: a shipped site name or a path to a site TOML file"""
     action_mode: str = "hub"
     """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
+    bess_action: Literal["surplus", "setpoint"] = "surplus"
+    """meaning of the BESS action: 'surplus' (0 = the self-consumption rule: store the PV surplus, cover the
+    deficit; +1 / -1 = full charge / discharge) or 'setpoint' (a_bess times the BESS power limit)"""
     total_timesteps: int | None = None
-    """total env steps of the experiment (None: device preset, 4,000,000 on CPU, 50,000,000 on CUDA)"""
+    """total env steps of the experiment (None: preset, 4,000,000 on cpu, 50,000,000 on gpu)"""
     learning_rate: float = 1e-3
     """the learning rate of the optimizer"""
     num_envs: int | None = None
-    """the number of parallel env copies (None: device preset, 128 on CPU, 2048 on CUDA)"""
+    """the number of parallel env copies (None: preset, 128 on cpu, 2048 on gpu)"""
     num_steps: int | None = None
-    """the number of steps per env in each rollout (None: device preset, 168 = one episode)"""
+    """the number of steps per env in each rollout (None: preset, 168 = one episode)"""
     anneal_lr: bool = True
     """toggle learning rate annealing (linear to zero over the run)"""
     gamma: float = 0.98
@@ -105,9 +123,10 @@ class Args:
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping"""
     target_kl: float | None = None
-    """the target KL divergence threshold (early stop of the epochs; costs one host sync per epoch)"""
+    """the target KL divergence threshold (early stop of the epochs; one host sync per epoch, so not with
+    --cudagraphs)"""
     hidden_size: int | None = None
-    """width of the two hidden layers of actor and critic (None: device preset, 64 on CPU, 256 on CUDA)"""
+    """width of the two hidden layers of actor and critic (None: preset, 64 on cpu, 256 on gpu)"""
     init_logstd: float = -0.5
     """initial log standard deviation of the Gaussian policy (state-independent, learned)"""
     socket_features: bool = True
@@ -122,6 +141,13 @@ class Args:
     bootstrap_truncation: bool = True
     """treat the time-limit truncation as non-terminal (the site never terminates): bootstrap through the
     autoreset into the next window; False treats it as terminal like CleanRL"""
+    compile: bool = False
+    """torch.compile the hot functions (action selection, bootstrap + GAE, the minibatch update)"""
+    cudagraphs: bool = False
+    """capture action selection, GAE and the minibatch update in CUDA graphs (capturable optimizer, device-tensor
+    LR); needs CUDA, equal minibatches and no --target-kl"""
+    amp: bool = False
+    """bf16 autocast of the network forward passes (CUDA or CPU)"""
     log_every: int = 1
     """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar)"""
     output_dir: str | None = None
@@ -148,9 +174,6 @@ OBS_WEEKDAY = (2, 3)
 LOSS_NAMES = ("value_loss", "policy_loss", "entropy", "grad_norm")
 """Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
 
-ENV_STATE = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left")
-"""EVHubVectorEnv state tensors saved in the checkpoint, so that ``--resume`` continues the same episodes."""
-
 
 class NonFiniteLossError(RuntimeError):
     """A loss (or the gradient norm) became NaN or infinite; training stops, the last checkpoint is kept."""
@@ -158,6 +181,7 @@ class NonFiniteLossError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------- agent
 def layer_init(layer: nn.Linear, std: float = math.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    """Orthogonal weights with gain ``std`` and constant bias, in place (CleanRL's PPO init); returns ``layer``."""
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
@@ -179,6 +203,7 @@ class RunningObsNorm(nn.Module):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
+        """Fold a batch ``x`` float32 ``(B, dim)`` into the running mean/variance (Chan et al.'s parallel update)."""
         n = x.shape[0]
         b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
         delta = b_mean - self.mean
@@ -189,6 +214,7 @@ class RunningObsNorm(nn.Module):
         self.count.copy_(tot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Standardised and clipped ``x``: float32 ``(B, dim)`` -> ``(B, dim)``."""
         return ((x - self.mean) / torch.sqrt(self.var + self.eps)).clamp(-self.clip, self.clip)
 
 
@@ -200,6 +226,7 @@ class Select(nn.Module):
         self.register_buffer("keep", torch.as_tensor(keep, dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, obs_dim)`` -> ``(B, len(keep))``."""
         return x.index_select(-1, self.keep)
 
 
@@ -241,17 +268,21 @@ class Agent(nn.Module):
         )
         self.actor_logstd = nn.Parameter(torch.full((1, act_dim), float(init_logstd)))
 
-    def get_value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.critic(x)
+    def get_value(self, x: torch.Tensor, amp: bool = False) -> torch.Tensor:
+        """Value float32 ``(B,)`` at normalised observations ``x`` float32 ``(B, obs_dim)``; ``amp``: bf16 forward."""
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
+            value = self.critic(x)
+        return value.float().squeeze(-1)
 
-    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor | None = None):
-        """Sample (or score ``action``) from the policy at normalised observations ``x``, and the value."""
-        action_mean = self.actor_mean(x)
-        action_std = torch.exp(self.actor_logstd.expand_as(action_mean))
-        probs = Normal(action_mean, action_std, validate_args=False)  # validation would sync with the host
-        if action is None:
-            action = probs.sample()
-        return action, probs.log_prob(action).sum(1), probs.entropy().sum(1), self.critic(x)
+    def dist_and_value(self, x: torch.Tensor, amp: bool = False) -> tuple[Normal, torch.Tensor]:
+        """Policy distribution (batch ``(B, act_dim)``, float32) and value float32 ``(B,)`` at normalised
+        observations ``x`` float32 ``(B, obs_dim)``; ``amp``: bf16 forward passes."""
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
+            mean = self.actor_mean(x)
+            value = self.critic(x)
+        mean = mean.float()
+        std = torch.exp(self.actor_logstd.expand_as(mean))
+        return Normal(mean, std, validate_args=False), value.float().squeeze(-1)  # validation would sync
 
 
 class DeterministicActor(nn.Module):
@@ -266,6 +297,7 @@ class DeterministicActor(nn.Module):
         self.actor_mean = actor_mean
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """Raw observations float32 ``(B, obs_dim)`` -> actions float32 ``(B, act_dim)`` in [-1, 1]."""
         return self.actor_mean(self.obs_norm(obs)).clamp(-1.0, 1.0)
 
 
@@ -324,59 +356,7 @@ def normalize_reward(rn: dict, reward: torch.Tensor, done: torch.Tensor, gamma: 
     return (reward / torch.sqrt(rn["var"] + eps)).to(reward.dtype)
 
 
-# ---------------------------------------------------------------------------------------------- hot paths
-def rollout(
-    env,
-    agent: Agent,
-    next_obs: torch.Tensor,
-    next_done: torch.Tensor,
-    storage: dict,
-    stats: dict,
-    rn: dict | None,
-    gamma: float,
-    bootstrap_truncation: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Collect ``num_steps`` steps of every env into ``storage`` (in place); no host sync.
-
-    ``next_obs`` is the raw env observation; the agent's observation normaliser is updated with each one
-    and the normalised observations are stored.
-
-    Returns:
-        ``(next_obs, next_done)`` after the last step, for bootstrapping and the next rollout.
-    """
-    num_steps = storage["obs"].shape[0]
-    norm = isinstance(agent.obs_norm, RunningObsNorm)
-    for step in range(num_steps):
-        if norm:
-            agent.obs_norm.update(next_obs)
-        with torch.no_grad():
-            obs_n = agent.obs_norm(next_obs)
-            action, logprob, _, value = agent.get_action_and_value(obs_n)
-        storage["obs"][step] = obs_n
-        storage["dones"][step] = next_done
-        storage["values"][step] = value.flatten()
-        storage["actions"][step] = action
-        storage["logprobs"][step] = logprob
-        next_obs, reward, terminated, truncated, info = env.step(action.clamp(-1.0, 1.0))
-        next_obs = next_obs.to(torch.float32)
-        reward = reward.to(torch.float32)
-        episode_end = (terminated | truncated).to(torch.float64)
-        next_done = (terminated if bootstrap_truncation else terminated | truncated).to(torch.float32)
-        # episode statistics: raw reward, CO2 and unserved energy summed per env, recorded at episode end
-        stats["ep_return"] += reward
-        stats["ep_co2_kg"] += info["co2_kg"]
-        stats["ep_unserved_kwh"] += info["unserved_kwh"]
-        stats["ep_length"] += 1.0
-        stats["n_done"] += episode_end.sum()
-        for key in ("return", "co2_kg", "unserved_kwh", "length"):
-            stats[f"sum_{key}"] += (stats[f"ep_{key}"] * episode_end).sum()
-            stats[f"ep_{key}"] *= 1.0 - episode_end
-        if rn is not None:
-            reward = normalize_reward(rn, reward, next_done, gamma)
-        storage["rewards"][step] = reward
-    return next_obs, next_done
-
-
+# ---------------------------------------------------------------------------------------------- pure pieces
 def compute_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -389,12 +369,12 @@ def compute_gae(
     """Generalised advantage estimation over a rollout.
 
     Args:
-        rewards, values, dones: ``(num_steps, num_envs)``; ``dones[t]`` is 1 where the observation of step
+        rewards, values, dones: float32 ``(num_steps, num_envs)``; ``dones[t]`` is 1 where the observation of step
             ``t`` began a new episode after a terminal step (so step ``t-1`` must not bootstrap from it).
-        next_value, next_done: ``(num_envs,)`` value and done flag of the observation after the last step.
+        next_value, next_done: float32 ``(num_envs,)`` value and done flag of the observation after the last step.
 
     Returns:
-        ``(advantages, returns)``, each ``(num_steps, num_envs)``; ``returns = advantages + values``.
+        ``(advantages, returns)``, each float32 ``(num_steps, num_envs)``; ``returns = advantages + values``.
     """
     num_steps = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
@@ -412,18 +392,151 @@ def compute_gae(
     return advantages, advantages + values
 
 
-def update(
+def explained_variance(y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``1 - Var[y - y_pred] / Var[y]`` of float ``(B,)`` tensors as a device scalar (NaN where ``Var[y] == 0``)."""
+    var_y = y.var()
+    ev = 1.0 - (y - y_pred).var() / var_y
+    return torch.where(var_y == 0, torch.full_like(var_y, float("nan")), ev)
+
+
+# ---------------------------------------------------------------------------------------------- hot paths
+def policy_step(
+    agent: Agent, obs: torch.Tensor, amp: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold raw ``obs`` float32 ``(B, obs_dim)`` into the running normaliser, normalise, sample an action; no host sync.
+
+    Returns:
+        ``(obs_normalised (B, obs_dim), action (B, act_dim), logprob (B,), value (B,))``, all float32; the action
+        is unclipped (the env gets it clipped).
+    """
+    with torch.no_grad():
+        if isinstance(agent.obs_norm, RunningObsNorm):
+            agent.obs_norm.update(obs)
+        obs_n = agent.obs_norm(obs)
+        dist, value = agent.dist_and_value(obs_n, amp)
+        # mean + std * noise rather than dist.sample(): torch.normal checks std >= 0 on the host (a sync, and no
+        # CUDA-graph capture); on the CPU both draw the same numbers
+        action = dist.loc + dist.scale * torch.randn_like(dist.loc)
+        return obs_n, action, dist.log_prob(action).sum(1), value
+
+
+def estimate_advantages(
+    agent: Agent,
+    next_obs: torch.Tensor,
+    next_done: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    *,
+    gamma: float,
+    gae_lambda: float,
+    amp: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bootstrap value of the raw ``next_obs`` float32 ``(num_envs, obs_dim)``, then :func:`compute_gae`; no host sync.
+
+    Returns:
+        ``(advantages, returns)``, each float32 ``(num_steps, num_envs)``.
+    """
+    with torch.no_grad():
+        next_value = agent.get_value(agent.obs_norm(next_obs), amp)
+        return compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda)
+
+
+def update_minibatch(
     agent: Agent,
     optimizer: torch.optim.Optimizer,
+    obs: torch.Tensor,
+    actions: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    clip_coef: float,
+    norm_adv: bool,
+    clip_vloss: bool,
+    ent_coef: float,
+    vf_coef: float,
+    max_grad_norm: float,
+    amp: bool = False,
+) -> dict[str, torch.Tensor]:
+    """PPO's clipped-surrogate loss and one gradient step on one minibatch; no host sync.
+
+    Args:
+        obs: normalised observations float32 ``(M, obs_dim)``; actions: float32 ``(M, act_dim)`` as sampled;
+            logprobs, advantages, returns, values: float32 ``(M,)`` from the rollout and GAE.
+
+    Returns:
+        float32 device scalars ``value_loss, policy_loss, entropy, old_approx_kl, approx_kl, clipfrac`` and
+        ``bad``: a bool ``(len(LOSS_NAMES),)`` tensor, True where that quantity (or the gradient norm) is non-finite.
+    """
+    dist, newvalue = agent.dist_and_value(obs, amp)
+    newlogprob = dist.log_prob(actions).sum(1)
+    entropy = dist.entropy().sum(1)
+    logratio = newlogprob - logprobs
+    ratio = logratio.exp()
+    with torch.no_grad():
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+
+    if norm_adv:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+    if clip_vloss:
+        v_loss_unclipped = (newvalue - returns) ** 2
+        v_clipped = values + torch.clamp(newvalue - values, -clip_coef, clip_coef)
+        v_loss_clipped = (v_clipped - returns) ** 2
+        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+    else:
+        v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
+
+    entropy_loss = entropy.mean()
+    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
+    optimizer.step()
+    with torch.no_grad():
+        out = torch.stack([v_loss, pg_loss, entropy_loss, grad_norm]).detach()
+        return {
+            "value_loss": out[0],
+            "policy_loss": out[1],
+            "entropy": out[2],
+            "old_approx_kl": old_approx_kl,
+            "approx_kl": approx_kl,
+            "clipfrac": clipfrac,
+            "bad": ~torch.isfinite(out),
+        }
+
+
+def update(
+    learn,
     b_obs: torch.Tensor,
     b_actions: torch.Tensor,
     b_logprobs: torch.Tensor,
     b_advantages: torch.Tensor,
     b_returns: torch.Tensor,
     b_values: torch.Tensor,
-    args: Args,
+    *,
+    update_epochs: int,
+    minibatch_size: int,
+    target_kl: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """PPO's clipped-surrogate update over the flattened batch: ``update_epochs`` epochs of minibatches.
+    """PPO's update over the flattened batch: ``update_epochs`` epochs of minibatches, one ``learn`` step each.
+
+    ``learn`` is :func:`update_minibatch` bound to the agent and optimizer (or its compiled / CUDA-graphed
+    version). Each epoch draws a permutation of the batch on the device; the batch is cut into minibatches of
+    ``minibatch_size`` rows (the last one shorter when the size does not divide the batch). No host sync unless
+    ``target_kl`` is set: then the last minibatch's ``approx_kl`` is read after each epoch to stop early.
+
+    Args:
+        b_obs: normalised observations float32 ``(B, obs_dim)``; b_actions: float32 ``(B, act_dim)``;
+            b_logprobs, b_advantages, b_returns, b_values: float32 ``(B,)``.
 
     Returns:
         device tensors: the last minibatch's ``value_loss, policy_loss, entropy, old_approx_kl, approx_kl``,
@@ -432,86 +545,159 @@ def update(
     """
     device = b_obs.device
     batch_size = b_obs.shape[0]
-    mb_size = args.minibatch_size
     clipfrac_sum = torch.zeros((), device=device)
     n_mb = 0
     bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
-    for _epoch in range(args.update_epochs):
+    for _epoch in range(update_epochs):
         perm = torch.randperm(batch_size, device=device)
-        for start in range(0, batch_size, mb_size):
-            mb = perm[start : start + mb_size]
-            _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions[mb])
-            logratio = newlogprob - b_logprobs[mb]
-            ratio = logratio.exp()
-            with torch.no_grad():
-                old_approx_kl = (-logratio).mean()
-                approx_kl = ((ratio - 1) - logratio).mean()
-                clipfrac_sum += ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-                n_mb += 1
-
-            mb_adv = b_advantages[mb]
-            if args.norm_adv:
-                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-            pg_loss1 = -mb_adv * ratio
-            pg_loss2 = -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-            newvalue = newvalue.view(-1)
-            if args.clip_vloss:
-                v_loss_unclipped = (newvalue - b_returns[mb]) ** 2
-                v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -args.clip_coef, args.clip_coef)
-                v_loss_clipped = (v_clipped - b_returns[mb]) ** 2
-                v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
-            else:
-                v_loss = 0.5 * ((newvalue - b_returns[mb]) ** 2).mean()
-
-            entropy_loss = entropy.mean()
-            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            optimizer.step()
-            with torch.no_grad():
-                bad |= ~torch.isfinite(torch.stack([v_loss, pg_loss, entropy_loss, grad_norm]).detach())
-
-        if args.target_kl is not None and approx_kl > args.target_kl:  # host sync, only when asked for
+        for start in range(0, batch_size, minibatch_size):
+            mb = perm[start : start + minibatch_size]
+            out = learn(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb], b_values[mb])
+            clipfrac_sum += out["clipfrac"]
+            bad |= out["bad"]
+            n_mb += 1
+        if target_kl is not None and out["approx_kl"] > target_kl:  # host sync, only when asked for
             break
-
+    # copies: under --cudagraphs the outputs are the graph's static buffers, overwritten by the next replay
+    last = {k: out[k].clone() for k in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl")}
     with torch.no_grad():
-        var_y = b_returns.var()
-        explained_var = 1.0 - (b_returns - b_values).var() / var_y
-        explained_var = torch.where(var_y == 0, torch.full_like(var_y, float("nan")), explained_var)
-    return {
-        "value_loss": v_loss.detach(),
-        "policy_loss": pg_loss.detach(),
-        "entropy": entropy_loss.detach(),
-        "old_approx_kl": old_approx_kl,
-        "approx_kl": approx_kl,
-        "clipfrac": clipfrac_sum / max(n_mb, 1),
-        "explained_variance": explained_var,
-        "bad": bad,
-    }
+        explained_var = explained_variance(b_values, b_returns)
+    return {**last, "clipfrac": clipfrac_sum / max(n_mb, 1), "explained_variance": explained_var, "bad": bad}
+
+
+class CudaGraphed:
+    """Replays ``fn(*tensors)`` from a CUDA graph: ``warmup`` eager calls on a side stream, then capture.
+
+    Inputs are copied into static buffers before each replay; the returned tensors are the graph's static
+    outputs, overwritten by the next call (use them before calling again). ``fn`` must not sync with the host,
+    and every call must pass tensors of the shapes of the captured call.
+    """
+
+    def __init__(self, fn, warmup: int = 3):
+        self.fn, self.warmup, self.calls = fn, warmup, 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_in: tuple[torch.Tensor, ...] = ()
+        self.static_out = None
+
+    def __call__(self, *args: torch.Tensor):
+        if self.graph is not None:
+            for dst, src in zip(self.static_in, args):
+                dst.copy_(src)
+            self.graph.replay()
+            return self.static_out
+        self.calls += 1
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        if self.calls <= self.warmup:
+            with torch.cuda.stream(stream):
+                out = self.fn(*args)
+            torch.cuda.current_stream().wait_stream(stream)
+            return out
+        self.static_in = tuple(a.clone() for a in args)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_out = self.fn(*self.static_in)
+        self.graph.replay()  # capture records the work without running it
+        return self.static_out
+
+
+def record_step(stats: dict, reward: torch.Tensor, info: dict, episode_end: torch.Tensor) -> None:
+    """Add one step to the per-env episode sums; move the sums of finished episodes into the totals.
+
+    ``reward`` float32 ``(num_envs,)``, ``info["co2_kg"]``/``info["unserved_kwh"]`` ``(num_envs,)``,
+    ``episode_end`` bool ``(num_envs,)`` (terminated or truncated).
+    """
+    end = episode_end.to(torch.float64)
+    stats["ep_return"] += reward
+    stats["ep_co2_kg"] += info["co2_kg"]
+    stats["ep_unserved_kwh"] += info["unserved_kwh"]
+    stats["ep_length"] += 1.0
+    stats["n_done"] += end.sum()
+    for key in ("return", "co2_kg", "unserved_kwh", "length"):
+        stats[f"sum_{key}"] += (stats[f"ep_{key}"] * end).sum()
+        stats[f"ep_{key}"] *= 1.0 - end
+
+
+def rollout(
+    env,
+    act,
+    next_obs: torch.Tensor,
+    next_done: torch.Tensor,
+    storage: dict,
+    stats: dict,
+    rn: dict | None,
+    gamma: float,
+    bootstrap_truncation: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``act`` (:func:`policy_step`
+    bound to the agent); no host sync.
+
+    ``next_obs`` is the raw env observation float32 ``(num_envs, obs_dim)``; ``act`` updates the agent's
+    observation normaliser with each one, and the normalised observations are stored.
+
+    Returns:
+        ``(next_obs, next_done)`` after the last step (float32 ``(num_envs, obs_dim)`` and ``(num_envs,)``), for
+        bootstrapping and the next rollout.
+    """
+    for step in range(storage["obs"].shape[0]):
+        obs_n, action, logprob, value = act(next_obs)
+        storage["obs"][step] = obs_n
+        storage["dones"][step] = next_done
+        storage["values"][step] = value
+        storage["actions"][step] = action
+        storage["logprobs"][step] = logprob
+        next_obs, reward, terminated, truncated, info = env.step(action.clamp(-1.0, 1.0))
+        next_obs = next_obs.to(torch.float32)
+        reward = reward.to(torch.float32)
+        next_done = (terminated if bootstrap_truncation else terminated | truncated).to(torch.float32)
+        # episode statistics: raw reward, CO2 and unserved energy summed per env, recorded at episode end
+        record_step(stats, reward, info, terminated | truncated)
+        if rn is not None:
+            reward = normalize_reward(rn, reward, next_done, gamma)
+        storage["rewards"][step] = reward
+    return next_obs, next_done
 
 
 # ---------------------------------------------------------------------------------------------- helpers
 def resolve_args(args: Args, device: torch.device) -> Args:
-    """Fill the fields left at ``None`` from the device preset and compute the runtime sizes."""
-    preset = PRESETS["cuda" if device.type == "cuda" else "cpu"]
-    for key, value in preset.items():
+    """Fill the fields left at ``None`` from the preset and compute the runtime sizes.
+
+    Raises:
+        ValueError: ``--cudagraphs`` without CUDA, with ``--target-kl`` (its early stop reads the device) or with
+            unequal minibatches; or a bad size.
+    """
+    if args.cudagraphs and device.type != "cuda":
+        raise ValueError("--cudagraphs needs CUDA (no CUDA device in use); drop the flag or run on a GPU")
+    if args.cudagraphs and args.target_kl is not None:
+        raise ValueError(
+            "--cudagraphs cannot be combined with --target-kl: its early stop reads approx_kl on the host after "
+            "every epoch; drop one of the two"
+        )
+    name = args.preset if args.preset != "auto" else ("gpu" if device.type == "cuda" else "cpu")
+    args.preset = name
+    for key, value in PRESETS[name].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.output_dir is None:
         args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}")
+    if min(args.num_envs, args.num_steps, args.log_every) < 1:
+        raise ValueError("num_envs, num_steps and log_every must be >= 1")
     args.batch_size = int(args.num_envs * args.num_steps)
     args.minibatch_size = int(args.batch_size // args.num_minibatches)
     args.num_iterations = max(1, args.total_timesteps // args.batch_size)
     if args.minibatch_size < 1:
         raise ValueError(f"num_minibatches={args.num_minibatches} exceeds the batch size {args.batch_size}")
+    if args.cudagraphs and args.batch_size % args.num_minibatches:
+        raise ValueError(
+            f"--cudagraphs needs equal minibatches: the batch size {args.batch_size} (num_envs * num_steps) must be "
+            f"a multiple of num_minibatches={args.num_minibatches}"
+        )
     return args
 
 
 def rng_state(env) -> dict:
+    """The Python, NumPy, torch (CPU and CUDA) and env generator states, for the checkpoint."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -524,12 +710,28 @@ def rng_state(env) -> dict:
 
 
 def set_rng_state(env, state: dict) -> None:
+    """Restore the generator states saved by :func:`rng_state`."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     env._generator.set_state(state["env_generator"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, lr: torch.Tensor) -> None:
+    """Load a saved optimizer ``state`` but keep this run's learning-rate tensor ``lr`` and ``capturable`` flag.
+
+    ``load_state_dict`` also restores the saved param-group settings: a checkpoint written on another device, or
+    by a version with a float LR, would bring a ``capturable`` flag this device cannot use (CPU) or a setting
+    that CUDA graphs and the tensor LR cannot use (CUDA), and a LR other than the command line's.
+    """
+    groups = [
+        {**saved, "capturable": group["capturable"]} for saved, group in zip(state["param_groups"], optimizer.param_groups)
+    ]
+    optimizer.load_state_dict({**state, "param_groups": groups})
+    for group in optimizer.param_groups:  # load_state_dict copies the saved LR; the annealed tensor must be the one
+        group["lr"] = lr
 
 
 def save_checkpoint(path: Path, **payload) -> None:
@@ -571,6 +773,7 @@ def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
 
 
 def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float) -> dict:
+    """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, learning rate."""
     return {
         "global_step": global_step,
         "wall_s": wall_s,
@@ -590,6 +793,12 @@ def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: d
 
 # ---------------------------------------------------------------------------------------------- main
 def main(args: Args) -> dict:
+    """Train, checkpoint, export and evaluate as ``args`` say.
+
+    Returns:
+        ``{"global_step", "train_wall_s", "sps", "policy"}`` (path of the exported policy) and, unless
+        ``eval_split`` is ``"none"``, ``"eval"``: the KPI row (a one-row DataFrame).
+    """
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     args = resolve_args(args, device)
     out_dir = Path(args.output_dir)
@@ -602,6 +811,8 @@ def main(args: Args) -> dict:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
@@ -614,6 +825,7 @@ def main(args: Args) -> dict:
         split="train",
         action_mode=args.action_mode,
         device=device,
+        bess_action=args.bess_action,
     )
     env = getattr(env, "unwrapped", env)
     obs_dim = int(np.prod(env.single_observation_space.shape))
@@ -623,7 +835,12 @@ def main(args: Args) -> dict:
     if not args.weekday_features:
         inputs = [i for i in inputs if i not in OBS_WEEKDAY]
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    # a device-tensor learning rate, annealed in place: no recompilation, and CUDA graphs see the new value. On CUDA
+    # Adam takes a tensor LR only as capturable (its foreach path needs it; graphs need it too). On the CPU it is
+    # float64: Adam reads it back as a Python number there, so the steps are those of a plain float LR.
+    lr_dtype = torch.float32 if device.type == "cuda" else torch.float64
+    lr_t = torch.tensor(args.learning_rate, device=device, dtype=lr_dtype)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=lr_t, eps=1e-5, capturable=device.type == "cuda")
     storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
     stats = make_episode_stats(args.num_envs, device)
     rn = make_reward_norm(args.num_envs, device) if args.norm_reward else None
@@ -636,13 +853,12 @@ def main(args: Args) -> dict:
     if args.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own file
         agent.load_state_dict(ckpt["agent"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(optimizer, ckpt["optimizer"], lr_t)
         global_step, start_iteration = int(ckpt["global_step"]), int(ckpt["iteration"]) + 1
         train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
         set_rng_state(env, ckpt["rng"])
         if ckpt.get("num_envs") == args.num_envs:
-            for name, value in ckpt["env_state"].items():
-                setattr(env, name, value.to(device))
+            env.load_state_dict(ckpt["env_state"])
             next_obs, next_done = ckpt["next_obs"].to(device), ckpt["next_done"].to(device)
             for key, value in ckpt["episode_stats"].items():
                 stats[key].copy_(value)
@@ -656,16 +872,41 @@ def main(args: Args) -> dict:
             rows = old[old.global_step <= global_step].to_dict("records")
         print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}")
 
+    # the hot functions, bound once; the speed switches rebind the same names
+    act = functools.partial(policy_step, agent, amp=args.amp)
+    gae = functools.partial(estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp)
+    learn = functools.partial(
+        update_minibatch,
+        agent,
+        optimizer,
+        clip_coef=args.clip_coef,
+        norm_adv=args.norm_adv,
+        clip_vloss=args.clip_vloss,
+        ent_coef=args.ent_coef,
+        vf_coef=args.vf_coef,
+        max_grad_norm=args.max_grad_norm,
+        amp=args.amp,
+    )
+    if args.compile:
+        act = torch.compile(act)
+        gae = torch.compile(gae)
+        learn = torch.compile(learn)
+    if args.cudagraphs:
+        act = CudaGraphed(act)
+        gae = CudaGraphed(gae)
+        learn = CudaGraphed(learn)
+
     writer = SummaryWriter(str(out_dir))
     writer.add_text(
         "hyperparameters",
         "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items())),
     )
     print(
-        f"PPO on {args.env_id} site={args.site} action_mode={args.action_mode} device={device}: "
+        f"PPO on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
         f"{args.num_envs} envs x {args.num_steps} steps, {args.num_iterations} iterations, "
         f"{args.total_timesteps:,} steps; output {out_dir}"
     )
+    print("args: " + ", ".join(f"{k}={v}" for k, v in vars(args).items()), flush=True)
 
     def checkpoint(iteration: int, train_wall: float) -> None:
         check_finite(bad_any, first_bad_step, ckpt_path)
@@ -679,7 +920,7 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state={name: getattr(env, name) for name in ENV_STATE},
+            env_state=env.state_dict(),
             next_obs=next_obs,
             next_done=next_done,
             episode_stats=stats,
@@ -704,28 +945,24 @@ def main(args: Args) -> dict:
         for iteration in bar:
             if args.anneal_lr:
                 frac = 1.0 - (iteration - 1.0) / args.num_iterations
-                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
-            lr_now = optimizer.param_groups[0]["lr"]
+                lr_t.fill_(frac * args.learning_rate)
 
             next_obs, next_done = rollout(
-                env, agent, next_obs, next_done, storage, stats, rn, args.gamma, args.bootstrap_truncation
+                env, act, next_obs, next_done, storage, stats, rn, args.gamma, args.bootstrap_truncation
             )
             global_step += args.batch_size
-            with torch.no_grad():
-                next_value = agent.get_value(agent.obs_norm(next_obs)).flatten()
-            advantages, returns = compute_gae(
-                storage["rewards"], storage["values"], storage["dones"], next_value, next_done, args.gamma, args.gae_lambda
-            )
+            advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
             out = update(
-                agent,
-                optimizer,
+                learn,
                 storage["obs"].reshape(-1, obs_dim),
                 storage["actions"].reshape(-1, act_dim),
                 storage["logprobs"].reshape(-1),
                 advantages.reshape(-1),
                 returns.reshape(-1),
                 storage["values"].reshape(-1),
-                args,
+                update_epochs=args.update_epochs,
+                minibatch_size=args.minibatch_size,
+                target_kl=args.target_kl,
             )
             bad = out.pop("bad")
             first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
@@ -735,6 +972,7 @@ def main(args: Args) -> dict:
             if iteration % args.log_every == 0 or last:
                 check_finite(bad_any, first_bad_step, ckpt_path)  # host sync
                 losses_host = {k: float(v) for k, v in out.items()}
+                lr_now = float(lr_t)
                 n_done = float(stats["n_done"])
                 ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done else math.nan for k in ("return", "co2_kg", "unserved_kwh", "length")}
                 for key in ("n_done", "sum_return", "sum_co2_kg", "sum_unserved_kwh", "sum_length"):
@@ -771,6 +1009,7 @@ def main(args: Args) -> dict:
     train_wall = train_wall_prev + time.perf_counter() - start_time
     checkpoint(iteration, train_wall)
     policy_path = export_policy(agent, obs_dim, out_dir)
+    write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
@@ -787,6 +1026,7 @@ def main(args: Args) -> dict:
             "ppo",
             args.action_mode,
             device,
+            bess_action=args.bess_action,
             train_wall_s=train_wall,
             env_steps=float(global_step),
             steps_per_s=sps,

@@ -41,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -58,7 +59,7 @@ try:
 except ModuleNotFoundError:  # run as `python algos/sac.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import envs
-from envs.kpis import evaluate_policy, write_parquet
+from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
 PRESETS = {
     # 2 CPU cores: a few dozen envs, a small net, a few gradient steps per iteration; 2.5 to 4 minutes
@@ -108,6 +109,9 @@ class Args:
     """site to train on: a shipped site name or a path to a site TOML file"""
     action_mode: str = "hub"
     """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket); SAC needs continuous actions"""
+    bess_action: Literal["surplus", "setpoint"] = "surplus"
+    """meaning of the BESS action: 'surplus' (0 = the self-consumption rule: store the PV surplus, cover the
+    deficit; +1 / -1 = full charge / discharge) or 'setpoint' (a_bess times the BESS power limit)"""
     total_timesteps: int | None = None
     """total env steps of the experiment (None: preset, 300,000 cpu, 5,000,000 gpu)"""
     num_envs: int | None = None
@@ -185,9 +189,6 @@ OBS_WEEKDAY = (2, 3)
 
 LOSS_NAMES = ("qf_loss", "actor_loss", "alpha_loss")
 """Quantities checked for finiteness after each update, in the order of the ``bad`` flags."""
-
-ENV_STATE = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left")
-"""EVHubVectorEnv state tensors saved in the checkpoint, so that ``--resume`` continues the same episodes."""
 
 LOG_STD_MAX = 2.0
 LOG_STD_MIN = -5.0
@@ -608,6 +609,7 @@ def main(args: Args) -> dict:
         split="train",
         action_mode=args.action_mode,
         device=device,
+        bess_action=args.bess_action,
     )
     env = getattr(env, "unwrapped", env)
     obs_dim = int(np.prod(env.single_observation_space.shape))
@@ -659,8 +661,7 @@ def main(args: Args) -> dict:
         if ckpt.get("replay_buffer") is not None:
             rb.load_state_dict(ckpt["replay_buffer"])
         if ckpt.get("num_envs") == args.num_envs:
-            for name, value in ckpt["env_state"].items():
-                setattr(env, name, value.to(device))
+            env.load_state_dict(ckpt["env_state"])
             obs = ckpt["obs"].to(device)
             for key, value in ckpt["episode_stats"].items():
                 stats[key].copy_(value)
@@ -732,7 +733,7 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state={name: getattr(env, name) for name in ENV_STATE},
+            env_state=env.state_dict(),
             obs=obs,
             episode_stats=stats,
             replay_buffer=rb.state_dict() if args.save_buffer else None,
@@ -841,6 +842,7 @@ def main(args: Args) -> dict:
     train_wall = train_wall_prev + time.perf_counter() - start_time
     checkpoint(iteration, train_wall)
     policy_path = export_policy(actor, obs_dim, out_dir)
+    write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
     print(f"training: {global_step:,} steps, {n_updates:,} gradient steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
@@ -858,6 +860,7 @@ def main(args: Args) -> dict:
             "sac",
             args.action_mode,
             device,
+            bess_action=args.bess_action,
             train_wall_s=train_wall,
             env_steps=float(global_step),
             steps_per_s=sps,

@@ -26,11 +26,17 @@ shared earliest-deadline-first. EV actions are clipped to [0, 1] (negative means
 
 Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per kWp now and 3 steps
 ahead (4), MOER of the last step and its forecasts for this and the next two steps (4), SOC (1),
-aggregates (occupied fraction, energy needed, floor and cap power; 4), then per socket (occupied,
-energy needed, steps to departure; 3 * n_sockets).
+aggregates (occupied fraction, energy needed, floor and cap power; 4), outlook (PV energy of the next
+24 h per kWp, and the EV energy requested per day over the past 7 days; 2), then per socket (occupied,
+energy needed, steps to departure; 3 * n_sockets). The PV look-ahead reads the modelled PV series
+itself (a perfect forecast, as the PV comes from a typical year); the demand feature is causal (sessions
+that already arrived; since the split start when that is less than 7 days back).
 
 Episodes: training draws a random window of ``episode.train_steps`` steps of the split per env;
-``full_split=True`` runs the whole split once from its first step (evaluation). Episodes end by time
+``full_split=True`` runs the whole split once from its first step (evaluation). With
+``episode.session_keep_min < 1`` each training window keeps each arriving session with a probability
+drawn per window from ``[session_keep_min, 1]`` (demand augmentation: a later year may see far fewer
+drivers than the training year); the demand feature is scaled by the same probability. Episodes end by time
 limit only (``truncated``); ``autoreset_mode`` is SAME_STEP: the observation returned on the last step
 is already the first of the next episode.
 """
@@ -72,6 +78,22 @@ DISCRETE_EV_LEVELS = (0.0, 0.5, 1.0)
 """EV levels of the ``"discrete"`` action mode (0: deadline floor only, 1: full power)."""
 
 
+BESS_ACTIONS = ("setpoint", "surplus")
+"""Meanings of the BESS action ``a_bess`` in [-1, 1] (``P_max``: BESS power limit, kW; ``s``: PV minus base
+load minus the EV power chosen this step, clipped to [-P_max, P_max], kW):
+
+* ``"setpoint"``: ``P = a_bess * P_max`` (positive charges).
+* ``"surplus"``: relative to the PV surplus ``s+ = max(s, 0)`` and deficit ``s- = max(-s, 0)``:
+  ``P = s+ + a_bess * (P_max - s+)`` for ``a_bess >= 0`` (store the surplus, plus grid charging up to full
+  power) and ``P = (1 + a_bess) * s+ + a_bess * s-`` below (store less of the surplus; at a deficit,
+  discharge up to covering it all at -1). So 0 stores all surplus PV and holds the battery otherwise, and
+  every feasible set-point stays reachable, each level meaning something in every state: the discrete
+  levels of DQN become "cover the deficit / half of it / hold / charge half / full" instead of fixed kW.
+  The self-consumption rule is ``a_bess = -1`` at a deficit and 0 otherwise.
+
+Either way the set-point is then clipped to the SOC limits and, for discharge, to the site's deficit."""
+
+
 def discrete_action_table() -> torch.Tensor:
     """Hub actions of the ``"discrete"`` mode, shape ``(n_actions, 2)`` float64: row ``k`` is
     ``[bess_level, ev_level]`` with ``k = i_bess * len(DISCRETE_EV_LEVELS) + i_ev``."""
@@ -96,7 +118,11 @@ def action_dim(action_mode: str, n_sockets: int) -> int:
 
 def obs_dim(n_sockets: int) -> int:
     """Size of the observation vector for a site with ``n_sockets`` sockets."""
-    return 17 + 3 * n_sockets
+    return N_SITE_FEATURES + 3 * n_sockets
+
+
+N_SITE_FEATURES = 19
+"""Number of site-level observation features before the ``3 * n_sockets`` per-socket ones."""
 
 
 class EVHubVectorEnv(VectorEnv):
@@ -112,6 +138,9 @@ class EVHubVectorEnv(VectorEnv):
         full_split: run the whole split once from step 0 (evaluation) instead of random windows.
         episode_steps: training window length in steps (default: the site's ``episode.train_steps``).
         dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
+        bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
+            ``P = a_bess * P_max``; ``"surplus"``: 0 stores the PV surplus left after load and EVs and holds
+            the battery at a deficit, +1 charges at full power, -1 covers the deficit (linear in between).
 
     ``step(actions)`` takes a tensor ``(num_envs, action_dim)`` (anything ``torch.as_tensor`` accepts)
     and returns ``obs (num_envs, obs_dim)``, ``reward``, ``terminated``, ``truncated`` (each
@@ -119,7 +148,7 @@ class EVHubVectorEnv(VectorEnv):
     ``reset(seed=..., options={"start_steps": [...]})`` can pin each env's first step.
 
     Raises:
-        ValueError: bad ``action_mode``, ``num_envs < 1``, or a window longer than the split.
+        ValueError: bad ``action_mode`` or ``bess_action``, ``num_envs < 1``, or a window longer than the split.
     """
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
@@ -134,9 +163,13 @@ class EVHubVectorEnv(VectorEnv):
         full_split: bool = False,
         episode_steps: int | None = None,
         dtype: torch.dtype = torch.float32,
+        bess_action: str = "setpoint",
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        if bess_action not in BESS_ACTIONS:
+            raise ValueError(f"unknown bess_action {bess_action!r}: expected one of {', '.join(BESS_ACTIONS)}")
+        self.bess_action = bess_action
         self.site = load_site(site)
         self.data: SplitData = self.site.split(split)
         cfg = self.site.config
@@ -185,6 +218,21 @@ class EVHubVectorEnv(VectorEnv):
             axis=1,
         )
         self._exo_obs = t(exo)
+        # outlook: PV energy of the next day (the series continues periodically past the split's end) and
+        # the EV energy requested per day over the past week of the split
+        H = max(1, round(24.0 / cfg.dt_h))
+        pv_day = np.concatenate([d.pv_kw, np.resize(d.pv_kw[-H:], H)])
+        c = np.concatenate([[0.0], np.cumsum(pv_day)])
+        pv_next_day_kwh = (c[H : H + T] - c[:T]) * cfg.dt_h  # kWh over steps t .. t+H-1
+        arrived = d.arrival_need_kwh.sum(1)
+        c = np.concatenate([[0.0], np.cumsum(arrived)])
+        steps = np.arange(T)
+        first = np.maximum(steps - 7 * H, 0)
+        demand_per_day = (c[steps] - c[first]) / np.maximum(steps - first, H) * H  # kWh/day, causal
+        self._pv_day_obs = t(pv_next_day_kwh / kwp / 8.0)  # ~8 kWh/kWp on a clear summer day
+        self._demand_obs = t(demand_per_day / (self.n_sockets * cfg.ev.socket_kw * 24.0 * cfg.dt_h) * 8.0)
+        self._keep_min = 1.0 if full_split else float(cfg.episode.session_keep_min)
+        self._thinning = self._keep_min < 1.0
         self._arrival_need = t(d.arrival_need_kwh)
         self._arrival_stay = t(d.arrival_stay_steps, torch.int64)
 
@@ -202,6 +250,7 @@ class EVHubVectorEnv(VectorEnv):
         self.energy_kwh = z(B)  # BESS energy content, kWh
         self.ev_need_kwh = z(B, N)  # energy each plugged EV still needs, kWh
         self.ev_steps_left = z(B, N, dt=torch.int64)  # steps until departure; 0 = socket free
+        self.session_keep = torch.ones(B, dtype=dtype, device=self.device)  # per-window session keep probability
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(0)
         self._arange = torch.arange(B, device=self.device)
@@ -249,6 +298,9 @@ class EVHubVectorEnv(VectorEnv):
         need = self._arrival_need.index_select(0, self.t)
         stay = self._arrival_stay.index_select(0, self.t)
         arrive = stay > 0
+        if self._thinning:  # fixed at construction: no branching on tensor values
+            u = torch.rand(arrive.shape, generator=self._generator, device=self.device, dtype=self.dtype)
+            arrive = arrive & (u < self.session_keep[:, None])
         self.ev_need_kwh = torch.where(arrive, need, self.ev_need_kwh)
         self.ev_steps_left = torch.where(arrive, stay, self.ev_steps_left)
 
@@ -264,8 +316,38 @@ class EVHubVectorEnv(VectorEnv):
             dim=1,
         )
         soc = (2.0 * self.soc - 1.0)[:, None]
-        obs = torch.cat([self._exo_obs.index_select(0, self.t), soc, agg, occupied, need, steps], dim=1)
+        outlook = torch.stack(
+            [self._pv_day_obs.index_select(0, self.t), self._demand_obs.index_select(0, self.t) * self.session_keep],
+            dim=1,
+        )
+        obs = torch.cat([self._exo_obs.index_select(0, self.t), soc, agg, outlook, occupied, need, steps], dim=1)
         return obs.clamp(-OBS_BOUND, OBS_BOUND)
+
+    STATE_KEYS = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left", "session_keep")
+    """Tensors that make up the dynamic state of all envs (see :meth:`state_dict`)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the dynamic state tensors (:data:`STATE_KEYS`, each ``(num_envs, ...)``) and the window
+        generator's state (``"generator"``, uint8 CPU tensor): what a checkpoint needs to resume mid-episode."""
+        state = {k: getattr(self, k).clone() for k in self.STATE_KEYS}
+        state["generator"] = self._generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore a :meth:`state_dict` (moved to this env's device).
+
+        Raises:
+            ValueError: a missing key, or tensors shaped for another ``num_envs`` / ``n_sockets``.
+        """
+        missing = [k for k in (*self.STATE_KEYS, "generator") if k not in state]
+        if missing:
+            raise ValueError(f"env state misses {missing}")
+        for k in self.STATE_KEYS:
+            value = state[k]
+            if tuple(value.shape) != tuple(getattr(self, k).shape):
+                raise ValueError(f"env state '{k}' has shape {tuple(value.shape)}, expected {tuple(getattr(self, k).shape)}")
+            setattr(self, k, value.to(device=self.device, dtype=getattr(self, k).dtype).clone())
+        self._generator.set_state(state["generator"])
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -306,6 +388,9 @@ class EVHubVectorEnv(VectorEnv):
         self.energy_kwh = torch.where(mask, self._e_init, self.energy_kwh)
         self.ev_need_kwh = torch.where(mask[:, None], 0.0, self.ev_need_kwh)
         self.ev_steps_left = torch.where(mask[:, None], 0, self.ev_steps_left)
+        if self._thinning:
+            u = torch.rand(self.num_envs, generator=self._generator, device=self.device, dtype=self.dtype)
+            self.session_keep = torch.where(mask, self._keep_min + (1.0 - self._keep_min) * u, self.session_keep)
 
     def _ev_power(self, a_ev: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """Per-socket EV power, kW, ``(num_envs, n_sockets)``, from the EV part of the action."""
@@ -341,7 +426,13 @@ class EVHubVectorEnv(VectorEnv):
         ev = self._ev_power(a[:, 1:], floor, cap)
         ev_total = ev.sum(1)
 
-        p_bess = a[:, 0].clamp(-1.0, 1.0) * b.power_kw
+        a_bess = a[:, 0].clamp(-1.0, 1.0)
+        if self.bess_action == "surplus":  # a config string, not a tensor value
+            s = (pv - load - ev_total).clamp(-b.power_kw, b.power_kw)
+            s_pos, s_neg = s.clamp(min=0.0), (-s).clamp(min=0.0)
+            p_bess = torch.where(a_bess >= 0, s_pos + a_bess * (b.power_kw - s_pos), s_pos * (1.0 + a_bess) + a_bess * s_neg)
+        else:
+            p_bess = a_bess * b.power_kw
         charge_max = ((self._e_max - self.energy_kwh) / (b.eta_charge * dt)).clamp(min=0.0)
         discharge_max = ((self.energy_kwh - self._e_min) * b.eta_discharge / dt).clamp(min=0.0)
         deficit = (load + ev_total - pv).clamp(min=0.0)

@@ -7,6 +7,7 @@ are defined once for all.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -16,8 +17,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from envs.evhub import INFO_KEYS, EVHubVectorEnv
-from envs.files import write_parquet  # noqa: F401  (re-exported for the algos)
+from envs.evhub import BESS_ACTIONS, INFO_KEYS, EVHubVectorEnv
+from envs.files import write_parquet, write_text  # noqa: F401  (write_parquet re-exported for the algos)
 from envs.site import Site, SplitData
 
 TRACE_COLUMNS = ("time", *INFO_KEYS, "soc", "moer_kg_per_kwh")
@@ -73,8 +74,12 @@ def rollout_traces(
     action_mode: str = "hub",
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float64,
+    bess_action: str = "setpoint",
 ) -> tuple[pd.DataFrame, float]:
     """Run ``policy`` once over the whole split, deterministically, and record hourly traces.
+
+    ``action_mode`` and ``bess_action`` are passed to :class:`~envs.evhub.EVHubVectorEnv`: they must be
+    the ones the policy was trained with.
 
     Returns:
         ``(traces, wall_s)``: a DataFrame with :data:`TRACE_COLUMNS`, one row per step, and the
@@ -84,7 +89,10 @@ def rollout_traces(
         RuntimeError: the energy balance is violated by more than :data:`BALANCE_TOL` in some step
             (names the step's time).
     """
-    env = EVHubVectorEnv(1, site=site, split=split, action_mode=action_mode, device=device, full_split=True, dtype=dtype)
+    env = EVHubVectorEnv(
+        1, site=site, split=split, action_mode=action_mode, device=device, full_split=True, dtype=dtype,
+        bess_action=bess_action,
+    )
     obs, _ = env.reset(seed=0)
     T = env.data.num_steps
     rows: list[torch.Tensor] = []
@@ -185,13 +193,51 @@ def evaluate_policy(
     controller: str,
     action_mode: str = "hub",
     device: str | torch.device = "cpu",
+    bess_action: str = "setpoint",
     **extra: float,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Run a policy over a whole split and return ``(kpi_row, traces)``; see :func:`rollout_traces`."""
-    traces, wall = rollout_traces(policy, site, split, action_mode, device)
+    traces, wall = rollout_traces(policy, site, split, action_mode, device, bess_action=bess_action)
     data = site.split(split)
     extra = {"env_steps": float(data.num_steps), "steps_per_s": data.num_steps / max(wall, 1e-9), **extra}
     return kpi_row(controller, split, traces, data, **extra), traces
+
+
+POLICY_SPEC = "policy.json"
+"""Name of the file beside an exported policy that records the env settings it acts in (JSON object with
+``env_id``, ``action_mode`` and ``bess_action``)."""
+
+
+def write_policy_spec(out_dir: str | Path, env_id: str, action_mode: str, bess_action: str) -> Path:
+    """Record the env settings of an exported policy in ``out_dir/policy.json`` (written atomically)."""
+    spec = {"env_id": env_id, "action_mode": action_mode, "bess_action": bess_action}
+    return write_text(Path(out_dir) / POLICY_SPEC, json.dumps(spec, indent=2) + "\n")
+
+
+def read_policy_spec(run_dir: str | Path) -> dict[str, str]:
+    """The env settings an exported policy was trained in: ``{"action_mode", "bess_action"}``.
+
+    A run without ``policy.json`` gets the env defaults (``"hub"``, ``"setpoint"``).
+
+    Raises:
+        ValueError: ``policy.json`` is not a JSON object or names an unknown action or BESS action mode
+            (the message names the file).
+    """
+    path = Path(run_dir) / POLICY_SPEC
+    spec = {"action_mode": "hub", "bess_action": "setpoint"}
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        spec |= {k: raw[k] for k in spec if k in raw}
+    if spec["action_mode"] not in ("hub", "socket"):
+        raise ValueError(f"{path}: action_mode must be 'hub' or 'socket', got {spec['action_mode']!r}")
+    if spec["bess_action"] not in BESS_ACTIONS:
+        raise ValueError(f"{path}: bess_action must be one of {BESS_ACTIONS}, got {spec['bess_action']!r}")
+    return spec
 
 
 def load_policy(path: str | Path, device: str | torch.device = "cpu") -> Policy:

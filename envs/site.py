@@ -84,6 +84,10 @@ class SplitsConfig:
 class EpisodeConfig:
     train_steps: int = 168
     """Length of a training episode, steps."""
+    session_keep_min: float = 1.0
+    """Demand augmentation for training windows: each window keeps every arriving EV session with a
+    probability drawn uniformly from ``[session_keep_min, 1]`` (1.0: keep all). Full-split runs (evaluation,
+    baselines, the oracle) always keep every session."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,8 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
         raise bad("grid.base_load_kw", f"({cfg.grid.base_load_kw}) exceeds grid.import_limit_kw ({cfg.grid.import_limit_kw})")
     if cfg.episode.train_steps < 1:
         raise bad("episode.train_steps", f"must be >= 1, got {cfg.episode.train_steps}")
+    if not 0.0 < cfg.episode.session_keep_min <= 1.0:
+        raise bad("episode.session_keep_min", f"must be a probability in (0, 1], got {cfg.episode.session_keep_min}")
     for k in ("w_co2", "w_unserved", "w_peak", "scale"):
         if getattr(cfg.reward, k) < 0:
             raise bad(f"reward.{k}", f"must be >= 0, got {getattr(cfg.reward, k)}")

@@ -53,7 +53,7 @@ SERVED_SHARE_MIN = 0.99
 TABLE_COLUMNS = (
     ("co2_kg", "CO2 (kg)", 1),
     ("co2_reduction_pct", "CO2 reduction vs uncontrolled (%)", 1),
-    ("oracle_gap_closed_pct", "Oracle gap closed (%)", 1),
+    ("oracle_gap_closed_pct", "Share of the oracle's CO2 saving (%)", 1),
     ("ev_energy_served_pct", "EV energy served (%)", 1),
     ("unserved_kwh", "Unserved energy (kWh)", 1),
     ("sessions_rejected", "Sessions rejected (count)", 0),
@@ -61,7 +61,7 @@ TABLE_COLUMNS = (
     ("pv_self_consumption_pct", "PV self-consumption (%)", 1),
     ("peak_import_kw", "Peak import (kW)", 1),
     ("train_wall_s", "Training wall time (s)", 0),
-    ("steps_per_s", "Evaluation speed (steps/s)", 0),
+    ("steps_per_s", "Steps/s (agents: training; baselines: simulation)", 0),
 )
 
 FIGURE_DPI = 110
@@ -462,8 +462,8 @@ def write_report(
     md += [
         "> **Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; "
         "the unserved energy (kWh still needed at departure) and the share of EV energy served show whether a "
-        "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Oracle gap closed` is the "
-        "share of the perfect-foresight oracle's saving a controller achieves (the oracle is the physical lower bound).",
+        "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` is the "
+        "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound).",
         "",
         "## Figures",
         "",

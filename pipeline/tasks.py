@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from envs.files import write_parquet, write_text
-from envs.kpis import evaluate_policy, load_policy
+from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_config, load_site
 from pipeline.config import PROJECT_ROOT, SPLITS
 
@@ -177,7 +177,10 @@ def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: st
                 "env_steps": float(last.global_step),
                 "steps_per_s": float(last.global_step / max(last.wall_s, 1e-9)),
             }
-    kpis, traces = evaluate_policy(load_policy(find_policy(run_dir)), site, split, algo)
+    spec = read_policy_spec(run_dir)  # the env settings the policy was trained in
+    kpis, traces = evaluate_policy(
+        load_policy(find_policy(run_dir)), site, split, algo, spec["action_mode"], bess_action=spec["bess_action"]
+    )
     for k, v in extra.items():
         kpis[k] = v
     return _write_run(kpis, traces, Path(out_dir) / f"{algo}_seed{seed}_{split}")

@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, load_algo, make_site, run_algo, tiny_run
 
 import envs
-from envs.kpis import evaluate_policy, load_policy
+from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 
 SCRIPT = ROOT / "algos" / "a2c.py"
 
@@ -56,7 +56,7 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
     assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
     assert (metrics.episodic_co2_kg > 0).all()
 
-    obs_dim = 17 + 3 * 6
+    obs_dim = envs.evhub.obs_dim(6)
     module = torch.export.load(out / "policy.pt2").module()
     for batch in (1, 5):  # dynamic batch dimension
         action = module(torch.randn(batch, obs_dim))
@@ -90,7 +90,10 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
 def test_exported_policy_reproduces_the_eval(trained, site_toml):
     out, proc = trained
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row, _ = evaluate_policy(load_policy(out / "policy.pt2"), envs.load_site(site_toml), "test", "a2c")
+    spec = read_policy_spec(out)  # what the pipeline's evaluation reads
+    assert spec == {"action_mode": "hub", "bess_action": "surplus"}
+    policy = load_policy(out / "policy.pt2")
+    row, _ = evaluate_policy(policy, envs.load_site(site_toml), "test", "a2c", spec["action_mode"], bess_action=spec["bess_action"])
     kpi = pd.read_parquet(out / "eval_test.parquet")
     assert row.co2_kg.iloc[0] == pytest.approx(kpi.co2_kg.iloc[0], rel=1e-4)
 

@@ -171,3 +171,134 @@ def test_discrete_mode_equals_hub_mode_with_the_table_action(site):
 
 def test_check_env_discrete(site):
     check_env(EVHubEnv(site=site, action_mode="discrete"))
+
+
+def test_session_thinning_keeps_the_drawn_share_of_arrivals_in_training_only():
+    """``episode.session_keep_min`` thins training arrivals by the per-window keep probability; full-split
+    runs (evaluation) keep every session."""
+    site = make_site(days=28, n_sockets=8, episode={"train_steps": 24 * 7, "session_keep_min": 0.2})
+    num_envs = 256
+    env = EVHubVectorEnv(num_envs, site=site, dtype=torch.float64)
+    env.reset(seed=0)
+    keep = env.session_keep.clone()
+    assert ((keep >= 0.2) & (keep <= 1.0)).all() and keep.std() > 0.1
+    plugged = torch.zeros(num_envs, dtype=torch.float64)
+    offered = torch.zeros(num_envs, dtype=torch.float64)
+    stay_table = env._arrival_stay
+    for _ in range(env.episode_steps - 1):  # stay inside the first window of every env
+        steps_before = env.ev_steps_left.clone()
+        env.step(torch.tensor([[0.0, 1.0]]).expand(num_envs, 2))
+        arriving = stay_table.index_select(0, env.t) > 0
+        offered += arriving.sum(1)
+        plugged += (arriving & (env.ev_steps_left == stay_table.index_select(0, env.t)) & (steps_before <= 1)).sum(1)
+    share = plugged.sum() / offered.sum()
+    assert share == pytest.approx(float(keep.mean()), abs=0.05)
+    low, high = keep < 0.5, keep > 0.8
+    assert plugged[low].sum() / offered[low].sum() < plugged[high].sum() / offered[high].sum()
+
+    full = EVHubVectorEnv(1, site=site, full_split=True)
+    full.reset(seed=0)
+    assert full.session_keep.item() == 1.0
+    assert not full._thinning
+
+
+def test_session_keep_min_is_checked():
+    from envs.site import ConfigError
+
+    with pytest.raises(ConfigError, match="episode.session_keep_min"):
+        make_site(episode={"session_keep_min": 0.0})
+
+
+def test_outlook_features_pv_next_day_and_causal_demand(site):
+    """Obs 17 is the PV energy of the next 24 h (per kWp / 8); obs 18 the EV energy requested per day over
+    the past week, which must not see sessions that have not arrived yet."""
+    env = EVHubVectorEnv(1, site=site, full_split=True, dtype=torch.float64)
+    obs, _ = env.reset(seed=0)
+    d = env.data
+    kwp = site.config.pv.kwp
+    for t in range(60):
+        expected_pv = d.pv_kw[t : t + 24].sum() / kwp / 8.0
+        assert obs[0, 17].item() == pytest.approx(expected_pv, rel=1e-9)
+        obs, *_ = env.step(torch.tensor([[0.0, 1.0]]))
+    assert env.single_observation_space.shape[0] == 19 + 3 * env.n_sockets
+
+    first_arrival = int(np.flatnonzero(d.arrival_need_kwh.sum(1) > 0)[0])
+    demand = env._demand_obs
+    assert (demand[: first_arrival + 1] == 0).all()  # nothing has arrived yet at those steps
+    assert demand[first_arrival + 1] > 0
+
+
+def test_state_dict_round_trip_resumes_the_same_trajectory(site):
+    env = EVHubVectorEnv(8, site=site, dtype=torch.float64)
+    env.reset(seed=5)
+    for _ in range(30):
+        env.step(torch.rand(8, 2, dtype=torch.float64) * 2 - 1)
+    state = env.state_dict()
+    actions = [torch.rand(8, 2, dtype=torch.float64) * 2 - 1 for _ in range(200)]
+    first = [env.step(a)[0] for a in actions]
+    other = EVHubVectorEnv(8, site=site, dtype=torch.float64)
+    other.reset(seed=123)
+    other.load_state_dict(state)
+    second = [other.step(a)[0] for a in actions]
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="shape"):
+        EVHubVectorEnv(4, site=site).load_state_dict(state)
+
+
+def surplus_mode_rule(obs, env):
+    """The self-consumption rule in ``bess_action="surplus"`` terms: -1 (cover it) at a deficit, else 0."""
+    look = env.power_outlook()
+    deficit = look["pv_kw"] - look["load_kw"] - look["ev_max_kw"] < 0
+    return torch.stack([torch.where(deficit, -1.0, 0.0), torch.ones_like(look["pv_kw"])], 1).to(obs.dtype)
+
+
+def test_surplus_bess_action_expresses_the_rule_based_controller(site):
+    """In ``bess_action="surplus"`` mode, -1 at a deficit and 0 otherwise reproduce the self-consumption rule
+    exactly, and 0 alone stores the surplus but never discharges."""
+    from pipeline.baselines import rule_based
+
+    for split in ("train", "test"):
+        k_rule, t_rule = evaluate_policy(rule_based, site, split, "rule_based")
+        k_sc, t_sc = evaluate_policy(surplus_mode_rule, site, split, "sc", bess_action="surplus")
+        assert k_sc.co2_kg.iloc[0] == pytest.approx(k_rule.co2_kg.iloc[0], rel=1e-12)
+        np.testing.assert_allclose(t_sc.bess_charge_kw, t_rule.bess_charge_kw, atol=1e-12)
+        np.testing.assert_allclose(t_sc.soc, t_rule.soc, atol=1e-12)
+        hold = lambda obs, env: torch.tensor([[0.0, 1.0]], dtype=obs.dtype)  # noqa: E731
+        _, t_hold = evaluate_policy(hold, site, split, "hold", bess_action="surplus")
+        assert (t_hold.bess_discharge_kw == 0).all() and t_hold.bess_charge_kw.sum() > 0
+        surplus = t_hold.pv_kw - t_hold.load_kw - t_hold.ev_charge_kw
+        assert (t_hold.bess_charge_kw <= surplus.clip(lower=0) + 1e-9).all()  # PV only, never from the grid
+
+
+def test_surplus_bess_action_spans_full_charge_to_full_discharge_monotonically(site):
+    """``a_bess`` = +1 / -1 mean full charge / discharge in both BESS action modes, and the set-point grows
+    with ``a_bess`` in between."""
+    num_envs = 21
+    levels = torch.linspace(-1, 1, num_envs, dtype=torch.float64)
+    results = {}
+    for mode in ("setpoint", "surplus"):
+        env = EVHubVectorEnv(num_envs, site=site, dtype=torch.float64, bess_action=mode)
+        env.reset(seed=0, options={"start_steps": [12] * num_envs})  # mid-day: PV and some EVs
+        env.energy_kwh[:] = 0.5 * site.config.bess.capacity_kwh
+        _, _, _, _, info = env.step(torch.stack([levels, torch.ones(num_envs, dtype=torch.float64)], 1))
+        results[mode] = info["bess_charge_kw"] - info["bess_discharge_kw"]
+    for mode, net in results.items():
+        assert (net[1:] >= net[:-1] - 1e-12).all(), mode
+    torch.testing.assert_close(results["surplus"][[0, -1]], results["setpoint"][[0, -1]])
+    with pytest.raises(ValueError, match="bess_action"):
+        EVHubVectorEnv(1, site=site, bess_action="bogus")
+
+
+def test_policy_spec_round_trip_and_bad_specs(tmp_path):
+    from envs.kpis import read_policy_spec, write_policy_spec
+
+    assert read_policy_spec(tmp_path) == {"action_mode": "hub", "bess_action": "setpoint"}  # no file: defaults
+    write_policy_spec(tmp_path, "EVHub-v0", "socket", "surplus")
+    assert read_policy_spec(tmp_path) == {"action_mode": "socket", "bess_action": "surplus"}
+    (tmp_path / "policy.json").write_text('{"action_mode": "hub", "bess_action": "fancy"}')
+    with pytest.raises(ValueError, match="policy.json.*bess_action"):
+        read_policy_spec(tmp_path)
+    (tmp_path / "policy.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="policy.json.*JSON object"):
+        read_policy_spec(tmp_path)

@@ -1,4 +1,5 @@
-"""``algos/ppo.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, GAE and ``--help``."""
+"""``algos/ppo.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, GAE, the minibatch
+update, the presets, the speed switches and ``--help``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pandas as pd
 import pytest
 import torch
 from conftest import ROOT, load_algo, run_algo, tiny_run
+
+import envs
+import envs.evhub
 
 SCRIPT = ROOT / "algos" / "ppo.py"
 
@@ -41,6 +45,7 @@ def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProc
 def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
     out, proc = trained
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "preset=cpu" in proc.stdout and "num_envs=4" in proc.stdout  # the resolved values are printed
     assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (out / "checkpoint.pt").is_file()
 
@@ -51,7 +56,7 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
     assert (metrics.episodic_co2_kg > 0).all()
 
     policy = torch.export.load(out / "policy.pt2").module()
-    obs_dim = 17 + 3 * 6
+    obs_dim = envs.evhub.obs_dim(6)
     for batch in (1, 5):  # dynamic batch dimension
         action = policy(torch.randn(batch, obs_dim))
         assert action.shape == (batch, 2) and action.dtype == torch.float32
@@ -115,6 +120,9 @@ def test_help_documents_every_field():
     # every field has its docstring in the help (first few words, as tyro may wrap lines)
     assert "the surrogate clipping coefficient" in text
     assert "continue from output_dir/checkpoint.pt" in text
+    assert "bf16 autocast of the network forward passes" in text
+    for choice in ("auto", "cpu", "gpu"):
+        assert choice in text
 
 
 def test_gae_matches_a_hand_computed_example():
@@ -161,3 +169,145 @@ def test_running_normalisers_match_batch_statistics():
     var = torch.stack(returns).reshape(-1).var(unbiased=False)
     torch.testing.assert_close(rn["var"], var, rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(scaled, rewards[-1] / torch.sqrt(var + 1e-8).float(), rtol=1e-3, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- hot paths
+def test_policy_step_draws_what_the_distribution_samples():
+    """``mean + std * noise`` (no host sync) draws the numbers ``Normal.sample`` would, so seeds keep their runs."""
+    ppo = load_ppo()
+    torch.manual_seed(0)
+    agent = ppo.Agent(7, 2, 16, init_logstd=-0.5)
+    obs = torch.randn(5, 7)
+    rng = torch.get_rng_state()
+    obs_n, action, logprob, value = ppo.policy_step(agent, obs)
+    assert obs_n.shape == (5, 7) and action.shape == (5, 2) and logprob.shape == (5,) and value.shape == (5,)
+    torch.set_rng_state(rng)
+    dist, value2 = agent.dist_and_value(obs_n)
+    torch.testing.assert_close(action, dist.sample(), rtol=0, atol=0)
+    torch.testing.assert_close(logprob, dist.log_prob(action).sum(1))
+    torch.testing.assert_close(value, value2)
+
+
+def minibatch(m: int = 12, obs_dim: int = 7) -> tuple[torch.Tensor, ...]:
+    """Random ``(obs, actions, logprobs, advantages, returns, values)`` of ``m`` rows."""
+    return torch.randn(m, obs_dim), torch.randn(m, 2), torch.randn(m), torch.randn(m), torch.randn(m), torch.randn(m)
+
+
+COEFS = dict(clip_coef=0.2, norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_update_takes_one_finite_step(amp):
+    ppo = load_ppo()
+    torch.manual_seed(0)
+    agent = ppo.Agent(7, 2, 16)
+    opt = torch.optim.Adam(agent.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64), eps=1e-5)
+    before = [p.detach().clone() for p in agent.parameters()]
+    out = ppo.update_minibatch(agent, opt, *minibatch(), **COEFS, amp=amp)
+    assert out["bad"].shape == (len(ppo.LOSS_NAMES),) and not out["bad"].any()
+    for key in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac"):
+        assert out[key].shape == () and torch.isfinite(out[key]), key
+    assert any(not torch.equal(b, p) for b, p in zip(before, agent.parameters()))
+
+
+def test_update_covers_the_batch_in_minibatches_and_stops_at_target_kl():
+    ppo = load_ppo()
+    torch.manual_seed(0)
+    batch = minibatch(10)
+    seen: list[torch.Tensor] = []
+
+    def learn(obs, *rest):  # a stand-in for the bound update_minibatch
+        seen.append(obs)
+        z = torch.zeros(())
+        return {"value_loss": z, "policy_loss": z, "entropy": z, "old_approx_kl": z, "approx_kl": torch.tensor(0.5),
+                "clipfrac": torch.tensor(0.25), "bad": torch.zeros(len(ppo.LOSS_NAMES), dtype=torch.bool)}  # fmt: skip
+
+    out = ppo.update(learn, *batch, update_epochs=3, minibatch_size=4)
+    assert [len(o) for o in seen] == [4, 4, 2] * 3  # the last minibatch of an epoch takes the rest
+    for epoch in range(3):  # each epoch visits every row once, in a fresh order
+        rows = torch.cat(seen[3 * epoch : 3 * epoch + 3])
+        assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, batch[0].tolist()))
+    assert float(out["clipfrac"]) == 0.25 and torch.isfinite(out["explained_variance"])
+    assert not out["bad"].any()
+    seen.clear()
+    ppo.update(learn, *batch, update_epochs=3, minibatch_size=4, target_kl=0.1)  # approx_kl 0.5 > 0.1: one epoch
+    assert len(seen) == 3
+
+
+def test_resumed_optimizer_keeps_this_runs_lr_tensor_and_device_flags():
+    """A checkpoint from a CUDA run (capturable Adam) resumes on the CPU; the annealed LR tensor stays in charge."""
+    ppo = load_ppo()
+    param = torch.nn.Parameter(torch.zeros(3))
+    saved_opt = torch.optim.Adam([param], lr=0.5)
+    param.grad = torch.ones(3)
+    saved_opt.step()
+    state = saved_opt.state_dict()
+    state["param_groups"][0]["capturable"] = True  # as written on a GPU
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    opt = torch.optim.Adam([param], lr=lr, eps=1e-5)
+    ppo.load_optimizer_state(opt, state, lr)
+    group = opt.param_groups[0]
+    assert group["lr"] is lr and not group["capturable"]
+    before = param.detach().clone()
+    lr.fill_(0.0)
+    opt.step()  # a capturable Adam would refuse CPU parameters
+    assert torch.equal(param, before)
+    lr.fill_(1e-2)
+    opt.step()
+    assert (param < before).all()
+
+
+def test_presets_and_cudagraphs_needs_cuda():
+    ppo = load_ppo()
+    # the cpu preset keeps the sizes of the runs made before presets had names (same seed, same numbers)
+    assert ppo.PRESETS["cpu"] == {"num_envs": 128, "num_steps": 168, "total_timesteps": 4_000_000, "hidden_size": 64,
+                                  "num_threads": 1}  # fmt: skip
+    args = ppo.resolve_args(ppo.Args(), torch.device("cpu"))
+    assert args.preset == "cpu" and (args.num_envs, args.hidden_size, args.num_threads) == (128, 64, 1)
+    batch = 128 * 168
+    assert (args.batch_size, args.minibatch_size, args.num_iterations) == (batch, batch // 8, 4_000_000 // batch)
+    assert ppo.resolve_args(ppo.Args(), torch.device("cuda")).preset == "gpu"  # auto picks by device
+    args = ppo.resolve_args(ppo.Args(preset="gpu", num_envs=7), torch.device("cpu"))
+    assert args.num_envs == 7 and args.hidden_size == ppo.PRESETS["gpu"]["hidden_size"]
+
+
+def test_cudagraphs_needs_cuda():
+    ppo = load_ppo()
+    with pytest.raises(ValueError, match="--cudagraphs needs CUDA"):
+        ppo.resolve_args(ppo.Args(cudagraphs=True), torch.device("cpu"))
+    # target_kl's early stop reads the device after each epoch: refused under CUDA graphs (no GPU needed to check)
+    with pytest.raises(ValueError, match="target-kl"):
+        ppo.resolve_args(ppo.Args(cudagraphs=True, target_kl=0.02), torch.device("cuda"))
+    with pytest.raises(ValueError, match="equal minibatches"):
+        ppo.resolve_args(ppo.Args(cudagraphs=True, num_envs=3, num_steps=5, num_minibatches=2), torch.device("cuda"))
+    assert ppo.resolve_args(ppo.Args(cudagraphs=True), torch.device("cuda")).cudagraphs
+
+
+@pytest.mark.slow
+def test_compile_smoke_on_cpu(site_toml, tmp_path):
+    proc = run_ppo(
+        "--site", str(site_toml), "--output-dir", str(tmp_path / "c"), "--total-timesteps", "384", "--compile",
+        "--amp", "--eval-split", "none", *TINY, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert np.isfinite(pd.read_parquet(tmp_path / "c" / "metrics.parquet").to_numpy(dtype=float)).all()
+    assert (tmp_path / "c" / "policy.pt2").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "flags", [["--cudagraphs"], ["--amp"], ["--cudagraphs", "--amp"], ["--compile", "--cudagraphs", "--amp"]]
+)
+def test_speed_switches_on_cuda(site_toml, tmp_path, flags):
+    tiny_cuda = [a for a in TINY if a != "--no-cuda"]
+    # 5 iterations: the once-per-iteration GAE is captured at its 4th call and replayed at its 5th
+    proc = run_ppo(
+        "--site", str(site_toml), "--output-dir", str(tmp_path / "g"), "--total-timesteps", "960", *flags, *tiny_cuda,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "device=cuda" in proc.stdout
+    metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
+    assert len(metrics) == 5 and np.isfinite(metrics.to_numpy(dtype=float)).all()
+    assert (tmp_path / "g" / "policy.pt2").is_file()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT, load_algo, run_algo, tiny_run
 
+import envs.evhub
 from envs.kpis import load_policy
 
 SCRIPT = ROOT / "algos" / "sac.py"
@@ -66,7 +67,7 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
         assert tag in tags, tag
 
     policy = load_policy(out / "policy.pt2")
-    obs_dim = 17 + 3 * 6
+    obs_dim = envs.evhub.obs_dim(6)
     for batch in (1, 5):  # dynamic batch dimension
         action = policy(torch.randn(batch, obs_dim), None)
         assert action.shape == (batch, 2)
