@@ -191,6 +191,13 @@ LOSS_NAMES = ("td_loss", "q_values", "grad_norm")
 """Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
 
 
+def synced_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after the device's queued work has finished (a host sync on CUDA), in seconds."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class NonFiniteLossError(RuntimeError):
     """A loss (or the gradient norm) became NaN or infinite; training stops, the last checkpoint is kept."""
 
@@ -716,6 +723,10 @@ def main(args: Args) -> dict:
     session_start_step = global_step
     sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
     iteration = start_iteration - 1
+    # steady-state SPS: timed over the second half of this session's iterations, past compilation, CUDA-graph
+    # capture and the first updates
+    half_iteration = start_iteration + (args.num_iterations - start_iteration + 1) // 2
+    steady_start: tuple[float, int] | None = None
     bar = tqdm(
         range(start_iteration, args.num_iterations + 1),
         initial=start_iteration - 1,
@@ -725,6 +736,8 @@ def main(args: Args) -> dict:
     )
     try:
         for iteration in bar:
+            if iteration == half_iteration:
+                steady_start = (synced_clock(device), global_step)
             epsilon.copy_(linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step_t))
             next_obs = rollout(
                 env, qnet, next_obs, rb, stats, epsilon, args.num_steps, not norm_frozen,
@@ -786,13 +799,15 @@ def main(args: Args) -> dict:
         raise
     bar.close()
 
-    train_wall = train_wall_prev + time.perf_counter() - start_time
+    end_time = synced_clock(device)
+    sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
+    train_wall = train_wall_prev + end_time - start_time
     checkpoint(iteration, train_wall)
     policy_path = export_policy(qnet, obs_dim, out_dir)
     write_policy_spec(out_dir, args.env_id, "hub", args.bess_action)
-    print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
+    print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
-    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
+    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady, "policy": str(policy_path)}
     if args.eval_split.lower() != "none":
         # the greedy policy as hub actions, evaluated in the hub mode (exactly the discrete mode; module docstring)
         greedy = GreedyHubPolicy(qnet, discrete_action_table()).to(device).eval()

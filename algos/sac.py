@@ -194,6 +194,13 @@ LOG_STD_MAX = 2.0
 LOG_STD_MIN = -5.0
 
 
+def synced_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after the device's queued work has finished (a host sync on CUDA), in seconds."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class NonFiniteLossError(RuntimeError):
     """A loss became NaN or infinite; training stops, the last checkpoint is kept."""
 
@@ -747,6 +754,10 @@ def main(args: Args) -> dict:
     session_start_step = global_step
     sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
     iteration = start_iteration - 1
+    # steady-state SPS: timed over the second half of this session's iterations, past compilation, CUDA-graph
+    # capture and the first updates
+    half_iteration = start_iteration + (args.num_iterations - start_iteration + 1) // 2
+    steady_start: tuple[float, int] | None = None
     bar = tqdm(
         range(start_iteration, args.num_iterations + 1),
         initial=start_iteration - 1,
@@ -756,6 +767,8 @@ def main(args: Args) -> dict:
     )
     try:
         for iteration in bar:
+            if iteration == half_iteration:
+                steady_start = (synced_clock(device), global_step)
             # ---- act: uniform random actions before learning starts, then the stochastic policy
             if global_step < args.learning_starts:
                 actions = torch.rand(args.num_envs, act_dim, device=device) * 2.0 - 1.0
@@ -839,13 +852,15 @@ def main(args: Args) -> dict:
         raise
     bar.close()
 
-    train_wall = train_wall_prev + time.perf_counter() - start_time
+    end_time = synced_clock(device)
+    sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
+    train_wall = train_wall_prev + end_time - start_time
     checkpoint(iteration, train_wall)
     policy_path = export_policy(actor, obs_dim, out_dir)
     write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
-    print(f"training: {global_step:,} steps, {n_updates:,} gradient steps in {train_wall:.1f} s ({sps:.0f} SPS); policy saved to {policy_path}")
+    print(f"training: {global_step:,} steps, {n_updates:,} gradient steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
-    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "policy": str(policy_path)}
+    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady, "policy": str(policy_path)}
     if args.eval_split.lower() != "none":
         deterministic = DeterministicActor(actor).eval()
 
