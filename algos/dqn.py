@@ -106,8 +106,9 @@ class Args:
     site: str = "caltech"
     """site to train on: a shipped site name or a path to a site TOML file"""
     bess_action: Literal["surplus", "setpoint"] = "surplus"
-    """meaning of the BESS action: 'surplus' (0 = the self-consumption rule: store the PV surplus, cover the
-    deficit; +1 / -1 = full charge / discharge) or 'setpoint' (a_bess times the BESS power limit)"""
+    """meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
+    self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess times the
+    BESS power limit)"""
     total_timesteps: int | None = None
     """total env steps of the experiment (None: preset, 1,000,000 on cpu, 20,000,000 on gpu)"""
     learning_rate: float = 5e-4

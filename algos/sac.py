@@ -110,8 +110,9 @@ class Args:
     action_mode: str = "hub"
     """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket); SAC needs continuous actions"""
     bess_action: Literal["surplus", "setpoint"] = "surplus"
-    """meaning of the BESS action: 'surplus' (0 = the self-consumption rule: store the PV surplus, cover the
-    deficit; +1 / -1 = full charge / discharge) or 'setpoint' (a_bess times the BESS power limit)"""
+    """meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
+    self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess times the
+    BESS power limit)"""
     total_timesteps: int | None = None
     """total env steps of the experiment (None: preset, 300,000 cpu, 5,000,000 gpu)"""
     num_envs: int | None = None

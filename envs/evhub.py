@@ -9,7 +9,9 @@ Physics per step of ``dt`` hours (units: kW, kWh, kg CO2/kWh; see the project's 
 * EV sockets: an EV plugged into socket i still needs ``e_i`` kWh and leaves after ``n_i`` steps. Its
   power lies between the least-laxity floor ``f_i = clip((e_i - Pmax*dt*(n_i-1))/dt, 0, c_i)`` (only when
   ``ev.deadline_floor``, else 0) and the cap ``c_i = min(Pmax, e_i/dt)``; the action picks a point between.
-  At departure what is still needed is *unserved energy*.
+  At departure what is still needed is *unserved energy*. With ``ev.surplus_to_ev``, PV that the load and
+  the BESS leave over is given to the plugged EVs (each up to its cap, in proportion to its headroom)
+  before any is curtailed or exported: the agent chooses the EV power when the grid would supply it.
 * BESS: ``a_bess`` in [-1, 1] times the power limit, positive charges; clipped so SOC stays in
   [SOC_min, SOC_max]; discharge is also limited to the site's deficit (the battery never exports).
   ``E' = E + eta_c * P_ch * dt - P_dis * dt / eta_d``.
@@ -85,11 +87,12 @@ load minus the EV power chosen this step, clipped to [-P_max, P_max], kW):
 * ``"setpoint"``: ``P = a_bess * P_max`` (positive charges).
 * ``"surplus"``: relative to the PV surplus ``s+ = max(s, 0)`` and deficit ``s- = max(-s, 0)``:
   ``P = s+ + a_bess * (P_max - s+)`` for ``a_bess >= 0`` (store the surplus, plus grid charging up to full
-  power) and ``P = (1 + a_bess) * s+ + a_bess * s-`` below (store less of the surplus; at a deficit,
-  discharge up to covering it all at -1). So 0 stores all surplus PV and holds the battery otherwise, and
-  every feasible set-point stays reachable, each level meaning something in every state: the discrete
-  levels of DQN become "cover the deficit / half of it / hold / charge half / full" instead of fixed kW.
-  The self-consumption rule is ``a_bess = -1`` at a deficit and 0 otherwise.
+  power) and ``P = s+ + a_bess * s-`` below (store the surplus; at a deficit, discharge up to covering it
+  all at -1). The battery always takes the PV surplus it has room for; 0 holds it at a deficit, -1 is the
+  self-consumption rule and +1 charges at full power, so each level means something in every hour: the
+  discrete levels of DQN become "cover the deficit / half of it / hold / charge half / full" instead of
+  fixed kW. Set-points below the surplus (leaving PV to the EVs or to curtailment while the battery has
+  room) are not reachable.
 
 Either way the set-point is then clipped to the SOC limits and, for discharge, to the site's deficit."""
 
@@ -139,8 +142,8 @@ class EVHubVectorEnv(VectorEnv):
         episode_steps: training window length in steps (default: the site's ``episode.train_steps``).
         dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
         bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
-            ``P = a_bess * P_max``; ``"surplus"``: 0 stores the PV surplus left after load and EVs and holds
-            the battery at a deficit, +1 charges at full power, -1 covers the deficit (linear in between).
+            ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always stored;
+            0 holds the battery at a deficit, -1 covers the deficit, +1 charges at full power (linear between).
 
     ``step(actions)`` takes a tensor ``(num_envs, action_dim)`` (anything ``torch.as_tensor`` accepts)
     and returns ``obs (num_envs, obs_dim)``, ``reward``, ``terminated``, ``truncated`` (each
@@ -430,7 +433,7 @@ class EVHubVectorEnv(VectorEnv):
         if self.bess_action == "surplus":  # a config string, not a tensor value
             s = (pv - load - ev_total).clamp(-b.power_kw, b.power_kw)
             s_pos, s_neg = s.clamp(min=0.0), (-s).clamp(min=0.0)
-            p_bess = torch.where(a_bess >= 0, s_pos + a_bess * (b.power_kw - s_pos), s_pos * (1.0 + a_bess) + a_bess * s_neg)
+            p_bess = torch.where(a_bess >= 0, s_pos + a_bess * (b.power_kw - s_pos), s_pos + a_bess * s_neg)
         else:
             p_bess = a_bess * b.power_kw
         charge_max = ((self._e_max - self.energy_kwh) / (b.eta_charge * dt)).clamp(min=0.0)
@@ -447,6 +450,13 @@ class EVHubVectorEnv(VectorEnv):
         charge = charge - torch.minimum(excess - ev_cut, charge)
 
         net = load + ev_total + charge - pv - discharge
+        if cfg.ev.surplus_to_ev:  # a config flag, not a tensor value
+            room = (cap - ev).clamp(min=0.0)
+            room_total = room.sum(1)
+            extra = torch.minimum((-net).clamp(min=0.0), room_total)
+            ev = ev + room * (extra / room_total.clamp(min=1e-12))[:, None]
+            ev_total = ev.sum(1)
+            net = net + extra
         grid_import = net.clamp(min=0.0)
         surplus = (-net).clamp(min=0.0)
         zero = torch.zeros_like(surplus)

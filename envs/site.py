@@ -60,6 +60,9 @@ class EVConfig:
     """Maximum charging power of one socket, kW."""
     deadline_floor: bool = True
     """Raise each socket to the least-laxity power that still meets its departure."""
+    surplus_to_ev: bool = True
+    """Send PV that neither the load nor the BESS takes to the plugged EVs (up to their caps) before it is
+    curtailed or exported: such energy is free of CO2, so using it never costs the drivers or the grid."""
 
 
 @dataclass(frozen=True)

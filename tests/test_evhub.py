@@ -63,11 +63,39 @@ def test_deadline_floor_serves_every_ev_even_when_the_agent_never_charges(site):
 
 
 def test_without_floor_unserved_energy_is_counted_and_penalised():
-    site = make_site(ev={"deadline_floor": False})
+    site = make_site(ev={"deadline_floor": False, "surplus_to_ev": False})
     never = lambda obs, env: torch.tensor([[0.0, -1.0]], dtype=obs.dtype)  # noqa: E731
     k, traces = evaluate_policy(never, site, "train", "never")
     assert k.ev_energy_delivered_kwh.iloc[0] == 0.0
     assert k.unserved_kwh.iloc[0] == pytest.approx(k.ev_energy_requested_kwh.iloc[0], rel=1e-9)
+
+
+def test_surplus_pv_charges_plugged_evs_before_it_is_curtailed():
+    """With ``ev.surplus_to_ev`` no PV is curtailed while a plugged EV could still take power, and a policy
+    that never asks for EV power emits less than without it (free PV replaces later grid energy)."""
+    on = make_site(bess={"capacity_kwh": 0.0})  # no battery: every surplus goes to the EVs or is curtailed
+    off = make_site(bess={"capacity_kwh": 0.0}, ev={"surplus_to_ev": False})
+    env = EVHubVectorEnv(8, site=on, dtype=torch.float64)
+    env.reset(seed=0)
+    never = torch.tensor([[0.0, -1.0]], dtype=torch.float64).repeat(8, 1)
+    curtailed_steps = absorbed_steps = 0
+    for _ in range(300):
+        _, cap = env._ev_bounds()
+        cap_total = cap.sum(1)
+        _, _, _, _, info = env.step(never)
+        assert balance_residual(info).max() < 1e-9
+        curtailing = info["pv_curtailed_kw"] > 1e-9
+        # curtailment only where the plugged EVs already charge at their caps
+        assert torch.allclose(info["ev_charge_kw"][curtailing], cap_total[curtailing], atol=1e-9)
+        assert (info["ev_charge_kw"] <= cap_total + 1e-9).all()
+        curtailed_steps += int(curtailing.sum())
+        absorbed_steps += int(((info["ev_charge_kw"] > 1e-9) & (info["pv_kw"] > info["load_kw"])).sum())
+    assert absorbed_steps > 0 and curtailed_steps > 0  # both cases occur on the synthetic site
+    k_on, t_on = evaluate_policy(lambda obs, env: never[:1], on, "train", "never")
+    k_off, t_off = evaluate_policy(lambda obs, env: never[:1], off, "train", "never")
+    assert k_on.co2_kg.iloc[0] < k_off.co2_kg.iloc[0]
+    assert t_on.pv_curtailed_kw.sum() < t_off.pv_curtailed_kw.sum()
+    assert k_on.ev_energy_delivered_kwh.iloc[0] == pytest.approx(k_off.ev_energy_delivered_kwh.iloc[0], rel=1e-9)
 
 
 def test_grid_limit_cuts_ev_power_first():
@@ -246,46 +274,53 @@ def test_state_dict_round_trip_resumes_the_same_trajectory(site):
         EVHubVectorEnv(4, site=site).load_state_dict(state)
 
 
-def surplus_mode_rule(obs, env):
-    """The self-consumption rule in ``bess_action="surplus"`` terms: -1 (cover it) at a deficit, else 0."""
-    look = env.power_outlook()
-    deficit = look["pv_kw"] - look["load_kw"] - look["ev_max_kw"] < 0
-    return torch.stack([torch.where(deficit, -1.0, 0.0), torch.ones_like(look["pv_kw"])], 1).to(obs.dtype)
-
-
 def test_surplus_bess_action_expresses_the_rule_based_controller(site):
-    """In ``bess_action="surplus"`` mode, -1 at a deficit and 0 otherwise reproduce the self-consumption rule
-    exactly, and 0 alone stores the surplus but never discharges."""
+    """In ``bess_action="surplus"`` mode, -1 reproduces the self-consumption rule exactly, and 0 stores the
+    surplus but never discharges."""
     from pipeline.baselines import rule_based
 
+    cover = lambda obs, env: torch.tensor([[-1.0, 1.0]], dtype=obs.dtype)  # noqa: E731
+    hold = lambda obs, env: torch.tensor([[0.0, 1.0]], dtype=obs.dtype)  # noqa: E731
     for split in ("train", "test"):
         k_rule, t_rule = evaluate_policy(rule_based, site, split, "rule_based")
-        k_sc, t_sc = evaluate_policy(surplus_mode_rule, site, split, "sc", bess_action="surplus")
+        k_sc, t_sc = evaluate_policy(cover, site, split, "sc", bess_action="surplus")
         assert k_sc.co2_kg.iloc[0] == pytest.approx(k_rule.co2_kg.iloc[0], rel=1e-12)
         np.testing.assert_allclose(t_sc.bess_charge_kw, t_rule.bess_charge_kw, atol=1e-12)
         np.testing.assert_allclose(t_sc.soc, t_rule.soc, atol=1e-12)
-        hold = lambda obs, env: torch.tensor([[0.0, 1.0]], dtype=obs.dtype)  # noqa: E731
         _, t_hold = evaluate_policy(hold, site, split, "hold", bess_action="surplus")
         assert (t_hold.bess_discharge_kw == 0).all() and t_hold.bess_charge_kw.sum() > 0
         surplus = t_hold.pv_kw - t_hold.load_kw - t_hold.ev_charge_kw
         assert (t_hold.bess_charge_kw <= surplus.clip(lower=0) + 1e-9).all()  # PV only, never from the grid
+        # the battery takes all the surplus it has room for: PV is only curtailed when the battery is full
+        # (SOC at its upper bound after the step) or charges at its power limit
+        limited = (t_hold.soc >= site.config.bess.soc_max - 1e-9) | (
+            t_hold.bess_charge_kw >= site.config.bess.power_kw - 1e-9
+        )
+        assert (t_hold.pv_curtailed_kw[~limited] <= 1e-9).all()
+        assert t_hold.pv_curtailed_kw[limited].sum() > 0  # the synthetic site does fill the battery
 
 
-def test_surplus_bess_action_spans_full_charge_to_full_discharge_monotonically(site):
-    """``a_bess`` = +1 / -1 mean full charge / discharge in both BESS action modes, and the set-point grows
-    with ``a_bess`` in between."""
+def test_surplus_bess_action_spans_the_rule_to_full_charge_monotonically(site):
+    """In ``bess_action="surplus"`` mode ``a_bess`` = -1 is the rule's set-point and +1 full charge (as +1 in
+    ``"setpoint"`` mode), and the set-point grows with ``a_bess`` in between, in both modes."""
     num_envs = 21
     levels = torch.linspace(-1, 1, num_envs, dtype=torch.float64)
     results = {}
-    for mode in ("setpoint", "surplus"):
-        env = EVHubVectorEnv(num_envs, site=site, dtype=torch.float64, bess_action=mode)
+    for mode in ("setpoint", "surplus", "rule"):
+        env = EVHubVectorEnv(num_envs, site=site, dtype=torch.float64, bess_action="setpoint" if mode == "rule" else mode)
         env.reset(seed=0, options={"start_steps": [12] * num_envs})  # mid-day: PV and some EVs
         env.energy_kwh[:] = 0.5 * site.config.bess.capacity_kwh
-        _, _, _, _, info = env.step(torch.stack([levels, torch.ones(num_envs, dtype=torch.float64)], 1))
+        look = env.power_outlook()
+        a_bess = levels
+        if mode == "rule":
+            a_bess = ((look["pv_kw"] - look["load_kw"] - look["ev_max_kw"]) / site.config.bess.power_kw).clamp(-1, 1)
+        _, _, _, _, info = env.step(torch.stack([a_bess, torch.ones(num_envs, dtype=torch.float64)], 1))
         results[mode] = info["bess_charge_kw"] - info["bess_discharge_kw"]
-    for mode, net in results.items():
-        assert (net[1:] >= net[:-1] - 1e-12).all(), mode
-    torch.testing.assert_close(results["surplus"][[0, -1]], results["setpoint"][[0, -1]])
+    for mode in ("setpoint", "surplus"):
+        assert (results[mode][1:] >= results[mode][:-1] - 1e-12).all(), mode
+    torch.testing.assert_close(results["surplus"][0], results["rule"][0])
+    torch.testing.assert_close(results["surplus"][-1], results["setpoint"][-1])
+    assert results["surplus"][-1] > results["surplus"][0]
     with pytest.raises(ValueError, match="bess_action"):
         EVHubVectorEnv(1, site=site, bess_action="bogus")
 
