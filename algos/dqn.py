@@ -675,6 +675,8 @@ def main(args: Args) -> dict:
 
     # speed switches: rebind the hot functions once
     if args.compile:
+        # random numbers from eager's kernels: a seed gives the same run with and without --compile
+        torch._inductor.config.fallback_random = True
         act = torch.compile(act)
         update = torch.compile(update)
     if args.cudagraphs:

@@ -896,6 +896,8 @@ def main(args: Args) -> dict:
         amp=args.amp,
     )
     if args.compile:
+        # random numbers from eager's kernels: a seed gives the same run with and without --compile
+        torch._inductor.config.fallback_random = True
         act = torch.compile(act)
         gae = torch.compile(gae)
         learn = torch.compile(learn)

@@ -698,6 +698,8 @@ def main(args: Args) -> dict:
     q_target_params = [*qf1_target.parameters(), *qf2_target.parameters()]
     target_step = functools.partial(soft_update, q_target_params, q_params, args.tau)
     if args.compile:
+        # random numbers from eager's kernels: a seed gives the same run with and without --compile
+        torch._inductor.config.fallback_random = True
         policy_step = torch.compile(policy_step)
         critic_step = torch.compile(critic_step)
         actor_step = torch.compile(actor_step)

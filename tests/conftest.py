@@ -136,6 +136,25 @@ def run_algo(name: str, *args: str, timeout: float = 120):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timesteps: int, tiny: list[str]) -> None:
+    """Train ``algos/<name>.py`` eagerly and with ``--compile`` (same seed and budget) and check that every
+    logged metric agrees up to float rounding: under ``--compile`` the random numbers come from eager's kernels,
+    so a seed means the same run on both paths."""
+    metrics = {}
+    for label, flags in (("eager", []), ("compile", ["--compile"])):
+        out = tmp_path / label
+        proc = run_algo(
+            name, "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", str(total_timesteps),
+            "--eval-split", "none", *flags, *tiny, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (out / "policy.pt2").is_file()
+        metrics[label] = pd.read_parquet(out / "metrics.parquet").drop(columns=["wall_s", "sps"])
+    eager, compiled = (metrics[k].to_numpy(dtype=float) for k in ("eager", "compile"))
+    assert len(eager) >= 2 and np.isfinite(eager[-1]).sum() > 3
+    np.testing.assert_allclose(compiled, eager, rtol=1e-3, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def site_toml(tmp_path_factory):
     """A one-week synthetic site with 6 sockets written to disk, shared by the tests of one module."""

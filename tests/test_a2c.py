@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, load_algo, make_site, run_algo, tiny_run
+from conftest import ROOT, assert_compile_reproduces_eager, load_algo, make_site, run_algo, tiny_run
 
 import envs
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
@@ -266,13 +266,8 @@ def test_cudagraphs_needs_cuda():
 
 
 @pytest.mark.slow
-def test_compile_smoke_on_cpu(site_toml, tmp_path):
-    proc = run_a2c(
-        "--site", str(site_toml), "--output-dir", str(tmp_path / "c"), "--total-timesteps", "384", "--compile",
-        "--amp", "--eval-split", "none", *TINY, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert np.isfinite(pd.read_parquet(tmp_path / "c" / "metrics.parquet").to_numpy(dtype=float)).all()
+def test_compile_on_cpu_reproduces_the_eager_run(site_toml, tmp_path):
+    assert_compile_reproduces_eager("a2c", site_toml, tmp_path, 384, TINY)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, load_algo, run_algo, tiny_run
+from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo, tiny_run
 
 from envs.evhub import EVHubVectorEnv, discrete_action_table
 from envs.kpis import evaluate_policy, load_policy
@@ -201,10 +201,14 @@ def test_greedy_hub_policy_equals_the_discrete_env(site):
     assert row.co2_kg.iloc[0] > 0
 
 
-def test_compile_and_amp_smoke_on_cpu(site_toml, tmp_path):
-    """``--compile`` (about 30 s of compilation on 2 CPU cores) together with ``--amp`` (bf16 autocast on CPU)."""
+def test_compile_on_cpu_reproduces_the_eager_run(site_toml, tmp_path):
+    assert_compile_reproduces_eager("dqn", site_toml, tmp_path, 256, TINY)
+
+
+def test_amp_smoke_on_cpu(site_toml, tmp_path):
+    """``--amp`` (bf16 autocast on CPU) trains to finite losses and exports the policy."""
     proc = run_dqn(
-        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "128", "--compile", "--amp",
+        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "128", "--amp",
         "--eval-split", "none", *TINY, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

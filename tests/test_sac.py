@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, load_algo, run_algo, tiny_run
+from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo, tiny_run
 
 import envs.evhub
 from envs.kpis import load_policy
@@ -239,13 +239,8 @@ def test_actor_and_updates_run_and_move_the_parameters():
 
 
 @pytest.mark.slow
-def test_compile_smoke_run_on_cpu(site_toml, tmp_path):
-    proc = run_sac(
-        "--site", str(site_toml), "--output-dir", str(tmp_path / "c"), "--total-timesteps", "384", "--compile",
-        "--eval-split", "none", *TINY, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert np.isfinite(pd.read_parquet(tmp_path / "c" / "metrics.parquet").to_numpy(dtype=float)).all()
+def test_compile_on_cpu_reproduces_the_eager_run(site_toml, tmp_path):
+    assert_compile_reproduces_eager("sac", site_toml, tmp_path, 384, TINY)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
