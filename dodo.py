@@ -10,6 +10,12 @@ Settings, as doit variables after the command or as environment variables::
     doit run pipeline total_timesteps=20000       # EVHUB_TOTAL_TIMESTEPS (default: each script's own)
     doit run pipeline seeds=1,2,3                 # EVHUB_SEEDS
     doit run pipeline scheduler=tcp://host:8786   # DASK_SCHEDULER_ADDRESS (default: a LocalCluster)
+    doit run pipeline algo_args="--compile --cudagraphs"   # EVHUB_ALGO_ARGS (extra flags of every agent script)
+
+``doit bench`` runs the speed benchmarks (``benchmarks/``) into ``outputs/bench``::
+
+    doit bench                 # part=auto: the CPU part, and the GPU part too where CUDA is available
+    doit bench part=cpu        # EVHUB_BENCH_PART: cpu, gpu or all
 """
 
 from __future__ import annotations
@@ -119,6 +125,37 @@ def task_pipeline():
         "uptodate": [False],
         "verbosity": 2,
     }
+
+
+def task_bench():
+    """Speed benchmarks side by side: env vs gymnasium/SB3 vector envs, PPO/SAC vs SB3, speed switches (GPU)."""
+
+    def action():
+        import os
+
+        import torch
+        from doit import get_var
+
+        from benchmarks import env_throughput, profile, report, switches, training
+
+        part = get_var("part", None) or os.environ.get("EVHUB_BENCH_PART", "auto")
+        if part not in ("auto", "cpu", "gpu", "all"):
+            raise ValueError(f"part must be auto, cpu, gpu or all, got {part!r}")
+        if part == "gpu" and not torch.cuda.is_available():
+            raise ValueError("part=gpu needs CUDA, which is not available")
+        cpu = part in ("auto", "cpu", "all")
+        gpu = part in ("gpu", "all") or (part == "auto" and torch.cuda.is_available())
+        if cpu:
+            env_throughput.run(device="cpu")
+            training.run(device="cpu")
+        if gpu:
+            env_throughput.run(device="cuda")
+            switches.run(device="cuda")
+            training.run(device="cuda")
+            profile.run(("env", "ppo", "sac"), device="cuda", num_envs=16384)
+        report.write()
+
+    return {"actions": [action], "uptodate": [False], "verbosity": 2}
 
 
 def _config_changed():

@@ -159,6 +159,10 @@ class Args:
     """continue from output_dir/checkpoint.pt (model, optimizer, counters, RNG and env state)"""
     eval_split: str = "test"
     """split for the final deterministic evaluation ('none' skips it)"""
+    eval_every: int = 0
+    """iterations between deterministic evaluations on eval_split during training (0: only the final one); each
+    is logged as eval/co2_kg etc. and added to eval_curve.parquet with the training wall time so far, which
+    leaves the evaluations out"""
 
     # filled in at runtime
     batch_size: int = 0
@@ -780,6 +784,19 @@ def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
     return path
 
 
+def eval_curve_row(kpis: pd.DataFrame, global_step: int, train_wall_s: float) -> dict:
+    """One row of ``eval_curve.parquet``: env steps so far, training wall time so far (s, evaluations left out)
+    and the evaluation's ``co2_kg`` (kg), ``unserved_kwh`` (kWh) and ``ev_energy_served_pct`` (%)."""
+    k = kpis.iloc[0]
+    return {
+        "global_step": int(global_step),
+        "train_wall_s": float(train_wall_s),
+        "co2_kg": float(k["co2_kg"]),
+        "unserved_kwh": float(k["unserved_kwh"]),
+        "ev_energy_served_pct": float(k["ev_energy_served_pct"]),
+    }
+
+
 def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float) -> dict:
     """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, learning rate."""
     return {
@@ -937,6 +954,23 @@ def main(args: Args) -> dict:
             reward_norm=rn,
         )
 
+    actor = DeterministicActor(agent.obs_norm, agent.actor_mean)  # shares the agent's weights
+
+    def evaluate(**extra: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """Run the current deterministic policy over the whole eval split: ``(KPI row, hourly traces)``."""
+
+        def policy(obs: torch.Tensor, env_) -> torch.Tensor:
+            return actor(obs.float()).to(obs.dtype)
+
+        return evaluate_policy(
+            policy, site, args.eval_split, "ppo", args.action_mode, device, bess_action=args.bess_action, **extra
+        )
+
+    curve: list[dict] = []  # evaluations during training (--eval-every)
+    if args.resume and (out_dir / "eval_curve.parquet").is_file():
+        old = pd.read_parquet(out_dir / "eval_curve.parquet")
+        curve = old[old.global_step <= global_step].to_dict("records")
+
     bad_any = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
     first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
     start_time = time.perf_counter()
@@ -1014,6 +1048,18 @@ def main(args: Args) -> dict:
                         f"v_loss {losses_host['value_loss']:.4f} ev {losses_host['explained_variance']:.3f}",
                         flush=True,
                     )
+            if args.eval_every and iteration % args.eval_every == 0 and not last and args.eval_split.lower() != "none":
+                # the evaluation's time is left out of the training clock (and out of the steady-state SPS)
+                eval_start = synced_clock(device)
+                row, _ = evaluate()
+                curve.append(eval_curve_row(row, global_step, train_wall_prev + eval_start - start_time))
+                write_parquet(pd.DataFrame(curve), out_dir / "eval_curve.parquet")
+                writer.add_scalar("eval/co2_kg", curve[-1]["co2_kg"], global_step)
+                writer.add_scalar("eval/unserved_kwh", curve[-1]["unserved_kwh"], global_step)
+                paused = time.perf_counter() - eval_start
+                start_time += paused
+                if steady_start is not None:
+                    steady_start = (steady_start[0] + paused, steady_start[1])
             if args.checkpoint_every and iteration % args.checkpoint_every == 0 and not last:
                 checkpoint(iteration, train_wall_prev + time.perf_counter() - start_time)
     except NonFiniteLossError:
@@ -1032,23 +1078,7 @@ def main(args: Args) -> dict:
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady, "policy": str(policy_path)}
     if args.eval_split.lower() != "none":
-        actor = DeterministicActor(agent.obs_norm, agent.actor_mean).eval()
-
-        def policy(obs: torch.Tensor, env_) -> torch.Tensor:
-            return actor(obs.float()).to(obs.dtype)
-
-        row, traces = evaluate_policy(
-            policy,
-            site,
-            args.eval_split,
-            "ppo",
-            args.action_mode,
-            device,
-            bess_action=args.bess_action,
-            train_wall_s=train_wall,
-            env_steps=float(global_step),
-            steps_per_s=sps,
-        )
+        row, traces = evaluate(train_wall_s=train_wall, env_steps=float(global_step), steps_per_s=sps)
         write_parquet(row, out_dir / f"eval_{args.eval_split}.parquet")
         write_parquet(traces, out_dir / f"eval_{args.eval_split}_traces.parquet")
         kpis = row.iloc[0]
@@ -1057,6 +1087,9 @@ def main(args: Args) -> dict:
             print(f"  {key:<26} {kpis[key]:.2f}")
             writer.add_scalar(f"eval/{key}", float(kpis[key]), global_step)
         result["eval"] = row
+        if args.eval_every:
+            curve.append(eval_curve_row(row, global_step, train_wall))
+            write_parquet(pd.DataFrame(curve), out_dir / "eval_curve.parquet")
     writer.close()
     return result
 

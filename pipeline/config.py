@@ -3,12 +3,13 @@
 Values come from, in order: keyword arguments, doit command-line variables (``doit run pipeline
 site=path/to/site.toml``), environment variables (``EVHUB_SITE``, ``EVHUB_EXPERIMENT``,
 ``EVHUB_OUTPUT_DIR``, ``EVHUB_ALGOS``, ``EVHUB_SEEDS``, ``EVHUB_TOTAL_TIMESTEPS``,
-``DASK_SCHEDULER_ADDRESS``), then defaults.
+``EVHUB_ALGO_ARGS``, ``DASK_SCHEDULER_ADDRESS``), then defaults.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,8 @@ class PipelineConfig:
         seeds: training seeds; each agent trains once per seed.
         total_timesteps: override of each script's default training budget (None: script default).
         scheduler_address: address of an existing Dask scheduler; None starts a LocalCluster.
+        extra_algo_args: extra command-line flags of every agent script (for example ``("--compile",
+            "--cudagraphs")`` on a GPU); doit variable ``algo_args`` / ``EVHUB_ALGO_ARGS``, split like a shell.
     """
 
     site: str = "caltech"
@@ -103,6 +106,8 @@ def from_environment(**overrides) -> PipelineConfig:
             kw["total_timesteps"] = int(v)
         except ValueError as exc:
             raise ValueError(f"total_timesteps must be an integer, got {v!r}") from exc
+    if (v := var("algo_args", "EVHUB_ALGO_ARGS")) is not None:
+        kw["extra_algo_args"] = tuple(shlex.split(v))
     if (v := var("scheduler", "DASK_SCHEDULER_ADDRESS")) is not None:
         kw["scheduler_address"] = v or None
     kw.update(overrides)

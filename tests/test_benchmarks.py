@@ -1,0 +1,102 @@
+"""The training, speed-switch, profile and report benchmarks at tiny sizes (no timing assertions)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from benchmarks import profile, report, switches, training
+
+REFERENCE = {"uncontrolled_kg": 1806.4, "oracle_kg": 511.2}  # test split, from the study's report
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_below_it():
+    curve = pd.DataFrame({"global_step": [10, 20, 30, 40], "train_wall_s": [1.0, 2.0, 3.0, 4.0],
+                          "co2_kg": [1500.0, 1100.0, 1200.0, 900.0]})
+    assert training.time_to_target(curve, 1158.8) == (2.0, 20.0)
+    assert training.time_to_target(curve, 900.0) == (4.0, 40.0)
+    t, s = training.time_to_target(curve, 800.0)
+    assert math.isnan(t) and math.isnan(s)
+
+
+@pytest.mark.slow
+def test_sb3_and_ours_runs_produce_eval_curves(tmp_path):
+    sb3 = training.run_one("sb3_sac_study", "cpu", budget_steps=300, budget_s=60.0, eval_every_steps=150, seed=1,
+                           out_dir=tmp_path)
+    ours = training.run_one("ours_ppo_study", "cpu", budget_steps=8192, budget_s=0.0, eval_every_steps=4096, seed=1,
+                            out_dir=tmp_path)
+    for res, steps in ((sb3, 300), (ours, 8192)):
+        curve = pd.DataFrame(res["curve"])
+        assert res["env_steps"] == steps
+        assert res["sps"] > 0 and res["train_wall_s"] > 0 and res["peak_rss_mb"] > 0
+        assert len(curve) == 2 and curve.global_step.iloc[-1] == steps
+        assert curve.train_wall_s.is_monotonic_increasing
+        assert curve.train_wall_s.iloc[-1] <= res["train_wall_s"] + 1e-6  # evaluations are off the clock
+        assert ((curve.co2_kg > 0) & (curve.co2_kg < 5000)).all()
+    assert sb3["num_envs"] == 1 and ours["num_envs"] == 8
+
+
+@pytest.mark.slow
+def test_training_run_writes_its_tables(tmp_path):
+    summary, curves = training.run(["ours_ppo_study"], "cpu", scale=0.0205, out_dir=tmp_path, reference=REFERENCE)
+    r = summary.iloc[0]
+    assert r.status == "ok" and r.config == "ours_ppo_study" and r.num_envs == 8
+    target = REFERENCE["uncontrolled_kg"] - 0.5 * (REFERENCE["uncontrolled_kg"] - REFERENCE["oracle_kg"])
+    assert r.target_co2_kg == pytest.approx(target)
+    assert r.best_co2_kg == pytest.approx(curves.co2_kg.min())
+    assert math.isnan(r.sps_vs_sb3)  # no SB3 run of PPO in this table
+    reached = math.isfinite(r.time_to_target_s)
+    assert reached == bool((curves.co2_kg <= target).any())
+    back = pd.read_parquet(tmp_path / "training.parquet")
+    pd.testing.assert_frame_equal(back, summary)
+    assert (tmp_path / "training_curves.parquet").is_file()
+    assert "| ours_ppo_study | cpu | 8 |" in training.markdown(summary)
+
+
+def test_training_rejects_unknown_or_misplaced_configs(tmp_path):
+    with pytest.raises(ValueError, match="unknown training benchmark config"):
+        training.run(["ours_dqn_study"], "cpu", out_dir=tmp_path, reference=REFERENCE)
+    with pytest.raises(ValueError, match="does not run on 'cpu'"):
+        training.run(["ours_ppo_gpu_max"], "cpu", out_dir=tmp_path, reference=REFERENCE)
+
+
+@pytest.mark.slow
+def test_switches_on_cpu_measure_eager_and_skip_cuda_graphs(tmp_path):
+    df = switches.run(["a2c"], ["eager", "compile+cudagraphs"], "cpu", scale=0.05, out_dir=tmp_path)
+    assert list(df.switches) == ["eager", "compile+cudagraphs"]
+    eager, graphs = df.iloc[0], df.iloc[1]
+    assert eager.status == "ok" and eager.sps > 0 and eager.sps_steady > 0 and eager.speedup_vs_eager == 1.0
+    assert eager.env_steps > 0 and eager.num_envs == 128
+    assert graphs.status.startswith("skipped") and math.isnan(graphs.sps)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "switches.parquet"), df)
+    with pytest.raises(ValueError, match="unknown switch set"):
+        switches.run(["a2c"], ["turbo"], "cpu", out_dir=tmp_path)
+
+
+def test_env_profile_on_cpu(tmp_path):
+    df = profile.run(("env",), "cpu", num_envs=8, out_dir=tmp_path)
+    r = df.iloc[0]
+    assert r.target == "env" and r.num_envs == 8 and r.wall_s > 0
+    assert r.kernel_launches == 0 and math.isnan(r.gpu_busy_pct)  # no CUDA here
+    assert "aten::" in (tmp_path / "profile_env_cpu.txt").read_text()
+    with pytest.raises(ValueError, match="unknown profile target"):
+        profile.run(("snake",), "cpu", out_dir=tmp_path)
+
+
+def test_report_checks_targets_against_the_tables(tmp_path):
+    env = pd.DataFrame({"impl": ["ours", "sb3_dummy"], "num_envs": [256, 256], "steps_per_s": [3e5, 3e3],
+                        "speedup_vs": [1.0, 100.0], "status": ["ok", "ok"]})
+    tr = pd.DataFrame({"config": ["sb3_ppo_study", "ours_ppo_preset"], "library": ["sb3", "ours"],
+                       "algo": ["ppo", "ppo"], "sps": [1000.0, 8000.0], "sps_vs_sb3": [1.0, 8.0], "status": ["ok", "ok"]})
+    env.to_parquet(tmp_path / "env_throughput.parquet")
+    tr.to_parquet(tmp_path / "training.parquet")
+    t = report.targets(tmp_path)
+    assert list(t.met) == [True, False]  # 100x >= 50x met; 8x < 10x missed
+    assert t.measured.iloc[1] == "8.0x"
+    sw = pd.DataFrame({"algo": ["sac"], "switches": ["compile+cudagraphs"], "speedup_vs_eager": [np.nan], "status": ["failed: x"]})
+    sw.to_parquet(tmp_path / "switches_cuda.parquet")
+    t = report.targets(tmp_path)
+    assert t.measured.iloc[-1] == "not measured" and t.met.iloc[-1] is None
