@@ -5,7 +5,8 @@ split, with the BESS action ``surplus`` for both libraries, and evaluates its de
 test split at regular env-step intervals. The training clock leaves those evaluations out. Measured per
 configuration:
 
-- ``sps``: env steps per second of training (steps / training wall time, evaluations left out);
+- ``sps``: env steps per second of training (steps / training wall time, evaluations left out), and
+  ``sps_steady``: the same over the second half of the iterations (past compilation; SB3: equal to ``sps``);
 - ``time_to_target_s``: training wall time (s) until the test-split CO2 first reaches
   ``target_share`` (default 50%) of the oracle's CO2 saving over the uncontrolled site, that is
   ``co2 <= uncontrolled - share * (uncontrolled - oracle)``; NaN if never reached within the budget;
@@ -118,6 +119,7 @@ def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int
     result = module.main(args)
     curve = pd.read_parquet(out / "eval_curve.parquet")
     curve.attrs["sps"] = result["sps"]
+    curve.attrs["sps_steady"] = result["sps_steady"]
     curve.attrs["train_wall_s"] = result["train_wall_s"]
     curve.attrs["env_steps"] = result["global_step"]
     curve.attrs["num_envs"] = sized.num_envs
@@ -192,7 +194,8 @@ def _run_sb3(cfg: Config, device: str, budget_steps: int, budget_s: float, eval_
         venv.close()
     curve = pd.DataFrame(rows)
     wall = cb.train_wall()
-    curve.attrs.update(sps=model.num_timesteps / max(wall, 1e-9), train_wall_s=wall, env_steps=model.num_timesteps, num_envs=num_envs)
+    sps = model.num_timesteps / max(wall, 1e-9)
+    curve.attrs.update(sps=sps, sps_steady=sps, train_wall_s=wall, env_steps=model.num_timesteps, num_envs=num_envs)
     return curve
 
 
@@ -269,7 +272,7 @@ def run(
 
     Returns:
         ``(summary, curves)``: one summary row per configuration (``config, library, algo, settings,
-        device, num_envs, env_steps, train_wall_s, sps, sps_vs_sb3, target_co2_kg, time_to_target_s,
+        device, num_envs, env_steps, train_wall_s, sps, sps_steady, sps_vs_sb3, target_co2_kg, time_to_target_s,
         steps_to_target, best_co2_kg, final_co2_kg, peak_rss_mb, cuda_peak_mb, status``) and the
         evaluation curves (``config, device, global_step, train_wall_s, co2_kg``).
 
@@ -318,7 +321,7 @@ def run(
         curve = pd.DataFrame(res.pop("curve"))
         curves.append(curve.assign(config=n, device=device))
         tt_s, tt_steps = time_to_target(curve, target)
-        rows.append(base | {k: res[k] for k in ("num_envs", "env_steps", "train_wall_s", "sps", "peak_rss_mb", "cuda_peak_mb")} | {
+        rows.append(base | {k: res[k] for k in ("num_envs", "env_steps", "train_wall_s", "sps", "sps_steady", "peak_rss_mb", "cuda_peak_mb")} | {
             "target_co2_kg": target,
             "time_to_target_s": tt_s,
             "steps_to_target": tt_steps,
@@ -338,7 +341,7 @@ def _save(rows: list[dict], curves: list[pd.DataFrame], device: str, out: Path) 
     """Summary and curves tables of the runs so far, written to ``out`` (after every run, so a killed
     benchmark keeps what it measured)."""
     summary = pd.DataFrame(rows)
-    for col in ("num_envs", "env_steps", "train_wall_s", "sps", "peak_rss_mb", "cuda_peak_mb", "target_co2_kg",
+    for col in ("num_envs", "env_steps", "train_wall_s", "sps", "sps_steady", "peak_rss_mb", "cuda_peak_mb", "target_co2_kg",
                 "time_to_target_s", "steps_to_target", "best_co2_kg", "final_co2_kg"):
         if col not in summary:
             summary[col] = math.nan
@@ -355,8 +358,8 @@ def _save(rows: list[dict], curves: list[pd.DataFrame], device: str, out: Path) 
 
 def markdown(summary: pd.DataFrame) -> str:
     """Markdown table of a :func:`run` summary (SPS in env steps per second, times in s, CO2 in kg, memory in MiB)."""
-    head = ("| config | device | envs | env steps | SPS | ours ÷ SB3 | time to target s | steps to target | "
-            "best CO2 kg | peak RSS MiB | CUDA peak MiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| config | device | envs | env steps | SPS | SPS steady | ours ÷ SB3 | time to target s | steps to target | "
+            "best CO2 kg | peak RSS MiB | CUDA peak MiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt):
         return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
@@ -364,7 +367,7 @@ def markdown(summary: pd.DataFrame) -> str:
     lines = [head]
     for r in summary.itertuples():
         tt = f(r.time_to_target_s, ".1f") or ("not reached" if r.status == "ok" else "")
-        lines.append(f"| {r.config} | {r.device} | {f(r.num_envs, '.0f')} | {f(r.env_steps, ',.0f')} | {f(r.sps, ',.0f')} | "
+        lines.append(f"| {r.config} | {r.device} | {f(r.num_envs, '.0f')} | {f(r.env_steps, ',.0f')} | {f(r.sps, ',.0f')} | {f(r.sps_steady, ',.0f')} | "
                      f"{f(r.sps_vs_sb3, '.1f')} | {tt} | {f(r.steps_to_target, ',.0f')} | {f(r.best_co2_kg, '.1f')} | "
                      f"{f(r.peak_rss_mb, '.0f')} | {f(r.cuda_peak_mb, '.0f')} | {r.status} |")
     return "\n".join(lines)

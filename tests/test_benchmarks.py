@@ -28,7 +28,9 @@ def test_sb3_and_ours_runs_produce_eval_curves(tmp_path):
                            out_dir=tmp_path)
     ours = training.run_one("ours_ppo_study", "cpu", budget_steps=8192, budget_s=0.0, eval_every_steps=4096, seed=1,
                             out_dir=tmp_path)
-    for res, steps in ((sb3, 300), (ours, 8192)):
+    ours_sac = training.run_one("ours_sac_preset", "cpu", budget_steps=640, budget_s=0.0, eval_every_steps=320,
+                                seed=1, out_dir=tmp_path)
+    for res, steps in ((sb3, 300), (ours, 8192), (ours_sac, 640)):
         curve = pd.DataFrame(res["curve"])
         assert res["env_steps"] == steps
         assert res["sps"] > 0 and res["train_wall_s"] > 0 and res["peak_rss_mb"] > 0
@@ -36,7 +38,7 @@ def test_sb3_and_ours_runs_produce_eval_curves(tmp_path):
         assert curve.train_wall_s.is_monotonic_increasing
         assert curve.train_wall_s.iloc[-1] <= res["train_wall_s"] + 1e-6  # evaluations are off the clock
         assert ((curve.co2_kg > 0) & (curve.co2_kg < 5000)).all()
-    assert sb3["num_envs"] == 1 and ours["num_envs"] == 8
+    assert sb3["num_envs"] == 1 and ours["num_envs"] == 8 and ours_sac["num_envs"] == 32
 
 
 @pytest.mark.slow
