@@ -6,9 +6,12 @@ benchmark, plus ``outputs/bench/benchmarks.md`` (see :mod:`benchmarks.report`).
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,3 +123,27 @@ def cuda_peak_mb(device: torch.device) -> float:
 def save_table(df: pd.DataFrame, name: str, out_dir: str | Path | None = None) -> Path:
     """Write ``df`` to ``<out_dir>/<name>.parquet`` atomically (default :data:`BENCH_DIR`); returns the path."""
     return write_parquet(df, Path(out_dir or BENCH_DIR) / f"{name}.parquet")
+
+
+RESULT_PREFIX = "BENCH_RESULT "
+"""Marks the line on which a benchmark worker prints its JSON result."""
+
+
+def run_worker(module: str, args: list[str], timeout_s: float) -> dict:
+    """Run ``python -m <module> <args>`` in a fresh process (so its peak memory is its own) and return
+    the JSON object it printed after :data:`RESULT_PREFIX`.
+
+    Raises:
+        RuntimeError: the worker failed or printed no result (the message has its last line; the last
+            lines of its output are printed).
+        subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds.
+    """
+    path = os.pathsep.join(filter(None, (str(PROJECT_ROOT), os.environ.get("PYTHONPATH"))))
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                          timeout=timeout_s, env=os.environ | {"PYTHONPATH": path})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines() or [""]
+        print("\n".join(tail[-15:]), flush=True)
+        raise RuntimeError(f"exit code {proc.returncode}: {tail[-1]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])

@@ -77,7 +77,7 @@ def profile_env(num_envs: int, device: torch.device, steps: int = 50) -> dict:
     return {"target": "env", "num_envs": num_envs, "steps": steps, **_summarise(prof, wall, steps, device)}
 
 
-def profile_algo(algo: str, device: torch.device, iterations: int = 4, out_dir: Path = BENCH_DIR) -> dict:
+def profile_algo(algo: str, device: torch.device, iterations: int = 2, out_dir: Path = BENCH_DIR) -> dict:
     """Profile a short eager run of ``algos/<algo>.py`` with its device preset (``iterations`` iterations)."""
     import tyro
 

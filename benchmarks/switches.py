@@ -19,9 +19,7 @@ import dataclasses
 import importlib
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from benchmarks.common import BENCH_DIR, PROJECT_ROOT, cuda_peak_mb, machine_info, peak_rss_mb, save_table
+from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, machine_info, peak_rss_mb, run_worker, save_table
 
 ALGOS = ("ppo", "a2c", "dqn", "sac")
 SWITCHES: dict[str, tuple[str, ...]] = {
@@ -119,18 +117,11 @@ def run(
             if "--cudagraphs" in SWITCHES[s] and device != "cuda":
                 rows.append(base | {"status": "skipped: CUDA graphs need CUDA"})
                 continue
-            cmd = [sys.executable, "-m", "benchmarks.switches", "--one", a, "--switches", s, "--device", device,
-                   "--seed", str(seed), "--budget-steps", str(steps), "--out-dir", str(out)]
+            cmd = ["--one", a, "--switches", s, "--device", device, "--seed", str(seed), "--budget-steps", str(steps),
+                   "--out-dir", str(out)]
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout_s,
-                                      env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(PROJECT_ROOT), os.environ.get("PYTHONPATH"))))})
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
-                if proc.returncode != 0 or not lines:
-                    tail = (proc.stderr or proc.stdout).strip().splitlines() or [""]
-                    print("\n".join(tail[-15:]), flush=True)
-                    raise RuntimeError(f"exit code {proc.returncode}: {tail[-1]}")
-                rows.append(base | json.loads(lines[-1][len("BENCH_RESULT "):]) | {"status": "ok"})
+                rows.append(base | run_worker("benchmarks.switches", cmd, timeout_s) | {"status": "ok"})
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 rows.append(base | {"status": f"failed: {str(exc).splitlines()[0][:200]}"})
             _save(rows, device, out)
@@ -205,7 +196,7 @@ def main() -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if args.one:
         res = run_one(args.one, args.switches, device, args.budget_steps, args.seed, Path(args.out_dir or BENCH_DIR))
-        print("BENCH_RESULT " + json.dumps(res), flush=True)
+        print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
     df = run(args.algos, args.switch_sets or None, device, args.seed, args.scale, args.out_dir, args.timeout_s)
     print(markdown(df))

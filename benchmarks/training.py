@@ -26,9 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from benchmarks.common import BENCH_DIR, PROJECT_ROOT, cuda_peak_mb, machine_info, peak_rss_mb, save_table
+from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, machine_info, peak_rss_mb, run_worker, save_table
 
 
 @dataclass(frozen=True)
@@ -298,21 +296,13 @@ def run(
         cfg = CONFIGS[n]
         steps, secs, every = BUDGETS[(cfg.settings, cfg.algo, device)]
         steps, secs, every = max(int(steps * scale), 1), secs * scale, max(int(every * scale), 1)
-        cmd = [sys.executable, "-m", "benchmarks.training", "--one", n, "--device", device, "--seed", str(seed),
-               "--budget-steps", str(steps), "--budget-s", str(secs), "--eval-every-steps", str(every),
-               "--out-dir", str(out)]
+        cmd = ["--one", n, "--device", device, "--seed", str(seed), "--budget-steps", str(steps), "--budget-s", str(secs),
+               "--eval-every-steps", str(every), "--out-dir", str(out)]
         print(f"[{n} on {device}] {steps:,} env steps (SB3: at most {secs:.0f} s of training), evaluation every {every:,} steps", flush=True)
         t0 = time.perf_counter()
         base = {"config": n, "library": cfg.library, "algo": cfg.algo, "settings": cfg.settings, "device": device}
         try:
-            proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout_s,
-                                  env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(PROJECT_ROOT), os.environ.get("PYTHONPATH"))))})
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_RESULT ")]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout).strip().splitlines() or [""]
-                print("\n".join(tail[-15:]), flush=True)
-                raise RuntimeError(f"exit code {proc.returncode}: {tail[-1]}")
-            res = json.loads(lines[-1][len("BENCH_RESULT "):])
+            res = run_worker("benchmarks.training", cmd, timeout_s)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             print(f"[{n}] failed: {exc}", flush=True)
             rows.append(base | {"status": f"failed: {str(exc).splitlines()[0][:200]}"})
@@ -410,7 +400,7 @@ def main() -> None:
     if args.one:
         res = run_one(args.one, device, args.budget_steps, args.budget_s, args.eval_every_steps, args.seed,
                       Path(args.out_dir or BENCH_DIR))
-        print("BENCH_RESULT " + json.dumps(res), flush=True)
+        print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
     summary, _ = run(args.configs or None, device, args.seed, args.target_share, args.scale, args.out_dir, args.timeout_s)
     print(markdown(summary))
