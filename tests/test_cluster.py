@@ -1,0 +1,75 @@
+"""The pipeline against a real, separately started Dask cluster: one scheduler and two workers on 127.0.0.1.
+
+The workers only *declare* ``--resources GPU=1`` (they are CPU processes); training tasks ask for
+``GPU=1``, so the test also shows that the resource annotation matches what a GPU worker offers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import make_site, write_site
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
+    scheduler_file = tmp_path / "scheduler.json"
+    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
+                     "--scheduler-file", str(scheduler_file)], tmp_path / "scheduler.log")]
+    try:
+        deadline = time.time() + 60
+        while not scheduler_file.is_file() and time.time() < deadline:
+            time.sleep(0.2)
+        assert scheduler_file.is_file(), (tmp_path / "scheduler.log").read_text()
+        address = json.loads(scheduler_file.read_text())["address"]
+        for i in range(2):
+            procs.append(_start(["distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard",
+                                 "--resources", "GPU=1", "--name", f"gpu-worker-{i}"], tmp_path / f"worker{i}.log"))
+        from distributed import Client
+
+        with Client(address, timeout="30s") as client:
+            client.wait_for_workers(2, timeout=60)
+            resources = {w["name"]: w["resources"] for w in client.scheduler_info()["workers"].values()}
+        assert resources == {"gpu-worker-0": {"GPU": 1.0}, "gpu-worker-1": {"GPU": 1.0}}
+
+        site_toml = write_site(make_site(days=7), tmp_path / "site")
+        out = tmp_path / "outputs"
+        env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo,a2c",
+               "EVHUB_TOTAL_TIMESTEPS": "4096", "DASK_SCHEDULER_ADDRESS": address}
+        # doit runs two tasks at once (train:ppo and train:a2c), Dask places them on the two GPU workers
+        cmd = [sys.executable, "-m", "doit", "run", "-n", "2", "-P", "thread", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
+        assert {"uncontrolled", "rule_based", "oracle", "ppo", "a2c"} <= set(table.controller)
+        for algo in ("ppo", "a2c"):
+            assert (out / "synthetic" / "runs" / f"{algo}_seed1" / "policy.pt2").is_file()
+        # the training ran in the cluster's worker processes (their output is in the workers' logs)
+        logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+        where = {a: [i for i, log in enumerate(logs) if f"[{a} seed 1] training:" in log] for a in ("ppo", "a2c")}
+        assert len(where["ppo"]) == 1 and len(where["a2c"]) == 1, logs[0][-2000:] + logs[1][-2000:]
+        # one GPU each: both agents are ready at once, so they train side by side on the two workers
+        assert where["ppo"] != where["a2c"]
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
