@@ -43,6 +43,10 @@ RELATIVE_KPIS = ("co2_reduction_pct", "oracle_gap_closed_pct")
 REQUIRED_KPI_COLUMNS = ("controller", "split", *(c for c in KPI_COLUMNS if c not in RELATIVE_KPIS))
 """Columns every KPI file must have."""
 
+SEED_COLUMNS = ("n_seeds", *(f"{c}_std" for c in KPI_COLUMNS))
+"""Columns of ``co2_comparison.parquet`` after the KPIs: how many seeds a row averages and each KPI's standard
+deviation over them (NaN for one seed)."""
+
 TRACE_PLOT_COLUMNS = ("time", "pv_kw", "pv_curtailed_kw", "grid_import_kw", "soc", "ev_charge_kw", "moer_kg_per_kwh")
 """Trace columns :func:`write_report` plots (a subset of :data:`envs.kpis.TRACE_COLUMNS`)."""
 
@@ -101,23 +105,27 @@ def _fmt(value: object, decimals: int) -> str:
 
 # ------------------------------------------------------------------------------------------ the table
 def read_kpi_files(kpi_files: Iterable[Path]) -> pd.DataFrame:
-    """Read KPI Parquet files into one ``co2_comparison`` table.
+    """Read KPI Parquet files into one ``co2_comparison`` table, averaging each agent over its seeds.
 
     Args:
         kpi_files: Parquet files as written from :func:`envs.kpis.kpi_row` (one or a few rows each; columns
-            ``controller``, ``split``, the KPIs, possibly extra columns, which are dropped).
+            ``controller``, ``split``, the KPIs, possibly ``seed`` and other extra columns, which are dropped).
+            An agent trained with several seeds has one row per seed (its ``seed`` column tells them apart).
 
     Returns:
-        DataFrame with one row per controller x split, columns ``controller``, ``split`` and exactly
-        :data:`KPI_COLUMNS` (float64) in that order, relative KPIs recomputed, rows ordered by split
-        (train, test, others) then controller (see :func:`controller_sort_key`).
+        DataFrame with one row per controller x split and the columns ``controller``, ``split``,
+        :data:`KPI_COLUMNS` (float64, the mean over the seeds), then :data:`SEED_COLUMNS`: ``n_seeds`` (rows
+        averaged: the training seeds of an agent, 1 for a baseline) and ``<kpi>_std`` for every KPI (sample
+        standard deviation over the seeds, NaN for a single seed). Relative KPIs are recomputed per seed from
+        the uncontrolled and oracle rows before averaging. Rows are ordered by split (train, test, others)
+        then controller (see :func:`controller_sort_key`).
 
     Raises:
         ValueError: no files; a file lacks a required column (names the file and the columns); or a
-            controller x split appears twice (names both files).
+            controller x split (x seed) appears twice (names both files).
     """
     frames = []
-    seen: dict[tuple[str, str], Path] = {}
+    seen: dict[tuple, Path] = {}
     for path in kpi_files:
         path = Path(path)
         df = pd.read_parquet(path)
@@ -127,21 +135,28 @@ def read_kpi_files(kpi_files: Iterable[Path]) -> pd.DataFrame:
         for c in RELATIVE_KPIS:
             if c not in df.columns:
                 df[c] = math.nan
+        seed = df["seed"].astype("float64").to_numpy() if "seed" in df.columns else np.full(len(df), math.nan)
         df = df[["controller", "split", *KPI_COLUMNS]].copy()
         df["controller"] = df["controller"].astype(str)
         df["split"] = df["split"].astype(str)
-        for key in zip(df.controller, df.split):
+        df["seed"] = seed
+        for c, sp, sd in zip(df.controller, df.split, df.seed):
+            key = (c, sp, None if math.isnan(sd) else sd)
             if key in seen:
-                raise ValueError(f"controller {key[0]!r} on split {key[1]!r} appears in both {seen[key]} and {path}")
+                what = f"controller {c!r} on split {sp!r}" + ("" if key[2] is None else f" with seed {sd:g}")
+                raise ValueError(f"{what} appears in both {seen[key]} and {path}")
             seen[key] = path
         frames.append(df)
     if not frames:
         raise ValueError("write_report needs at least one KPI file")
-    table = pd.concat(frames, ignore_index=True)
-    table[list(KPI_COLUMNS)] = table[list(KPI_COLUMNS)].astype("float64")
-    table = add_relative_kpis(table)
+    per_seed = pd.concat(frames, ignore_index=True)
+    per_seed[list(KPI_COLUMNS)] = per_seed[list(KPI_COLUMNS)].astype("float64")
+    per_seed = add_relative_kpis(per_seed)
+    groups = per_seed.groupby(["controller", "split"], sort=False)[list(KPI_COLUMNS)]
+    table = groups.mean().join(groups.size().rename("n_seeds")).join(groups.std(ddof=1).add_suffix("_std")).reset_index()
+    table["n_seeds"] = table["n_seeds"].astype("int64")
     order = sorted(range(len(table)), key=lambda i: (split_sort_key(table.split[i]), controller_sort_key(table.controller[i])))
-    return table.iloc[order].reset_index(drop=True)[["controller", "split", *KPI_COLUMNS]]
+    return table.iloc[order].reset_index(drop=True)[["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS]]
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -336,12 +351,23 @@ def plot_learning_curves(metrics_files: Mapping[str, Path], path: Path) -> Path 
 
 # ------------------------------------------------------------------------------------------- markdown
 def kpi_markdown_table(rows: pd.DataFrame) -> str:
-    """Markdown table of the main KPIs of one split's rows (headers carry units; NaN shows as –)."""
-    header = "| Controller | " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |"
-    sep = "|---|" + "|".join("---:" for _ in TABLE_COLUMNS) + "|"
+    """Markdown table of the main KPIs of one split's rows (headers carry units; NaN shows as –).
+
+    An agent averaged over several seeds shows ``mean ± std`` and its number of seeds; an agent trained with
+    one seed is marked ``1 (single seed)``; baselines are deterministic and show –.
+    """
+    header = "| Controller | Seeds | " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |"
+    sep = "|---|---:|" + "|".join("---:" for _ in TABLE_COLUMNS) + "|"
     lines = [header, sep]
     for _, r in rows.iterrows():
-        lines.append(f"| {r.controller} | " + " | ".join(_fmt(r[c], d) for c, _, d in TABLE_COLUMNS) + " |")
+        n = int(r.get("n_seeds", 1))
+        seeds = "–" if not _is_agent(r.controller) else (str(n) if n > 1 else "1 (single seed)")
+
+        def cell(c: str, d: int) -> str:
+            std = r.get(f"{c}_std", math.nan)
+            return _fmt(r[c], d) + (f" ± {_fmt(std, d)}" if n > 1 and not math.isnan(std) else "")
+
+        lines.append(f"| {r.controller} | {seeds} | " + " | ".join(cell(c, d) for c, _, d in TABLE_COLUMNS) + " |")
     return "\n".join(lines)
 
 

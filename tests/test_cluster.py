@@ -1,4 +1,5 @@
-"""The pipeline against a real, separately started Dask cluster: one scheduler and two workers on 127.0.0.1.
+"""The pipeline against a real, separately started Dask cluster: one scheduler and two workers on 127.0.0.1,
+two agents x two seeds.
 
 The workers only *declare* ``--resources GPU=1`` (they are CPU processes); training tasks ask for
 ``GPU=1``, so the test also shows that the resource annotation matches what a GPU worker offers.
@@ -49,22 +50,28 @@ def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
 
         site_toml = write_site(make_site(days=7), tmp_path / "site")
         out = tmp_path / "outputs"
-        env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo,a2c",
+        env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo,a2c", "EVHUB_SEEDS": "1,2",
                "EVHUB_TOTAL_TIMESTEPS": "4096", "DASK_SCHEDULER_ADDRESS": address}
-        # doit runs two tasks at once (train:ppo and train:a2c), Dask places them on the two GPU workers
+        # doit runs two tasks at once (train:ppo and train:a2c, two seeds each); the four training runs share
+        # the two GPU workers
         cmd = [sys.executable, "-m", "doit", "run", "-n", "2", "-P", "thread", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
         assert {"uncontrolled", "rule_based", "oracle", "ppo", "a2c"} <= set(table.controller)
+        agents = table[table.controller.isin(["ppo", "a2c"])]
+        assert (agents.n_seeds == 2).all() and agents.co2_kg_std.notna().all()  # mean and spread over 2 seeds
+        assert "± " in (out / "synthetic" / "report" / "report.md").read_text()
         for algo in ("ppo", "a2c"):
-            assert (out / "synthetic" / "runs" / f"{algo}_seed1" / "policy.pt2").is_file()
-        # the training ran in the cluster's worker processes (their output is in the workers' logs)
+            for seed in (1, 2):
+                assert (out / "synthetic" / "runs" / f"{algo}_seed{seed}" / "policy.pt2").is_file()
+        # the training ran in the cluster's worker processes (their output is in the workers' logs), every
+        # agent x seed exactly once, and both GPU workers trained
         logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
-        where = {a: [i for i, log in enumerate(logs) if f"[{a} seed 1] training:" in log] for a in ("ppo", "a2c")}
-        assert len(where["ppo"]) == 1 and len(where["a2c"]) == 1, logs[0][-2000:] + logs[1][-2000:]
-        # one GPU each: both agents are ready at once, so they train side by side on the two workers
-        assert where["ppo"] != where["a2c"]
+        runs = [(a, sd) for a in ("ppo", "a2c") for sd in (1, 2)]
+        where = {r: [i for i, log in enumerate(logs) if f"[{r[0]} seed {r[1]}] training:" in log] for r in runs}
+        assert all(len(w) == 1 for w in where.values()), where
+        assert {w[0] for w in where.values()} == {0, 1}, where
     finally:
         for p in reversed(procs):
             p.terminate()

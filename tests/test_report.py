@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from conftest import make_site
 
 from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, evaluate_policy, write_parquet
-from pipeline.report import summary_paragraph, write_report
+from pipeline.report import SEED_COLUMNS, kpi_markdown_table, read_kpi_files, summary_paragraph, write_report
 
 CONTROLLERS = ("ppo", "uncontrolled", "a2c", "oracle")  # deliberately not in report order
 SPLITS = ("test", "train")
@@ -99,7 +100,8 @@ def test_files_exist(report: Path):
 
 def test_comparison_table(report: Path, inputs):
     table = pd.read_parquet(report.parent / "co2_comparison.parquet")
-    assert list(table.columns) == ["controller", "split", *KPI_COLUMNS]
+    assert list(table.columns) == ["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS]
+    assert (table.n_seeds == 1).all() and table.co2_kg_std.isna().all()  # one seed each: no spread
     # one row per controller x split, ordered train then test, uncontrolled / rule_based / oracle / agents
     order = ["uncontrolled", "oracle", "a2c", "ppo"]
     assert list(zip(table.split, table.controller)) == [(s, c) for s in ("train", "test") for c in order]
@@ -185,3 +187,29 @@ def test_summary_flags_agent_that_starves_evs(report: Path):
     text = summary_paragraph("test", rows)
     assert "lowest CO2 apart from the oracle is **a2c**" in text
     assert "Not every agent serves the EVs" in text and "a2c (90.0%)" in text and "ppo" not in text.split("are ")[-1]
+
+
+def test_seeds_are_averaged_with_their_spread(tmp_path):
+    def kpi(controller, co2, seed=None, served=100.0):
+        row = {"controller": controller, "split": "test", **{k: 1.0 for k in KPI_COLUMNS}, "co2_kg": co2,
+               "ev_energy_served_pct": served}
+        if seed is not None:
+            row["seed"] = float(seed)
+        return write_parquet(pd.DataFrame([row]), tmp_path / f"{controller}_{seed}.parquet")
+
+    files = [kpi("uncontrolled", 1000.0), kpi("oracle", 500.0), kpi("ppo", 700.0, 1), kpi("ppo", 800.0, 2),
+             kpi("ppo", 900.0, 3, served=99.0), kpi("dqn", 650.0, 1)]
+    table = read_kpi_files(files).set_index("controller")
+    ppo, dqn = table.loc["ppo"], table.loc["dqn"]
+    assert ppo.n_seeds == 3 and ppo.co2_kg == pytest.approx(800.0) and ppo.co2_kg_std == pytest.approx(100.0)
+    assert ppo.ev_energy_served_pct == pytest.approx(99 + 2 / 3)
+    # relative KPIs per seed, then averaged: (1000 - co2) / (1000 - 500) -> 60, 40, 20 %
+    assert ppo.oracle_gap_closed_pct == pytest.approx(40.0) and ppo.oracle_gap_closed_pct_std == pytest.approx(20.0)
+    assert dqn.n_seeds == 1 and math.isnan(dqn.co2_kg_std)
+    assert table.loc["uncontrolled"].n_seeds == 1
+    md = kpi_markdown_table(table.reset_index())
+    assert "| ppo | 3 | 800.0 ± 100.0 |" in md
+    assert "| dqn | 1 (single seed) | 650.0 |" in md
+    assert "| uncontrolled | – | 1,000.0 |" in md
+    with pytest.raises(ValueError, match="with seed 2"):
+        read_kpi_files([*files, shutil.copy(files[3], tmp_path / "again.parquet")])
