@@ -7,6 +7,7 @@ benchmark, plus ``outputs/bench/benchmarks.md`` (see :mod:`benchmarks.report`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -51,6 +52,24 @@ def machine_info(device: torch.device | str = "cpu") -> dict[str, str | int | fl
         "cuda": torch.version.cuda or "",
         "python": platform.python_version(),
     }
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` -> ``"cuda"`` when CUDA is available, else ``"cpu"``; any other name is returned as is."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def fmt_num(x: float | None, spec: str) -> str:
+    """``format(x, spec)`` for a Markdown cell; blank for None, NaN or infinity."""
+    if x is None:
+        return ""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    return format(v, spec) if math.isfinite(v) else ""
 
 
 def synced(device: torch.device) -> float:

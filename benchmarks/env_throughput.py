@@ -50,10 +50,12 @@ import torch
 
 from benchmarks.common import (
     cuda_peak_mb,
+    fmt_num,
     machine_info,
     median_rate,
     peak_rss_mb,
     reset_peak_rss,
+    resolve_device,
     save_table,
     synced,
 )
@@ -241,17 +243,10 @@ def _skip_reason(impl: str, n: int, max_inprocess_envs: int, max_subprocess_envs
     return None
 
 
-def _fmt_rate(x: float) -> str:
-    return "" if not np.isfinite(x) else f"{x:,.0f}"
-
-
 def markdown(df: pd.DataFrame) -> str:
     """A Markdown table of a result of :func:`run`: impl, N, median env steps/s, min..max of the repeats,
     ours ÷ this (speed-up of the batched env), peak RSS of the benchmark process (MiB), CUDA peak (MiB), status.
     Missing numbers are left blank."""
-
-    def num(x: float, fmt: str) -> str:
-        return "" if x is None or not np.isfinite(x) else format(x, fmt)
 
     lines = [
         "| impl | N | steps/s median | min..max | ours ÷ this | peak RSS MiB | CUDA peak MiB | status |",
@@ -260,8 +255,8 @@ def markdown(df: pd.DataFrame) -> str:
     for r in df.itertuples(index=False):
         span = "" if not np.isfinite(r.steps_per_s_min) else f"{r.steps_per_s_min:,.0f}..{r.steps_per_s_max:,.0f}"
         lines.append(
-            f"| {r.impl} | {int(r.num_envs):,} | {_fmt_rate(r.steps_per_s)} | {span} | {num(r.speedup_vs, ',.1f')} | "
-            f"{num(r.peak_rss_mb, ',.0f')} | {num(r.cuda_peak_mb, ',.0f')} | {r.status} |"
+            f"| {r.impl} | {int(r.num_envs):,} | {fmt_num(r.steps_per_s, ',.0f')} | {span} | {fmt_num(r.speedup_vs, ',.1f')} | "
+            f"{fmt_num(r.peak_rss_mb, ',.0f')} | {fmt_num(r.cuda_peak_mb, ',.0f')} | {r.status} |"
         )
     return "\n".join(lines)
 
@@ -440,9 +435,7 @@ def main(args: Args | None = None) -> pd.DataFrame:
         import tyro
 
         args = tyro.cli(Args)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(args.device)
     return run(
         num_envs=args.num_envs,
         device=device,

@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import BENCH_DIR, machine_info, save_table
+from benchmarks.common import BENCH_DIR, machine_info, resolve_device, save_table
 from envs.files import write_text
 
 
@@ -150,7 +150,7 @@ def main() -> None:
     import tyro
 
     args = tyro.cli(Args)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     run(args.targets, device, args.num_envs, args.out_dir)
 
 

@@ -29,7 +29,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
-from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, machine_info, peak_rss_mb, run_worker, save_table
+from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, fmt_num, machine_info, peak_rss_mb, resolve_device, run_worker, save_table
 
 ALGOS = ("ppo", "a2c", "dqn", "sac")
 SWITCHES: dict[str, tuple[str, ...]] = {
@@ -151,15 +151,12 @@ def _save(rows: list[dict], device: str, out: Path) -> pd.DataFrame:
 def markdown(df: pd.DataFrame) -> str:
     """Markdown table of a :func:`run` result (env steps per second, MiB)."""
 
-    def f(x, fmt):
-        return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
-
     lines = ["| algo | switches | device | envs | SPS (whole run) | SPS (steady) | × eager | peak RSS MiB | CUDA peak MiB | status |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in df.itertuples():
-        lines.append(f"| {r.algo} | {r.switches} | {r.device} | {f(r.num_envs, '.0f')} | {f(r.sps, ',.0f')} | "
-                     f"{f(r.sps_steady, ',.0f')} | {f(r.speedup_vs_eager, '.2f')} | {f(r.peak_rss_mb, '.0f')} | "
-                     f"{f(r.cuda_peak_mb, '.0f')} | {r.status} |")
+        lines.append(f"| {r.algo} | {r.switches} | {r.device} | {fmt_num(r.num_envs, '.0f')} | {fmt_num(r.sps, ',.0f')} | "
+                     f"{fmt_num(r.sps_steady, ',.0f')} | {fmt_num(r.speedup_vs_eager, '.2f')} | {fmt_num(r.peak_rss_mb, '.0f')} | "
+                     f"{fmt_num(r.cuda_peak_mb, '.0f')} | {r.status} |")
     return "\n".join(lines)
 
 
@@ -193,7 +190,7 @@ def main() -> None:
     import tyro
 
     args = tyro.cli(Args)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     if args.one:
         res = run_one(args.one, args.switches, device, args.budget_steps, args.seed, Path(args.out_dir or BENCH_DIR))
         print(RESULT_PREFIX + json.dumps(res), flush=True)

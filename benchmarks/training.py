@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, machine_info, peak_rss_mb, run_worker, save_table
+from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, fmt_num, machine_info, peak_rss_mb, resolve_device, run_worker, save_table
 
 
 @dataclass(frozen=True)
@@ -351,15 +351,12 @@ def markdown(summary: pd.DataFrame) -> str:
     head = ("| config | device | envs | env steps | SPS | SPS steady | ours ÷ SB3 | time to target s | steps to target | "
             "best CO2 kg | peak RSS MiB | CUDA peak MiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
-    def f(x, fmt):
-        return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
-
     lines = [head]
     for r in summary.itertuples():
-        tt = f(r.time_to_target_s, ".1f") or ("not reached" if r.status == "ok" else "")
-        lines.append(f"| {r.config} | {r.device} | {f(r.num_envs, '.0f')} | {f(r.env_steps, ',.0f')} | {f(r.sps, ',.0f')} | {f(r.sps_steady, ',.0f')} | "
-                     f"{f(r.sps_vs_sb3, '.1f')} | {tt} | {f(r.steps_to_target, ',.0f')} | {f(r.best_co2_kg, '.1f')} | "
-                     f"{f(r.peak_rss_mb, '.0f')} | {f(r.cuda_peak_mb, '.0f')} | {r.status} |")
+        tt = fmt_num(r.time_to_target_s, ".1f") or ("not reached" if r.status == "ok" else "")
+        lines.append(f"| {r.config} | {r.device} | {fmt_num(r.num_envs, '.0f')} | {fmt_num(r.env_steps, ',.0f')} | {fmt_num(r.sps, ',.0f')} | {fmt_num(r.sps_steady, ',.0f')} | "
+                     f"{fmt_num(r.sps_vs_sb3, '.1f')} | {tt} | {fmt_num(r.steps_to_target, ',.0f')} | {fmt_num(r.best_co2_kg, '.1f')} | "
+                     f"{fmt_num(r.peak_rss_mb, '.0f')} | {fmt_num(r.cuda_peak_mb, '.0f')} | {r.status} |")
     return "\n".join(lines)
 
 
@@ -396,7 +393,7 @@ def main() -> None:
     import tyro
 
     args = tyro.cli(Args)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     if args.one:
         res = run_one(args.one, device, args.budget_steps, args.budget_s, args.eval_every_steps, args.seed,
                       Path(args.out_dir or BENCH_DIR))
