@@ -11,6 +11,10 @@ otherwise an embedded ``LocalCluster`` is started once per process. Training tas
 resource ``GPU=1`` whenever some worker declares it (``dask worker ... --resources GPU=1``); otherwise
 they run on any worker. Workers must see the same file system paths as the client (outputs and site data
 are passed as paths).
+
+Tasks that are safe to repeat carry Dask retries: baselines, the oracle, evaluation, and training (a repeated
+training task resumes from its run's checkpoint, see :func:`pipeline.tasks.train_agent`). Tasks of a worker
+that dies are rescheduled by the scheduler.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                 deps = (validated,) if previous is None or cfg.scheduler_address else (validated, previous)
                 fut = submit(
                     tasks.train_agent, algo, seed, site, run_dir, cfg.total_timesteps, cfg.extra_algo_args, *deps,
-                    resources=resources, pure=False, key=f"train-{algo}-seed{seed}-{cfg.experiment}",
+                    resources=resources, retries=1, pure=False, key=f"train-{algo}-seed{seed}-{cfg.experiment}",
                 )
                 runs[(algo, seed)] = previous = fut
         futures["train"] = client.submit(list, list(runs.values()), pure=False)

@@ -104,6 +104,46 @@ def algo_script(algo: str) -> Path:
     return PROJECT_ROOT / "algos" / f"{algo}.py"
 
 
+RESUMABLE_CODE = ("envs/site.py", "envs/evhub.py", "envs/kpis.py", "envs/schemas.py")
+"""Code a training run depends on besides its own script: a changed file here means a fresh run, not a resume."""
+
+
+def run_fingerprint(cmd: list[str], site_toml: str, algo: str) -> str:
+    """SHA-256 (hex) of what a training run is: its command line, the site config and data, and the code.
+
+    Two attempts with the same fingerprint are the same run, so the second may resume the first's checkpoint.
+    The data files are the site's ``hourly.*`` and ``sessions.*`` files; the code is the agent's script and
+    :data:`RESUMABLE_CODE`.
+    """
+    import hashlib
+
+    cfg, path = load_config(site_toml)
+    data_dir = path.parent / cfg.data_dir
+    files = [path, algo_script(algo), *(PROJECT_ROOT / f for f in RESUMABLE_CODE)]
+    if data_dir.is_dir():
+        files += sorted(f for f in data_dir.iterdir() if f.is_file() and f.name.split(".")[0] in ("hourly", "sessions"))
+    h = hashlib.sha256(json.dumps(cmd).encode())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask Linux to SIGKILL this process when the thread that started it dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    A Dask worker killed mid-task then takes its training run with it, so the rescheduled task never races
+    an orphaned run writing the same folder. A no-op where ``prctl`` is unavailable.
+    """
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def train_agent(
     algo: str,
     seed: int,
@@ -115,8 +155,13 @@ def train_agent(
 ) -> str:
     """Train one agent by running its script in a subprocess; returns the run folder.
 
-    The script's output goes to ``<run_dir>/train.log`` and is echoed line by line. A re-run resumes from
-    the run's checkpoint when the script supports ``--resume``.
+    The script's output is appended to ``<run_dir>/train.log`` (one header line per attempt) and echoed
+    line by line. The task is safe to repeat: ``<run_dir>/run.json`` records the run's fingerprint
+    (:func:`run_fingerprint`), and an attempt with the same fingerprint whose folder holds a checkpoint
+    passes ``--resume``, so a re-run (a rescheduled Dask task after a lost worker, or ``doit run`` after an
+    interruption) continues from the last checkpoint instead of starting over; a finished run has nothing
+    left to train. A changed command, site, data or code starts a fresh run. On Linux the script is killed
+    with the worker that started it.
 
     Raises:
         RuntimeError: the script failed; the message holds the end of its log.
@@ -127,15 +172,25 @@ def train_agent(
     if total_timesteps is not None:
         cmd += ["--total-timesteps", str(total_timesteps)]
     cmd += list(extra_args)
+    fingerprint = run_fingerprint(cmd[1:], site_toml, algo)
+    spec_path = run / "run.json"
+    same_run = spec_path.is_file() and json.loads(spec_path.read_text()).get("fingerprint") == fingerprint
+    if same_run and (run / "checkpoint.pt").is_file():
+        cmd.append("--resume")
+    else:
+        (run / "checkpoint.pt").unlink(missing_ok=True)  # another run's checkpoint must not be resumed
+        write_text(spec_path, json.dumps({"fingerprint": fingerprint, "command": cmd[1:]}, indent=2))
     # Dask workers pin OMP/MKL/OpenBLAS to one thread; a training run owns its worker's cores (and GPU)
     thread_caps = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in thread_caps} | {"PYTHONUNBUFFERED": "1"}
     log_path = run / "train.log"
     tail: list[str] = []
-    with open(log_path, "w") as log, subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=PROJECT_ROOT
+    with open(log_path, "a", buffering=1) as log, subprocess.Popen(  # line-buffered: a killed worker loses no line
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=PROJECT_ROOT,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     ) as proc:
         assert proc.stdout is not None
+        log.write(f"==== {pd.Timestamp.now(tz='UTC'):%Y-%m-%dT%H:%M:%SZ} pid {proc.pid}: {' '.join(cmd[1:])}\n")
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line])[-40:]

@@ -1,21 +1,25 @@
-"""The pipeline against a real, separately started Dask cluster: one scheduler and two workers on 127.0.0.1,
-two agents x two seeds.
+"""The pipeline against a real, separately started Dask cluster: one scheduler and two workers on 127.0.0.1.
 
 The workers only *declare* ``--resources GPU=1`` (they are CPU processes); training tasks ask for
-``GPU=1``, so the test also shows that the resource annotation matches what a GPU worker offers.
+``GPU=1``, so the tests also show that the resource annotation matches what a GPU worker offers. One test
+trains two agents x two seeds; the other kills the worker process that is training, mid-run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
+import torch
 from conftest import make_site, write_site
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,8 +31,9 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
-@pytest.mark.slow
-def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
+@contextlib.contextmanager
+def cluster(tmp_path: Path):
+    """Start ``dask scheduler`` and two ``dask worker --resources GPU=1`` on 127.0.0.1; yield the address."""
     scheduler_file = tmp_path / "scheduler.json"
     procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
                      "--scheduler-file", str(scheduler_file)], tmp_path / "scheduler.log")]
@@ -47,31 +52,7 @@ def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
             client.wait_for_workers(2, timeout=60)
             resources = {w["name"]: w["resources"] for w in client.scheduler_info()["workers"].values()}
         assert resources == {"gpu-worker-0": {"GPU": 1.0}, "gpu-worker-1": {"GPU": 1.0}}
-
-        site_toml = write_site(make_site(days=7), tmp_path / "site")
-        out = tmp_path / "outputs"
-        env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo,a2c", "EVHUB_SEEDS": "1,2",
-               "EVHUB_TOTAL_TIMESTEPS": "4096", "DASK_SCHEDULER_ADDRESS": address}
-        # doit runs two tasks at once (train:ppo and train:a2c, two seeds each); the four training runs share
-        # the two GPU workers
-        cmd = [sys.executable, "-m", "doit", "run", "-n", "2", "-P", "thread", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
-        assert {"uncontrolled", "rule_based", "oracle", "ppo", "a2c"} <= set(table.controller)
-        agents = table[table.controller.isin(["ppo", "a2c"])]
-        assert (agents.n_seeds == 2).all() and agents.co2_kg_std.notna().all()  # mean and spread over 2 seeds
-        assert "± " in (out / "synthetic" / "report" / "report.md").read_text()
-        for algo in ("ppo", "a2c"):
-            for seed in (1, 2):
-                assert (out / "synthetic" / "runs" / f"{algo}_seed{seed}" / "policy.pt2").is_file()
-        # the training ran in the cluster's worker processes (their output is in the workers' logs), every
-        # agent x seed exactly once, and both GPU workers trained
-        logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
-        runs = [(a, sd) for a in ("ppo", "a2c") for sd in (1, 2)]
-        where = {r: [i for i, log in enumerate(logs) if f"[{r[0]} seed {r[1]}] training:" in log] for r in runs}
-        assert all(len(w) == 1 for w in where.values()), where
-        assert {w[0] for w in where.values()} == {0, 1}, where
+        yield address
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -80,3 +61,83 @@ def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@pytest.mark.slow
+def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
+    with cluster(tmp_path) as address:
+            site_toml = write_site(make_site(days=7), tmp_path / "site")
+            out = tmp_path / "outputs"
+            env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo,a2c", "EVHUB_SEEDS": "1,2",
+                   "EVHUB_TOTAL_TIMESTEPS": "4096", "DASK_SCHEDULER_ADDRESS": address}
+            # doit runs two tasks at once (train:ppo and train:a2c, two seeds each); the four training runs share
+            # the two GPU workers
+            cmd = [sys.executable, "-m", "doit", "run", "-n", "2", "-P", "thread", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
+            result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
+            assert {"uncontrolled", "rule_based", "oracle", "ppo", "a2c"} <= set(table.controller)
+            agents = table[table.controller.isin(["ppo", "a2c"])]
+            assert (agents.n_seeds == 2).all() and agents.co2_kg_std.notna().all()  # mean and spread over 2 seeds
+            assert "± " in (out / "synthetic" / "report" / "report.md").read_text()
+            for algo in ("ppo", "a2c"):
+                for seed in (1, 2):
+                    assert (out / "synthetic" / "runs" / f"{algo}_seed{seed}" / "policy.pt2").is_file()
+            # the training ran in the cluster's worker processes (their output is in the workers' logs), every
+            # agent x seed exactly once, and both GPU workers trained
+            logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+            runs = [(a, sd) for a in ("ppo", "a2c") for sd in (1, 2)]
+            where = {r: [i for i, log in enumerate(logs) if f"[{r[0]} seed {r[1]}] training:" in log] for r in runs}
+            assert all(len(w) == 1 for w in where.values()), where
+            assert {w[0] for w in where.values()} == {0, 1}, where
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_training_is_rescheduled_and_the_run_resumes(tmp_path):
+    total = 4 * 48 * 150  # PPO: 150 iterations of 4 envs x 48 steps, a checkpoint every 2
+    with cluster(tmp_path) as address:
+        site_toml = write_site(make_site(days=7), tmp_path / "site")
+        out = tmp_path / "outputs"
+        env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo",
+               "EVHUB_SEEDS": "1", "EVHUB_TOTAL_TIMESTEPS": str(total), "DASK_SCHEDULER_ADDRESS": address,
+               "EVHUB_ALGO_ARGS": "--num-envs 4 --num-steps 48 --num-minibatches 2 --update-epochs 2 "
+                                  "--hidden-size 16 --checkpoint-every 2 --no-cuda"}
+        cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
+        doit_log = tmp_path / "doit.log"
+        pipeline = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(doit_log, "w"), stderr=subprocess.STDOUT)
+        try:
+            run_dir = out / "synthetic" / "runs" / "ppo_seed1"
+            ckpt = run_dir / "checkpoint.pt"
+            deadline = time.time() + 240
+            while time.time() < deadline and pipeline.poll() is None:
+                if ckpt.is_file() and torch.load(ckpt, weights_only=False)["iteration"] >= 4:
+                    break
+                time.sleep(0.2)
+            assert pipeline.poll() is None, doit_log.read_text()[-3000:]
+            trainer = next(p for p in psutil.process_iter(["cmdline"])
+                           if str(run_dir) in " ".join(p.info["cmdline"] or []) and "ppo.py" in " ".join(p.info["cmdline"]))
+            worker = trainer.parent()
+            assert "distributed" in " ".join(worker.cmdline()) or worker.name().startswith("python"), worker.cmdline()
+            worker.send_signal(signal.SIGKILL)
+            # the training run dies with its worker: no orphan keeps writing the run folder
+            trainer.wait(timeout=30)
+            killed_at = torch.load(ckpt, weights_only=False)["global_step"]
+            assert 0 < killed_at < total
+            assert pipeline.wait(timeout=400) == 0, doit_log.read_text()[-3000:]
+        finally:
+            if pipeline.poll() is None:
+                pipeline.kill()
+
+        # the scheduler rescheduled the training task; the second attempt resumed from the last checkpoint
+        log = (run_dir / "train.log").read_text()
+        assert log.count("==== ") == 2, log[-3000:]
+        assert "--resume" in log.split("==== ")[2].splitlines()[0]
+        resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
+        assert len(resumed) == 1 and int(resumed[0].split("global_step ")[1].split(",")[0]) >= killed_at, resumed
+        metrics = pd.read_parquet(run_dir / "metrics.parquet")
+        assert metrics.global_step.iloc[-1] == total
+        assert metrics.global_step.is_monotonic_increasing and metrics.global_step.is_unique
+        table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
+        assert {"uncontrolled", "rule_based", "oracle", "ppo"} <= set(table.controller)
+        ppo = table[table.controller == "ppo"]
+        assert len(ppo) == 2 and ppo.co2_kg.notna().all()  # evaluated on both splits
