@@ -58,6 +58,7 @@ try:
 except ModuleNotFoundError:  # run as `python algos/a2c.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import envs
+from envs.files import atomic_write
 from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
 PRESETS = {
@@ -79,6 +80,10 @@ class Args:
     """seed of the experiment (Python, NumPy, torch and the env's window draws)"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    deterministic_algorithms: bool = False
+    """bitwise-reproducible CUDA runs (slower): `torch.use_deterministic_algorithms(True)` and
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8`; an op without a deterministic CUDA kernel then stops the run with PyTorch's
+    error. CPU runs repeat exactly without it"""
     cuda: bool = True
     """if toggled, use CUDA when it is available (agent and env on the same device)"""
     preset: Literal["auto", "cpu", "gpu"] = "auto"
@@ -623,7 +628,7 @@ def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
     """Save the deterministic actor (float32, CPU) for code that does not import ``algos``.
 
     ``torch.export`` with a dynamic batch dimension to ``policy.pt2``; if export fails, a TorchScript trace to
-    ``policy.pt``. Returns the written path.
+    ``policy.pt``. Either is written atomically (temporary file, then rename). Returns the written path.
     """
     actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_mean)).cpu().float().eval()
     example = torch.zeros(2, obs_dim)
@@ -631,11 +636,12 @@ def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
         batch = torch.export.Dim("batch", min=1)
         program = torch.export.export(actor, (example,), dynamic_shapes={"obs": {0: batch}})
         path = out_dir / "policy.pt2"
-        torch.export.save(program, path)
+        atomic_write(path, lambda tmp: torch.export.save(program, tmp))
     except Exception as exc:  # noqa: BLE001 - any export failure falls back to TorchScript
         print(f"torch.export failed ({type(exc).__name__}: {exc}); saving a TorchScript trace instead", file=sys.stderr)
         path = out_dir / "policy.pt"
-        torch.jit.trace(actor, example).save(str(path))
+        traced = torch.jit.trace(actor, example)
+        atomic_write(path, lambda tmp: traced.save(str(tmp)))
     return path
 
 
@@ -670,6 +676,9 @@ def main(args: Args) -> dict:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    if args.deterministic_algorithms:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before the first GEMM
+        torch.use_deterministic_algorithms(True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if device.type == "cuda":

@@ -16,8 +16,9 @@ Run (defaults: ``caltech`` site, a preset sized to the device)::
     tensorboard --logdir outputs/
 
 Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
-(networks, optimizer, counters, RNG and env state, not the replay buffer; ``--resume`` continues from it and
-refills the buffer for ``learning_starts`` steps before updating again), ``policy.pt2`` and the deterministic
+(networks, optimizer, counters, RNG and env state, and with ``--save-buffer`` the filled rows of the replay
+buffer; ``--resume`` continues from it: with the stored buffer exactly where the run stopped, without it the
+buffer is refilled for ``learning_starts`` steps before updating again), ``policy.pt2`` and the deterministic
 evaluation over ``eval_split``: ``eval_{split}.parquet`` (one KPI row, controller ``"dqn"``) and
 ``eval_{split}_traces.parquet``.
 
@@ -58,6 +59,7 @@ except ModuleNotFoundError:  # run as `python algos/dqn.py` from a checkout that
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import envs
 from envs.evhub import discrete_action_table
+from envs.files import atomic_write
 from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
 PRESETS = {
@@ -97,6 +99,10 @@ class Args:
     """seed of the experiment (Python, NumPy, torch and the env's window draws)"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    deterministic_algorithms: bool = False
+    """bitwise-reproducible CUDA runs (slower): `torch.use_deterministic_algorithms(True)` and
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8`; an op without a deterministic CUDA kernel then stops the run with PyTorch's
+    error. CPU runs repeat exactly without it"""
     cuda: bool = True
     """if toggled, use CUDA when it is available (agent, env and replay buffer on the same device)"""
     preset: str = "auto"
@@ -173,8 +179,12 @@ class Args:
     """run folder (None: outputs/runs/{exp_name}_{site}_discrete_seed{seed})"""
     checkpoint_every: int = 2_000
     """iterations between checkpoints (0: only at the end)"""
+    save_buffer: bool = False
+    """also store the replay buffer in the checkpoint (its filled rows, write position and fill level; large);
+    without it a resumed run refills the buffer for learning_starts steps before updating again"""
     resume: bool = False
-    """continue from output_dir/checkpoint.pt (networks, optimizer, counters, RNG and env state)"""
+    """continue from output_dir/checkpoint.pt (networks, optimizer, counters, RNG and env state, and the replay
+    buffer if it was stored)"""
     eval_split: str = "test"
     """split for the final deterministic evaluation ('none' skips it)"""
 
@@ -318,6 +328,10 @@ def target_update(target: nn.Module, online: nn.Module, tau: float) -> None:
         tb.copy_(b)
 
 
+BUFFER_FIELDS = ("obs", "next_obs", "actions", "rewards", "dones")
+"""The per-transition tensors of the replay buffer (:func:`make_replay_buffer`)."""
+
+
 def make_replay_buffer(size: int, obs_dim: int, device: torch.device, obs_dtype: torch.dtype = torch.float32) -> dict:
     """Circular replay memory preallocated on ``device``.
 
@@ -352,6 +366,47 @@ def buffer_add(rb: dict, obs, actions, rewards, next_obs, dones) -> None:
     rb["dones"].index_copy_(0, idx, dones.to(torch.float32))
     rb["pos"] = (rb["pos"] + n) % size
     rb["count"] = min(rb["count"] + n, size)
+    rb["count_t"].fill_(rb["count"])
+
+
+def buffer_state(rb: dict) -> dict:
+    """The replay buffer's contents for a checkpoint: only the ``count`` filled rows, copied to the host.
+
+    Returns ``{"pos", "count", "size"}`` (ints) and the tensors ``obs``, ``next_obs`` ``(count, obs_dim)``,
+    ``actions`` int64, ``rewards``, ``dones`` ``(count,)`` on the CPU, each with its own storage (a slice of the
+    preallocated tensor would make ``torch.save`` write all ``size`` rows). While the buffer has not wrapped
+    around, its filled rows are ``0 .. count - 1``; once full, all ``size`` rows are filled.
+    """
+    n = rb["count"]
+    state = {key: rb[key][:n].to("cpu", copy=True) for key in BUFFER_FIELDS}
+    return {"pos": rb["pos"], "count": n, "size": rb["size"], **state}
+
+
+def load_buffer_state(rb: dict, state: dict) -> None:
+    """Restore :func:`buffer_state` into the buffer ``rb`` from :func:`make_replay_buffer` (in place).
+
+    With the same ``size`` the rows, ``pos`` and ``count`` become exactly the saved ones. With another size the
+    buffer gets the newest ``min(count, size)`` saved transitions, oldest first from row 0. Raises ``ValueError``
+    if the stored rows do not fit the buffer (another ``obs_dim``) or ``count`` disagrees with the stored rows.
+    """
+    n, old_size, pos = int(state["count"]), int(state["size"]), int(state["pos"])
+    for key in BUFFER_FIELDS:
+        if state[key].shape[0] != n or state[key].shape[1:] != rb[key].shape[1:]:
+            raise ValueError(
+                f"stored replay buffer field {key!r} has shape {tuple(state[key].shape)}, expected "
+                f"({n}, {', '.join(map(str, rb[key].shape[1:]))}) for this buffer"
+            )
+    if old_size == rb["size"]:
+        for key in BUFFER_FIELDS:
+            rb[key][:n].copy_(state[key])
+        rb["pos"], rb["count"] = pos, n
+    else:
+        # chronological order: a full (wrapped) buffer's oldest row is at pos, a filling one's at row 0
+        order = torch.arange(n) if n < old_size else (torch.arange(n) + pos) % n
+        keep = order[max(0, n - rb["size"]) :]
+        for key in BUFFER_FIELDS:
+            rb[key][: len(keep)].copy_(state[key].index_select(0, keep.to(state[key].device)))
+        rb["pos"], rb["count"] = len(keep) % rb["size"], len(keep)
     rb["count_t"].fill_(rb["count"])
 
 
@@ -567,7 +622,7 @@ def export_policy(qnet: QNetwork, obs_dim: int, out_dir: Path) -> Path:
     """Save the greedy hub-action policy (:class:`GreedyHubPolicy`) for code that does not import ``algos``.
 
     ``torch.export`` with a dynamic batch dimension to ``policy.pt2``; if export fails, a TorchScript trace to
-    ``policy.pt``. Returns the written path.
+    ``policy.pt``. Either is written atomically (temporary file, then rename). Returns the written path.
     """
     module = GreedyHubPolicy(copy.deepcopy(qnet), discrete_action_table()).cpu().float().eval()
     example = torch.zeros(2, obs_dim)
@@ -575,11 +630,12 @@ def export_policy(qnet: QNetwork, obs_dim: int, out_dir: Path) -> Path:
         batch = torch.export.Dim("batch", min=1)
         program = torch.export.export(module, (example,), dynamic_shapes={"obs": {0: batch}})
         path = out_dir / "policy.pt2"
-        torch.export.save(program, path)
+        atomic_write(path, lambda tmp: torch.export.save(program, tmp))
     except Exception as exc:  # noqa: BLE001 - any export failure falls back to TorchScript
         print(f"torch.export failed ({type(exc).__name__}: {exc}); saving a TorchScript trace instead", file=sys.stderr)
         path = out_dir / "policy.pt"
-        torch.jit.trace(module, example).save(str(path))
+        traced = torch.jit.trace(module, example)
+        atomic_write(path, lambda tmp: traced.save(str(tmp)))
     return path
 
 
@@ -616,6 +672,9 @@ def main(args: Args) -> dict:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    if args.deterministic_algorithms:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before the first GEMM
+        torch.use_deterministic_algorithms(True)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
@@ -650,6 +709,7 @@ def main(args: Args) -> dict:
     next_obs = next_obs.to(torch.float32)
     global_step, start_iteration, train_wall_prev = 0, 1, 0.0
     rows: list[dict] = []
+    buffer_restored = False
     if args.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own file
         qnet.load_state_dict(ckpt["qnet"])
@@ -665,12 +725,17 @@ def main(args: Args) -> dict:
                 stats[key].copy_(value)
         else:
             print(f"resume: num_envs changed ({ckpt.get('num_envs')} -> {args.num_envs}); envs start new episodes")
+        if ckpt.get("replay_buffer") is not None:
+            load_buffer_state(rb, ckpt["replay_buffer"])
+            buffer_restored = True
         if (out_dir / "metrics.parquet").is_file():
             old = pd.read_parquet(out_dir / "metrics.parquet")
             rows = old[old.global_step <= global_step].to_dict("records")
-        print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}")
-    # the replay buffer is not checkpointed: a run (fresh or resumed) fills learning_starts steps before updating
-    learn_from = global_step + args.learning_starts if args.resume else args.learning_starts
+        restored = f"buffer {rb['count']:,} rows restored" if buffer_restored else "buffer not stored, refilling it"
+        print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}, {restored}")
+    # a fresh run, or one resumed with its replay buffer, updates from learning_starts on (as if never stopped);
+    # one resumed without the buffer refills it for learning_starts steps first
+    learn_from = global_step + args.learning_starts if args.resume and not buffer_restored else args.learning_starts
     norm_frozen = global_step >= args.learning_starts
 
     # speed switches: rebind the hot functions once
@@ -714,6 +779,7 @@ def main(args: Args) -> dict:
             env_state=env.state_dict(),
             next_obs=next_obs,
             episode_stats=stats,
+            replay_buffer=buffer_state(rb) if args.save_buffer else None,
         )
 
     step_t = torch.full((), float(global_step), device=device)

@@ -59,6 +59,7 @@ try:
 except ModuleNotFoundError:  # run as `python algos/sac.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import envs
+from envs.files import atomic_write
 from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
 PRESETS = {
@@ -99,6 +100,10 @@ class Args:
     """seed of the experiment (Python, NumPy, torch and the env's window draws)"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    deterministic_algorithms: bool = False
+    """bitwise-reproducible CUDA runs (slower): `torch.use_deterministic_algorithms(True)` and
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8`; an op without a deterministic CUDA kernel then stops the run with PyTorch's
+    error. CPU runs repeat exactly without it"""
     cuda: bool = True
     """if toggled, use CUDA when it is available (agent, env and replay buffer on the same device)"""
     preset: str = "auto"
@@ -170,13 +175,14 @@ class Args:
     168: one caltech episode, so every log sees the envs' episodes end)"""
     output_dir: str | None = None
     """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed})"""
-    checkpoint_every: int = 0
+    checkpoint_every: int = 2_000
     """iterations between checkpoints (0: only at the end)"""
     save_buffer: bool = False
     """also store the replay buffer in the checkpoint (large); without it a resumed run refills the buffer
     for learning_starts steps with the current policy before updating again"""
     resume: bool = False
-    """continue from output_dir/checkpoint.pt (networks, optimizers, counters, RNG and env state)"""
+    """continue from output_dir/checkpoint.pt (networks, optimizers, counters, RNG and env state, and the replay
+    buffer if it was stored)"""
     eval_split: str = "test"
     """split for the final deterministic evaluation ('none' skips it)"""
     eval_every: int = 0
@@ -268,9 +274,13 @@ class ReplayBuffer:
         return {key: value.index_select(0, idx) for key, value in self.data.items()}
 
     def state_dict(self) -> dict:
-        return {"pos": self.pos, "size": self.size, **{k: v[: self.size] for k, v in self.data.items()}}
+        """``pos`` and ``size`` (ints) and the ``size`` filled rows of each field, copied to the CPU with their own
+        storage (a slice of the preallocated tensor would make ``torch.save`` write all ``capacity`` rows)."""
+        rows = {k: v[: self.size].to("cpu", copy=True) for k, v in self.data.items()}
+        return {"pos": self.pos, "size": self.size, **rows}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` in place; into a smaller buffer only its first ``capacity`` rows."""
         n = min(int(state["size"]), self.capacity)
         for key in self.FIELDS:
             self.data[key][:n].copy_(state[key][:n])
@@ -585,18 +595,19 @@ def check_finite(bad_any: torch.Tensor, first_bad_step: torch.Tensor, ckpt: Path
 
 def export_policy(actor: Actor, obs_dim: int, out_dir: Path) -> Path:
     """Save the deterministic actor (``torch.export`` with a dynamic batch to ``policy.pt2``; TorchScript
-    ``policy.pt`` if export fails). Returns the written path."""
+    ``policy.pt`` if export fails), written atomically (temporary file, then rename). Returns the written path."""
     module = DeterministicActor(copy.deepcopy(actor)).cpu().float().eval()
     example = torch.zeros(2, obs_dim)
     try:
         batch = torch.export.Dim("batch", min=1)
         program = torch.export.export(module, (example,), dynamic_shapes={"obs": {0: batch}})
         path = out_dir / "policy.pt2"
-        torch.export.save(program, path)
+        atomic_write(path, lambda tmp: torch.export.save(program, tmp))
     except Exception as exc:  # noqa: BLE001 - any export failure falls back to TorchScript
         print(f"torch.export failed ({type(exc).__name__}: {exc}); saving a TorchScript trace instead", file=sys.stderr)
         path = out_dir / "policy.pt"
-        torch.jit.trace(module, example).save(str(path))
+        traced = torch.jit.trace(module, example)
+        atomic_write(path, lambda tmp: traced.save(str(tmp)))
     return path
 
 
@@ -622,6 +633,9 @@ def main(args: Args) -> dict:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    if args.deterministic_algorithms:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before the first GEMM
+        torch.use_deterministic_algorithms(True)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
