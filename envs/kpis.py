@@ -196,10 +196,15 @@ def evaluate_policy(
     bess_action: str = "setpoint",
     **extra: float,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Run a policy over a whole split and return ``(kpi_row, traces)``; see :func:`rollout_traces`."""
-    traces, wall = rollout_traces(policy, site, split, action_mode, device, bess_action=bess_action)
+    """Run a policy over a whole split and return ``(kpi_row, traces)``; see :func:`rollout_traces`.
+
+    ``env_steps`` defaults to the split's step count; ``train_wall_s`` and ``steps_per_s`` stay NaN unless
+    given in ``extra`` (a trained agent's figures): no wall-clock measurement goes into the row, so the same
+    policy and data give the same row, byte for byte.
+    """
+    traces, _ = rollout_traces(policy, site, split, action_mode, device, bess_action=bess_action)
     data = site.split(split)
-    extra = {"env_steps": float(data.num_steps), "steps_per_s": data.num_steps / max(wall, 1e-9), **extra}
+    extra = {"env_steps": float(data.num_steps), **extra}
     return kpi_row(controller, split, traces, data, **extra), traces
 
 

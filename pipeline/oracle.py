@@ -176,8 +176,9 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
 
     Returns:
         ``(kpi_row, traces)`` like :func:`envs.kpis.evaluate_policy`: a one-row DataFrame with
-        ``controller="oracle"``, all KPI columns, ``env_steps = T``, ``train_wall_s`` = build + solve
-        seconds, and the extra column ``solve_s`` (HiGHS seconds); and a ``(T,)``-row DataFrame with
+        ``controller="oracle"``, all KPI columns, ``env_steps = T`` and ``train_wall_s = 0`` (no training,
+        as for the other baselines: no wall-clock figure goes into the row, so the same inputs give the same
+        bytes; the build and HiGHS seconds are printed instead); and a ``(T,)``-row DataFrame with
         :data:`envs.kpis.TRACE_COLUMNS`: UTC step start ``time``, flows in kW over the step, ``co2_kg``
         (kg), ``unserved_kwh`` (kWh, a session's undelivered energy on its last step ``departure_step-1``),
         ``soc`` at the END of the step (fraction of capacity) and ``moer_kg_per_kwh``. In steps with
@@ -249,12 +250,11 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
         }
     )[list(TRACE_COLUMNS)]
     check_balance(traces, f"oracle, {split} split")
-    wall = time.perf_counter() - t0
     print(
         f"oracle {split}: {T} steps, {S} sessions, {n_var} variables ({lp['n_p']} EV), {n_con} constraints, "
         f"{nnz} nonzeros; build {t1 - t0:.2f} s, HiGHS {t2 - t1:.2f} s; CO2 {traces.co2_kg.sum():.1f} kg, "
         f"unserved {slack.sum():.3f} kWh",
         flush=True,
     )
-    row = kpi_row("oracle", split, traces, data, env_steps=float(T), train_wall_s=wall, solve_s=t2 - t1)
+    row = kpi_row("oracle", split, traces, data, env_steps=float(T), train_wall_s=0.0)
     return row, traces

@@ -65,7 +65,7 @@ TABLE_COLUMNS = (
     ("pv_self_consumption_pct", "PV self-consumption (%)", 1),
     ("peak_import_kw", "Peak import (kW)", 1),
     ("train_wall_s", "Training wall time (s)", 0),
-    ("steps_per_s", "Steps/s (agents: training; baselines: simulation)", 0),
+    ("steps_per_s", "Training steps/s", 0),
 )
 
 FIGURE_DPI = 110
