@@ -27,6 +27,7 @@ This module imports nothing from the rest of the project.
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ __all__ = [
     "HOURLY_COLUMNS",
     "SESSIONS_COLUMNS",
     "validate_site_data",
+    "validate_table",
+    "validate_columns",
     "read_table",
 ]
 
@@ -172,7 +175,36 @@ def _row_label(kind: str, df: pd.DataFrame, row: int) -> str:
     return f" ({'time' if kind == 'hourly' else 'session'} {df[col].iloc[row]})"
 
 
-def _format_failures(kind: str, file: str, df: pd.DataFrame, fc: pd.DataFrame) -> list[str]:
+def _value_has_type(v: Any, expected: str) -> bool:
+    """Whether one cell holds a value of the schema's dtype (a missing value is left to not_nullable)."""
+    if v is None or (isinstance(v, float) and np.isnan(v)) or v is pd.NaT:
+        return True
+    if expected.startswith("float"):
+        return isinstance(v, (float, np.floating))
+    if expected.startswith("datetime64"):
+        return isinstance(v, pd.Timestamp) and v.tz is not None and str(v.tz) in ("UTC", "utc", "Etc/UTC")
+    if expected in ("str", "string", "object"):
+        return isinstance(v, str)
+    return True
+
+
+def _dtype_offender(kind: str, df: pd.DataFrame, column: str, expected: str) -> str:
+    """Where a column with the wrong dtype goes wrong: its first cell of another type, else all rows."""
+    if column not in df or len(df) == 0:
+        return "all rows"
+    values = df[column]
+    if values.dtype == object or str(values.dtype) in ("str", "string"):
+        bad = [i for i, v in enumerate(values.to_numpy(dtype=object)) if not _value_has_type(v, expected)]
+        if bad:
+            row, v = bad[0], values.iloc[bad[0]]
+            more = f" [{len(bad)} rows in all]" if len(bad) > 1 else ""
+            return f"row {row}{_row_label(kind, df, row)} holds {v!r} ({type(v).__name__}){more}"
+    return f"all {len(df)} rows, from row 0{_row_label(kind, df, 0)}: {_fmt_value(values.iloc[0])}"
+
+
+def _format_failures(
+    kind: str, file: str, df: pd.DataFrame, fc: pd.DataFrame, schema_columns: tuple[str, ...] = ()
+) -> list[str]:
     """One message line per (column, check), naming the first offending row."""
     lines: list[tuple[float, str]] = []
     fc = fc.copy()
@@ -185,16 +217,19 @@ def _format_failures(kind: str, file: str, df: pd.DataFrame, fc: pd.DataFrame) -
     for _, r in table[~crashed].iterrows():
         check = str(r["check"])
         if check == "column_in_dataframe":
+            missing = str(r["failure_case"])
             present = ", ".join(map(str, df.columns))
-            lines.append((-2, f"{file}: column '{r['failure_case']}' is missing (all rows; columns present: {present})"))
+            close = difflib.get_close_matches(missing, [str(c) for c in df.columns if c not in schema_columns], n=1)
+            hint = f"; did you mean to rename '{close[0]}'?" if close else ""
+            lines.append((-2, f"{file}: column '{missing}' is missing (all rows; columns present: {present}){hint}"))
         elif check.startswith("dtype("):
             expected = check[len("dtype(") : -1].strip("'")
             hint = ""
             if r["column"] in _TIME_COLUMNS:
                 hint = " (timestamps must be tz-aware UTC)"
-            lines.append(
-                (-1, f"{file}: column '{r['column']}' has dtype {r['failure_case']}, expected {expected}{hint}")
-            )
+            where = _dtype_offender(kind, df, str(r["column"]), expected)
+            got = f"has dtype {r['failure_case']}, expected {expected}{hint}"
+            lines.append((-1, f"{file}: column '{r['column']}' {got}: {where}"))
         elif check == "departure_after_arrival" or r["column"] is None:
             lines.append((-1, f"{file}: check {check} failed: {r['failure_case']}"))
         else:
@@ -220,7 +255,7 @@ def _format_failures(kind: str, file: str, df: pd.DataFrame, fc: pd.DataFrame) -
             if gap is not None and gap > pd.Timedelta(hours=1):
                 hours = gap / pd.Timedelta(hours=1)
                 missing = f"{int(hours) - 1} hour(s)" if hours == int(hours) else f"{hours - 1:g} h"
-                detail = f": {missing} missing after {prev}"
+                detail = f": {missing} missing after {prev} (first missing {prev + pd.Timedelta(hours=1)})"
             elif gap is not None and gap == pd.Timedelta(0):
                 detail = ": same as the previous row (duplicate timestamp)"
             elif gap is not None and gap < pd.Timedelta(0):
@@ -263,7 +298,7 @@ def _validate_one(kind: str, schema: pa.DataFrameSchema, df: pd.DataFrame, file:
     try:
         schema.validate(df, lazy=True)
     except SchemaErrors as exc:
-        return _format_failures(kind, file, df, exc.failure_cases)
+        return _format_failures(kind, file, df, exc.failure_cases, tuple(schema.columns))
     except SchemaError as exc:  # not expected with lazy=True, but keep the file name in any case
         return [f"{file}: {exc}"]
     return []
@@ -280,6 +315,34 @@ def validate_table(kind: str, df: pd.DataFrame, file: str) -> None:
     if kind not in schemas:
         raise ValueError(f"unknown table kind {kind!r}: expected 'hourly' or 'sessions'")
     problems = _validate_one(kind, schemas[kind], df, str(file))
+    if problems:
+        raise DataValidationError("\n".join(problems))
+
+
+def _columns_only(schema: pa.DataFrameSchema) -> pa.DataFrameSchema:
+    """The schema's columns and dtypes without any value check (NaN allowed)."""
+    columns = {name: pa.Column(col.dtype, nullable=True) for name, col in schema.columns.items()}
+    return pa.DataFrameSchema(columns, strict=False, name=schema.name)
+
+
+_COLUMN_SCHEMAS = {"hourly": _columns_only(HOURLY_SCHEMA), "sessions": _columns_only(SESSIONS_SCHEMA)}
+
+
+def validate_columns(kind: str, df: pd.DataFrame, file: str) -> None:
+    """Check only that a table (``kind`` ``"hourly"`` or ``"sessions"``) has its columns with their dtypes.
+
+    This is the part of :func:`validate_table` that code reading the columns relies on (no value checks);
+    the messages are the same as :func:`validate_table`'s for these failures.
+
+    Raises:
+        ValueError: unknown ``kind``.
+        DataValidationError: a missing column (naming the file and the column, with a close match among the
+            columns present) or a column of another dtype (naming its first cell of another type: row and
+            timestamp or session id), or a table without rows.
+    """
+    if kind not in _COLUMN_SCHEMAS:
+        raise ValueError(f"unknown table kind {kind!r}: expected 'hourly' or 'sessions'")
+    problems = _validate_one(kind, _COLUMN_SCHEMAS[kind], df, str(file))
     if problems:
         raise DataValidationError("\n".join(problems))
 
@@ -316,6 +379,50 @@ def validate_site_data(hourly: pd.DataFrame, sessions: pd.DataFrame, source: dic
 # ------------------------------------------------------------------------------------------------ read
 
 
+_PARQUET_MAGIC = b"PAR1"
+
+
+def _sniff_wrong_format(path: Path, fmt: str) -> str:
+    """Why the file's first bytes do not fit ``fmt`` ("" when they might): a text file under a Parquet name,
+    a Parquet file under a CSV name, or a known other format (JSON, Excel, pickle)."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if not head:
+        return "the file is empty (0 bytes)"
+    kinds = (
+        (b"PK\x03\x04", "a ZIP archive (an Excel .xlsx workbook?)"),
+        (b"\xd0\xcf\x11\xe0", "an Excel .xls workbook"),
+        (b"\x80", "a Python pickle"),
+        (b"\x1f\x8b", "gzip-compressed data"),
+    )
+    if fmt == "parquet":
+        if head.startswith(_PARQUET_MAGIC):
+            return ""
+        text = head.lstrip()
+        if text[:1] in (b"{", b"["):
+            found = "JSON text"
+        else:
+            found = next((name for magic, name in kinds if head.startswith(magic)), "")
+            if not found:
+                try:
+                    head.decode("utf-8")
+                    found = "plain text (CSV?)"
+                except UnicodeDecodeError:
+                    found = "binary data of an unknown format"
+        first = head[:24].decode("utf-8", "replace")
+        return (
+            f"the file holds {found}, starting {first!r}, not Parquet (a Parquet file starts with 'PAR1'); "
+            "expected a Parquet file (DataFrame.to_parquet) or a .csv file"
+        )
+    if fmt == "csv" and path.suffix.lower() == ".csv":
+        if head.startswith(_PARQUET_MAGIC):
+            return "the file is Parquet, not CSV text: name it .parquet"
+        found = next((name for magic, name in kinds if head.startswith(magic)), "")
+        if found:
+            return f"the file holds {found}, not CSV text; expected a .parquet or .csv file"
+    return ""
+
+
 def read_table(path: str | Path) -> pd.DataFrame:
     """Read one processed table from a ``.parquet`` or ``.csv`` file.
 
@@ -333,8 +440,10 @@ def read_table(path: str | Path) -> pd.DataFrame:
 
     Raises:
         FileNotFoundError: no such file (message names it).
-        DataValidationError: an unsupported suffix, a file that is not readable as its format, or a CSV
-            column that cannot be converted (message names the file, and the column where known).
+        DataValidationError: an unsupported suffix (e.g. ``.json``, ``.xlsx``), a file whose content is not
+            its suffix's format (e.g. JSON or CSV text under a ``.parquet`` name: the message says what the
+            first bytes look like), an empty file, a file the reader fails on, or a CSV column that cannot be
+            converted (message names the file, and the column where known).
     """
     path = Path(path)
     suffixes = "".join(path.suffixes[-2:]).lower()
@@ -349,6 +458,9 @@ def read_table(path: str | Path) -> pd.DataFrame:
         )
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
+    wrong = _sniff_wrong_format(path, fmt)
+    if wrong:
+        raise DataValidationError(f"{path}: not readable as {fmt}: {wrong}")
     try:
         if fmt == "parquet":
             df = pd.read_parquet(path)

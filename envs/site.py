@@ -12,6 +12,7 @@ Units: power kW, energy kWh, carbon intensity kg CO2/kWh, time steps of ``dt_h``
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -142,14 +143,17 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> SiteConfig:
     """Build and check a :class:`SiteConfig` from nested dicts (the TOML's structure).
 
     Raises:
-        ConfigError: an unknown table or key (typos are not ignored), a wrong type, or an inconsistent
-            value; the message names ``source`` and the dotted key.
+        ConfigError: an unknown table or key (typos are not ignored; the message suggests the closest
+            known key), a wrong type, or an inconsistent value (see :func:`check_config`); the message
+            names ``source`` and the dotted key.
     """
     kwargs: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(SiteConfig)}
     for key, value in raw.items():
         if key not in fields:
-            raise ConfigError(f"{source}: unknown key '{key}' (known: {', '.join(fields)})")
+            raise ConfigError(
+                f"{source}: unknown key '{key}'{_did_you_mean(key, fields)} (known: {', '.join(fields)})"
+            )
         sub = _SECTIONS.get(key)
         if sub is None:
             kwargs[key] = _coerce(value, fields[key].type, f"{source}: key '{key}'")
@@ -160,12 +164,21 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> SiteConfig:
         sub_kwargs = {}
         for k, v in value.items():
             if k not in sub_fields:
-                raise ConfigError(f"{source}: unknown key '{key}.{k}' (known: {', '.join(sub_fields)})")
+                raise ConfigError(
+                    f"{source}: unknown key '{key}.{k}'{_did_you_mean(k, sub_fields, prefix=f'{key}.')}"
+                    f" (known in [{key}]: {', '.join(sub_fields)})"
+                )
             sub_kwargs[k] = _coerce(v, sub_fields[k].type, f"{source}: key '{key}.{k}'")
         kwargs[key] = sub(**sub_kwargs)
     cfg = SiteConfig(**kwargs)
     check_config(cfg, source)
     return cfg
+
+
+def _did_you_mean(key: str, known, prefix: str = "") -> str:
+    """``": did you mean 'x'?"`` for the closest known key, or "" when none is close."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f": did you mean '{prefix}{close[0]}'?" if close else ""
 
 
 def _coerce(value: Any, type_name: str, where: str) -> Any:
@@ -387,8 +400,9 @@ class Site:
 
         Raises:
             KeyError: unknown split name.
-            ValueError: the split holds no hourly data, or the hourly data does not cover it completely
-                (message names the data file and the first missing hour).
+            ValueError: the split holds no hourly data (an empty split: message names the data file, the
+                column ``time``, the split's key in the config file and its UTC range), or the hourly data
+                does not cover it completely (message names the data file and the first missing hour).
         """
         if split not in self._splits:
             self._splits[split] = self._make_split(split)
@@ -401,12 +415,19 @@ class Site:
         hourly = self.hourly.set_index("time")
         hourly = hourly[(hourly.index >= start) & (hourly.index < end)]
         src = self.source.get("hourly", "hourly data")
+        key = f"key 'splits.{split}' of {self.source.get('config', 'the site config')}"
         if len(hourly) == 0:
-            raise ValueError(f"{src}: split '{split}' ({start}..{end} UTC) holds no hourly rows")
+            times = self.hourly["time"]
+            cover = f"{times.min()}..{times.max()}" if len(times) else "nothing"
+            raise ValueError(
+                f"{src}: column 'time' has no row in split '{split}' ({start}..{end} UTC, {key}); "
+                f"the data cover {cover}"
+            )
         missing = expected.difference(hourly.index)
         if len(missing):
             raise ValueError(
-                f"{src}: column 'time' misses {len(missing)} hour(s) of split '{split}', first {missing[0]}"
+                f"{src}: column 'time' misses {len(missing)} hour(s) of split '{split}' ({key}), "
+                f"first missing {missing[0]}"
             )
         hourly = hourly.loc[expected]
         T = len(expected)
@@ -498,26 +519,35 @@ def load_site(site: str | Path | Site, validate: bool = True) -> Site:
     Args:
         site: a shipped site name (``"caltech"``), a path to a site TOML, or an already loaded
             :class:`Site` (returned as is).
-        validate: run the pandera schemas of :mod:`envs.schemas` over the data.
+        validate: run the pandera schemas of :mod:`envs.schemas` over the data; when False, only the
+            columns and their dtypes are checked (what cutting splits relies on).
 
     Raises:
-        FileNotFoundError: missing config or data file.
-        ConfigError: invalid config.
-        envs.schemas.DataValidationError: the data breaks a schema (message names file, column, row).
+        FileNotFoundError: missing config or data file (the message names it, and a file of the same
+            name in another format where there is one).
+        ConfigError: invalid config (message names file and key).
+        envs.schemas.DataValidationError: a data file that is not Parquet, or data breaking a schema
+            (message names file, column, row); with ``validate=False`` only a missing column, a column of
+            another dtype or an empty table.
     """
     if isinstance(site, Site):
         return site
-    from envs.schemas import read_table, validate_site_data
+    from envs.schemas import read_table, validate_columns, validate_site_data
 
     cfg, path = load_config(site)
     data_dir = path.parent / cfg.data_dir
     files = {name: data_dir / f"{name}.parquet" for name in ("hourly", "sessions")}
     for f in files.values():
         if not f.is_file():
-            raise FileNotFoundError(f"{path}: data file {f} is missing (run `python -m pipeline.ingest`)")
+            others = sorted(p.name for p in data_dir.glob(f"{f.stem}.*")) if data_dir.is_dir() else []
+            found = f" (found {', '.join(others)}: the data must be Parquet)" if others else ""
+            raise FileNotFoundError(f"{path}: data file {f} is missing{found} (run `python -m pipeline.ingest`)")
     hourly = read_table(files["hourly"])
     sessions = read_table(files["sessions"])
     source = {"config": str(path), **{k: str(v) for k, v in files.items()}}
     if validate:
         validate_site_data(hourly, sessions, source)
+    else:
+        for kind, df in (("hourly", hourly), ("sessions", sessions)):
+            validate_columns(kind, df, source[kind])
     return Site(cfg, hourly, sessions, source)

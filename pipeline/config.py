@@ -3,11 +3,14 @@
 Values come from, in order: keyword arguments, doit command-line variables (``doit run pipeline
 site=path/to/site.toml``), environment variables (``EVHUB_SITE``, ``EVHUB_EXPERIMENT``,
 ``EVHUB_OUTPUT_DIR``, ``EVHUB_ALGOS``, ``EVHUB_SEEDS``, ``EVHUB_TOTAL_TIMESTEPS``,
-``EVHUB_ALGO_ARGS``, ``DASK_SCHEDULER_ADDRESS``), then defaults.
+``EVHUB_ALGO_ARGS``, ``DASK_SCHEDULER_ADDRESS``), then defaults. A doit variable that is not one of
+:data:`VARIABLES` (a typo such as ``algo=ppo``) and an unknown algorithm name are errors naming the
+variable and its value.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -19,6 +22,25 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 ALGOS = ("ppo", "sac", "a2c", "dqn")
 """Agents the pipeline knows how to train (one ``algos/<name>.py`` script each)."""
 SPLITS = ("train", "test")
+
+
+def check_algos(algos: tuple[str, ...], where: str = "algos") -> None:
+    """Check that every name in ``algos`` is a known agent (:data:`ALGOS`).
+
+    Raises:
+        ValueError: naming ``where`` (e.g. ``doit variable algos='ppo,foo'``), each unknown name with the
+            closest known one, and the known names.
+    """
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        hints = "".join(
+            f"; '{a}': did you mean '{close[0]}'?"
+            for a in unknown
+            if (close := difflib.get_close_matches(a, ALGOS, n=1, cutoff=0.6))
+        )
+        raise ValueError(
+            f"{where}: unknown algorithm(s) {', '.join(map(repr, unknown))}{hints} (known: {', '.join(ALGOS)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -48,9 +70,13 @@ class PipelineConfig:
     extra_algo_args: tuple[str, ...] = field(default=())
 
     def __post_init__(self):
-        unknown = [a for a in self.algos if a not in ALGOS]
-        if unknown:
-            raise ValueError(f"unknown algorithm(s) {unknown}: known are {list(ALGOS)}")
+        """Check the agents and default ``experiment`` to the site's name.
+
+        Raises:
+            ValueError: an unknown algorithm name (message names ``algos``, the bad name and the known ones).
+            FileNotFoundError / envs.site.ConfigError: the site config cannot be loaded.
+        """
+        check_algos(self.algos)
         if not self.experiment:
             object.__setattr__(self, "experiment", load_config(self.site)[0].name)
 
@@ -74,41 +100,86 @@ class PipelineConfig:
         return d
 
 
+VARIABLES = {
+    "site": "EVHUB_SITE",
+    "experiment": "EVHUB_EXPERIMENT",
+    "output_dir": "EVHUB_OUTPUT_DIR",
+    "algos": "EVHUB_ALGOS",
+    "seeds": "EVHUB_SEEDS",
+    "total_timesteps": "EVHUB_TOTAL_TIMESTEPS",
+    "algo_args": "EVHUB_ALGO_ARGS",
+    "scheduler": "DASK_SCHEDULER_ADDRESS",
+    "part": "EVHUB_BENCH_PART",
+}
+"""Every doit variable of ``dodo.py`` and the environment variable standing in for it (``part`` belongs
+to ``doit bench``; the others to the study)."""
+
+
+def _doit_variables() -> dict[str, str]:
+    """The ``name=value`` variables given on doit's command line ({} outside doit).
+
+    Values are read with doit's public ``get_var``; listing the names (to catch typos) needs doit's
+    module-level table, so where a doit version lacks it only the typo check is skipped.
+    """
+    try:
+        from doit import doit_cmd, get_var
+    except ImportError:  # pragma: no cover - doit is a dependency
+        return {}
+    names = set(getattr(doit_cmd, "_CMDLINE_VARS", None) or ()) | set(VARIABLES)
+    return {n: v for n in sorted(names) if (v := get_var(n, None)) is not None}
+
+
 def from_environment(**overrides) -> PipelineConfig:
     """Build a :class:`PipelineConfig` from doit variables, environment variables and ``overrides``.
 
     Raises:
-        ValueError: malformed values (e.g. non-integer seeds) or an unknown algorithm.
+        ValueError: an unknown doit variable (a typo such as ``algo=ppo``: the message names it and the
+            closest known one), malformed values (e.g. non-integer seeds) or an unknown algorithm; the
+            message names the doit variable (``algos=...``) or the environment variable
+            (``EVHUB_ALGOS=...``) the bad value came from, and the value.
         FileNotFoundError / envs.site.ConfigError: the site cannot be loaded.
     """
-    try:
-        from doit import get_var
-    except ImportError:  # pragma: no cover - doit is a dependency
-        get_var = lambda name, default=None: default  # noqa: E731
+    cmdline = _doit_variables()
+    for name, value in cmdline.items():
+        if name not in VARIABLES:
+            close = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.6)
+            hint = f": did you mean '{close[0]}'?" if close else ""
+            raise ValueError(
+                f"doit variable {name}={value!r}: unknown variable{hint} (known: {', '.join(VARIABLES)})"
+            )
+    origin: dict[str, str] = {}
 
-    def var(name: str, env: str, default=None):
-        value = get_var(name, None)
-        return value if value is not None else os.environ.get(env, default)
+    def var(name: str):
+        env = VARIABLES[name]
+        if name in cmdline:
+            origin[name] = f"doit variable {name}={cmdline[name]!r}"
+            return cmdline[name]
+        if env in os.environ:
+            origin[name] = f"environment variable {env}={os.environ[env]!r}"
+            return os.environ[env]
+        return None
 
     kw: dict = {}
-    for name, env in (("site", "EVHUB_SITE"), ("experiment", "EVHUB_EXPERIMENT"), ("output_dir", "EVHUB_OUTPUT_DIR")):
-        if (v := var(name, env)) is not None:
+    for name in ("site", "experiment", "output_dir"):
+        if (v := var(name)) is not None:
             kw[name] = v
-    if (v := var("algos", "EVHUB_ALGOS")) is not None:
+    if (v := var("algos")) is not None:
         kw["algos"] = tuple(a.strip() for a in v.split(",") if a.strip())
-    if (v := var("seeds", "EVHUB_SEEDS")) is not None:
+        if "algos" not in overrides:
+            check_algos(kw["algos"], origin["algos"])
+    if (v := var("seeds")) is not None:
         try:
             kw["seeds"] = tuple(int(s) for s in v.split(",") if s.strip())
         except ValueError as exc:
-            raise ValueError(f"seeds must be comma-separated integers, got {v!r}") from exc
-    if (v := var("total_timesteps", "EVHUB_TOTAL_TIMESTEPS")) is not None:
+            raise ValueError(f"{origin['seeds']}: seeds must be comma-separated integers") from exc
+    if (v := var("total_timesteps")) is not None:
         try:
             kw["total_timesteps"] = int(v)
         except ValueError as exc:
-            raise ValueError(f"total_timesteps must be an integer, got {v!r}") from exc
-    if (v := var("algo_args", "EVHUB_ALGO_ARGS")) is not None:
+            raise ValueError(f"{origin['total_timesteps']}: total_timesteps must be an integer") from exc
+    if (v := var("algo_args")) is not None:
         kw["extra_algo_args"] = tuple(shlex.split(v))
-    if (v := var("scheduler", "DASK_SCHEDULER_ADDRESS")) is not None:
+    if (v := var("scheduler")) is not None:
         kw["scheduler_address"] = v or None
     kw.update(overrides)
     return PipelineConfig(**kw)

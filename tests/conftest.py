@@ -155,6 +155,38 @@ def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timest
     np.testing.assert_allclose(compiled, eager, rtol=1e-3, atol=1e-5)
 
 
+def doit(args: list[str], site_toml, out, **env):
+    """Run ``python -m doit <args>`` for the site ``site_toml`` with outputs under ``out`` (its doit database
+    beside ``out``), a training budget of 4096 steps and an embedded Dask cluster; returns the CompletedProcess.
+
+    ``args`` is the doit command and its arguments, e.g. ``["run", "pipeline", "algos=ppo"]``; ``env`` adds
+    environment variables.
+    """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environ = {
+        **os.environ,
+        "EVHUB_SITE": str(site_toml),
+        "EVHUB_OUTPUT_DIR": str(out),
+        "EVHUB_TOTAL_TIMESTEPS": "4096",
+        **env,
+    }
+    environ.pop("DASK_SCHEDULER_ADDRESS", None)
+    cmd = [sys.executable, "-m", "doit", args[0], "--db-file", str(Path(out).parent / "doit.db"), *args[1:]]
+    return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600)
+
+
+def files_under(folder) -> list:
+    """Every file below ``folder`` (sorted paths; [] when the folder does not exist)."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
 @pytest.fixture(scope="module")
 def site_toml(tmp_path_factory):
     """A one-week synthetic site with 6 sockets written to disk, shared by the tests of one module."""
