@@ -197,3 +197,54 @@ def tiny_run(name: str, site_toml, tmp_path_factory, *args: str):
     """Train ``algos/<name>.py`` on ``site_toml`` with ``args`` into a fresh folder; returns ``(folder, process)``."""
     out = tmp_path_factory.mktemp("run") / name
     return out, run_algo(name, "--site", str(site_toml), "--output-dir", str(out), *args)
+
+
+TINY_PPO_ARGS = "--num-envs 4 --num-steps 48 --num-minibatches 2 --update-epochs 2 --hidden-size 16 --checkpoint-every 2 --no-cuda"
+"""PPO flags (``algo_args``) of the pipeline fault tests: 192 env steps per iteration, a checkpoint every 2."""
+
+
+def tiny_ppo_pipeline_env(site_toml, out, total_timesteps: int, scheduler: str | None = None) -> dict:
+    """Environment of a ``doit run pipeline`` that trains only PPO (seed 1) with :data:`TINY_PPO_ARGS`."""
+    import os
+
+    env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo",
+           "EVHUB_SEEDS": "1", "EVHUB_TOTAL_TIMESTEPS": str(total_timesteps), "EVHUB_ALGO_ARGS": TINY_PPO_ARGS}
+    env.pop("DASK_SCHEDULER_ADDRESS", None)
+    if scheduler:
+        env["DASK_SCHEDULER_ADDRESS"] = scheduler
+    return env
+
+
+def wait_for_checkpoint(ckpt, proc, iteration: int, log=None, timeout: float = 240) -> None:
+    """Wait until ``ckpt`` records at least ``iteration`` while ``proc`` still runs (else fail, with ``log``'s end)."""
+    import time
+
+    import torch
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.is_file() and torch.load(ckpt, weights_only=False)["iteration"] >= iteration:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint at iteration {iteration} while running: {log.read_text()[-3000:] if log else ''}")
+
+
+def training_process(run_dir):
+    """The running ``algos/*.py`` process writing into ``run_dir`` (a ``psutil.Process``)."""
+    import psutil
+
+    return next(p for p in psutil.process_iter(["cmdline"])
+                if str(run_dir) in " ".join(p.info["cmdline"] or []) and "algos" in " ".join(p.info["cmdline"]))
+
+
+def assert_resumed_once_to_the_end(run_dir, killed_at: int, total_timesteps: int) -> None:
+    """A pipeline run's ``train.log`` holds two attempts, the second with ``--resume`` from at least global step
+    ``killed_at``, and its ``metrics.parquet`` ends at ``total_timesteps`` with unique, increasing steps."""
+    log = (run_dir / "train.log").read_text()
+    assert log.count("==== ") == 2, log[-3000:]
+    assert "--resume" in log.split("==== ")[2].splitlines()[0]
+    resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
+    assert len(resumed) == 1 and int(resumed[0].split("global_step ")[1].split(",")[0]) >= killed_at, resumed
+    metrics = pd.read_parquet(run_dir / "metrics.parquet")
+    assert metrics.global_step.iloc[-1] == total_timesteps
+    assert metrics.global_step.is_monotonic_increasing and metrics.global_step.is_unique

@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import pytest
 import torch
-from conftest import make_site, write_site
+from conftest import assert_resumed_once_to_the_end, make_site, tiny_ppo_pipeline_env, training_process, wait_for_checkpoint, write_site
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,31 +95,20 @@ def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
 def test_a_worker_killed_mid_training_is_rescheduled_and_the_run_resumes(tmp_path):
     total = 4 * 48 * 150  # PPO: 150 iterations of 4 envs x 48 steps, a checkpoint every 2
     with cluster(tmp_path) as address:
-        site_toml = write_site(make_site(days=7), tmp_path / "site")
         out = tmp_path / "outputs"
-        env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo",
-               "EVHUB_SEEDS": "1", "EVHUB_TOTAL_TIMESTEPS": str(total), "DASK_SCHEDULER_ADDRESS": address,
-               "EVHUB_ALGO_ARGS": "--num-envs 4 --num-steps 48 --num-minibatches 2 --update-epochs 2 "
-                                  "--hidden-size 16 --checkpoint-every 2 --no-cuda"}
+        env = tiny_ppo_pipeline_env(write_site(make_site(days=7), tmp_path / "site"), out, total, scheduler=address)
         cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
         doit_log = tmp_path / "doit.log"
         pipeline = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(doit_log, "w"), stderr=subprocess.STDOUT)
+        run_dir = out / "synthetic" / "runs" / "ppo_seed1"
+        ckpt = run_dir / "checkpoint.pt"
         try:
-            run_dir = out / "synthetic" / "runs" / "ppo_seed1"
-            ckpt = run_dir / "checkpoint.pt"
-            deadline = time.time() + 240
-            while time.time() < deadline and pipeline.poll() is None:
-                if ckpt.is_file() and torch.load(ckpt, weights_only=False)["iteration"] >= 4:
-                    break
-                time.sleep(0.2)
-            assert pipeline.poll() is None, doit_log.read_text()[-3000:]
-            trainer = next(p for p in psutil.process_iter(["cmdline"])
-                           if str(run_dir) in " ".join(p.info["cmdline"] or []) and "ppo.py" in " ".join(p.info["cmdline"]))
-            worker = trainer.parent()
-            assert "distributed" in " ".join(worker.cmdline()) or worker.name().startswith("python"), worker.cmdline()
+            wait_for_checkpoint(ckpt, pipeline, 4, doit_log)
+            trainer = training_process(run_dir)
+            worker = trainer.parent()  # the Dask worker process running the training task
+            assert "python" in worker.name(), worker.cmdline()
             worker.send_signal(signal.SIGKILL)
-            # the training run dies with its worker: no orphan keeps writing the run folder
-            trainer.wait(timeout=30)
+            trainer.wait(timeout=30)  # the training run dies with its worker: no orphan keeps writing the run folder
             killed_at = torch.load(ckpt, weights_only=False)["global_step"]
             assert 0 < killed_at < total
             assert pipeline.wait(timeout=400) == 0, doit_log.read_text()[-3000:]
@@ -129,14 +117,7 @@ def test_a_worker_killed_mid_training_is_rescheduled_and_the_run_resumes(tmp_pat
                 pipeline.kill()
 
         # the scheduler rescheduled the training task; the second attempt resumed from the last checkpoint
-        log = (run_dir / "train.log").read_text()
-        assert log.count("==== ") == 2, log[-3000:]
-        assert "--resume" in log.split("==== ")[2].splitlines()[0]
-        resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
-        assert len(resumed) == 1 and int(resumed[0].split("global_step ")[1].split(",")[0]) >= killed_at, resumed
-        metrics = pd.read_parquet(run_dir / "metrics.parquet")
-        assert metrics.global_step.iloc[-1] == total
-        assert metrics.global_step.is_monotonic_increasing and metrics.global_step.is_unique
+        assert_resumed_once_to_the_end(run_dir, killed_at, total)
         table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
         assert {"uncontrolled", "rule_based", "oracle", "ppo"} <= set(table.controller)
         ppo = table[table.controller == "ppo"]

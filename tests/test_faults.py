@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-import psutil
 import pytest
 import torch
-from conftest import ROOT, load_algo, make_site, run_algo, write_site
+from conftest import (ROOT, assert_resumed_once_to_the_end, load_algo, make_site, run_algo, tiny_ppo_pipeline_env,
+                      training_process, wait_for_checkpoint, write_site)
 
 from envs.files import atomic_write, write_parquet
 
@@ -207,24 +207,14 @@ def test_dqn_stored_buffer_into_another_size_keeps_the_newest_transitions():
 @pytest.mark.slow
 def test_a_pipeline_killed_mid_training_resumes_the_run_when_started_again(tmp_path):
     total = 4 * 48 * 100  # PPO: 100 iterations, a checkpoint every 2
-    site_toml = write_site(make_site(days=7), tmp_path / "site")
     out = tmp_path / "outputs"
-    env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo",
-           "EVHUB_TOTAL_TIMESTEPS": str(total),
-           "EVHUB_ALGO_ARGS": "--num-envs 4 --num-steps 48 --num-minibatches 2 --update-epochs 2 --hidden-size 16 "
-                              "--checkpoint-every 2 --no-cuda"}
-    env.pop("DASK_SCHEDULER_ADDRESS", None)
+    env = tiny_ppo_pipeline_env(write_site(make_site(days=7), tmp_path / "site"), out, total)
     cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
     run_dir = out / "synthetic" / "runs" / "ppo_seed1"
     ckpt = run_dir / "checkpoint.pt"
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / "first.log", "w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 240
-    while time.time() < deadline and first.poll() is None:
-        if ckpt.is_file() and torch.load(ckpt, weights_only=False)["iteration"] >= 4:
-            break
-        time.sleep(0.2)
-    assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-    trainer = next(p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or []))
+    wait_for_checkpoint(ckpt, first, 4, tmp_path / "first.log")
+    trainer = training_process(run_dir)
     first.send_signal(signal.SIGKILL)  # doit, its embedded Dask cluster and the training run all die
     first.wait(timeout=60)
     trainer.wait(timeout=60)
@@ -233,14 +223,7 @@ def test_a_pipeline_killed_mid_training_resumes_the_run_when_started_again(tmp_p
     second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     # the same run (same fingerprint) with a checkpoint: the second attempt passed --resume and went on from it
-    log = (run_dir / "train.log").read_text()
-    assert log.count("==== ") == 2, log[-3000:]
-    assert "--resume" in log.split("==== ")[2].splitlines()[0]
-    resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
-    assert len(resumed) == 1 and int(resumed[0].split("global_step ")[1].split(",")[0]) >= killed_at, resumed
-    metrics = pd.read_parquet(run_dir / "metrics.parquet")
-    assert metrics.global_step.iloc[-1] == total
-    assert metrics.global_step.is_monotonic_increasing and metrics.global_step.is_unique
+    assert_resumed_once_to_the_end(run_dir, killed_at, total)
     assert (out / "synthetic" / "report" / "co2_comparison.parquet").is_file()
 
 
