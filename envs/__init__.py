@@ -1,6 +1,6 @@
 """Torch-batched environments for a solar + battery + EV-charging site, and the site model they run on.
 
-Importing this package registers ``EVHub-v0`` with gymnasium::
+Importing this package registers ``EVHub-v0`` and ``Snake-v0`` (:mod:`envs.snake`) with gymnasium::
 
     import gymnasium as gym
     import envs  # noqa: F401  (registers the ids)
@@ -31,4 +31,11 @@ if "EVHub-v0" not in gym.registry:
         id="EVHub-v0",
         entry_point="envs.evhub:EVHubEnv",
         vector_entry_point="envs.evhub:EVHubVectorEnv",
+    )
+
+if "Snake-v0" not in gym.registry:
+    gym.register(
+        id="Snake-v0",
+        entry_point="envs.snake:SnakeEnv",
+        vector_entry_point="envs.snake:SnakeVectorEnv",
     )
