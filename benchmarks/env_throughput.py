@@ -1,5 +1,5 @@
-"""Environment throughput: the torch-batched ``EVHubVectorEnv`` against the usual vector-env wrappers of a
-single env, side by side in one run, at the same numbers of envs.
+"""Environment throughput: a torch-batched env (``EVHub-v0``, or ``Snake-v0`` with ``--env-id``) against the
+usual vector-env wrappers of its single env, side by side in one run, at the same numbers of envs.
 
 Implementations (``impl``):
 
@@ -12,6 +12,8 @@ Implementations (``impl``):
 * ``sb3_subproc``: Stable-Baselines3's ``SubprocVecEnv`` (one worker subprocess per env).
 
 Every env runs the same site data (loaded once) and the same physics; the baselines are always on the CPU.
+With ``env_id="Snake-v0"`` the same five implementations run :class:`envs.snake.SnakeVectorEnv` (10 x 10 boards)
+and its single env :class:`envs.snake.SnakeEnv`, with random discrete actions in 0..3.
 
 What is timed: only ``step`` calls of the vector env, with random actions in [-1, 1] drawn beforehand (a pool
 of :data:`ACTION_POOL` batches, on ``device`` for ``ours`` and as NumPy arrays for the baselines, cycled).
@@ -29,7 +31,7 @@ starts from what is in use: the interpreter, torch and the site data, about 0.4 
 is torch's peak CUDA allocation (MiB) of rows run on CUDA, NaN otherwise.
 
 Run ``python -m benchmarks.env_throughput --help``; the table goes to ``outputs/bench/env_throughput.parquet``
-(``env_throughput_cuda.parquet`` when run on CUDA).
+(``env_throughput_cuda.parquet`` when run on CUDA; ``env_throughput_snake[_cuda].parquet`` for ``Snake-v0``).
 """
 
 from __future__ import annotations
@@ -123,23 +125,34 @@ def _sb3_available() -> bool:
     return True
 
 
+ENV_IDS = ("EVHub-v0", "Snake-v0")
+"""Environments the benchmark knows how to build, batched and single."""
+
+
 class SingleEnvFactory:
-    """Picklable factory of one :class:`envs.evhub.EVHubEnv` (for the vector-env wrappers).
+    """Picklable factory of one single env (for the vector-env wrappers).
 
     Args:
-        site: the loaded :class:`envs.site.Site` (pickled into each worker with its cached split).
+        site: the loaded :class:`envs.site.Site` (pickled into each worker with its cached split); None for
+            ``Snake-v0``.
         one_thread: call ``torch.set_num_threads(1)`` first (in worker subprocesses: N workers on few cores).
-        env_kwargs: further keyword arguments of :class:`envs.evhub.EVHubEnv`.
+        env_id: one of :data:`ENV_IDS`: :class:`envs.evhub.EVHubEnv` or :class:`envs.snake.SnakeEnv`.
+        env_kwargs: further keyword arguments of that class.
     """
 
-    def __init__(self, site: Any, one_thread: bool, **env_kwargs: Any):
+    def __init__(self, site: Any, one_thread: bool, env_id: str = "EVHub-v0", **env_kwargs: Any):
         self.site = site
         self.one_thread = one_thread
+        self.env_id = env_id
         self.env_kwargs = env_kwargs
 
     def __call__(self):
         if self.one_thread:
             torch.set_num_threads(1)
+        if self.env_id == "Snake-v0":
+            from envs.snake import SnakeEnv
+
+            return SnakeEnv(**self.env_kwargs)
         from envs.evhub import EVHubEnv
 
         return EVHubEnv(site=self.site, **self.env_kwargs)
@@ -152,15 +165,22 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Generator):
+def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Generator, env_id: str = "EVHub-v0"):
     """Build one configuration; returns ``(env, step(k) -> env steps, close)`` (the env is already reset)."""
+    snake = env_id == "Snake-v0"
     if impl == "ours":
-        from envs.evhub import EVHubVectorEnv
-
-        env = EVHubVectorEnv(num_envs=n, site=site, split="train", device=device, bess_action="surplus")
-        env.reset(seed=0)
         gen = torch.Generator(device=device).manual_seed(0)
-        pool = list((torch.rand((ACTION_POOL, n, 2), generator=gen, device=device) * 2.0 - 1.0).unbind(0))
+        if snake:
+            from envs.snake import SnakeVectorEnv
+
+            env = SnakeVectorEnv(num_envs=n, device=device)
+            pool = list(torch.randint(0, 4, (ACTION_POOL, n), generator=gen, device=device).unbind(0))
+        else:
+            from envs.evhub import EVHubVectorEnv
+
+            env = EVHubVectorEnv(num_envs=n, site=site, split="train", device=device, bess_action="surplus")
+            pool = list((torch.rand((ACTION_POOL, n, 2), generator=gen, device=device) * 2.0 - 1.0).unbind(0))
+        env.reset(seed=0)
 
         def step(k: int) -> int:
             for i in range(k):
@@ -169,7 +189,9 @@ def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Ge
 
         return env, step, env.close
 
-    factory = SingleEnvFactory(site, one_thread=impl in SUBPROCESS_IMPLS, split="train", bess_action="surplus")
+    one_thread = impl in SUBPROCESS_IMPLS
+    factory = (SingleEnvFactory(None, one_thread, env_id) if snake
+               else SingleEnvFactory(site, one_thread, env_id, split="train", bess_action="surplus"))
     fns = [factory] * n
     if impl == "gym_sync":
         import gymnasium as gym
@@ -197,7 +219,7 @@ def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Ge
         else:
             env.seed(0)
             env.reset()
-        pool = list(rng.uniform(-1.0, 1.0, (ACTION_POOL, n, 2)).astype(np.float32))
+        pool = list(rng.integers(0, 4, (ACTION_POOL, n)) if snake else rng.uniform(-1.0, 1.0, (ACTION_POOL, n, 2)).astype(np.float32))
     except BaseException:
         env.close()
         raise
@@ -271,6 +293,7 @@ def run(
     max_subprocess_envs: int = 16,
     out_dir: str | None = None,
     site: str = "caltech",
+    env_id: str = "EVHub-v0",
 ) -> pd.DataFrame:
     """Measure env steps per second of each implementation at each number of envs, side by side.
 
@@ -284,7 +307,8 @@ def run(
         max_subprocess_envs: largest N for ``gym_async`` and ``sb3_subproc`` (one process per env); larger
             N are recorded as skipped.
         out_dir: folder of ``env_throughput.parquet`` (default ``outputs/bench/``).
-        site: shipped site name or site TOML path; loaded once and shared by every env.
+        site: shipped site name or site TOML path; loaded once and shared by every env (EVHub-v0 only).
+        env_id: one of :data:`ENV_IDS`.
 
     Returns:
         One row per (impl, N), columns :data:`COLUMNS` (rates in env steps/s, memory in MiB); skipped
@@ -292,7 +316,7 @@ def run(
         machine description and settings. The table is also written to ``<out_dir>/env_throughput.parquet``.
 
     Raises:
-        ValueError: unknown impl, CUDA requested without CUDA, or bad sizes/repeats/min_seconds.
+        ValueError: unknown impl or env id, CUDA requested without CUDA, or bad sizes/repeats/min_seconds.
     """
     from envs.site import load_site
 
@@ -312,12 +336,16 @@ def run(
     if repeats < 1 or not min_seconds > 0:
         raise ValueError(f"need repeats >= 1 and min_seconds > 0, got {repeats} and {min_seconds}")
 
-    site_obj = load_site(site)
-    site_obj.split("train")  # cut once; the cached split is shared (and pickled into the workers)
+    if env_id not in ENV_IDS:
+        raise ValueError(f"unknown env id {env_id!r}: expected one of {', '.join(ENV_IDS)}")
+    site_obj = None
+    if env_id == "EVHub-v0":
+        site_obj = load_site(site)
+        site_obj.split("train")  # cut once; the cached split is shared (and pickled into the workers)
     sb3 = _sb3_available()
     info = machine_info(dev)
     print(
-        f"env_throughput: {info['cpu']} ({info['cpu_cores']} cores), torch {info['torch']} "
+        f"env_throughput {env_id}: {info['cpu']} ({info['cpu_cores']} cores), torch {info['torch']} "
         f"({torch.get_num_threads()} intra-op threads), device {dev}{' ' + str(info['gpu']) if info['gpu'] else ''}; "
         f"{repeats} repeats x >= {min_seconds} s; rates are env steps/s",
         flush=True,
@@ -356,7 +384,7 @@ def run(
                 torch.cuda.reset_peak_memory_stats(row_dev)
             t0 = time.perf_counter()
             try:
-                env, step, close = _build(impl, n, site_obj, row_dev, rng)
+                env, step, close = _build(impl, n, site_obj, row_dev, rng, env_id)
                 t_build = time.perf_counter() - t0
                 try:
                     step(CUDA_WARMUP_STEPS if row_dev.type == "cuda" else WARMUP_STEPS)
@@ -395,18 +423,23 @@ def run(
         "torch_threads": torch.get_num_threads(),
         "start_method": START_METHOD,
         "site": str(site),
+        "env_id": env_id,
         **{f"machine_{k}": v for k, v in info.items()},
     }
     df["machine"] = json.dumps(info)
-    path = save_table(df, "env_throughput" if torch.device(device).type == "cpu" else f"env_throughput_{torch.device(device).type}", out_dir)
+    name = "env_throughput" + ("_snake" if env_id == "Snake-v0" else "")
+    path = save_table(df, name if torch.device(device).type == "cpu" else f"{name}_{torch.device(device).type}", out_dir)
     print(f"env_throughput: {time.perf_counter() - t_start:.0f} s; wrote {path}\n{markdown(df)}", flush=True)
     return df
 
 
 @dataclass
 class Args:
-    """Environment steps per second: the batched EVHubVectorEnv against gymnasium's and Stable-Baselines3's
-    vector envs of the single env, at the same numbers of envs."""
+    """Environment steps per second: a batched env (EVHub-v0 or Snake-v0) against gymnasium's and
+    Stable-Baselines3's vector envs of its single env, at the same numbers of envs."""
+
+    env_id: Literal["EVHub-v0", "Snake-v0"] = "EVHub-v0"
+    """environment: the site env, or the Snake grid world (10 x 10 boards, random actions 0..3)"""
 
     num_envs: tuple[int, ...] | None = None
     """numbers of parallel envs N (None: 1 16 256 4096 on cpu, plus 16384 on cuda)"""
@@ -446,6 +479,7 @@ def main(args: Args | None = None) -> pd.DataFrame:
         max_subprocess_envs=args.max_subprocess_envs,
         out_dir=args.out_dir,
         site=args.site,
+        env_id=args.env_id,
     )
 
 

@@ -109,3 +109,13 @@ def test_cli_help():
     assert proc.returncode == 0, proc.stderr
     for flag in ("--num-envs", "--device", "--impls", "--repeats", "--min-seconds", "--max-subprocess-envs", "--out-dir"):
         assert flag in proc.stdout
+
+
+def test_snake_runs_side_by_side_with_its_single_env(tmp_path):
+    df = bench.run(num_envs=[2], impls=("ours", "gym_sync"), repeats=1, min_seconds=0.01, out_dir=tmp_path,
+                   env_id="Snake-v0")
+    assert (df.status == "ok").all(), df.status.tolist()
+    assert (df.steps_per_s > 0).all() and df.attrs["env_id"] == "Snake-v0"
+    assert (tmp_path / "env_throughput_snake.parquet").is_file()
+    with pytest.raises(ValueError, match="unknown env id"):
+        bench.run(num_envs=[1], impls=("ours",), env_id="Pong-v0", out_dir=tmp_path)
