@@ -128,7 +128,8 @@ def task_pipeline():
 
 
 def task_bench():
-    """Speed benchmarks side by side: env vs gymnasium/SB3 vector envs, PPO/SAC vs SB3, speed switches (GPU)."""
+    """Speed benchmarks side by side: envs (EVHub, Snake) vs gymnasium/SB3 vector envs, sync vs async on an
+    I/O-bound env, PPO/SAC vs SB3, speed switches (GPU)."""
 
     def action():
         import os
@@ -136,7 +137,7 @@ def task_bench():
         import torch
         from doit import get_var
 
-        from benchmarks import env_throughput, profile, report, switches, training
+        from benchmarks import env_throughput, profile, report, switches, training, vector_io
 
         part = get_var("part", None) or os.environ.get("EVHUB_BENCH_PART", "auto")
         if part not in ("auto", "cpu", "gpu", "all"):
@@ -147,9 +148,12 @@ def task_bench():
         gpu = part in ("gpu", "all") or (part == "auto" and torch.cuda.is_available())
         if cpu:
             env_throughput.run(device="cpu")
+            env_throughput.run(device="cpu", env_id="Snake-v0")
+            vector_io.run()
             training.run(device="cpu")
         if gpu:
             env_throughput.run(device="cuda")
+            env_throughput.run(device="cuda", env_id="Snake-v0")
             switches.run(device="cuda")
             training.run(device="cuda")
             profile.run(("env", "ppo", "sac"), device="cuda", num_envs=16384)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from benchmarks import env_throughput, switches, training
+from benchmarks import env_throughput, switches, training, vector_io
 from benchmarks.common import BENCH_DIR
 from envs.files import write_text
 
@@ -72,6 +72,8 @@ def write(out_dir: str | Path | None = None) -> Path:
         parts.append("")
     sections = (
         ("Environment throughput", "env_throughput", env_throughput.markdown),
+        ("Environment throughput, Snake-v0", "env_throughput_snake", env_throughput.markdown),
+        ("I/O-bound env (IOBound-v0): sync vs async vector envs", "vector_io", vector_io.markdown),
         ("Training throughput and time to quality", "training", training.markdown),
         ("Speed switches", "switches", switches.markdown),
     )

@@ -1,6 +1,7 @@
 """Torch-batched environments for a solar + battery + EV-charging site, and the site model they run on.
 
-Importing this package registers ``EVHub-v0`` and ``Snake-v0`` (:mod:`envs.snake`) with gymnasium::
+Importing this package registers ``EVHub-v0``, ``Snake-v0`` (:mod:`envs.snake`) and ``IOBound-v0``
+(:mod:`envs.io_bound`, a test env whose step waits on simulated I/O) with gymnasium::
 
     import gymnasium as gym
     import envs  # noqa: F401  (registers the ids)
@@ -39,3 +40,6 @@ if "Snake-v0" not in gym.registry:
         entry_point="envs.snake:SnakeEnv",
         vector_entry_point="envs.snake:SnakeVectorEnv",
     )
+
+if "IOBound-v0" not in gym.registry:
+    gym.register(id="IOBound-v0", entry_point="envs.io_bound:IOBoundEnv")
