@@ -116,6 +116,10 @@ class SiteConfig:
     timezone: str = "UTC"
     data_dir: str = "."
     dt_h: float = 1.0
+    synthetic_sessions: bool = False
+    """Whether the site's EV sessions are generated rather than measured (the report then says so)."""
+    data_note: str = ""
+    """One line on where the site's data come from, shown in the report when not empty."""
     pv: PVConfig = field(default_factory=PVConfig)
     bess: BESSConfig = field(default_factory=BESSConfig)
     ev: EVConfig = field(default_factory=EVConfig)

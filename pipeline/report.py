@@ -426,6 +426,7 @@ def write_report(
     out_dir: Path,
     title: str,
     site_summary: dict[str, str],
+    notes: Iterable[str] = (),
 ) -> Path:
     """Write the CO2 comparison report (table, figures, Markdown) into ``out_dir``.
 
@@ -441,6 +442,8 @@ def write_report(
         title: the report's title (Markdown heading).
         site_summary: ``key -> value`` lines for the report's site section, in order. A ``timezone`` key
             (IANA name) sets the local time of the week figure (default UTC).
+        notes: Markdown sentences shown as a quoted block right under the title (e.g. that the site's EV
+            sessions are synthetic); none by default.
 
     Returns:
         Path of ``report.md``. Beside it: ``co2_comparison.parquet``, ``co2_by_controller.png``, and when
@@ -479,7 +482,10 @@ def write_report(
     for stale in ({"test_week_traces.png", "learning_curves.png"} - {f for f, _, _ in figures}):
         (out_dir / stale).unlink(missing_ok=True)  # left by an earlier run; this report does not show it
 
-    md = [f"# {title}", "", "## Site", ""]
+    md = [f"# {title}", ""]
+    for note in notes:
+        md += [f"> {note}", ""]
+    md += ["## Site", ""]
     md += [f"- **{k}**: {v}" for k, v in site_summary.items()] or ["- (no site summary given)"]
     md += ["", "## Results", ""]
     for split in sorted(table.split.unique(), key=split_sort_key):

@@ -242,10 +242,15 @@ def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: st
 
 
 def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics: dict, out_dir: str) -> str:
-    """Write the CO2 comparison report from the KPI and trace files; returns the report.md path."""
+    """Write the CO2 comparison report from the KPI and trace files; returns the report.md path.
+
+    A site whose config sets ``synthetic_sessions`` gets "(synthetic EV sessions)" in the title and a note
+    under it; a ``data_note`` is shown in the site section; a site whose hourly MOER is one constant gets a
+    note that its CO2 follows grid import, to be read beside unserved energy.
+    """
     from pipeline.report import write_report
 
-    c = load_config(cfg_dict["site_toml"])[0]
+    c, toml = load_config(cfg_dict["site_toml"])
     summary = {
         "site": f"{c.name} ({cfg_dict['site_toml']})",
         "timezone": c.timezone,
@@ -256,12 +261,28 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         "splits": f"train {c.splits.train[0]}..{c.splits.train[1]}, test {c.splits.test[0]}..{c.splits.test[1]}",
         "agents": ", ".join(cfg_dict["algos"]),
     }
+    notes = []
+    if c.synthetic_sessions:
+        summary["EV sessions"] = "**synthetic**, generated from stated fleet parameters (not measured)"
+        notes.append(
+            f"**Synthetic EV sessions.** The EV sessions of site `{c.name}` are generated from assumed fleet "
+            "parameters, not measured; read the results as what the controllers do with this sizing."
+        )
+    if c.data_note:
+        summary["data"] = c.data_note
+    moer = pd.read_parquet(toml.parent / c.data_dir / "hourly.parquet", columns=["moer_kg_per_kwh"])["moer_kg_per_kwh"]
+    if len(moer) and float(moer.max()) == float(moer.min()):
+        notes.append(
+            f"**Constant grid factor** ({float(moer.iloc[0]):.4g} kg CO2/kWh): CO2 is proportional to grid import, "
+            "so a controller can only cut it by importing less; read it beside the unserved energy."
+        )
     path = write_report(
         [Path(p) for p in kpi_paths],
         {tuple(k.split("|")): Path(v) for k, v in trace_paths.items()},
         {k: Path(v) for k, v in metrics.items()},
         Path(out_dir),
-        title=f"CO2 comparison: {c.name}",
+        title=f"CO2 comparison: {c.name}" + (" (synthetic EV sessions)" if c.synthetic_sessions else ""),
         site_summary=summary,
+        notes=notes,
     )
     return str(path)
