@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import os
 import random
@@ -187,6 +188,12 @@ class Args:
     buffer if it was stored)"""
     eval_split: str = "test"
     """split for the final deterministic evaluation ('none' skips it)"""
+    max_oom_retries: int = 3
+    """halvings allowed after CUDA out-of-memory errors: in the gradient steps batch_size halves while it stays
+    >= 64, then num_envs; stepping the envs (or at setup) num_envs halves, which rebuilds the envs (the replay buffer
+    is kept). Each warns and trains on to total_timesteps; one more error stops the run with OutOfMemoryBackoffError,
+    its last checkpoint kept (0: stop at the first). A replay buffer that does not fit at setup is halved apart
+    from these, down to max(num_envs, batch_size) rows"""
 
     # filled in at runtime
     iteration_steps: int = 0
@@ -201,12 +208,20 @@ OBS_WEEKDAY = (2, 3)
 LOSS_NAMES = ("td_loss", "q_values", "grad_norm")
 """Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
 
+OOM_MIN_BATCH_SIZE = 64
+"""The smallest batch_size the out-of-memory back-off halves to; below it, num_envs halves instead."""
+
 
 def synced_clock(device: torch.device) -> float:
     """``time.perf_counter()`` after the device's queued work has finished (a host sync on CUDA), in seconds."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class OutOfMemoryBackoffError(RuntimeError):
+    """CUDA ran out of memory and the back-off cannot go on (``max_oom_retries`` halvings made, or nothing left to
+    halve); training stops, the last checkpoint is kept."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -481,16 +496,19 @@ def rollout(
     bootstrap_truncation: bool,
     reward_scale: float,
     amp: bool,
+    act_fn=None,
 ) -> torch.Tensor:
     """Step every env ``num_steps`` times epsilon-greedily, storing the transitions; returns the last obs.
 
     No host sync. ``update_norm`` (a host flag: still before ``learning_starts``) folds each observation into
-    the Q network's observation statistics.
+    the Q network's observation statistics. ``act_fn`` picks the actions: :func:`act` (the default) or its
+    compiled / CUDA-graphed version, called as ``act_fn(qnet, obs, epsilon, amp)``.
     """
+    act_fn = act if act_fn is None else act_fn
     for _ in range(num_steps):
         if update_norm and isinstance(qnet.obs_norm, ObsNorm):
             qnet.obs_norm.update(next_obs)
-        action = act(qnet, next_obs, epsilon, amp)
+        action = act_fn(qnet, next_obs, epsilon, amp)
         obs2, reward, terminated, truncated, info = env.step(action)
         obs2 = obs2.to(torch.float32)
         reward = reward.to(torch.float32)
@@ -618,6 +636,115 @@ def check_finite(bad_any: torch.Tensor, first_bad_step: torch.Tensor, ckpt: Path
         )
 
 
+def make_buffer(args: Args, obs_dim: int, device: torch.device, notes: list[str] | None = None) -> dict:
+    """:func:`make_replay_buffer` of ``args.buffer_size`` rows; on CUDA out-of-memory halve ``args.buffer_size``
+    (in place) and retry, down to ``max(num_envs, batch_size)`` rows, with a warning on stderr for each halving
+    (also appended to ``notes``).
+
+    Raises:
+        OutOfMemoryBackoffError: not even a buffer of that many rows fits.
+    """
+    while True:
+        try:
+            return make_replay_buffer(args.buffer_size, obs_dim, device)
+        except RuntimeError as exc:
+            error = out_of_memory_message(exc)
+            if error is None:
+                raise
+        floor = max(args.num_envs, args.batch_size)
+        if args.buffer_size // 2 < floor:
+            raise OutOfMemoryBackoffError(
+                f"CUDA out of memory at setup for a replay buffer of {args.buffer_size:,} rows, and halving it would "
+                f"leave fewer than max(num_envs, batch_size) = {floor:,}; the run stopped before training. Ask for "
+                f"less memory: a smaller --buffer-size, --num-envs or --batch-size.\nThe error: {error}"
+            )
+        free_device_memory(device)
+        message = (
+            f"CUDA out of memory at setup: buffer_size {args.buffer_size:,} -> {args.buffer_size // 2:,}; continuing"
+        )
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+        if notes is not None:
+            notes.append(message)
+        args.buffer_size //= 2
+
+
+def out_of_memory_message(exc: BaseException) -> str | None:
+    """The first line of the CUDA out-of-memory error behind ``exc``, or None if ``exc`` has none behind it.
+
+    Looks at ``exc`` and the errors it was raised from or while handling (``__cause__``, ``__context__``): a failed
+    torch.compile or CUDA-graph capture raises its own error on top of the allocator's ``torch.OutOfMemoryError``.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return (str(exc).strip().splitlines() or ["CUDA out of memory"])[0]
+        seen.add(id(exc))
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    return None
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Hand the memory of dropped tensors and CUDA graphs back: a garbage collection (tracebacks keep frames alive
+    in cycles), then, on CUDA, the caching allocator's unused blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def halve_after_oom(args: Args, history: list[str], where: str, error: str, ckpt: Path, in_update: bool) -> str:
+    """Back off after a CUDA out-of-memory error: halve ``args.batch_size`` or ``args.num_envs`` (in place).
+
+    In the gradient steps (``in_update``) the batch halves while it stays at least :data:`OOM_MIN_BATCH_SIZE`;
+    otherwise, and at setup or while stepping the envs, num_envs halves, and with it ``iteration_steps`` (the
+    caller rebuilds the envs; the gradient steps per env step double).
+
+    Args:
+        args: the run's resolved arguments, changed in place.
+        history: the warnings of the halvings made so far in this run (their number counts against
+            ``args.max_oom_retries``); the new warning is appended.
+        where: where the error struck, e.g. ``"at setup"`` or ``"at global_step 1024 (iteration 128), ..."``.
+        error: the first line of the out-of-memory error (see :func:`out_of_memory_message`).
+        ckpt: the run's checkpoint path, named in the error.
+        in_update: the error struck in the gradient steps.
+
+    Returns:
+        the warning: the old and the new value.
+
+    Raises:
+        OutOfMemoryBackoffError: ``max_oom_retries`` halvings were made already, or there is nothing left to halve
+            (one env, and in the gradient steps a batch at its floor); ``args`` is left as it was.
+    """
+    n, b = args.num_envs, args.batch_size
+    if len(history) >= args.max_oom_retries:
+        reason = f"max_oom_retries={args.max_oom_retries} halvings were made already"
+    elif in_update and b // 2 >= OOM_MIN_BATCH_SIZE:
+        message = f"CUDA out of memory {where}: batch_size {b} -> {b // 2}; continuing"
+        args.batch_size = b // 2
+        history.append(message)
+        return message
+    elif n >= 2:
+        message = (
+            f"CUDA out of memory {where}: num_envs {n} -> {n // 2} (env steps per iteration {args.iteration_steps} -> "
+            f"{n // 2 * args.num_steps}); continuing"
+        )
+        args.num_envs, args.iteration_steps = n // 2, n // 2 * args.num_steps
+        history.append(message)
+        return message
+    else:
+        floor = f" and batch_size {b} would drop below {OOM_MIN_BATCH_SIZE}" if in_update else ""
+        reason = f"num_envs {n} cannot be halved{floor}"
+    kept = f"the last good checkpoint {ckpt} is left untouched" if ckpt.exists() else "no checkpoint was written"
+    tried = "".join(f"\n  {h}" for h in history) if history else " none"
+    raise OutOfMemoryBackoffError(
+        f"CUDA out of memory {where} with num_envs {n}, batch_size {b} and buffer_size {args.buffer_size:,}, and no "
+        f"further back-off: {reason}. Training stopped; {kept}.\n"
+        f"Halvings made:{tried}\n"
+        f"Ask for less memory: a smaller --num-envs, --batch-size, --buffer-size or --hidden-size, no --cudagraphs "
+        f"or --compile; or allow more halvings with --max-oom-retries.\n"
+        f"The error: {error}"
+    )
+
+
 def export_policy(qnet: QNetwork, obs_dim: int, out_dir: Path) -> Path:
     """Save the greedy hub-action policy (:class:`GreedyHubPolicy`) for code that does not import ``algos``.
 
@@ -639,7 +766,12 @@ def export_policy(qnet: QNetwork, obs_dim: int, out_dir: Path) -> Path:
     return path
 
 
-def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, epsilon: float, lr: float) -> dict:
+def metrics_row(
+    global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, epsilon: float, lr: float, num_envs: int,
+    batch_size: int,
+) -> dict:
+    """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, epsilon, learning
+    rate and the sizes in use (smaller than asked for after a halving for lack of memory)."""
     return {
         "global_step": global_step,
         "wall_s": wall_s,
@@ -652,12 +784,26 @@ def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: d
         "grad_norm": losses["grad_norm"],
         "epsilon": epsilon,
         "learning_rate": lr,
+        "num_envs": num_envs,
+        "batch_size": batch_size,
     }
 
 
 # ---------------------------------------------------------------------------------------------- main
 def main(args: Args) -> dict:
-    global act, update
+    """Train, checkpoint, export and evaluate as ``args`` say.
+
+    Returns:
+        ``{"global_step", "train_wall_s", "sps", "sps_steady", "policy"}`` (path of the exported policy),
+        ``"num_envs"``, ``"batch_size"`` and ``"buffer_size"`` (the sizes trained with at the end: smaller than asked
+        for after halvings for lack of CUDA memory) and, unless ``eval_split`` is ``"none"``, ``"eval"``: the KPI
+        row (a one-row DataFrame).
+
+    Raises:
+        NonFiniteLossError: a loss became NaN or infinite.
+        OutOfMemoryBackoffError: CUDA ran out of memory once more after ``max_oom_retries`` halvings (or with
+            nothing left to halve); the last checkpoint is kept.
+    """
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     args = resolve_args(args, device)
     out_dir = Path(args.output_dir)
@@ -679,17 +825,43 @@ def main(args: Args) -> dict:
         torch.set_float32_matmul_precision("high")
 
     site = envs.load_site(args.site)
-    env = gym.make_vec(
-        args.env_id,
-        num_envs=args.num_envs,
-        vectorization_mode="vector_entry_point",
-        site=site,
-        split="train",
-        action_mode="discrete",
-        device=device,
-        bess_action=args.bess_action,
-    )
-    env = getattr(env, "unwrapped", env)
+
+    def build_envs() -> tuple:
+        """The envs and the episode statistics, sized by num_envs: ``(env, stats)``."""
+        env = gym.make_vec(
+            args.env_id,
+            num_envs=args.num_envs,
+            vectorization_mode="vector_entry_point",
+            site=site,
+            split="train",
+            action_mode="discrete",
+            device=device,
+            bess_action=args.bess_action,
+        )
+        env = getattr(env, "unwrapped", env)
+        return env, make_episode_stats(args.num_envs, device)
+
+    oom_history: list[str] = []  # one warning per halving of batch_size or num_envs after a CUDA out-of-memory error
+    oom_notes: list[str] = []  # every out-of-memory warning, replay buffer included, for TensorBoard
+
+    def build_envs_backing_off(where: str) -> tuple:
+        """:func:`build_envs`, halving num_envs after each out-of-memory error while building; raises
+        :class:`OutOfMemoryBackoffError` when that must stop."""
+        while True:
+            try:
+                return build_envs()
+            except RuntimeError as exc:
+                error = out_of_memory_message(exc)
+                if error is None:
+                    raise
+            free_device_memory(device)
+            message = halve_after_oom(args, oom_history, where, error, ckpt_path, in_update=False)
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+            oom_notes.append(message)
+
+    env, stats = build_envs_backing_off("at setup")
+    if oom_history:  # num_envs was halved: the iterations of the run change size
+        args.num_iterations = max(1, args.total_timesteps // args.iteration_steps)
     obs_dim = int(np.prod(env.single_observation_space.shape))
     n_actions = int(env.single_action_space.n)
 
@@ -702,8 +874,7 @@ def main(args: Args) -> dict:
         p.requires_grad_(False)
     lr = torch.tensor(args.learning_rate, device=device) if args.cudagraphs else args.learning_rate
     optimizer = torch.optim.Adam(qnet.parameters(), lr=lr, capturable=args.cudagraphs)
-    rb = make_replay_buffer(args.buffer_size, obs_dim, device)
-    stats = make_episode_stats(args.num_envs, device)
+    rb = make_buffer(args, obs_dim, device, oom_notes)
 
     next_obs, _ = env.reset(seed=args.seed)
     next_obs = next_obs.to(torch.float32)
@@ -733,28 +904,44 @@ def main(args: Args) -> dict:
             rows = old[old.global_step <= global_step].to_dict("records")
         restored = f"buffer {rb['count']:,} rows restored" if buffer_restored else "buffer not stored, refilling it"
         print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}, {restored}")
+        # the steps left, in iterations of this run's size (the checkpoint's may differ: another --num-envs, or a
+        # run that halved num_envs after running out of memory)
+        args.num_iterations = start_iteration - 1 + max(0, args.total_timesteps - global_step) // args.iteration_steps
     # a fresh run, or one resumed with its replay buffer, updates from learning_starts on (as if never stopped);
     # one resumed without the buffer refills it for learning_starts steps first
     learn_from = global_step + args.learning_starts if args.resume and not buffer_restored else args.learning_starts
     norm_frozen = global_step >= args.learning_starts
 
-    # speed switches: rebind the hot functions once
-    if args.compile:
-        # random numbers from eager's kernels: a seed gives the same run with and without --compile
-        torch._inductor.config.fallback_random = True
-        act = torch.compile(act)
-        update = torch.compile(update)
-    if args.cudagraphs:
-        amp, bs, gamma, dq, mgn = args.amp, args.batch_size, args.gamma, args.double_q, args.max_grad_norm
-        eager_act, eager_update = act, update
-        graphed_act = CudaGraphed(lambda obs, eps: eager_act(qnet, obs, eps, amp))
-        graphed_update = CudaGraphed(lambda: eager_update(qnet, target, optimizer, rb, bs, gamma, dq, mgn, amp))
-        act = lambda q, obs, eps, amp_=False: graphed_act(obs, eps)  # noqa: E731
-        update = lambda *a, **k: graphed_update()  # noqa: E731
+    def bind_hot_functions() -> tuple:
+        """:func:`act` and :func:`update`, compiled / CUDA-graphed as the speed switches say: ``(act_fn, update_fn)``
+        with their signatures. Called again after a halving of batch_size or num_envs: graphs are captured for one
+        shape and batch size."""
+        act_fn, update_fn = act, update
+        if args.compile:
+            # random numbers from eager's kernels: a seed gives the same run with and without --compile
+            torch._inductor.config.fallback_random = True
+            act_fn = torch.compile(act_fn)
+            update_fn = torch.compile(update_fn)
+        if args.cudagraphs:
+            amp, bs, gamma, dq, mgn = args.amp, args.batch_size, args.gamma, args.double_q, args.max_grad_norm
+            inner_act, inner_update = act_fn, update_fn
+            graphed_act = CudaGraphed(lambda obs, eps: inner_act(qnet, obs, eps, amp))
+            graphed_update = CudaGraphed(lambda: inner_update(qnet, target, optimizer, rb, bs, gamma, dq, mgn, amp))
+            act_fn = lambda q, obs, eps, amp_=False: graphed_act(obs, eps)  # noqa: E731
+            update_fn = lambda *a, **k: graphed_update()  # noqa: E731
+        return act_fn, update_fn
+
+    act_fn, update_fn = bind_hot_functions()
+
+    def hyperparameters() -> str:
+        """The resolved arguments as a Markdown table (TensorBoard text)."""
+        return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in dataclasses.asdict(args).items()))
 
     hparams = dataclasses.asdict(args)
     writer = SummaryWriter(str(out_dir))
-    writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in hparams.items())))
+    writer.add_text("hyperparameters", hyperparameters())
+    for message in oom_notes:  # halvings at setup
+        writer.add_text("oom", message, global_step)
     print(f"DQN on {args.env_id} (discrete, {n_actions} actions) site={args.site} device={device} preset={args.preset}")
     print("  " + " ".join(f"{k}={v}" for k, v in hparams.items()))
     print(
@@ -792,40 +979,93 @@ def main(args: Args) -> dict:
     session_start_step = global_step
     sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
     iteration = start_iteration - 1
+    n_oom_logged = len(oom_notes)
     # steady-state SPS: timed over the second half of this session's iterations, past compilation, CUDA-graph
-    # capture and the first updates
+    # capture and the first updates (after a halving of num_envs or batch_size: of the iterations left)
     half_iteration = start_iteration + (args.num_iterations - start_iteration + 1) // 2
     steady_start: tuple[float, int] | None = None
     bar = tqdm(
-        range(start_iteration, args.num_iterations + 1),
         initial=start_iteration - 1,
         total=args.num_iterations,
         disable=not sys.stderr.isatty(),
         desc="dqn",
     )
     try:
-        for iteration in bar:
+        while iteration < args.num_iterations:
+            iteration += 1
             if iteration == half_iteration:
                 steady_start = (synced_clock(device), global_step)
             epsilon.copy_(linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step_t))
-            next_obs = rollout(
-                env, qnet, next_obs, rb, stats, epsilon, args.num_steps, not norm_frozen,
-                args.bootstrap_truncation, args.reward_scale, args.amp,
-            )  # fmt: skip
-            prev_step = global_step
-            global_step += args.iteration_steps
-            step_t += args.iteration_steps
+            oom_error, oom_in_update = None, False
+            try:
+                next_obs = rollout(
+                    env, qnet, next_obs, rb, stats, epsilon, args.num_steps, not norm_frozen,
+                    args.bootstrap_truncation, args.reward_scale, args.amp, act_fn=act_fn,
+                )  # fmt: skip
+            except RuntimeError as exc:
+                oom_error = out_of_memory_message(exc)
+                if oom_error is None:
+                    raise
 
-            if global_step >= learn_from:
-                if not norm_frozen:  # the statistics freeze when learning starts; the target copies them
-                    norm_frozen = True
-                    target_update(target, qnet, 1.0)
-                for _ in range(args.gradient_steps):
-                    out = update(qnet, target, optimizer, rb, args.batch_size, args.gamma, args.double_q, args.max_grad_norm, args.amp)
-                    first_bad_step = torch.where((first_bad_step < 0) & out["bad"].any(), global_step, first_bad_step)
-                    bad_any |= out["bad"]
-                if global_step // args.target_network_frequency > prev_step // args.target_network_frequency:
-                    target_update(target, qnet, args.tau)
+            if oom_error is None:
+                prev_step = global_step
+                global_step += args.iteration_steps
+                step_t += args.iteration_steps
+                if global_step >= learn_from:
+                    if not norm_frozen:  # the statistics freeze when learning starts; the target copies them
+                        norm_frozen = True
+                        target_update(target, qnet, 1.0)
+                    try:
+                        for _ in range(args.gradient_steps):
+                            out = update_fn(qnet, target, optimizer, rb, args.batch_size, args.gamma, args.double_q, args.max_grad_norm, args.amp)
+                            first_bad_step = torch.where((first_bad_step < 0) & out["bad"].any(), global_step, first_bad_step)
+                            bad_any |= out["bad"]
+                    except RuntimeError as exc:
+                        oom_error, oom_in_update = out_of_memory_message(exc), True
+                        if oom_error is None:
+                            raise
+                    if global_step // args.target_network_frequency > prev_step // args.target_network_frequency:
+                        target_update(target, qnet, args.tau)
+
+            if oom_error is not None:
+                # out of memory. Stepping the envs: those steps are dropped (not counted; the transitions already
+                # stored stay in the buffer), the envs are rebuilt with half as many copies and the iteration is
+                # repeated. In the gradient steps: the env steps stand, the iteration's remaining gradient steps are
+                # skipped, and batch_size halves (at its floor: num_envs, as above). The replay buffer is kept; the
+                # totals of finished episodes carry over.
+                where = f"at global_step {global_step} (iteration {iteration}), " + (
+                    "in the gradient steps" if oom_in_update else "stepping the envs"
+                )
+                if not oom_in_update:
+                    iteration -= 1
+                n_envs = args.num_envs
+                act_fn = update_fn = None
+                message = halve_after_oom(args, oom_history, where, oom_error, ckpt_path, oom_in_update)
+                print(f"warning: {message}", file=sys.stderr, flush=True)
+                oom_notes.append(message)
+                if args.num_envs != n_envs:
+                    generator = env._generator.get_state()  # the new envs go on drawing windows where these stopped
+                    totals = {k: v for k, v in stats.items() if k == "n_done" or k.startswith("sum_")}
+                    env = stats = next_obs = None
+                    free_device_memory(device)
+                    env, stats = build_envs_backing_off(where)
+                    env._generator.set_state(generator)
+                    for key, value in totals.items():
+                        stats[key].copy_(value)
+                    next_obs, _ = env.reset()
+                    next_obs = next_obs.to(torch.float32)
+                else:
+                    free_device_memory(device)
+                act_fn, update_fn = bind_hot_functions()
+                args.num_iterations = iteration + max(1, (args.total_timesteps - global_step) // args.iteration_steps)
+                half_iteration, steady_start = iteration + 1 + (args.num_iterations - iteration) // 2, None
+                bar.total = args.num_iterations
+                for message in oom_notes[n_oom_logged:]:
+                    writer.add_text("oom", message, global_step)
+                n_oom_logged = len(oom_notes)
+                if not oom_in_update:
+                    continue
+            bar.update()
 
             last = iteration == args.num_iterations
             if iteration % args.log_every == 0 or last:
@@ -850,7 +1090,12 @@ def main(args: Args) -> dict:
                 writer.add_scalar("charts/epsilon", eps_host, global_step)
                 writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
-                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses_host, eps_host, args.learning_rate))
+                rows.append(
+                    metrics_row(
+                        global_step, train_wall_prev + wall, sps, ep, losses_host, eps_host, args.learning_rate,
+                        args.num_envs, args.batch_size,
+                    )
+                )
                 write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
                 bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", eps=f"{eps_host:.2f}", refresh=False)
                 if (bar.disable and iteration % max(1, args.num_iterations // 10) < args.log_every) or last:
@@ -862,11 +1107,13 @@ def main(args: Args) -> dict:
                     )
             if args.checkpoint_every and iteration % args.checkpoint_every == 0 and not last:
                 checkpoint(iteration, train_wall_prev + time.perf_counter() - start_time)
-    except NonFiniteLossError:
+    except (NonFiniteLossError, OutOfMemoryBackoffError):
         writer.close()
         bar.close()
         raise
     bar.close()
+    if oom_notes:  # the sizes actually used at the end
+        writer.add_text("hyperparameters", hyperparameters(), global_step)
 
     end_time = synced_clock(device)
     sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
@@ -876,7 +1123,9 @@ def main(args: Args) -> dict:
     write_policy_spec(out_dir, args.env_id, "hub", args.bess_action)
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
-    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady, "policy": str(policy_path)}
+    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady,
+              "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size,
+              "buffer_size": args.buffer_size}
     if args.eval_split.lower() != "none":
         # the greedy policy as hub actions, evaluated in the hub mode (exactly the discrete mode; module docstring)
         greedy = GreedyHubPolicy(qnet, discrete_action_table()).to(device).eval()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import math
 import os
 import random
@@ -168,6 +169,11 @@ class Args:
     """iterations between deterministic evaluations on eval_split during training (0: only the final one); each
     is logged as eval/co2_kg etc. and added to eval_curve.parquet with the training wall time so far, which
     leaves the evaluations out"""
+    max_oom_retries: int = 3
+    """halvings of num_envs allowed after CUDA out-of-memory errors: each one rebuilds the envs and the rollout
+    storage with half as many envs (the batch halves, and so does each of the num_minibatches minibatches), warns
+    and trains on to total_timesteps; one more error stops the run with OutOfMemoryBackoffError, its last checkpoint
+    kept (0: stop at the first)"""
 
     # filled in at runtime
     batch_size: int = 0
@@ -194,6 +200,11 @@ def synced_clock(device: torch.device) -> float:
 
 class NonFiniteLossError(RuntimeError):
     """A loss (or the gradient norm) became NaN or infinite; training stops, the last checkpoint is kept."""
+
+
+class OutOfMemoryBackoffError(RuntimeError):
+    """CUDA ran out of memory and halving num_envs cannot go on (``max_oom_retries`` halvings made, or nothing left
+    to halve); training stops, the last checkpoint is kept."""
 
 
 # ---------------------------------------------------------------------------------------------- agent
@@ -769,6 +780,81 @@ def check_finite(bad_any: torch.Tensor, first_bad_step: torch.Tensor, ckpt: Path
         )
 
 
+def out_of_memory_message(exc: BaseException) -> str | None:
+    """The first line of the CUDA out-of-memory error behind ``exc``, or None if ``exc`` has none behind it.
+
+    Looks at ``exc`` and the errors it was raised from or while handling (``__cause__``, ``__context__``): a failed
+    torch.compile or CUDA-graph capture raises its own error on top of the allocator's ``torch.OutOfMemoryError``.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return (str(exc).strip().splitlines() or ["CUDA out of memory"])[0]
+        seen.add(id(exc))
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    return None
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Hand the memory of dropped tensors and CUDA graphs back: a garbage collection (tracebacks keep frames alive
+    in cycles), then, on CUDA, the caching allocator's unused blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def halve_num_envs(args: Args, history: list[str], where: str, error: str, ckpt: Path) -> str:
+    """Back off after a CUDA out-of-memory error: halve ``args.num_envs`` and the sizes that follow from it.
+
+    The batch (``num_envs * num_steps``) halves; ``num_minibatches`` stays, so each minibatch halves too.
+
+    Args:
+        args: the run's resolved arguments, changed in place (``num_envs``, ``batch_size``, ``minibatch_size``).
+        history: the warnings of the halvings made so far in this run (their number counts against
+            ``args.max_oom_retries``); the new warning is appended.
+        where: where the error struck, e.g. ``"at setup"`` or ``"at global_step 1024 (iteration 3)"``.
+        error: the first line of the out-of-memory error (see :func:`out_of_memory_message`).
+        ckpt: the run's checkpoint path, named in the error.
+
+    Returns:
+        the warning: the old and the new sizes.
+
+    Raises:
+        OutOfMemoryBackoffError: ``max_oom_retries`` halvings were made already, or num_envs cannot be halved (one
+            env, or, under ``--cudagraphs``, a batch that would not split into equal minibatches); ``args`` is left
+            as it was.
+    """
+    n_envs = args.num_envs // 2
+    batch = n_envs * args.num_steps
+    if len(history) >= args.max_oom_retries:
+        reason = f"max_oom_retries={args.max_oom_retries} halvings of num_envs were made already"
+    elif n_envs < 1 or batch < args.num_minibatches:
+        reason = f"num_envs {args.num_envs} cannot be halved (num_minibatches={args.num_minibatches})"
+    elif args.cudagraphs and batch % args.num_minibatches:
+        reason = (
+            f"--cudagraphs needs equal minibatches and {n_envs} envs x {args.num_steps} steps do not split into "
+            f"num_minibatches={args.num_minibatches}"
+        )
+    else:
+        message = (
+            f"CUDA out of memory {where}: num_envs {args.num_envs} -> {n_envs} (batch {args.batch_size} -> {batch}, "
+            f"minibatch {args.minibatch_size} -> {batch // args.num_minibatches}); continuing"
+        )
+        args.num_envs, args.batch_size, args.minibatch_size = n_envs, batch, batch // args.num_minibatches
+        history.append(message)
+        return message
+    kept = f"the last good checkpoint {ckpt} is left untouched" if ckpt.exists() else "no checkpoint was written"
+    tried = "".join(f"\n  {h}" for h in history) if history else " none"
+    raise OutOfMemoryBackoffError(
+        f"CUDA out of memory {where} with num_envs {args.num_envs} (batch {args.batch_size}, minibatch "
+        f"{args.minibatch_size}), and no further back-off: {reason}. Training stopped; {kept}.\n"
+        f"Halvings made:{tried}\n"
+        f"Ask for less memory: a smaller --num-envs (or --num-steps, --hidden-size), more --num-minibatches, no "
+        f"--cudagraphs or --compile; or allow more halvings with --max-oom-retries.\n"
+        f"The error: {error}"
+    )
+
+
 def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
     """Save the deterministic actor for code that does not import ``algos``.
 
@@ -803,8 +889,9 @@ def eval_curve_row(kpis: pd.DataFrame, global_step: int, train_wall_s: float) ->
     }
 
 
-def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float) -> dict:
-    """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, learning rate."""
+def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float, num_envs: int) -> dict:
+    """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, learning rate and
+    the number of envs of the iteration (less than asked for after a halving for lack of memory)."""
     return {
         "global_step": global_step,
         "wall_s": wall_s,
@@ -819,6 +906,7 @@ def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: d
         "clipfrac": losses["clipfrac"],
         "explained_variance": losses["explained_variance"],
         "learning_rate": lr,
+        "num_envs": num_envs,
     }
 
 
@@ -827,8 +915,15 @@ def main(args: Args) -> dict:
     """Train, checkpoint, export and evaluate as ``args`` say.
 
     Returns:
-        ``{"global_step", "train_wall_s", "sps", "policy"}`` (path of the exported policy) and, unless
-        ``eval_split`` is ``"none"``, ``"eval"``: the KPI row (a one-row DataFrame).
+        ``{"global_step", "train_wall_s", "sps", "sps_steady", "policy"}`` (path of the exported policy),
+        ``"num_envs"`` and ``"batch_size"`` (the sizes trained with at the end: smaller than asked for after
+        halvings for lack of CUDA memory) and, unless ``eval_split`` is ``"none"``, ``"eval"``: the KPI row (a
+        one-row DataFrame).
+
+    Raises:
+        NonFiniteLossError: a loss became NaN or infinite.
+        OutOfMemoryBackoffError: CUDA ran out of memory once more after ``max_oom_retries`` halvings of num_envs
+            (or with nothing left to halve); the last checkpoint is kept.
     """
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     args = resolve_args(args, device)
@@ -851,17 +946,47 @@ def main(args: Args) -> dict:
         torch.set_float32_matmul_precision("high")
 
     site = envs.load_site(args.site)
-    env = gym.make_vec(
-        args.env_id,
-        num_envs=args.num_envs,
-        vectorization_mode="vector_entry_point",
-        site=site,
-        split="train",
-        action_mode=args.action_mode,
-        device=device,
-        bess_action=args.bess_action,
-    )
-    env = getattr(env, "unwrapped", env)
+
+    def build_envs() -> tuple:
+        """The envs and all the state sized by num_envs: ``(env, storage, episode stats, reward normaliser)``."""
+        env = gym.make_vec(
+            args.env_id,
+            num_envs=args.num_envs,
+            vectorization_mode="vector_entry_point",
+            site=site,
+            split="train",
+            action_mode=args.action_mode,
+            device=device,
+            bess_action=args.bess_action,
+        )
+        env = getattr(env, "unwrapped", env)
+        obs_dim = int(np.prod(env.single_observation_space.shape))
+        act_dim = int(np.prod(env.single_action_space.shape))
+        storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
+        stats = make_episode_stats(args.num_envs, device)
+        rn = make_reward_norm(args.num_envs, device) if args.norm_reward else None
+        return env, storage, stats, rn
+
+    oom_history: list[str] = []  # one warning per halving of num_envs after a CUDA out-of-memory error
+
+    def build_envs_backing_off(where: str, error: str | None) -> tuple:
+        """:func:`build_envs`, first halving num_envs if ``error`` (an out-of-memory message) is given, and again
+        after each out-of-memory error while building; raises :class:`OutOfMemoryBackoffError` when that must stop."""
+        while True:
+            if error is not None:
+                free_device_memory(device)
+                message = halve_num_envs(args, oom_history, where, error, ckpt_path)
+                print(f"warning: {message}", file=sys.stderr, flush=True)
+            try:
+                return build_envs()
+            except RuntimeError as exc:
+                error = out_of_memory_message(exc)
+                if error is None:
+                    raise
+
+    env, storage, stats, rn = build_envs_backing_off("at setup", None)
+    if oom_history:  # num_envs was halved: the iterations of the run change size
+        args.num_iterations = max(1, args.total_timesteps // args.batch_size)
     obs_dim = int(np.prod(env.single_observation_space.shape))
     act_dim = int(np.prod(env.single_action_space.shape))
 
@@ -875,9 +1000,6 @@ def main(args: Args) -> dict:
     lr_dtype = torch.float32 if device.type == "cuda" else torch.float64
     lr_t = torch.tensor(args.learning_rate, device=device, dtype=lr_dtype)
     optimizer = torch.optim.Adam(agent.parameters(), lr=lr_t, eps=1e-5, capturable=device.type == "cuda")
-    storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
-    stats = make_episode_stats(args.num_envs, device)
-    rn = make_reward_norm(args.num_envs, device) if args.norm_reward else None
 
     next_obs, _ = env.reset(seed=args.seed)
     next_obs = next_obs.to(torch.float32)
@@ -905,38 +1027,51 @@ def main(args: Args) -> dict:
             old = pd.read_parquet(out_dir / "metrics.parquet")
             rows = old[old.global_step <= global_step].to_dict("records")
         print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}")
+        # the steps left, in batches of this run's size (the checkpoint's may differ: another --num-envs, or a run
+        # that halved num_envs after running out of memory)
+        args.num_iterations = start_iteration - 1 + max(0, args.total_timesteps - global_step) // args.batch_size
+    # the global step at which training ends: the learning rate anneals over the steps up to it
+    end_step = global_step + (args.num_iterations - start_iteration + 1) * args.batch_size
 
-    # the hot functions, bound once; the speed switches rebind the same names
-    act = functools.partial(policy_step, agent, amp=args.amp)
-    gae = functools.partial(estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp)
-    learn = functools.partial(
-        update_minibatch,
-        agent,
-        optimizer,
-        clip_coef=args.clip_coef,
-        norm_adv=args.norm_adv,
-        clip_vloss=args.clip_vloss,
-        ent_coef=args.ent_coef,
-        vf_coef=args.vf_coef,
-        max_grad_norm=args.max_grad_norm,
-        amp=args.amp,
-    )
-    if args.compile:
-        # random numbers from eager's kernels: a seed gives the same run with and without --compile
-        torch._inductor.config.fallback_random = True
-        act = torch.compile(act)
-        gae = torch.compile(gae)
-        learn = torch.compile(learn)
-    if args.cudagraphs:
-        act = CudaGraphed(act)
-        gae = CudaGraphed(gae)
-        learn = CudaGraphed(learn)
+    def bind_hot_functions() -> tuple:
+        """The hot functions bound to the agent and optimizer, then compiled / CUDA-graphed as the speed switches
+        say: ``(act, gae, learn)``. Called again after a halving of num_envs: graphs are captured for one shape."""
+        act = functools.partial(policy_step, agent, amp=args.amp)
+        gae = functools.partial(estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp)
+        learn = functools.partial(
+            update_minibatch,
+            agent,
+            optimizer,
+            clip_coef=args.clip_coef,
+            norm_adv=args.norm_adv,
+            clip_vloss=args.clip_vloss,
+            ent_coef=args.ent_coef,
+            vf_coef=args.vf_coef,
+            max_grad_norm=args.max_grad_norm,
+            amp=args.amp,
+        )
+        if args.compile:
+            # random numbers from eager's kernels: a seed gives the same run with and without --compile
+            torch._inductor.config.fallback_random = True
+            act = torch.compile(act)
+            gae = torch.compile(gae)
+            learn = torch.compile(learn)
+        if args.cudagraphs:
+            act = CudaGraphed(act)
+            gae = CudaGraphed(gae)
+            learn = CudaGraphed(learn)
+        return act, gae, learn
+
+    act, gae, learn = bind_hot_functions()
+
+    def hyperparameters() -> str:
+        """The resolved arguments as a Markdown table (TensorBoard text)."""
+        return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     writer = SummaryWriter(str(out_dir))
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items())),
-    )
+    writer.add_text("hyperparameters", hyperparameters())
+    for message in oom_history:  # halvings at setup
+        writer.add_text("oom", message, global_step)
     print(
         f"PPO on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
         f"{args.num_envs} envs x {args.num_steps} steps, {args.num_iterations} iterations, "
@@ -987,42 +1122,79 @@ def main(args: Args) -> dict:
     losses_host: dict = {}
     sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
     iteration = start_iteration - 1
+    n_oom_logged = len(oom_history)
     # steady-state SPS: timed over the second half of this session's iterations, past compilation, CUDA-graph
-    # capture and the first updates
+    # capture and the first updates (after a halving of num_envs: of the iterations left)
     half_iteration = start_iteration + (args.num_iterations - start_iteration + 1) // 2
     steady_start: tuple[float, int] | None = None
     bar = tqdm(
-        range(start_iteration, args.num_iterations + 1),
         initial=start_iteration - 1,
         total=args.num_iterations,
         disable=not sys.stderr.isatty(),
         desc="ppo",
     )
     try:
-        for iteration in bar:
+        while iteration < args.num_iterations:
+            iteration += 1
             if iteration == half_iteration:
                 steady_start = (synced_clock(device), global_step)
             if args.anneal_lr:
-                frac = 1.0 - (iteration - 1.0) / args.num_iterations
+                frac = 1.0 - global_step / end_step
                 lr_t.fill_(frac * args.learning_rate)
 
-            next_obs, next_done = rollout(
-                env, act, next_obs, next_done, storage, stats, rn, args.gamma, args.bootstrap_truncation
-            )
+            oom_error = None
+            try:
+                next_obs, next_done = rollout(
+                    env, act, next_obs, next_done, storage, stats, rn, args.gamma, args.bootstrap_truncation
+                )
+                advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
+                out = update(
+                    learn,
+                    storage["obs"].reshape(-1, obs_dim),
+                    storage["actions"].reshape(-1, act_dim),
+                    storage["logprobs"].reshape(-1),
+                    advantages.reshape(-1),
+                    returns.reshape(-1),
+                    storage["values"].reshape(-1),
+                    update_epochs=args.update_epochs,
+                    minibatch_size=args.minibatch_size,
+                    target_kl=args.target_kl,
+                )
+            except RuntimeError as exc:
+                oom_error = out_of_memory_message(exc)
+                if oom_error is None:
+                    raise
+            if oom_error is not None:
+                # out of memory: this iteration's rollout is dropped (its steps are not counted; the minibatch
+                # steps already taken on it stay), the envs are rebuilt with half as many copies, and the iteration
+                # is repeated at the new size; the totals of finished episodes and the return statistics carry over
+                where = f"at global_step {global_step} (iteration {iteration})"
+                iteration -= 1
+                generator = env._generator.get_state()  # the new envs go on drawing windows where these stopped
+                totals = {k: v for k, v in stats.items() if k == "n_done" or k.startswith("sum_")}
+                rn_totals = None if rn is None else {k: rn[k] for k in ("mean", "var", "count")}
+                env = storage = stats = rn = next_obs = next_done = advantages = returns = out = None
+                act = gae = learn = None
+                env, storage, stats, rn = build_envs_backing_off(where, oom_error)
+                env._generator.set_state(generator)
+                for key, value in totals.items():
+                    stats[key].copy_(value)
+                for key, value in (rn_totals or {}).items():
+                    rn[key].copy_(value)
+                next_obs, _ = env.reset()
+                next_obs = next_obs.to(torch.float32)
+                next_done = torch.zeros(args.num_envs, device=device)
+                act, gae, learn = bind_hot_functions()
+                args.num_iterations = iteration + max(1, (args.total_timesteps - global_step) // args.batch_size)
+                end_step = global_step + (args.num_iterations - iteration) * args.batch_size
+                half_iteration, steady_start = iteration + 1 + (args.num_iterations - iteration) // 2, None
+                bar.total = args.num_iterations
+                for message in oom_history[n_oom_logged:]:
+                    writer.add_text("oom", message, global_step)
+                n_oom_logged = len(oom_history)
+                continue
             global_step += args.batch_size
-            advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
-            out = update(
-                learn,
-                storage["obs"].reshape(-1, obs_dim),
-                storage["actions"].reshape(-1, act_dim),
-                storage["logprobs"].reshape(-1),
-                advantages.reshape(-1),
-                returns.reshape(-1),
-                storage["values"].reshape(-1),
-                update_epochs=args.update_epochs,
-                minibatch_size=args.minibatch_size,
-                target_kl=args.target_kl,
-            )
+            bar.update()
             bad = out.pop("bad")
             first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
             bad_any |= bad
@@ -1047,7 +1219,7 @@ def main(args: Args) -> dict:
                 for key in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance"):
                     writer.add_scalar(f"losses/{key}", losses_host[key], global_step)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
-                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses_host, lr_now))
+                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses_host, lr_now, args.num_envs))
                 write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
                 bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", refresh=False)
                 if (bar.disable and iteration % max(1, args.num_iterations // 10) == 0) or last:
@@ -1071,11 +1243,13 @@ def main(args: Args) -> dict:
                     steady_start = (steady_start[0] + paused, steady_start[1])
             if args.checkpoint_every and iteration % args.checkpoint_every == 0 and not last:
                 checkpoint(iteration, train_wall_prev + time.perf_counter() - start_time)
-    except NonFiniteLossError:
+    except (NonFiniteLossError, OutOfMemoryBackoffError):
         writer.close()
         bar.close()
         raise
     bar.close()
+    if oom_history:  # the sizes actually used at the end
+        writer.add_text("hyperparameters", hyperparameters(), global_step)
 
     end_time = synced_clock(device)
     sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
@@ -1085,7 +1259,8 @@ def main(args: Args) -> dict:
     write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
-    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady, "policy": str(policy_path)}
+    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady,
+              "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size}
     if args.eval_split.lower() != "none":
         row, traces = evaluate(train_wall_s=train_wall, env_steps=float(global_step), steps_per_s=sps)
         write_parquet(row, out_dir / f"eval_{args.eval_split}.parquet")

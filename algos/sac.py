@@ -34,6 +34,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import math
 import os
 import random
@@ -189,6 +190,12 @@ class Args:
     """iterations between deterministic evaluations on eval_split during training (0: only the final one); each
     is logged as eval/co2_kg etc. and added to eval_curve.parquet with the training wall time so far, which
     leaves the evaluations out"""
+    max_oom_retries: int = 3
+    """halvings allowed after CUDA out-of-memory errors: in the gradient steps batch_size halves while it stays
+    >= 64, then num_envs; stepping the envs (or at setup) num_envs halves, which rebuilds the envs (the replay buffer
+    is kept). Each warns and trains on to total_timesteps; one more error stops the run with OutOfMemoryBackoffError,
+    its last checkpoint kept (0: stop at the first). A replay buffer that does not fit at setup is halved apart
+    from these, down to max(num_envs, batch_size) rows"""
 
     # filled in at runtime
     num_iterations: int = 0
@@ -204,6 +211,9 @@ LOSS_NAMES = ("qf_loss", "actor_loss", "alpha_loss")
 LOG_STD_MAX = 2.0
 LOG_STD_MIN = -5.0
 
+OOM_MIN_BATCH_SIZE = 64
+"""The smallest batch_size the out-of-memory back-off halves to; below it, num_envs halves instead."""
+
 
 def synced_clock(device: torch.device) -> float:
     """``time.perf_counter()`` after the device's queued work has finished (a host sync on CUDA), in seconds."""
@@ -214,6 +224,11 @@ def synced_clock(device: torch.device) -> float:
 
 class NonFiniteLossError(RuntimeError):
     """A loss became NaN or infinite; training stops, the last checkpoint is kept."""
+
+
+class OutOfMemoryBackoffError(RuntimeError):
+    """CUDA ran out of memory and the back-off cannot go on (``max_oom_retries`` halvings made, or nothing left to
+    halve); training stops, the last checkpoint is kept."""
 
 
 # ---------------------------------------------------------------------------------------------- pure pieces
@@ -530,17 +545,115 @@ def make_episode_stats(num_envs: int, device: torch.device) -> dict:
     }
 
 
-def make_buffer(args: Args, obs_dim: int, act_dim: int, device: torch.device) -> ReplayBuffer:
-    """Allocate the replay buffer; on CUDA out-of-memory halve its size and retry, saying so."""
+def make_buffer(
+    args: Args, obs_dim: int, act_dim: int, device: torch.device, notes: list[str] | None = None
+) -> ReplayBuffer:
+    """Allocate the replay buffer of ``args.buffer_size`` rows; on CUDA out-of-memory halve ``args.buffer_size``
+    (in place) and retry, down to ``max(num_envs, batch_size)`` rows, with a warning on stderr for each halving
+    (also appended to ``notes``).
+
+    Raises:
+        OutOfMemoryBackoffError: not even a buffer of that many rows fits.
+    """
     while True:
         try:
             return ReplayBuffer(args.buffer_size, obs_dim, act_dim, device)
-        except torch.OutOfMemoryError:
-            if args.buffer_size // 2 < max(args.num_envs, args.batch_size):
+        except RuntimeError as exc:
+            error = out_of_memory_message(exc)
+            if error is None:
                 raise
-            torch.cuda.empty_cache()
-            print(f"CUDA out of memory for a replay buffer of {args.buffer_size:,}; retrying with {args.buffer_size // 2:,}", file=sys.stderr)
-            args.buffer_size //= 2
+        floor = max(args.num_envs, args.batch_size)
+        if args.buffer_size // 2 < floor:
+            raise OutOfMemoryBackoffError(
+                f"CUDA out of memory at setup for a replay buffer of {args.buffer_size:,} rows, and halving it would "
+                f"leave fewer than max(num_envs, batch_size) = {floor:,}; the run stopped before training. Ask for "
+                f"less memory: a smaller --buffer-size, --num-envs or --batch-size.\nThe error: {error}"
+            )
+        free_device_memory(device)
+        message = (
+            f"CUDA out of memory at setup: buffer_size {args.buffer_size:,} -> {args.buffer_size // 2:,}; continuing"
+        )
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+        if notes is not None:
+            notes.append(message)
+        args.buffer_size //= 2
+
+
+def out_of_memory_message(exc: BaseException) -> str | None:
+    """The first line of the CUDA out-of-memory error behind ``exc``, or None if ``exc`` has none behind it.
+
+    Looks at ``exc`` and the errors it was raised from or while handling (``__cause__``, ``__context__``): a failed
+    torch.compile or CUDA-graph capture raises its own error on top of the allocator's ``torch.OutOfMemoryError``.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return (str(exc).strip().splitlines() or ["CUDA out of memory"])[0]
+        seen.add(id(exc))
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
+    return None
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Hand the memory of dropped tensors and CUDA graphs back: a garbage collection (tracebacks keep frames alive
+    in cycles), then, on CUDA, the caching allocator's unused blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def halve_after_oom(args: Args, history: list[str], where: str, error: str, ckpt: Path, in_update: bool) -> str:
+    """Back off after a CUDA out-of-memory error: halve ``args.batch_size`` or ``args.num_envs`` (in place).
+
+    In the gradient steps (``in_update``) the batch halves while it stays at least :data:`OOM_MIN_BATCH_SIZE`;
+    otherwise, and at setup or while stepping the envs, num_envs halves (the caller rebuilds the envs; the
+    update-to-data ratio ``gradient_steps / num_envs`` doubles).
+
+    Args:
+        args: the run's resolved arguments, changed in place.
+        history: the warnings of the halvings made so far in this run (their number counts against
+            ``args.max_oom_retries``); the new warning is appended.
+        where: where the error struck, e.g. ``"at setup"`` or ``"at global_step 1024 (iteration 256), ..."``.
+        error: the first line of the out-of-memory error (see :func:`out_of_memory_message`).
+        ckpt: the run's checkpoint path, named in the error.
+        in_update: the error struck in the gradient steps.
+
+    Returns:
+        the warning: the old and the new value.
+
+    Raises:
+        OutOfMemoryBackoffError: ``max_oom_retries`` halvings were made already, or there is nothing left to halve
+            (one env, and in the gradient steps a batch at its floor); ``args`` is left as it was.
+    """
+    n, b, g = args.num_envs, args.batch_size, args.gradient_steps
+    if len(history) >= args.max_oom_retries:
+        reason = f"max_oom_retries={args.max_oom_retries} halvings were made already"
+    elif in_update and b // 2 >= OOM_MIN_BATCH_SIZE:
+        message = f"CUDA out of memory {where}: batch_size {b} -> {b // 2}; continuing"
+        args.batch_size = b // 2
+        history.append(message)
+        return message
+    elif n >= 2:
+        message = (
+            f"CUDA out of memory {where}: num_envs {n} -> {n // 2} (update-to-data ratio {g / n:.3g} -> "
+            f"{g / (n // 2):.3g}); continuing"
+        )
+        args.num_envs = n // 2
+        history.append(message)
+        return message
+    else:
+        floor = f" and batch_size {b} would drop below {OOM_MIN_BATCH_SIZE}" if in_update else ""
+        reason = f"num_envs {n} cannot be halved{floor}"
+    kept = f"the last good checkpoint {ckpt} is left untouched" if ckpt.exists() else "no checkpoint was written"
+    tried = "".join(f"\n  {h}" for h in history) if history else " none"
+    raise OutOfMemoryBackoffError(
+        f"CUDA out of memory {where} with num_envs {n}, batch_size {b} and buffer_size {args.buffer_size:,}, and no "
+        f"further back-off: {reason}. Training stopped; {kept}.\n"
+        f"Halvings made:{tried}\n"
+        f"Ask for less memory: a smaller --num-envs, --batch-size, --buffer-size or --hidden-size, no --cudagraphs "
+        f"or --compile; or allow more halvings with --max-oom-retries.\n"
+        f"The error: {error}"
+    )
 
 
 def rng_state(env) -> dict:
@@ -617,6 +730,19 @@ LOSS_KEYS = ("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss", "act
 
 # ---------------------------------------------------------------------------------------------- main
 def main(args: Args) -> dict:
+    """Train, checkpoint, export and evaluate as ``args`` say.
+
+    Returns:
+        ``{"global_step", "train_wall_s", "sps", "sps_steady", "policy"}`` (path of the exported policy),
+        ``"num_envs"``, ``"batch_size"`` and ``"buffer_size"`` (the sizes trained with at the end: smaller than asked
+        for after halvings for lack of CUDA memory) and, unless ``eval_split`` is ``"none"``, ``"eval"``: the KPI
+        row (a one-row DataFrame).
+
+    Raises:
+        NonFiniteLossError: a loss became NaN or infinite.
+        OutOfMemoryBackoffError: CUDA ran out of memory once more after ``max_oom_retries`` halvings (or with
+            nothing left to halve); the last checkpoint is kept.
+    """
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     if args.cudagraphs and device.type != "cuda":
         raise SystemExit("--cudagraphs needs CUDA (no CUDA device is available or --no-cuda was given)")
@@ -640,17 +766,43 @@ def main(args: Args) -> dict:
         torch.set_float32_matmul_precision("high")
 
     site = envs.load_site(args.site)
-    env = gym.make_vec(
-        args.env_id,
-        num_envs=args.num_envs,
-        vectorization_mode="vector_entry_point",
-        site=site,
-        split="train",
-        action_mode=args.action_mode,
-        device=device,
-        bess_action=args.bess_action,
-    )
-    env = getattr(env, "unwrapped", env)
+
+    def build_envs() -> tuple:
+        """The envs and the episode statistics, sized by num_envs: ``(env, stats)``."""
+        env = gym.make_vec(
+            args.env_id,
+            num_envs=args.num_envs,
+            vectorization_mode="vector_entry_point",
+            site=site,
+            split="train",
+            action_mode=args.action_mode,
+            device=device,
+            bess_action=args.bess_action,
+        )
+        env = getattr(env, "unwrapped", env)
+        return env, make_episode_stats(args.num_envs, device)
+
+    oom_history: list[str] = []  # one warning per halving of batch_size or num_envs after a CUDA out-of-memory error
+    oom_notes: list[str] = []  # every out-of-memory warning, replay buffer included, for TensorBoard
+
+    def build_envs_backing_off(where: str) -> tuple:
+        """:func:`build_envs`, halving num_envs after each out-of-memory error while building; raises
+        :class:`OutOfMemoryBackoffError` when that must stop."""
+        while True:
+            try:
+                return build_envs()
+            except RuntimeError as exc:
+                error = out_of_memory_message(exc)
+                if error is None:
+                    raise
+            free_device_memory(device)
+            message = halve_after_oom(args, oom_history, where, error, ckpt_path, in_update=False)
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+            oom_notes.append(message)
+
+    env, stats = build_envs_backing_off("at setup")
+    if oom_history:  # num_envs was halved: the iterations of the run change size
+        args.num_iterations = max(1, args.total_timesteps // args.num_envs)
     obs_dim = int(np.prod(env.single_observation_space.shape))
     act_dim = int(np.prod(env.single_action_space.shape))
 
@@ -673,8 +825,7 @@ def main(args: Args) -> dict:
     q_optimizer = adam([*qf1.parameters(), *qf2.parameters()], lr=lr(args.q_lr))
     actor_optimizer = adam(list(actor.parameters()), lr=lr(args.policy_lr))
     a_optimizer = adam([log_alpha], lr=lr(args.q_lr)) if args.autotune else None
-    rb = make_buffer(args, obs_dim, act_dim, device)
-    stats = make_episode_stats(args.num_envs, device)
+    rb = make_buffer(args, obs_dim, act_dim, device, oom_notes)
 
     obs, _ = env.reset(seed=args.seed)
     obs = obs.to(torch.float32)
@@ -710,42 +861,55 @@ def main(args: Args) -> dict:
             old = pd.read_parquet(out_dir / "metrics.parquet")
             rows = old[old.global_step <= global_step].to_dict("records")
         print(f"resumed from {ckpt_path} at global_step {global_step}, iteration {start_iteration - 1}, buffer {rb.size:,} rows")
+        # the steps left, in iterations of this run's num_envs (the checkpoint's may differ: another --num-envs, or
+        # a run that halved num_envs after running out of memory)
+        args.num_iterations = start_iteration - 1 + max(0, args.total_timesteps - global_step) // args.num_envs
     # updates begin once the buffer holds learning_starts rows (a resumed run without its buffer refills it)
     updates_from_step = global_step + max(0, args.learning_starts - rb.size) if args.resume else args.learning_starts
 
-    # the hot paths, bound once; --compile and --cudagraphs rebind the same names
-    policy_step = functools.partial(sample_action, actor, amp=args.amp)
-    critic_step = functools.partial(
-        update_critic,
-        actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target, log_alpha=log_alpha,
-        q_optimizer=q_optimizer, gamma=args.gamma, amp=args.amp,
-    )  # fmt: skip
-    actor_step = functools.partial(
-        update_actor,
-        actor=actor, qf1=qf1, qf2=qf2, log_alpha=log_alpha, actor_optimizer=actor_optimizer,
-        a_optimizer=a_optimizer, target_entropy=target_entropy, amp=args.amp,
-    )  # fmt: skip
     q_params = [*qf1.parameters(), *qf2.parameters()]
     q_target_params = [*qf1_target.parameters(), *qf2_target.parameters()]
-    target_step = functools.partial(soft_update, q_target_params, q_params, args.tau)
-    if args.compile:
-        # random numbers from eager's kernels: a seed gives the same run with and without --compile
-        torch._inductor.config.fallback_random = True
-        policy_step = torch.compile(policy_step)
-        critic_step = torch.compile(critic_step)
-        actor_step = torch.compile(actor_step)
-        target_step = torch.compile(target_step)
-    if args.cudagraphs:
-        policy_step = CudaGraphFn(policy_step)
-        critic_step = CudaGraphFn(critic_step)
-        actor_step = CudaGraphFn(actor_step)
-        target_step = CudaGraphFn(target_step)
+
+    def bind_hot_functions() -> tuple:
+        """The hot paths bound to the networks and optimizers, then compiled / CUDA-graphed as the speed switches
+        say: ``(policy_step, critic_step, actor_step, target_step)``. Called again after a halving of batch_size or
+        num_envs: graphs are captured for one shape."""
+        policy_step = functools.partial(sample_action, actor, amp=args.amp)
+        critic_step = functools.partial(
+            update_critic,
+            actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target, log_alpha=log_alpha,
+            q_optimizer=q_optimizer, gamma=args.gamma, amp=args.amp,
+        )  # fmt: skip
+        actor_step = functools.partial(
+            update_actor,
+            actor=actor, qf1=qf1, qf2=qf2, log_alpha=log_alpha, actor_optimizer=actor_optimizer,
+            a_optimizer=a_optimizer, target_entropy=target_entropy, amp=args.amp,
+        )  # fmt: skip
+        target_step = functools.partial(soft_update, q_target_params, q_params, args.tau)
+        if args.compile:
+            # random numbers from eager's kernels: a seed gives the same run with and without --compile
+            torch._inductor.config.fallback_random = True
+            policy_step = torch.compile(policy_step)
+            critic_step = torch.compile(critic_step)
+            actor_step = torch.compile(actor_step)
+            target_step = torch.compile(target_step)
+        if args.cudagraphs:
+            policy_step = CudaGraphFn(policy_step)
+            critic_step = CudaGraphFn(critic_step)
+            actor_step = CudaGraphFn(actor_step)
+            target_step = CudaGraphFn(target_step)
+        return policy_step, critic_step, actor_step, target_step
+
+    policy_step, critic_step, actor_step, target_step = bind_hot_functions()
+
+    def hyperparameters() -> str:
+        """The resolved arguments as a Markdown table (TensorBoard text)."""
+        return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
     writer = SummaryWriter(str(out_dir))
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items())),
-    )
+    writer.add_text("hyperparameters", hyperparameters())
+    for message in oom_notes:  # halvings at setup
+        writer.add_text("oom", message, global_step)
     print(
         f"SAC on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
         f"{args.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD {args.gradient_steps / args.num_envs:.3g}), "
@@ -805,51 +969,103 @@ def main(args: Args) -> dict:
     session_start_step = global_step
     sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
     iteration = start_iteration - 1
+    n_oom_logged = len(oom_notes)
     # steady-state SPS: timed over the second half of this session's iterations, past compilation, CUDA-graph
-    # capture and the first updates
+    # capture and the first updates (after a halving of num_envs or batch_size: of the iterations left)
     half_iteration = start_iteration + (args.num_iterations - start_iteration + 1) // 2
     steady_start: tuple[float, int] | None = None
     bar = tqdm(
-        range(start_iteration, args.num_iterations + 1),
         initial=start_iteration - 1,
         total=args.num_iterations,
         disable=not sys.stderr.isatty(),
         desc="sac",
     )
     try:
-        for iteration in bar:
+        while iteration < args.num_iterations:
+            iteration += 1
             if iteration == half_iteration:
                 steady_start = (synced_clock(device), global_step)
+            oom_error, oom_in_update = None, False
             # ---- act: uniform random actions before learning starts, then the stochastic policy
-            if global_step < args.learning_starts:
-                actions = torch.rand(args.num_envs, act_dim, device=device) * 2.0 - 1.0
-            else:
-                actions = policy_step(obs)
-            next_obs, reward, terminated, truncated, info = env.step(actions)
-            next_obs = next_obs.to(torch.float32)
-            reward = reward.to(torch.float32)
-            dones = terminated if args.bootstrap_truncation else terminated | truncated
-            rb.add(obs, actions, reward * args.reward_scale, next_obs, dones.to(torch.float32))
-            record_episode_stats(stats, reward, info, terminated | truncated)
-            obs = next_obs
-            global_step += args.num_envs
+            try:
+                if global_step < args.learning_starts:
+                    actions = torch.rand(args.num_envs, act_dim, device=device) * 2.0 - 1.0
+                else:
+                    actions = policy_step(obs)
+                next_obs, reward, terminated, truncated, info = env.step(actions)
+                next_obs = next_obs.to(torch.float32)
+                reward = reward.to(torch.float32)
+                dones = terminated if args.bootstrap_truncation else terminated | truncated
+                rb.add(obs, actions, reward * args.reward_scale, next_obs, dones.to(torch.float32))
+                record_episode_stats(stats, reward, info, terminated | truncated)
+            except RuntimeError as exc:
+                oom_error = out_of_memory_message(exc)
+                if oom_error is None:
+                    raise
 
             # ---- learn: gradient_steps updates on uniform samples of the replay buffer
-            if global_step >= updates_from_step:
-                for _ in range(args.gradient_steps):
-                    data = rb.sample(args.batch_size)
-                    out_q = critic_step(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
-                    bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
-                    bad[0] = out_q["bad"]
-                    n_updates += 1
-                    if n_updates % args.policy_frequency == 0:  # delayed policy updates, TD3-style
-                        for _ in range(args.policy_frequency):
-                            out_pi = actor_step(data["obs"])
-                            bad[1:] |= out_pi["bad"]
-                    if n_updates % args.target_network_frequency == 0:
-                        target_step()
-                    first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
-                    bad_any |= bad
+            if oom_error is None:
+                obs = next_obs
+                global_step += args.num_envs
+                if global_step >= updates_from_step:
+                    try:
+                        for _ in range(args.gradient_steps):
+                            data = rb.sample(args.batch_size)
+                            out_q = critic_step(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
+                            bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
+                            bad[0] = out_q["bad"]
+                            n_updates += 1
+                            if n_updates % args.policy_frequency == 0:  # delayed policy updates, TD3-style
+                                for _ in range(args.policy_frequency):
+                                    out_pi = actor_step(data["obs"])
+                                    bad[1:] |= out_pi["bad"]
+                            if n_updates % args.target_network_frequency == 0:
+                                target_step()
+                            first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
+                            bad_any |= bad
+                    except RuntimeError as exc:
+                        oom_error, oom_in_update = out_of_memory_message(exc), True
+                        if oom_error is None:
+                            raise
+
+            if oom_error is not None:
+                # out of memory. Stepping the envs: that step is dropped (not counted), the envs are rebuilt with
+                # half as many copies and the iteration is repeated. In the gradient steps: the env step stands, the
+                # iteration's remaining gradient steps are skipped, and batch_size halves (at its floor: num_envs,
+                # as above). The replay buffer is kept; the totals of finished episodes carry over.
+                where = f"at global_step {global_step} (iteration {iteration}), " + (
+                    "in the gradient steps" if oom_in_update else "stepping the envs"
+                )
+                if not oom_in_update:
+                    iteration -= 1
+                n_envs = args.num_envs
+                policy_step = critic_step = actor_step = target_step = data = None
+                message = halve_after_oom(args, oom_history, where, oom_error, ckpt_path, oom_in_update)
+                print(f"warning: {message}", file=sys.stderr, flush=True)
+                oom_notes.append(message)
+                if args.num_envs != n_envs:
+                    generator = env._generator.get_state()  # the new envs go on drawing windows where these stopped
+                    totals = {k: v for k, v in stats.items() if k == "n_done" or k.startswith("sum_")}
+                    env = stats = obs = next_obs = actions = None
+                    free_device_memory(device)
+                    env, stats = build_envs_backing_off(where)
+                    env._generator.set_state(generator)
+                    for key, value in totals.items():
+                        stats[key].copy_(value)
+                    obs, _ = env.reset()
+                    obs = obs.to(torch.float32)
+                else:
+                    free_device_memory(device)
+                policy_step, critic_step, actor_step, target_step = bind_hot_functions()
+                args.num_iterations = iteration + max(1, (args.total_timesteps - global_step) // args.num_envs)
+                half_iteration, steady_start = iteration + 1 + (args.num_iterations - iteration) // 2, None
+                bar.total = args.num_iterations
+                for message in oom_notes[n_oom_logged:]:
+                    writer.add_text("oom", message, global_step)
+                n_oom_logged = len(oom_notes)
+                if not oom_in_update:
+                    continue
+            bar.update()
 
             last = iteration == args.num_iterations
             if iteration % args.log_every == 0 or last:
@@ -884,6 +1100,8 @@ def main(args: Args) -> dict:
                         "learning_rate": args.q_lr,
                         "policy_lr": args.policy_lr,
                         "gradient_steps": n_updates,
+                        "num_envs": args.num_envs,
+                        "batch_size": args.batch_size,
                     }
                 )
                 write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
@@ -909,11 +1127,13 @@ def main(args: Args) -> dict:
                     steady_start = (steady_start[0] + paused, steady_start[1])
             if args.checkpoint_every and iteration % args.checkpoint_every == 0 and not last:
                 checkpoint(iteration, train_wall_prev + time.perf_counter() - start_time)
-    except NonFiniteLossError:
+    except (NonFiniteLossError, OutOfMemoryBackoffError):
         writer.close()
         bar.close()
         raise
     bar.close()
+    if oom_notes:  # the sizes actually used at the end
+        writer.add_text("hyperparameters", hyperparameters(), global_step)
 
     end_time = synced_clock(device)
     sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
@@ -923,7 +1143,9 @@ def main(args: Args) -> dict:
     write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
     print(f"training: {global_step:,} steps, {n_updates:,} gradient steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
-    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady, "policy": str(policy_path)}
+    result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady,
+              "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size,
+              "buffer_size": args.buffer_size}
     if args.eval_split.lower() != "none":
         row, traces = evaluate(train_wall_s=train_wall, env_steps=float(global_step), steps_per_s=sps)
         write_parquet(row, out_dir / f"eval_{args.eval_split}.parquet")
