@@ -1,4 +1,4 @@
-"""PPO with a Gaussian policy for ``EVHub-v0``, CleanRL style: one file, everything on one device.
+"""PPO with a Gaussian policy for ``EVHub-v0`` or any gymnasium env with Box actions, CleanRL style: one file.
 
 The whole rollout stays on the device: the torch-batched env steps ``num_envs`` copies of the site, the
 agent samples actions from tensors, rollout storage is preallocated, and episode statistics are summed
@@ -19,6 +19,19 @@ Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device):
     python algos/ppo.py --site path/to/site.toml --total-timesteps 200000 --seed 2
     python algos/ppo.py --preset gpu --compile --cudagraphs
     tensorboard --logdir outputs/
+    python algos/ppo.py --env-id Pendulum-v1 --vector-mode async --num-envs 8 --total-timesteps 200000
+
+Other environments (``--env-id``: any registered gymnasium id, a user's own too as ``"module:EnvId-v0"``): an id
+with a ``vector_entry_point`` that takes a ``device`` (the torch-batched envs of this repo) is built by it on the
+device; any other is
+stepped by gymnasium's ``SyncVectorEnv`` or, with ``--vector-mode async``, ``AsyncVectorEnv`` (one worker process
+per env, for CPU- or I/O-bound envs; if it cannot start, the run warns and falls back to sync) with the same-step
+autoreset of our envs, wrapped in :class:`GymVecEnv` (numpy <-> device tensors, actions in [-1, 1] rescaled to the
+Box's bounds, truncations bootstrapped from ``final_obs``). PPO needs a Box action space and flat observations (an
+image observation is refused with a ValueError: there is no CNN torso here). The EVHub-only parts (site split,
+socket/weekday feature selection, KPI episode statistics, ``policy.json``, the evaluation on ``eval_split``) are
+skipped for other envs; checkpoint and ``policy.pt2`` are written for every env. Resuming a gymnasium env starts
+new episodes (its state cannot be saved).
 
 Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
 (model, optimizer, counters, RNG and env state; ``--resume`` continues from it), ``policy.pt2`` (the
@@ -26,6 +39,10 @@ deterministic actor as a ``torch.export`` program: obs float32 ``(B, obs_dim)`` 
 ``(B, act_dim)``; load with ``torch.export.load(path).module()``), and the deterministic evaluation over
 ``eval_split``: ``eval_{split}.parquet`` (one KPI row, controller ``"ppo"``) and
 ``eval_{split}_traces.parquet`` (hourly traces).
+
+Every log interval also records ``perf/gpu_mem_allocated_gb``, ``perf/gpu_mem_reserved_gb``,
+``perf/gpu_mem_peak_gb`` and (where ``pynvml`` imports) ``perf/gpu_util_pct`` on CUDA (:func:`gpu_stats`; NaN on
+the CPU), in TensorBoard and ``metrics.parquet``.
 """
 
 from __future__ import annotations
@@ -34,6 +51,8 @@ import copy
 import dataclasses
 import functools
 import gc
+import importlib.util
+import inspect
 import math
 import os
 import random
@@ -90,15 +109,20 @@ class Args:
     """torch intra-op CPU threads, 0 keeps torch's default (None: preset, 1 on cpu: the tensors of a few hundred
     envs are too small to gain from more, and spinning threads cost a lot on a busy machine; 0 on gpu)"""
     env_id: str = "EVHub-v0"
-    """the id of the environment"""
+    """the id of the environment: any registered gymnasium id with a Box action space (e.g. Pendulum-v1, or a
+    user's own as 'module:EnvId-v0'); the site options below apply to EVHub-v0 only"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """how a gymnasium env without a vector entry point is vectorised: 'sync' (SyncVectorEnv, one process) or
+    'async' (AsyncVectorEnv, one worker process per env, for CPU- or I/O-bound envs; falls back to sync with a
+    warning if the workers cannot start); ignored for the torch-batched envs (EVHub-v0, Snake-v0)"""
     site: str = "caltech"
-    """site to train on: a shipped site name or a path to a site TOML file"""
+    """site to train on (EVHub-v0 only): a shipped site name or a path to a site TOML file"""
     action_mode: str = "hub"
-    """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
+    """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket); EVHub-v0 only"""
     bess_action: Literal["surplus", "setpoint"] = "surplus"
-    """meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
-    self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess times the
-    BESS power limit)"""
+    """meaning of the BESS action (EVHub-v0 only): 'surplus' (the PV surplus is always stored; -1 = cover the
+    deficit, the self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess
+    times the BESS power limit)"""
     total_timesteps: int | None = None
     """total env steps of the experiment (None: preset, 4,000,000 on cpu, 50,000,000 on gpu)"""
     learning_rate: float = 1e-3
@@ -137,17 +161,19 @@ class Args:
     init_logstd: float = -0.5
     """initial log standard deviation of the Gaussian policy (state-independent, learned)"""
     socket_features: bool = True
-    """feed the per-socket observations to the networks (False: only the site-level features before them)"""
+    """feed the per-socket observations to the networks (False: only the site-level features before them);
+    EVHub-v0 only"""
     weekday_features: bool = False
-    """feed the day-of-week features (sin/cos) to the networks (off: the policy reads the EV demand from the
+    """feed the day-of-week features (sin/cos) to the networks (EVHub-v0 only; off: the policy reads the EV demand from the
     sockets instead of learning the weekday pattern of the training year, which transfers worse to other years)"""
     norm_obs: bool = True
     """standardise observations with running statistics kept in the agent (CleanRL's NormalizeObservation)"""
     norm_reward: bool = True
     """scale rewards by a running std of the discounted return (CleanRL's NormalizeReward, on device)"""
     bootstrap_truncation: bool = True
-    """treat the time-limit truncation as non-terminal (the site never terminates): bootstrap through the
-    autoreset into the next window; False treats it as terminal like CleanRL"""
+    """treat the time-limit truncation as non-terminal: EVHub-v0 (the site never terminates) bootstraps through
+    the autoreset into the next window, a gymnasium env adds gamma * V(final_obs) to the truncated step's reward;
+    False treats it as terminal like CleanRL"""
     compile: bool = False
     """torch.compile the hot functions (action selection, bootstrap + GAE, the minibatch update)"""
     cudagraphs: bool = False
@@ -158,15 +184,17 @@ class Args:
     log_every: int = 1
     """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar)"""
     output_dir: str | None = None
-    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed})"""
+    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed} for EVHub-v0,
+    outputs/runs/{exp_name}_{env_id}_seed{seed} otherwise)"""
     checkpoint_every: int = 25
     """iterations between checkpoints (0: only at the end)"""
     resume: bool = False
     """continue from output_dir/checkpoint.pt (model, optimizer, counters, RNG and env state)"""
     eval_split: str = "test"
-    """split for the final deterministic evaluation ('none' skips it)"""
+    """split for the final deterministic evaluation ('none' skips it); EVHub-v0 only (other envs: a note)"""
     eval_every: int = 0
-    """iterations between deterministic evaluations on eval_split during training (0: only the final one); each
+    """iterations between deterministic evaluations on eval_split during training (0: only the final one;
+    EVHub-v0 only); each
     is logged as eval/co2_kg etc. and added to eval_curve.parquet with the training wall time so far, which
     leaves the evaluations out"""
     max_oom_retries: int = 3
@@ -205,6 +233,203 @@ class NonFiniteLossError(RuntimeError):
 class OutOfMemoryBackoffError(RuntimeError):
     """CUDA ran out of memory and halving num_envs cannot go on (``max_oom_retries`` halvings made, or nothing left
     to halve); training stops, the last checkpoint is kept."""
+
+
+# ---------------------------------------------------------------------------------------------- environments
+EVHUB_ID = "EVHub-v0"
+"""The site env: the only one with a site, splits, KPIs and ``policy.json``."""
+
+EVHUB_KWARGS = ("site", "split", "action_mode", "bess_action")
+"""Keyword arguments of ``gym.make_vec`` that only ``EVHub-v0`` takes."""
+
+
+class GymVecEnv:
+    """Gives a gymnasium vector env of a plain gymnasium env the tensor interface of the torch-batched envs.
+
+    ``env`` is a ``SyncVectorEnv`` or ``AsyncVectorEnv`` with ``AutoresetMode.SAME_STEP`` (the observation returned
+    at an episode end already begins the next episode, as in ``EVHub-v0``), usually wrapped in
+    ``gymnasium.wrappers.vector.RecordEpisodeStatistics``. Observations become float32 ``(num_envs, obs_dim)``
+    tensors on ``device`` (flattened); actions are float tensors ``(num_envs, act_dim)`` in [-1, 1], rescaled
+    affinely to the Box's ``[low, high]`` where both bounds are finite (else passed as they are) and handed to the
+    env as numpy arrays of the space's dtype; rewards float32 ``(num_envs,)``; terminated/truncated bool
+    ``(num_envs,)``. ``step``'s info is ``{"final_obs": float32 (num_envs, obs_dim) tensor (the last observation
+    of each episode that ended, the returned observation elsewhere), "any_truncated": bool, "env_info": the
+    env's own info dict}``. There is no ``state_dict``: the envs cannot be checkpointed.
+
+    Raises:
+        ValueError: the action space is not a Box, or the observation space is not a flat Box (see
+            :func:`check_spaces`).
+    """
+
+    def __init__(self, env: gym.vector.VectorEnv, device: torch.device, env_id: str):
+        check_spaces(env_id, env.single_observation_space, env.single_action_space)
+        self.env = env
+        self.device = device
+        self.num_envs = int(env.num_envs)
+        self.single_observation_space = env.single_observation_space
+        self.single_action_space = env.single_action_space
+        space = env.single_action_space
+        self._act_shape = space.shape
+        self._act_dtype = space.dtype
+        low, high = np.asarray(space.low, np.float64).reshape(-1), np.asarray(space.high, np.float64).reshape(-1)
+        finite = np.isfinite(low) & np.isfinite(high)
+        self._low, self._high = low, high
+        self._mid = np.where(finite, (high + low) / 2.0, 0.0)
+        self._half = np.where(finite, (high - low) / 2.0, 1.0)
+        self._finite = finite
+
+    def _obs(self, obs) -> torch.Tensor:
+        """numpy ``(num_envs, *obs_shape)`` -> float32 ``(num_envs, obs_dim)`` tensor on the device."""
+        flat = np.asarray(obs, dtype=np.float32).reshape(self.num_envs, -1)
+        return torch.as_tensor(flat).to(self.device)
+
+    def action_to_env(self, action: torch.Tensor) -> np.ndarray:
+        """Actions float ``(num_envs, act_dim)`` in [-1, 1] -> numpy ``(num_envs, *act_shape)`` of the Box's dtype,
+        in ``[low, high]`` (dimensions with an infinite bound are passed unscaled)."""
+        a = action.detach().to("cpu", torch.float64).numpy().reshape(self.num_envs, -1)
+        a = self._mid + self._half * a
+        a = np.where(self._finite, np.clip(a, self._low, self._high), a)
+        return a.reshape(self.num_envs, *self._act_shape).astype(self._act_dtype)
+
+    def reset(self, seed: int | None = None) -> tuple[torch.Tensor, dict]:
+        """Reset every env (env ``i`` seeded with ``seed + i``); returns ``(obs (num_envs, obs_dim), info)``."""
+        obs, info = self.env.reset(seed=seed)
+        return self._obs(obs), info
+
+    def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """One step of every env with ``action`` float ``(num_envs, act_dim)`` in [-1, 1]; see the class docstring."""
+        obs, reward, terminated, truncated, info = self.env.step(self.action_to_env(action))
+        next_obs = self._obs(obs)
+        final_obs = next_obs
+        ended = info.get("_final_obs")
+        if ended is not None and np.any(ended):
+            flat = np.asarray(obs, dtype=np.float32).reshape(self.num_envs, -1).copy()
+            for i in np.flatnonzero(ended):
+                flat[i] = np.asarray(info["final_obs"][i], dtype=np.float32).reshape(-1)
+            final_obs = torch.as_tensor(flat).to(self.device)
+        truncated = np.asarray(truncated, dtype=bool)
+        return (
+            next_obs,
+            torch.as_tensor(np.asarray(reward, dtype=np.float32)).to(self.device),
+            torch.as_tensor(np.asarray(terminated, dtype=bool)).to(self.device),
+            torch.as_tensor(truncated).to(self.device),
+            {"final_obs": final_obs, "any_truncated": bool(truncated.any()), "env_info": info},
+        )
+
+    def close(self) -> None:
+        """Close the vector env (ends the worker processes of an AsyncVectorEnv)."""
+        self.env.close()
+
+
+def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:
+    """Check that PPO can drive an env with these single-env spaces.
+
+    Raises:
+        ValueError: the action space is not a ``Box`` (PPO's Gaussian policy needs continuous actions), or the
+            observation space is not a ``Box``, or is an image (3-D: this PPO has only the MLP torso); both name
+            the env id and the space.
+    """
+    if not isinstance(act_space, gym.spaces.Box):
+        raise ValueError(
+            f"PPO needs a Box (continuous) action space, but {env_id} has {act_space}; use algos/dqn.py for "
+            f"discrete actions"
+        )
+    if not isinstance(obs_space, gym.spaces.Box):
+        raise ValueError(f"PPO needs a Box observation space, but {env_id} has {obs_space}")
+    if len(obs_space.shape) == 3:
+        raise ValueError(
+            f"PPO here has only an MLP for flat observations, but {env_id} has image observations {obs_space} "
+            f"(C, H, W); use algos/dqn.py (CNN torso) or flatten them with a wrapper"
+        )
+
+
+def is_torch_batched(env_id: str) -> bool:
+    """True where ``env_id``'s gymnasium spec has a ``vector_entry_point`` whose constructor takes a ``device``
+    argument: the torch-batched envs of this repo (and a user's own built the same way). Gymnasium's own numpy
+    vector envs (e.g. ``CartPole-v1``'s) have a vector entry point without one; they are stepped as gymnasium
+    envs (``--vector-mode``).
+
+    Raises:
+        gymnasium.error.Error: the id is not registered (or its ``module:`` part cannot be imported).
+    """
+    entry_point = gym.spec(env_id).vector_entry_point
+    if entry_point is None:
+        return False
+    creator = entry_point if callable(entry_point) else gym.envs.registration.load_env_creator(entry_point)
+    try:
+        return "device" in inspect.signature(creator).parameters
+    except (TypeError, ValueError):  # no signature to read: trust the vector entry point
+        return True
+
+
+def make_gym_vector_env(env_id: str, num_envs: int, mode: str) -> tuple[gym.vector.VectorEnv, str | None]:
+    """``gym.make_vec`` of a plain gymnasium env with same-step autoreset, wrapped in ``RecordEpisodeStatistics``.
+
+    ``mode`` is ``"sync"`` or ``"async"``; if the async workers fail to start (no fork, an env factory that cannot
+    be pickled, ...), the env is built with ``"sync"`` instead. Returns ``(env, warning)``: the warning text of a
+    fallback, else None.
+    """
+    kwargs = {"vector_kwargs": {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}}
+    warning = None
+    if mode == "async":
+        try:
+            env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="async", **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any failure to start the workers falls back to sync
+            warning = (
+                f"--vector-mode async could not start {num_envs} worker processes for {env_id} "
+                f"({type(exc).__name__}: {exc}); falling back to --vector-mode sync"
+            )
+        else:
+            return gym.wrappers.vector.RecordEpisodeStatistics(env), None
+    env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync", **kwargs)
+    return gym.wrappers.vector.RecordEpisodeStatistics(env), warning
+
+
+def gpu_stats(device: torch.device) -> dict[str, float]:
+    """GPU memory and utilisation of ``device`` for the log: TensorBoard tag -> value.
+
+    Keys: ``perf/gpu_mem_allocated_gb``, ``perf/gpu_mem_reserved_gb``, ``perf/gpu_mem_peak_gb`` (GB = 1e9 bytes;
+    ``torch.cuda.memory_allocated`` / ``memory_reserved`` / ``max_memory_allocated``: host-side counters of the
+    caching allocator, no GPU sync) and ``perf/gpu_util_pct`` (percent of the last sample period with a kernel
+    running, via NVML: NaN unless ``pynvml`` (nvidia-ml-py) imports). Every value is NaN on a non-CUDA device.
+    Never raises: a failed reading is NaN.
+    """
+    stats = {key: math.nan for key in GPU_STAT_KEYS}
+    if device.type != "cuda":
+        return stats
+    try:
+        stats["perf/gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(device) / 1e9
+        stats["perf/gpu_mem_reserved_gb"] = torch.cuda.memory_reserved(device) / 1e9
+        stats["perf/gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    except Exception:  # noqa: BLE001 - monitoring must not stop training
+        pass
+    if _HAVE_PYNVML:
+        try:
+            stats["perf/gpu_util_pct"] = float(torch.cuda.utilization(device))
+        except Exception:  # noqa: BLE001
+            pass
+    return stats
+
+
+GPU_STAT_KEYS = ("perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb", "perf/gpu_util_pct")
+"""The TensorBoard tags of :func:`gpu_stats`; ``metrics.parquet`` has them as columns without ``perf/``."""
+
+_HAVE_PYNVML = importlib.util.find_spec("pynvml") is not None
+
+
+def presets_table(chosen: str, args: Args | None = None) -> str:
+    """The PRESETS table as Markdown: one row per field, one column per preset, and the value in use when ``args``
+    (resolved) is given; the ``chosen`` preset's column is marked with ``*``."""
+    names = list(PRESETS)
+    keys = list(dict.fromkeys(k for p in PRESETS.values() for k in p))
+    head = ["field"] + [f"{n}*" if n == chosen else n for n in names] + (["used"] if args is not None else [])
+    lines = ["|" + "|".join(head) + "|", "|" + "|".join("-" for _ in head) + "|"]
+    for key in keys:
+        row = [key] + [str(PRESETS[n].get(key, "")) for n in names]
+        if args is not None:
+            row.append(str(getattr(args, key)))
+        lines.append("|" + "|".join(row) + "|")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- agent
@@ -448,6 +673,13 @@ def policy_step(
         return obs_n, action, dist.log_prob(action).sum(1), value
 
 
+def bootstrap_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch.Tensor:
+    """Value float32 ``(B,)`` of raw observations ``obs`` float32 ``(B, obs_dim)`` (normalised with the running
+    statistics, which it does not update); no host sync. Used for the ``final_obs`` of truncated episodes."""
+    with torch.no_grad():
+        return agent.get_value(agent.obs_norm(obs), amp)
+
+
 def estimate_advantages(
     agent: Agent,
     next_obs: torch.Tensor,
@@ -633,13 +865,15 @@ class CudaGraphed:
 def record_step(stats: dict, reward: torch.Tensor, info: dict, episode_end: torch.Tensor) -> None:
     """Add one step to the per-env episode sums; move the sums of finished episodes into the totals.
 
-    ``reward`` float32 ``(num_envs,)``, ``info["co2_kg"]``/``info["unserved_kwh"]`` ``(num_envs,)``,
-    ``episode_end`` bool ``(num_envs,)`` (terminated or truncated).
+    ``reward`` float32 ``(num_envs,)``, ``info["co2_kg"]``/``info["unserved_kwh"]`` ``(num_envs,)`` (EVHub-v0;
+    where an env's info has no such key, its sums stay 0), ``episode_end`` bool ``(num_envs,)`` (terminated or
+    truncated).
     """
     end = episode_end.to(torch.float64)
     stats["ep_return"] += reward
-    stats["ep_co2_kg"] += info["co2_kg"]
-    stats["ep_unserved_kwh"] += info["unserved_kwh"]
+    for key in ("co2_kg", "unserved_kwh"):
+        if key in info:
+            stats[f"ep_{key}"] += info[key]
     stats["ep_length"] += 1.0
     stats["n_done"] += end.sum()
     for key in ("return", "co2_kg", "unserved_kwh", "length"):
@@ -657,12 +891,19 @@ def rollout(
     rn: dict | None,
     gamma: float,
     bootstrap_truncation: bool,
+    final_value=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``act`` (:func:`policy_step`
-    bound to the agent); no host sync.
+    bound to the agent); no host sync (beyond what a host env's step needs).
 
     ``next_obs`` is the raw env observation float32 ``(num_envs, obs_dim)``; ``act`` updates the agent's
     observation normaliser with each one, and the normalised observations are stored.
+
+    ``final_value`` (a :class:`GymVecEnv` with ``bootstrap_truncation``; :func:`bootstrap_value` bound to the
+    agent): every episode end is a done (no bootstrap across the autoreset), and on a step that truncates an
+    episode without terminating it, ``gamma * final_value(info["final_obs"])`` is added to the (normalised) reward.
+    Without it, ``bootstrap_truncation`` makes only ``terminated`` a done (EVHub-v0's bootstrap through the
+    autoreset into the next window).
 
     Returns:
         ``(next_obs, next_done)`` after the last step (float32 ``(num_envs, obs_dim)`` and ``(num_envs,)``), for
@@ -678,11 +919,18 @@ def rollout(
         next_obs, reward, terminated, truncated, info = env.step(action.clamp(-1.0, 1.0))
         next_obs = next_obs.to(torch.float32)
         reward = reward.to(torch.float32)
-        next_done = (terminated if bootstrap_truncation else terminated | truncated).to(torch.float32)
+        if final_value is None:
+            next_done = (terminated if bootstrap_truncation else terminated | truncated).to(torch.float32)
+        else:
+            next_done = (terminated | truncated).to(torch.float32)
         # episode statistics: raw reward, CO2 and unserved energy summed per env, recorded at episode end
         record_step(stats, reward, info, terminated | truncated)
         if rn is not None:
             reward = normalize_reward(rn, reward, next_done, gamma)
+        if final_value is not None and info["any_truncated"]:
+            # a time limit is not terminal: bootstrap from the value of the episode's last observation
+            cut = (truncated & ~terminated).to(torch.float32)
+            reward = reward + gamma * cut * final_value(info["final_obs"])
         storage["rewards"][step] = reward
     return next_obs, next_done
 
@@ -707,8 +955,11 @@ def resolve_args(args: Args, device: torch.device) -> Args:
     for key, value in PRESETS[name].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.output_dir is None:
+    if args.output_dir is None and args.env_id == EVHUB_ID:
         args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}")
+    elif args.output_dir is None:
+        env_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.env_id)
+        args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{env_name}_seed{args.seed}")
     if min(args.num_envs, args.num_steps, args.log_every) < 1:
         raise ValueError("num_envs, num_steps and log_every must be >= 1")
     args.batch_size = int(args.num_envs * args.num_steps)
@@ -725,13 +976,15 @@ def resolve_args(args: Args, device: torch.device) -> Args:
 
 
 def rng_state(env) -> dict:
-    """The Python, NumPy, torch (CPU and CUDA) and env generator states, for the checkpoint."""
+    """The Python, NumPy, torch (CPU and CUDA) and env generator states, for the checkpoint (no env generator for a
+    :class:`GymVecEnv`: its envs are reseeded on resume)."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "env_generator": env._generator.get_state(),
     }
+    if hasattr(env, "_generator"):
+        state["env_generator"] = env._generator.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -742,7 +995,8 @@ def set_rng_state(env, state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    env._generator.set_state(state["env_generator"])
+    if hasattr(env, "_generator") and "env_generator" in state:
+        env._generator.set_state(state["env_generator"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -889,14 +1143,19 @@ def eval_curve_row(kpis: pd.DataFrame, global_step: int, train_wall_s: float) ->
     }
 
 
-def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float, num_envs: int) -> dict:
-    """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, learning rate and
-    the number of envs of the iteration (less than asked for after a halving for lack of memory)."""
+def metrics_row(
+    global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float, num_envs: int, gpu: dict | None = None
+) -> dict:
+    """One row of ``metrics.parquet`` from host numbers: episode means ``ep`` (``co2_kg``/``unserved_kwh`` NaN for
+    envs other than EVHub-v0), update ``losses``, learning rate, the number of envs of the iteration (less than asked
+    for after a halving for lack of memory) and the :func:`gpu_stats` reading ``gpu`` (NaN where absent)."""
+    gpu = gpu or {}
     return {
         "global_step": global_step,
         "wall_s": wall_s,
         "sps": sps,
         "episodic_return": ep["return"],
+        "episodic_length": ep["length"],
         "episodic_co2_kg": ep["co2_kg"],
         "episodic_unserved_kwh": ep["unserved_kwh"],
         "value_loss": losses["value_loss"],
@@ -907,6 +1166,7 @@ def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: d
         "explained_variance": losses["explained_variance"],
         "learning_rate": lr,
         "num_envs": num_envs,
+        **{key.removeprefix("perf/"): float(gpu.get(key, math.nan)) for key in GPU_STAT_KEYS},
     }
 
 
@@ -917,10 +1177,12 @@ def main(args: Args) -> dict:
     Returns:
         ``{"global_step", "train_wall_s", "sps", "sps_steady", "policy"}`` (path of the exported policy),
         ``"num_envs"`` and ``"batch_size"`` (the sizes trained with at the end: smaller than asked for after
-        halvings for lack of CUDA memory) and, unless ``eval_split`` is ``"none"``, ``"eval"``: the KPI row (a
+        halvings for lack of CUDA memory), ``"vector_mode"`` (the one used: "sync" after an async fallback; None for
+        a torch-batched env) and, for EVHub-v0 unless ``eval_split`` is ``"none"``, ``"eval"``: the KPI row (a
         one-row DataFrame).
 
     Raises:
+        ValueError: the env has no Box action space or no flat Box observations (:func:`check_spaces`).
         NonFiniteLossError: a loss became NaN or infinite.
         OutOfMemoryBackoffError: CUDA ran out of memory once more after ``max_oom_retries`` halvings of num_envs
             (or with nothing left to halve); the last checkpoint is kept.
@@ -945,21 +1207,43 @@ def main(args: Args) -> dict:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
-    site = envs.load_site(args.site)
+    is_evhub = args.env_id == EVHUB_ID
+    torch_batched = is_torch_batched(args.env_id)
+    site = envs.load_site(args.site) if is_evhub else None
+    run_warnings: list[str] = []  # shown on stderr at once and written to TensorBoard text "warnings"
+    if torch_batched and args.vector_mode != "sync":
+        print(f"note: --vector-mode {args.vector_mode} is ignored: {args.env_id} is a torch-batched env (vector_entry_point)")
 
     def build_envs() -> tuple:
         """The envs and all the state sized by num_envs: ``(env, storage, episode stats, reward normaliser)``."""
-        env = gym.make_vec(
-            args.env_id,
-            num_envs=args.num_envs,
-            vectorization_mode="vector_entry_point",
-            site=site,
-            split="train",
-            action_mode=args.action_mode,
-            device=device,
-            bess_action=args.bess_action,
-        )
-        env = getattr(env, "unwrapped", env)
+        if torch_batched:
+            evhub_kwargs = {}
+            if is_evhub:
+                evhub_kwargs = dict(site=site, split="train", action_mode=args.action_mode, bess_action=args.bess_action)
+            env = gym.make_vec(
+                args.env_id,
+                num_envs=args.num_envs,
+                vectorization_mode="vector_entry_point",
+                device=device,
+                **evhub_kwargs,
+            )
+            env = getattr(env, "unwrapped", env)
+            try:
+                check_spaces(args.env_id, env.single_observation_space, env.single_action_space)
+            except ValueError:
+                getattr(env, "close", lambda: None)()
+                raise
+        else:
+            vec, warning = make_gym_vector_env(args.env_id, args.num_envs, args.vector_mode)
+            if warning is not None:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
+                run_warnings.append(warning)
+                args.vector_mode = "sync"
+            try:
+                env = GymVecEnv(vec, device, args.env_id)
+            except ValueError:
+                vec.close()
+                raise
         obs_dim = int(np.prod(env.single_observation_space.shape))
         act_dim = int(np.prod(env.single_action_space.shape))
         storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
@@ -990,9 +1274,11 @@ def main(args: Args) -> dict:
     obs_dim = int(np.prod(env.single_observation_space.shape))
     act_dim = int(np.prod(env.single_action_space.shape))
 
-    inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
-    if not args.weekday_features:
-        inputs = [i for i in inputs if i not in OBS_WEEKDAY]
+    inputs = None  # every feature: the EVHub-v0 feature selection below applies to the site's observation only
+    if is_evhub:
+        inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
+        if not args.weekday_features:
+            inputs = [i for i in inputs if i not in OBS_WEEKDAY]
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs).to(device)
     # a device-tensor learning rate, annealed in place: no recompilation, and CUDA graphs see the new value. On CUDA
     # Adam takes a tensor LR only as capturable (its foreach path needs it; graphs need it too). On the CPU it is
@@ -1013,7 +1299,15 @@ def main(args: Args) -> dict:
         global_step, start_iteration = int(ckpt["global_step"]), int(ckpt["iteration"]) + 1
         train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
         set_rng_state(env, ckpt["rng"])
-        if ckpt.get("num_envs") == args.num_envs:
+        if not torch_batched:
+            # a gymnasium env's state cannot be saved: fresh episodes (other seeds than the first start's), fresh
+            # episode sums; the running return statistics carry over
+            print("resume: the state of a gymnasium env cannot be checkpointed; envs start new episodes")
+            next_obs, _ = env.reset(seed=args.seed + global_step)
+            if rn is not None and ckpt.get("reward_norm") is not None:
+                for key in ("mean", "var", "count"):
+                    rn[key].copy_(ckpt["reward_norm"][key])
+        elif ckpt.get("num_envs") == args.num_envs:
             env.load_state_dict(ckpt["env_state"])
             next_obs, next_done = ckpt["next_obs"].to(device), ckpt["next_done"].to(device)
             for key, value in ckpt["episode_stats"].items():
@@ -1037,6 +1331,9 @@ def main(args: Args) -> dict:
         """The hot functions bound to the agent and optimizer, then compiled / CUDA-graphed as the speed switches
         say: ``(act, gae, learn)``. Called again after a halving of num_envs: graphs are captured for one shape."""
         act = functools.partial(policy_step, agent, amp=args.amp)
+        final_value = None
+        if not torch_batched and args.bootstrap_truncation:
+            final_value = functools.partial(bootstrap_value, agent, amp=args.amp)
         gae = functools.partial(estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp)
         learn = functools.partial(
             update_minibatch,
@@ -1054,15 +1351,17 @@ def main(args: Args) -> dict:
             # random numbers from eager's kernels: a seed gives the same run with and without --compile
             torch._inductor.config.fallback_random = True
             act = torch.compile(act)
+            final_value = final_value and torch.compile(final_value)
             gae = torch.compile(gae)
             learn = torch.compile(learn)
         if args.cudagraphs:
             act = CudaGraphed(act)
+            final_value = final_value and CudaGraphed(final_value)
             gae = CudaGraphed(gae)
             learn = CudaGraphed(learn)
-        return act, gae, learn
+        return act, gae, learn, final_value
 
-    act, gae, learn = bind_hot_functions()
+    act, gae, learn, final_value = bind_hot_functions()
 
     def hyperparameters() -> str:
         """The resolved arguments as a Markdown table (TensorBoard text)."""
@@ -1070,14 +1369,22 @@ def main(args: Args) -> dict:
 
     writer = SummaryWriter(str(out_dir))
     writer.add_text("hyperparameters", hyperparameters())
+    writer.add_text("presets", presets_table(args.preset, args))
     for message in oom_history:  # halvings at setup
         writer.add_text("oom", message, global_step)
+    for message in run_warnings:  # an async start that fell back to sync
+        writer.add_text("warnings", message, global_step)
+    where = f"site={args.site} action_mode={args.action_mode}" if is_evhub else (
+        f"vector_mode={args.vector_mode}" if not torch_batched else "torch-batched")
     print(
-        f"PPO on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
+        f"PPO on {args.env_id} {where} device={device} preset={args.preset}: "
         f"{args.num_envs} envs x {args.num_steps} steps, {args.num_iterations} iterations, "
         f"{args.total_timesteps:,} steps; output {out_dir}"
     )
+    print(f"presets (* = {args.preset}; any field can be set on the command line):\n" + presets_table(args.preset, args))
     print("args: " + ", ".join(f"{k}={v}" for k, v in vars(args).items()), flush=True)
+    if not is_evhub and args.eval_split.lower() != "none":
+        print(f"note: no split evaluation for {args.env_id} (eval_split={args.eval_split!r} applies to {EVHUB_ID} only)")
 
     def checkpoint(iteration: int, train_wall: float) -> None:
         check_finite(bad_any, first_bad_step, ckpt_path)
@@ -1091,7 +1398,7 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state=env.state_dict(),
+            env_state=env.state_dict() if torch_batched else None,
             next_obs=next_obs,
             next_done=next_done,
             episode_stats=stats,
@@ -1145,7 +1452,8 @@ def main(args: Args) -> dict:
             oom_error = None
             try:
                 next_obs, next_done = rollout(
-                    env, act, next_obs, next_done, storage, stats, rn, args.gamma, args.bootstrap_truncation
+                    env, act, next_obs, next_done, storage, stats, rn, args.gamma, args.bootstrap_truncation,
+                    final_value=final_value,
                 )
                 advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
                 out = update(
@@ -1170,13 +1478,17 @@ def main(args: Args) -> dict:
                 # is repeated at the new size; the totals of finished episodes and the return statistics carry over
                 where = f"at global_step {global_step} (iteration {iteration})"
                 iteration -= 1
-                generator = env._generator.get_state()  # the new envs go on drawing windows where these stopped
+                # the new envs go on drawing windows where these stopped
+                generator = env._generator.get_state() if hasattr(env, "_generator") else None
+                if not torch_batched:
+                    env.close()
                 totals = {k: v for k, v in stats.items() if k == "n_done" or k.startswith("sum_")}
                 rn_totals = None if rn is None else {k: rn[k] for k in ("mean", "var", "count")}
                 env = storage = stats = rn = next_obs = next_done = advantages = returns = out = None
-                act = gae = learn = None
+                act = gae = learn = final_value = None
                 env, storage, stats, rn = build_envs_backing_off(where, oom_error)
-                env._generator.set_state(generator)
+                if generator is not None:
+                    env._generator.set_state(generator)
                 for key, value in totals.items():
                     stats[key].copy_(value)
                 for key, value in (rn_totals or {}).items():
@@ -1184,7 +1496,7 @@ def main(args: Args) -> dict:
                 next_obs, _ = env.reset()
                 next_obs = next_obs.to(torch.float32)
                 next_done = torch.zeros(args.num_envs, device=device)
-                act, gae, learn = bind_hot_functions()
+                act, gae, learn, final_value = bind_hot_functions()
                 args.num_iterations = iteration + max(1, (args.total_timesteps - global_step) // args.batch_size)
                 end_step = global_step + (args.num_iterations - iteration) * args.batch_size
                 half_iteration, steady_start = iteration + 1 + (args.num_iterations - iteration) // 2, None
@@ -1206,6 +1518,9 @@ def main(args: Args) -> dict:
                 lr_now = float(lr_t)
                 n_done = float(stats["n_done"])
                 ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done else math.nan for k in ("return", "co2_kg", "unserved_kwh", "length")}
+                if not is_evhub:  # the KPIs exist for the site only
+                    ep["co2_kg"] = ep["unserved_kwh"] = math.nan
+                gpu = gpu_stats(device)
                 for key in ("n_done", "sum_return", "sum_co2_kg", "sum_unserved_kwh", "sum_length"):
                     stats[key].zero_()
                 wall = time.perf_counter() - start_time
@@ -1213,23 +1528,29 @@ def main(args: Args) -> dict:
                 if n_done:
                     writer.add_scalar("charts/episodic_return", ep["return"], global_step)
                     writer.add_scalar("charts/episodic_length", ep["length"], global_step)
-                    writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
-                    writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                    if is_evhub:
+                        writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
+                        writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
                 writer.add_scalar("charts/learning_rate", lr_now, global_step)
                 for key in ("value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance"):
                     writer.add_scalar(f"losses/{key}", losses_host[key], global_step)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
-                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses_host, lr_now, args.num_envs))
+                for key, value in gpu.items():
+                    if not math.isnan(value):
+                        writer.add_scalar(key, value, global_step)
+                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses_host, lr_now, args.num_envs, gpu))
                 write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
                 bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", refresh=False)
                 if (bar.disable and iteration % max(1, args.num_iterations // 10) == 0) or last:
                     print(
                         f"iter {iteration}/{args.num_iterations} step {global_step} SPS {int(sps)} "
-                        f"return {ep['return']:.2f} co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} "
-                        f"v_loss {losses_host['value_loss']:.4f} ev {losses_host['explained_variance']:.3f}",
+                        f"return {ep['return']:.2f} length {ep['length']:.1f} "
+                        + (f"co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} " if is_evhub else "")
+                        + f"v_loss {losses_host['value_loss']:.4f} ev {losses_host['explained_variance']:.3f}",
                         flush=True,
                     )
-            if args.eval_every and iteration % args.eval_every == 0 and not last and args.eval_split.lower() != "none":
+            if (args.eval_every and iteration % args.eval_every == 0 and not last and args.eval_split.lower() != "none"
+                    and is_evhub):
                 # the evaluation's time is left out of the training clock (and out of the steady-state SPS)
                 eval_start = synced_clock(device)
                 row, _ = evaluate()
@@ -1246,6 +1567,8 @@ def main(args: Args) -> dict:
     except (NonFiniteLossError, OutOfMemoryBackoffError):
         writer.close()
         bar.close()
+        if not torch_batched:
+            env.close()
         raise
     bar.close()
     if oom_history:  # the sizes actually used at the end
@@ -1256,12 +1579,16 @@ def main(args: Args) -> dict:
     train_wall = train_wall_prev + end_time - start_time
     checkpoint(iteration, train_wall)
     policy_path = export_policy(agent, obs_dim, out_dir)
-    write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
+    if is_evhub:
+        write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
+    if not torch_batched:
+        env.close()
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady,
-              "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size}
-    if args.eval_split.lower() != "none":
+              "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size,
+              "vector_mode": None if torch_batched else args.vector_mode}
+    if args.eval_split.lower() != "none" and is_evhub:
         row, traces = evaluate(train_wall_s=train_wall, env_steps=float(global_step), steps_per_s=sps)
         write_parquet(row, out_dir / f"eval_{args.eval_split}.parquet")
         write_parquet(traces, out_dir / f"eval_{args.eval_split}_traces.parquet")

@@ -1,5 +1,6 @@
 """``algos/ppo.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, GAE, the minibatch
-update, the presets, the speed switches and ``--help``."""
+update, the presets, the speed switches and ``--help``; gymnasium envs (Pendulum-v1, sync and async vector envs, the
+async-start fallback, the final_obs bootstrap, a wrong action space) and ``gpu_stats``."""
 
 from __future__ import annotations
 
@@ -52,8 +53,10 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert len(metrics) == 2  # 384 steps / (4 envs x 48 steps) iterations, one row each
     assert list(metrics.global_step) == [192, 384]
-    assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
-    assert (metrics.episodic_co2_kg > 0).all()
+    gpu_columns = [k.removeprefix("perf/") for k in load_ppo().GPU_STAT_KEYS]
+    assert metrics[gpu_columns].isna().all().all()  # GPU monitoring: NaN on the CPU
+    assert np.isfinite(metrics.drop(columns=gpu_columns).to_numpy(dtype=float)).all(), metrics.T
+    assert (metrics.episodic_co2_kg > 0).all() and (metrics.episodic_length == 48).all()
 
     policy = torch.export.load(out / "policy.pt2").module()
     obs_dim = envs.evhub.obs_dim(6)
@@ -305,3 +308,168 @@ def test_speed_switches_on_cuda(site_toml, tmp_path, flags):
     metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
     assert len(metrics) == 5 and np.isfinite(metrics.to_numpy(dtype=float)).all()
     assert (tmp_path / "g" / "policy.pt2").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- gymnasium envs
+PENDULUM = [
+    "--env-id", "Pendulum-v1",
+    "--num-envs", "2",
+    "--num-steps", "100",
+    "--total-timesteps", "400",
+    "--num-minibatches", "2",
+    "--update-epochs", "1",
+    "--hidden-size", "16",
+    "--checkpoint-every", "1",
+    "--no-cuda",
+]  # fmt: skip
+"""Tiny Pendulum budget: 2 envs x 100 steps per iteration, 2 iterations (one 200-step episode per env)."""
+
+
+def assert_gym_run(out: Path, proc: subprocess.CompletedProcess) -> pd.DataFrame:
+    """A finished Pendulum run: episodic return logged, metrics, checkpoint and policy written, no EVHub outputs."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [200, 400]
+    last = metrics.iloc[-1]
+    assert -2000 < last.episodic_return < 0 and last.episodic_length == 200
+    assert math.isnan(last.episodic_co2_kg) and math.isnan(last.episodic_unserved_kwh)  # EVHub KPIs only
+    assert "return -" in proc.stdout and "co2_kg" not in proc.stdout.split("args:")[1].split("\n", 1)[1]
+    assert (out / "checkpoint.pt").is_file() and list(out.glob("events.out.tfevents.*"))
+    policy = torch.export.load(out / "policy.pt2").module()
+    action = policy(torch.randn(5, 3))  # Pendulum: obs (3,), action (1,) in [-1, 1] (the env gets it x 2)
+    assert action.shape == (5, 1) and (action.abs() <= 1.0).all()
+    assert not (out / "policy.json").exists() and not list(out.glob("eval_*.parquet"))
+    assert "no split evaluation" in proc.stdout
+    return metrics
+
+
+@pytest.mark.slow
+def test_pendulum_async_vector_env_trains_and_exports(tmp_path):
+    out = tmp_path / "async"
+    proc = run_ppo("--vector-mode", "async", "--output-dir", str(out), *PENDULUM)
+    assert_gym_run(out, proc)
+    assert "vector_mode=async" in proc.stdout and "falling back" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_pendulum_sync_vector_env_trains_and_resumes_with_new_episodes(tmp_path):
+    out = tmp_path / "sync"
+    proc = run_ppo("--vector-mode", "sync", "--output-dir", str(out), *PENDULUM)
+    assert_gym_run(out, proc)
+    assert "vector_mode=sync" in proc.stdout
+    proc = run_ppo("--output-dir", str(out), "--resume", *PENDULUM[:-3], "--total-timesteps", "600", "--no-cuda")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "envs start new episodes" in proc.stdout and "resumed from" in proc.stdout
+    assert list(pd.read_parquet(out / "metrics.parquet").global_step) == [200, 400, 600]
+
+
+def pendulum_args(out: Path, **overrides):
+    """Resolved-at-runtime ``Args`` of a tiny in-process Pendulum run into ``out``."""
+    ppo = load_ppo()
+    fields = dict(env_id="Pendulum-v1", num_envs=2, num_steps=100, total_timesteps=200, num_minibatches=2,
+                  update_epochs=1, hidden_size=16, cuda=False, output_dir=str(out), eval_split="none")  # fmt: skip
+    return ppo.Args(**{**fields, **overrides})
+
+
+def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeypatch, capsys):
+    import gymnasium as gym
+
+    ppo = load_ppo()
+
+    def no_workers(*args, **kwargs):
+        raise RuntimeError("cannot pickle the env factory (injected by the test)")
+
+    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", no_workers)
+    result = ppo.main(pendulum_args(tmp_path, vector_mode="async"))
+    assert result["vector_mode"] == "sync" and result["global_step"] == 200
+    err = capsys.readouterr().err
+    assert "warning: --vector-mode async could not start" in err and "falling back to --vector-mode sync" in err
+    events = b"".join(p.read_bytes() for p in tmp_path.glob("events.out.tfevents.*"))
+    assert b"injected by the test" in events  # TensorBoard text "warnings"
+    assert (tmp_path / "policy.pt2").is_file()
+
+
+@pytest.mark.parametrize("env_id, space", [("CartPole-v1", "Discrete"), ("Snake-v0", "Discrete")])
+def test_a_non_box_action_space_is_a_clear_error(env_id, space, tmp_path):
+    ppo = load_ppo()
+    with pytest.raises(ValueError, match=f"{env_id} has {space}"):
+        ppo.main(pendulum_args(tmp_path, env_id=env_id))
+
+
+def test_image_observations_are_refused():
+    import gymnasium as gym
+
+    ppo = load_ppo()
+    image = gym.spaces.Box(0.0, 1.0, (3, 8, 8), np.float32)
+    with pytest.raises(ValueError, match="image observations"):
+        ppo.check_spaces("Img-v0", image, gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
+
+
+def test_gym_adapter_rescales_actions_to_the_box():
+    import gymnasium as gym
+
+    ppo = load_ppo()
+    vec, warning = ppo.make_gym_vector_env("Pendulum-v1", 3, "sync")
+    try:
+        env = ppo.GymVecEnv(vec, torch.device("cpu"), "Pendulum-v1")
+        assert warning is None
+        action = env.action_to_env(torch.tensor([[-1.0], [0.25], [1.0]]))
+        assert action.dtype == np.float32 and action.shape == (3, 1)
+        np.testing.assert_allclose(action[:, 0], [-2.0, 0.5, 2.0])
+        obs, _ = env.reset(seed=0)
+        assert obs.dtype == torch.float32 and obs.shape == (3, 3)
+        obs, reward, terminated, truncated, info = env.step(torch.zeros(3, 1))
+        assert reward.dtype == torch.float32 and terminated.dtype == torch.bool and truncated.dtype == torch.bool
+        assert torch.equal(info["final_obs"], obs) and not info["any_truncated"]
+    finally:
+        vec.close()
+    assert isinstance(vec.unwrapped, gym.vector.SyncVectorEnv)
+
+
+def test_rollout_bootstraps_truncations_from_final_obs():
+    """A gymnasium env's truncated step gets ``gamma * V(final_obs)`` added and ends the GAE chain (done = 1)."""
+    ppo = load_ppo()
+
+    class TwoEnvs:  # env 0 truncates at its first step, env 1 terminates; both give reward 1
+        def step(self, action):
+            obs = torch.zeros(2, 3)
+            final = torch.tensor([[7.0, 7.0, 7.0], [0.0, 0.0, 0.0]])
+            return obs, torch.ones(2), torch.tensor([False, True]), torch.tensor([True, False]), {
+                "final_obs": final, "any_truncated": True}
+
+    def act(obs):
+        return obs, torch.zeros(2, 1), torch.zeros(2), torch.zeros(2)
+
+    storage = ppo.make_storage(1, 2, 3, 1, torch.device("cpu"))
+    stats = ppo.make_episode_stats(2, torch.device("cpu"))
+    seen = []
+
+    def final_value(obs):
+        seen.append(obs)
+        return torch.full((2,), 10.0)
+
+    _, next_done = ppo.rollout(TwoEnvs(), act, torch.zeros(2, 3), torch.zeros(2), storage, stats, None, 0.5, True,
+                               final_value=final_value)  # fmt: skip
+    torch.testing.assert_close(storage["rewards"][0], torch.tensor([1.0 + 0.5 * 10.0, 1.0]))
+    torch.testing.assert_close(next_done, torch.ones(2))
+    assert float(seen[0][0, 0]) == 7.0
+    assert float(stats["n_done"]) == 2 and float(stats["sum_return"]) == 2.0  # raw rewards in the statistics
+
+
+def test_gpu_stats_on_cpu_are_nan():
+    ppo = load_ppo()
+    stats = ppo.gpu_stats(torch.device("cpu"))
+    assert set(stats) == set(ppo.GPU_STAT_KEYS)
+    assert all(math.isnan(v) for v in stats.values())
+    row = ppo.metrics_row(1, 0.0, 0.0, {"return": 0.0, "length": 1.0, "co2_kg": 0.0, "unserved_kwh": 0.0},
+                          dict.fromkeys(ppo.LOSS_NAMES + ("approx_kl", "clipfrac", "explained_variance"), 0.0), 0.0, 1,
+                          stats)  # fmt: skip
+    assert math.isnan(row["gpu_mem_peak_gb"]) and math.isnan(row["gpu_util_pct"]) and row["episodic_length"] == 1.0
+
+
+def test_presets_table_lists_every_preset_and_the_values_used():
+    ppo = load_ppo()
+    args = ppo.resolve_args(ppo.Args(num_envs=3), torch.device("cpu"))
+    table = ppo.presets_table(args.preset, args)
+    assert table.splitlines()[0] == "|field|cpu*|gpu|used|"
+    assert "|num_envs|128|2048|3|" in table
