@@ -1,4 +1,5 @@
-"""DQN for ``EVHub-v0``'s discrete actions, CleanRL style: one file, env, agent and replay buffer on one device.
+"""DQN for ``EVHub-v0``'s discrete actions, and for any gymnasium env with a ``Discrete`` action space, CleanRL
+style: one file, env, agent and replay buffer on one device.
 
 The agent picks one of the 15 rows of :func:`envs.evhub.discrete_action_table` (BESS levels x EV levels of the
 hub mode) per env. Each iteration steps all ``num_envs`` copies ``num_steps`` times with an epsilon-greedy
@@ -28,6 +29,37 @@ Q(obs, a)]``, shape ``(B, 2)`` in [-1, 1]. An action index would not survive ``e
 to [-1, 1]), the table row does, and stepping the hub mode with a table row is exactly the discrete mode with its
 index (``tests/test_evhub.py`` checks discrete == hub with the table action). So the final evaluation runs the
 env with ``action_mode="hub"`` and that same greedy module, and so can anyone who loads ``policy.pt2``.
+
+Other environments (``--env-id``, any registered gymnasium id, or ``"module:EnvId-v0"`` to import a user's module
+that registers it)::
+
+    python algos/dqn.py --env-id Snake-v0
+    python algos/dqn.py --env-id CartPole-v1 --vector-mode async --num-envs 8
+
+* A torch-batched env (its spec has a ``vector_entry_point`` that takes a ``device``, e.g. ``Snake-v0``) is built with
+  ``gym.make_vec(..., vectorization_mode="vector_entry_point", device=device)``; the EVHub-only keyword arguments
+  (site, split, action_mode, bess_action) go to ``EVHub-v0`` only. ``--vector-mode`` does not apply to it.
+* Any other env runs in gymnasium's ``SyncVectorEnv`` (``--vector-mode sync``) or ``AsyncVectorEnv`` (``async``:
+  one subprocess per env) with the SAME_STEP autoreset of our envs, behind :class:`GymVectorAdapter`, which hands
+  the loop torch tensors on the device. If the async env cannot start (no fork, an env factory that does not
+  pickle) the run warns (stderr, TensorBoard text ``warnings``) and goes on with the sync one. A truncated episode
+  bootstraps from its ``final_obs`` (``bootstrap_truncation``); a torch-batched env returns no ``final_obs``, so
+  there it bootstraps from the next episode's first observation, as on EVHub (an approximation).
+* The action space must be ``Discrete`` (else a ``ValueError`` naming the env and its space). Observations of
+  shape ``(C, H, W)`` go through a small CNN torso (:class:`QNetwork`), flat ones through the MLP.
+* EVHub-only parts are skipped for other envs: the site and its splits, the feature selection, the KPI curves
+  (NaN in ``metrics.parquet``), ``policy.json`` and the final evaluation (a note is printed if ``eval_split`` is
+  not ``"none"``). ``policy.pt2`` is the greedy policy: float32 observations ``(B, *obs_shape)`` -> action
+  indices int64 ``(B,)``. Settings that suit the env better than the EVHub defaults come from :data:`ENV_DEFAULTS`
+  (printed at the start, each overridable on the command line).
+* Overlap of env stepping and learning (``--vector-mode async`` with a gymnasium env only): each iteration does its
+  first ``num_steps - 1`` env steps as usual, then picks the last step's actions, sends them with
+  ``env.step_async(actions)``, runs the iteration's gradient steps (and target update) while the worker processes
+  step, then collects the result with ``env.step_wait()`` and only then stores that transition. So the gradient
+  steps of an iteration sample the buffer without its newest ``num_envs`` transitions (they are stored right after).
+  In sync mode and for torch-batched envs the order is unchanged: all ``num_steps`` steps stored, then the updates.
+* ``--resume`` restores the networks, optimizer, counters and RNG as usual; a gymnasium env's state cannot be
+  stored, so its envs start new episodes (a note is printed).
 """
 
 from __future__ import annotations
@@ -91,6 +123,54 @@ PRESETS = {
 }
 """Defaults per preset for the fields left at ``None``; any of them can be set on the command line."""
 
+ENV_DEFAULTS = {
+    # EVHub-v0: the defaults of the Args fields (tuned for the site env)
+    "EVHub-v0": {},
+    # Snake: rewards of +1/-1, long episodes; a small CNN on 2 CPU cores
+    "Snake-v0": {
+        "gamma": 0.99,
+        "reward_scale": 1.0,
+        "exploration_fraction": 0.2,
+        "end_e": 0.02,
+        "target_network_frequency": 20_000,
+        "norm_obs": False,
+        "cnn_channels": (16, 32),
+    },
+    # Snake on the cpu preset: sizes that learn in about 10 minutes on 2 CPU cores (800,000 steps)
+    "Snake-v0/cpu": {
+        "num_envs": 64,
+        "total_timesteps": 800_000,
+        "buffer_size": 100_000,
+        "batch_size": 128,
+        "num_steps": 1,
+        "gradient_steps": 1,
+        "learning_starts": 5_000,
+        "hidden_size": 128,
+    },
+    # any other gymnasium env (CleanRL's classic-control settings)
+    "*": {
+        "gamma": 0.99,
+        "reward_scale": 1.0,
+        "exploration_fraction": 0.5,
+        "target_network_frequency": 500,
+        "learning_starts": 10_000,
+    },
+}
+"""Per-env defaults for the fields left at ``None`` (env id, else ``"*"`` for any env other than EVHub-v0), applied
+before the device preset; anything set on the command line wins, and the resolved values are printed at the start."""
+
+FIELD_DEFAULTS = {
+    "gamma": 0.95,
+    "reward_scale": 10.0,
+    "exploration_fraction": 0.5,
+    "end_e": 0.05,
+    "target_network_frequency": 5_000,
+    "norm_obs": True,
+    "cnn_channels": (32, 64),
+}
+"""Values of the env-dependent fields left at ``None`` that neither :data:`ENV_DEFAULTS` nor the preset set
+(the EVHub-v0 values)."""
+
 
 @dataclass
 class Args:
@@ -109,9 +189,13 @@ class Args:
     preset: str = "auto"
     """'auto' (by device), 'cpu' or 'gpu': the values of the fields left at None (see PRESETS)"""
     env_id: str = "EVHub-v0"
-    """the id of the environment (trained in its 'discrete' action mode)"""
+    """the id of the environment: EVHub-v0 (trained in its 'discrete' action mode), or any registered gymnasium id
+    with a Discrete action space, e.g. Snake-v0 or CartPole-v1 ('module:EnvId-v0' imports module first)"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """gymnasium envs: 'sync' (SyncVectorEnv, one process) or 'async' (AsyncVectorEnv, one subprocess per env,
+    and env stepping overlapped with the gradient steps); ignored for torch-batched envs (EVHub-v0, Snake-v0)"""
     site: str = "caltech"
-    """site to train on: a shipped site name or a path to a site TOML file"""
+    """EVHub-v0: site to train on: a shipped site name or a path to a site TOML file"""
     bess_action: Literal["surplus", "setpoint"] = "surplus"
     """meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
     self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess times the
@@ -128,31 +212,38 @@ class Args:
     """gradient steps per iteration (None: preset, 2 on cpu and gpu)"""
     buffer_size: int | None = None
     """the replay memory buffer size, transitions (None: preset, 200,000 on cpu, 2,000,000 on gpu)"""
-    gamma: float = 0.95
-    """the discount factor gamma (0.95: a horizon of about a day of hourly steps)"""
+    gamma: float | None = None
+    """the discount factor gamma (None: 0.95 on EVHub-v0, a horizon of about a day of hourly steps; 0.99 on
+    other envs)"""
     tau: float = 1.0
     """the target network update rate (1.0: hard copy; below 1: Polyak blend at each target update)"""
-    target_network_frequency: int = 5_000
-    """env steps between target network updates (checked once per iteration)"""
+    target_network_frequency: int | None = None
+    """env steps between target network updates, checked once per iteration (None: 5,000 on EVHub-v0, 20,000 on
+    Snake-v0, 500 on other envs)"""
     batch_size: int | None = None
     """the batch size of a gradient step, sampled from the replay memory (None: preset, 256 on cpu, 4096 on gpu)"""
     start_e: float = 1.0
     """the starting epsilon for exploration"""
-    end_e: float = 0.05
-    """the ending epsilon for exploration"""
-    exploration_fraction: float = 0.5
-    """the fraction of `total_timesteps` it takes from start_e to go end_e"""
+    end_e: float | None = None
+    """the ending epsilon for exploration (None: 0.05; 0.02 on Snake-v0)"""
+    exploration_fraction: float | None = None
+    """the fraction of `total_timesteps` it takes from start_e to go end_e (None: 0.5; 0.2 on Snake-v0)"""
     learning_starts: int | None = None
-    """env steps before learning starts (None: preset, 10,000 on cpu, 100,000 on gpu)"""
+    """env steps before learning starts (None: preset, 10,000 on cpu, 100,000 on gpu; 10,000 on gymnasium envs)"""
     double_q: bool = True
     """use the double-DQN target (online network picks the next action, target network scores it)"""
     max_grad_norm: float = 10.0
     """the maximum norm for the gradient clipping"""
     hidden_size: int | None = None
-    """width of the two hidden layers of the Q network (None: preset, 128 on cpu, 256 on gpu)"""
-    reward_scale: float = 10.0
-    """multiplies the env reward before it is stored (the episodic_return curve stays unscaled); 10 brings the
-    TD errors to about 1, where the Huber loss turns from quadratic to linear"""
+    """width of the hidden layers of the Q network (None: preset, 128 on cpu, 256 on gpu): the two of the MLP, or
+    the one after the CNN torso"""
+    cnn_channels: tuple[int, int] | None = None
+    """image observations (C, H, W): output channels of the CNN torso's two 3x3 convolutions (None: 32 64; 16 32 on
+    Snake-v0, which trains on a CPU)"""
+    reward_scale: float | None = None
+    """multiplies the env reward before it is stored (the episodic_return curve stays unscaled). None: 10 on
+    EVHub-v0, which brings the TD errors to about 1, where the Huber loss turns from quadratic to linear; 1 on
+    other envs"""
     socket_features: bool = False
     """feed the per-socket observations to the Q network (off: only the site-level features before them, with
     the EV aggregates; on caltech the 165 per-socket inputs let DQN fit the 2019 sessions and transfer worse
@@ -160,8 +251,9 @@ class Args:
     weekday_features: bool = False
     """feed the day-of-week features (sin/cos) to the Q network (off: the policy reads the EV demand from the
     sockets instead of learning the weekday pattern of the training year, which transfers worse to other years)"""
-    norm_obs: bool = True
-    """standardise observations with statistics gathered during the first learning_starts steps, then frozen"""
+    norm_obs: bool | None = None
+    """standardise flat observations with statistics gathered during the first learning_starts steps, then frozen
+    (None: on, except Snake-v0; image observations are never standardised)"""
     bootstrap_truncation: bool = True
     """treat the time-limit truncation as non-terminal (the site never terminates): bootstrap through the
     autoreset from the next window's first observation; False treats it as terminal like CleanRL"""
@@ -177,7 +269,8 @@ class Args:
     log_every: int = 100
     """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar)"""
     output_dir: str | None = None
-    """run folder (None: outputs/runs/{exp_name}_{site}_discrete_seed{seed})"""
+    """run folder (None: outputs/runs/{exp_name}_{site}_discrete_seed{seed} on EVHub-v0, else
+    outputs/runs/{exp_name}_{env_id}_seed{seed})"""
     checkpoint_every: int = 2_000
     """iterations between checkpoints (0: only at the end)"""
     save_buffer: bool = False
@@ -187,7 +280,7 @@ class Args:
     """continue from output_dir/checkpoint.pt (networks, optimizer, counters, RNG and env state, and the replay
     buffer if it was stored)"""
     eval_split: str = "test"
-    """split for the final deterministic evaluation ('none' skips it)"""
+    """EVHub-v0: split for the final deterministic evaluation ('none' skips it; other envs have none)"""
     max_oom_retries: int = 3
     """halvings allowed after CUDA out-of-memory errors: in the gradient steps batch_size halves while it stays
     >= 64, then num_envs; stepping the envs (or at setup) num_envs halves, which rebuilds the envs (the replay buffer
@@ -270,10 +363,46 @@ class Select(nn.Module):
 
 
 class QNetwork(nn.Module):
-    """Raw observations ``(B, obs_dim)`` -> Q values ``(B, n_actions)``: normalisation, feature choice, MLP."""
+    """Raw observations -> Q values ``(B, n_actions)`` float32.
 
-    def __init__(self, obs_dim: int, n_actions: int, hidden: int, norm_obs: bool = True, inputs: list[int] | None = None):
+    Flat observations ``(B, obs_dim)``: normalisation (:class:`ObsNorm`), feature choice (:class:`Select`), an MLP
+    with two hidden layers of ``hidden`` units. Image observations (``obs_shape`` of 3 dims ``(C, H, W)``, e.g.
+    Snake's boards) ``(B, C, H, W)``: a small CNN torso, ``Conv2d(C, c1, 3, padding=1)-ReLU-Conv2d(c1, c2, 3,
+    padding=1)-ReLU-Flatten-Linear(c2 * H * W, hidden)-ReLU`` with ``(c1, c2) = cnn_channels``, then
+    ``Linear(hidden, n_actions)``; the padding keeps the board size, so every cell (a wall next to the head,
+    the food) stays in its place up to the linear layer. Images are fed as they are (no ``obs_norm``, no
+    ``inputs``: both are ``nn.Identity``).
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        n_actions: int,
+        hidden: int,
+        norm_obs: bool = True,
+        inputs: list[int] | None = None,
+        obs_shape: tuple[int, ...] | None = None,
+        cnn_channels: tuple[int, int] = (32, 64),
+    ):
         super().__init__()
+        if obs_shape is not None and len(obs_shape) == 3:
+            c, h, w = (int(x) for x in obs_shape)
+            c1, c2 = (int(x) for x in cnn_channels)
+            self.obs_norm = nn.Identity()
+            self.select = nn.Identity()
+            self.mlp = nn.Sequential(
+                nn.Conv2d(c, c1, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(c1, c2, 3, padding=1),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(c2 * h * w, hidden),
+                nn.ReLU(),
+                nn.Linear(hidden, n_actions),
+            )
+            return
+        if obs_shape is not None and len(obs_shape) != 1:
+            raise ValueError(f"QNetwork takes flat (obs_dim,) or image (C, H, W) observations, got shape {obs_shape}")
         inputs = list(range(obs_dim)) if inputs is None else list(inputs)
         self.obs_norm = ObsNorm(obs_dim) if norm_obs else nn.Identity()
         self.select = Select(inputs) if len(inputs) < obs_dim else nn.Identity()
@@ -303,6 +432,163 @@ class GreedyHubPolicy(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.table.index_select(0, self.qnet(obs).argmax(1))
+
+
+class GreedyPolicy(nn.Module):
+    """The deterministic policy of a non-EVHub env: obs float32 ``(B, *obs_shape)`` -> ``argmax_a Q(obs, a)``,
+    action indices int64 ``(B,)``."""
+
+    def __init__(self, qnet: QNetwork):
+        super().__init__()
+        self.qnet = qnet
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.qnet(obs).argmax(1)
+
+
+# ---------------------------------------------------------------------------------------------- environments
+def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
+    """gymnasium's spec of ``env_id``; ``"module:EnvId-v0"`` imports ``module`` first (which registers the id).
+
+    Raises:
+        gymnasium.error.Error: no env of that id is registered.
+    """
+    if ":" in env_id:
+        module, env_id = env_id.split(":", 1)
+        import importlib
+
+        importlib.import_module(module)
+    return gym.spec(env_id)
+
+
+class GymVectorAdapter:
+    """A gymnasium vector env (NumPy) behind the tensor interface of our torch-batched envs.
+
+    Args:
+        env: a ``SyncVectorEnv`` or ``AsyncVectorEnv`` made with ``autoreset_mode=SAME_STEP`` (the observation of a
+            step that ends an episode is the next episode's first; ``info["final_obs"]`` holds the last one).
+        device: where observations, rewards and flags are returned.
+
+    ``reset(seed=...)`` -> ``(obs, info)``, obs float32 ``(num_envs, *obs_shape)`` on ``device``. ``step(actions)``
+    takes int64 action indices ``(num_envs,)`` (a tensor on any device; moved to the host as an int64 NumPy array)
+    and returns obs float32, reward float32, terminated and truncated bool, all ``(num_envs, ...)`` on ``device``,
+    and ``info`` with ``"next_obs_final"``: the observations with the rows of the envs that ended this step
+    replaced by their ``final_obs`` (the true next state of the stored transition, for bootstrapping truncations).
+    ``step_async(actions)`` / ``step_wait()`` split ``step`` in two (the work runs in the async env's workers in
+    between). ``state_dict()`` is None: a NumPy env's state cannot be checkpointed. ``_generator`` is a torch
+    generator kept only for the checkpoint's RNG record (the gymnasium envs draw from their own ``np_random``).
+    """
+
+    def __init__(self, env: gym.vector.VectorEnv, device: torch.device):
+        self.env = env
+        self.device = device
+        self.num_envs = env.num_envs
+        self.single_observation_space = env.single_observation_space
+        self.single_action_space = env.single_action_space
+        self.metadata = env.metadata
+        self._generator = torch.Generator()
+        self._pending: np.ndarray | None = None
+
+    def _tensor(self, x, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(x), device=self.device).to(dtype)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[torch.Tensor, dict]:
+        if seed is not None:
+            self._generator.manual_seed(seed)
+        obs, info = self.env.reset(seed=seed, options=options)
+        return self._tensor(obs, torch.float32), info
+
+    def _host_actions(self, actions: torch.Tensor) -> np.ndarray:
+        return actions.detach().cpu().numpy().astype(np.int64).reshape(self.num_envs)
+
+    def step_async(self, actions: torch.Tensor) -> None:
+        if hasattr(self.env, "step_async"):  # AsyncVectorEnv: the workers start stepping now
+            self.env.step_async(self._host_actions(actions))
+        else:  # SyncVectorEnv: steps in step_wait
+            self._pending = self._host_actions(actions)
+
+    def step_wait(self) -> tuple:
+        if hasattr(self.env, "step_async"):
+            return self._to_tensors(*self.env.step_wait())
+        actions, self._pending = self._pending, None
+        return self._to_tensors(*self.env.step(actions))
+
+    def step(self, actions: torch.Tensor) -> tuple:
+        return self._to_tensors(*self.env.step(self._host_actions(actions)))
+
+    def _to_tensors(self, obs, reward, terminated, truncated, info) -> tuple:
+        obs_t = self._tensor(obs, torch.float32)
+        next_obs = obs_t
+        mask = info.get("_final_obs")
+        if mask is not None and np.any(mask):
+            final = np.asarray(obs, dtype=np.float32).copy()
+            for i in np.flatnonzero(mask):
+                final[i] = info["final_obs"][i]
+            next_obs = self._tensor(final, torch.float32)
+        info = {"next_obs_final": next_obs}
+        return (
+            obs_t,
+            self._tensor(reward, torch.float32),
+            self._tensor(terminated, torch.bool),
+            self._tensor(truncated, torch.bool),
+            info,
+        )
+
+    def state_dict(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def make_gym_vector_env(env_id: str, num_envs: int, vector_mode: str, device: torch.device) -> tuple:
+    """gymnasium vector env of ``num_envs`` copies of ``env_id`` (SAME_STEP autoreset) behind
+    :class:`GymVectorAdapter`. ``vector_mode="async"`` tries ``AsyncVectorEnv`` and falls back to ``SyncVectorEnv``
+    if it fails to start (e.g. no fork, or an env factory that does not pickle).
+
+    Returns:
+        ``(adapter, mode, warning)``: the mode in use ("sync" or "async") and the fallback's warning (None if none).
+    """
+    kwargs = {"vector_kwargs": {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}}
+    warning = None
+    if vector_mode == "async":
+        try:
+            return GymVectorAdapter(gym.make_vec(env_id, num_envs, vectorization_mode="async", **kwargs), device), "async", None
+        except Exception as exc:  # noqa: BLE001 - any failure to start the workers falls back to sync
+            warning = (
+                f"--vector-mode async: the AsyncVectorEnv of {env_id} failed to start ({type(exc).__name__}: {exc}); "
+                "falling back to --vector-mode sync"
+            )
+    return GymVectorAdapter(gym.make_vec(env_id, num_envs, vectorization_mode="sync", **kwargs), device), "sync", warning
+
+
+def gpu_stats(device: torch.device) -> dict[str, float]:
+    """GPU memory and utilisation for logging: ``perf/gpu_mem_allocated_gb``, ``perf/gpu_mem_reserved_gb``,
+    ``perf/gpu_mem_peak_gb`` (GB, 1e9 bytes: ``torch.cuda.memory_allocated`` / ``memory_reserved`` /
+    ``max_memory_allocated``, host-side counters of the caching allocator, no GPU sync) and ``perf/gpu_util_pct``
+    (percent, from NVML via ``pynvml`` where it imports, else NaN). On a non-CUDA device every value is NaN.
+    Never raises.
+    """
+    keys = ("perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb", "perf/gpu_util_pct")
+    stats = dict.fromkeys(keys, math.nan)
+    if device.type != "cuda":
+        return stats
+    try:
+        stats["perf/gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(device) / 1e9
+        stats["perf/gpu_mem_reserved_gb"] = torch.cuda.memory_reserved(device) / 1e9
+        stats["perf/gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    except Exception:  # noqa: BLE001 - monitoring never stops training
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        stats["perf/gpu_util_pct"] = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # noqa: BLE001 - no pynvml, no NVML, or another device numbering
+        pass
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------- pure pieces
@@ -347,17 +633,21 @@ BUFFER_FIELDS = ("obs", "next_obs", "actions", "rewards", "dones")
 """The per-transition tensors of the replay buffer (:func:`make_replay_buffer`)."""
 
 
-def make_replay_buffer(size: int, obs_dim: int, device: torch.device, obs_dtype: torch.dtype = torch.float32) -> dict:
+def make_replay_buffer(
+    size: int, obs_dim: int | tuple[int, ...], device: torch.device, obs_dtype: torch.dtype = torch.float32
+) -> dict:
     """Circular replay memory preallocated on ``device``.
 
-    Tensors ``obs``, ``next_obs`` ``(size, obs_dim)``, ``actions`` int64, ``rewards``, ``dones`` ``(size,)``;
+    Tensors ``obs``, ``next_obs`` ``(size, obs_dim)`` (``(size, *obs_dim)`` when ``obs_dim`` is a shape tuple, e.g.
+    ``(C, H, W)`` images), ``actions`` int64, ``rewards``, ``dones`` ``(size,)``;
     ``pos`` (next row written) and ``count`` (rows filled) are host ints that only the writer changes, and
     ``count_t`` is ``count`` as a device tensor, which the sampler reads (so sampling never syncs and a
     captured update sees the buffer grow).
     """
+    shape = (obs_dim,) if isinstance(obs_dim, int) else tuple(obs_dim)
     return {
-        "obs": torch.zeros(size, obs_dim, device=device, dtype=obs_dtype),
-        "next_obs": torch.zeros(size, obs_dim, device=device, dtype=obs_dtype),
+        "obs": torch.zeros(size, *shape, device=device, dtype=obs_dtype),
+        "next_obs": torch.zeros(size, *shape, device=device, dtype=obs_dtype),
         "actions": torch.zeros(size, device=device, dtype=torch.int64),
         "rewards": torch.zeros(size, device=device),
         "dones": torch.zeros(size, device=device),
@@ -506,25 +796,47 @@ def rollout(
     """
     act_fn = act if act_fn is None else act_fn
     for _ in range(num_steps):
-        if update_norm and isinstance(qnet.obs_norm, ObsNorm):
-            qnet.obs_norm.update(next_obs)
-        action = act_fn(qnet, next_obs, epsilon, amp)
-        obs2, reward, terminated, truncated, info = env.step(action)
-        obs2 = obs2.to(torch.float32)
-        reward = reward.to(torch.float32)
-        done = terminated if bootstrap_truncation else terminated | truncated
-        buffer_add(rb, next_obs, action, reward * reward_scale, obs2, done)
-        episode_end = (terminated | truncated).to(torch.float64)
-        stats["ep_return"] += reward
+        action = choose_actions(qnet, next_obs, epsilon, update_norm, amp, act_fn)
+        next_obs = record_step(rb, stats, next_obs, action, env.step(action), bootstrap_truncation, reward_scale)
+    return next_obs
+
+
+def choose_actions(qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Tensor, update_norm: bool, amp: bool, act_fn=None):
+    """The epsilon-greedy actions ``(B,)`` int64 of one env step, first folding ``obs`` into the observation
+    statistics while ``update_norm`` (see :func:`rollout`)."""
+    if update_norm and isinstance(qnet.obs_norm, ObsNorm):
+        qnet.obs_norm.update(obs)
+    return (act if act_fn is None else act_fn)(qnet, obs, epsilon, amp)
+
+
+def record_step(
+    rb: dict, stats: dict, obs: torch.Tensor, action: torch.Tensor, result: tuple, bootstrap_truncation: bool,
+    reward_scale: float,
+) -> torch.Tensor:
+    """Store the transition of one env step and update the episode statistics; returns the next observation.
+
+    ``result`` is the env's ``(obs2, reward, terminated, truncated, info)``. The stored next state is
+    ``info["next_obs_final"]`` where the env gives it (:class:`GymVectorAdapter`: ``final_obs`` of the envs that
+    ended), else ``obs2`` (our torch-batched envs: the next episode's first observation after an auto-reset). The
+    KPI sums (``co2_kg``, ``unserved_kwh``) are added only where ``info`` has them (EVHub-v0). No host sync.
+    """
+    obs2, reward, terminated, truncated, info = result
+    obs2 = obs2.to(torch.float32)
+    reward = reward.to(torch.float32)
+    done = terminated if bootstrap_truncation else terminated | truncated
+    stored_next = info["next_obs_final"] if "next_obs_final" in info else obs2
+    buffer_add(rb, obs, action, reward * reward_scale, stored_next, done)
+    episode_end = (terminated | truncated).to(torch.float64)
+    stats["ep_return"] += reward
+    if "co2_kg" in info:
         stats["ep_co2_kg"] += info["co2_kg"]
         stats["ep_unserved_kwh"] += info["unserved_kwh"]
-        stats["ep_length"] += 1.0
-        stats["n_done"] += episode_end.sum()
-        for key in ("return", "co2_kg", "unserved_kwh", "length"):
-            stats[f"sum_{key}"] += (stats[f"ep_{key}"] * episode_end).sum()
-            stats[f"ep_{key}"] *= 1.0 - episode_end
-        next_obs = obs2
-    return next_obs
+    stats["ep_length"] += 1.0
+    stats["n_done"] += episode_end.sum()
+    for key in ("return", "co2_kg", "unserved_kwh", "length"):
+        stats[f"sum_{key}"] += (stats[f"ep_{key}"] * episode_end).sum()
+        stats[f"ep_{key}"] *= 1.0 - episode_end
+    return obs2
 
 
 class CudaGraphed:
@@ -575,19 +887,61 @@ def make_episode_stats(num_envs: int, device: torch.device) -> dict:
     }
 
 
+def is_torch_batched(spec: gym.envs.registration.EnvSpec) -> bool:
+    """Whether ``spec`` is a torch-batched env like ours: it has a ``vector_entry_point`` whose constructor takes a
+    ``device`` argument (``EVHub-v0``, ``Snake-v0``). gymnasium's own vector entry points (``CartPole-v1``'s NumPy
+    ``CartPoleVectorEnv``) take none; those envs run in gymnasium's Sync/AsyncVectorEnv like any other."""
+    if spec.vector_entry_point is None:
+        return False
+    import inspect
+
+    creator = spec.vector_entry_point
+    if isinstance(creator, str):
+        creator = gym.envs.registration.load_env_creator(creator)
+    try:
+        return "device" in inspect.signature(creator).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+def is_evhub(env_id: str) -> bool:
+    """Whether ``env_id`` names ``EVHub-v0`` (with or without a ``module:`` prefix)."""
+    return env_id.split(":")[-1] == "EVHub-v0"
+
+
+def env_defaults(env_id: str, preset: str) -> dict:
+    """The :data:`ENV_DEFAULTS` of ``env_id`` (``"*"`` for an env without its own entry, EVHub-v0 excepted), with
+    its ``"<env_id>/<preset>"`` entry (sizes for one device preset) on top."""
+    name = env_id.split(":")[-1]
+    base = ENV_DEFAULTS.get(name, ENV_DEFAULTS["*"])
+    return {**base, **ENV_DEFAULTS.get(f"{name}/{preset}", {})}
+
+
 def resolve_args(args: Args, device: torch.device) -> Args:
-    """Fill the fields left at ``None`` from the preset and compute the runtime sizes."""
+    """Fill the fields left at ``None`` from the env's defaults (:func:`env_defaults`), then the preset
+    (:data:`PRESETS`), then :data:`FIELD_DEFAULTS`, and compute the runtime sizes."""
     preset = args.preset.lower()
     if preset == "auto":
         preset = "gpu" if device.type == "cuda" else "cpu"
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}: expected 'auto', 'cpu' or 'gpu'")
     args.preset = preset
+    for key, value in env_defaults(args.env_id, preset).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     for key, value in PRESETS[preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for key, value in FIELD_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.cnn_channels = tuple(int(c) for c in args.cnn_channels)
     if args.output_dir is None:
-        args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{Path(args.site).stem}_discrete_seed{args.seed}")
+        if is_evhub(args.env_id):
+            name = f"{args.exp_name}_{Path(args.site).stem}_discrete_seed{args.seed}"
+        else:
+            name = f"{args.exp_name}_{args.env_id.replace(':', '_').replace('/', '_')}_seed{args.seed}"
+        args.output_dir = str(Path("outputs") / "runs" / name)
     args.iteration_steps = int(args.num_envs * args.num_steps)
     args.num_iterations = max(1, args.total_timesteps // args.iteration_steps)
     if args.buffer_size < args.num_envs:
@@ -636,7 +990,7 @@ def check_finite(bad_any: torch.Tensor, first_bad_step: torch.Tensor, ckpt: Path
         )
 
 
-def make_buffer(args: Args, obs_dim: int, device: torch.device, notes: list[str] | None = None) -> dict:
+def make_buffer(args: Args, obs_dim: int | tuple[int, ...], device: torch.device, notes: list[str] | None = None) -> dict:
     """:func:`make_replay_buffer` of ``args.buffer_size`` rows; on CUDA out-of-memory halve ``args.buffer_size``
     (in place) and retry, down to ``max(num_envs, batch_size)`` rows, with a warning on stderr for each halving
     (also appended to ``notes``).
@@ -745,14 +1099,17 @@ def halve_after_oom(args: Args, history: list[str], where: str, error: str, ckpt
     )
 
 
-def export_policy(qnet: QNetwork, obs_dim: int, out_dir: Path) -> Path:
-    """Save the greedy hub-action policy (:class:`GreedyHubPolicy`) for code that does not import ``algos``.
+def export_policy(qnet: QNetwork, obs_dim: int | tuple[int, ...], out_dir: Path, hub: bool = True) -> Path:
+    """Save the greedy policy for code that does not import ``algos``: with ``hub`` the hub-action policy of
+    EVHub-v0 (:class:`GreedyHubPolicy`), else the action-index policy (:class:`GreedyPolicy`); ``obs_dim`` is the
+    observation size or shape.
 
     ``torch.export`` with a dynamic batch dimension to ``policy.pt2``; if export fails, a TorchScript trace to
     ``policy.pt``. Either is written atomically (temporary file, then rename). Returns the written path.
     """
-    module = GreedyHubPolicy(copy.deepcopy(qnet), discrete_action_table()).cpu().float().eval()
-    example = torch.zeros(2, obs_dim)
+    net = copy.deepcopy(qnet)
+    module = (GreedyHubPolicy(net, discrete_action_table()) if hub else GreedyPolicy(net)).cpu().float().eval()
+    example = torch.zeros(2, *((obs_dim,) if isinstance(obs_dim, int) else tuple(obs_dim)))
     try:
         batch = torch.export.Dim("batch", min=1)
         program = torch.export.export(module, (example,), dynamic_shapes={"obs": {0: batch}})
@@ -768,10 +1125,12 @@ def export_policy(qnet: QNetwork, obs_dim: int, out_dir: Path) -> Path:
 
 def metrics_row(
     global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, epsilon: float, lr: float, num_envs: int,
-    batch_size: int,
+    batch_size: int, gpu: dict | None = None,
 ) -> dict:
     """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, epsilon, learning
-    rate and the sizes in use (smaller than asked for after a halving for lack of memory)."""
+    rate, the sizes in use (smaller than asked for after a halving for lack of memory) and the :func:`gpu_stats`
+    ``gpu`` (columns without the ``perf/`` prefix; NaN on the CPU)."""
+    gpu = gpu_stats(torch.device("cpu")) if gpu is None else gpu
     return {
         "global_step": global_step,
         "wall_s": wall_s,
@@ -786,6 +1145,8 @@ def metrics_row(
         "learning_rate": lr,
         "num_envs": num_envs,
         "batch_size": batch_size,
+        "episodic_length": ep.get("length", math.nan),
+        **{key.removeprefix("perf/"): value for key, value in gpu.items()},
     }
 
 
@@ -805,6 +1166,9 @@ def main(args: Args) -> dict:
             nothing left to halve); the last checkpoint is kept.
     """
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    spec = env_spec(args.env_id)  # imports the module of a "module:EnvId" id
+    evhub = is_evhub(args.env_id)
+    torch_batched = is_torch_batched(spec)
     args = resolve_args(args, device)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -824,21 +1188,41 @@ def main(args: Args) -> dict:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
-    site = envs.load_site(args.site)
+    site = envs.load_site(args.site) if evhub else None
+    env_notes: list[str] = []  # warnings about the env set-up (async fallback), for TensorBoard text "warnings"
+    if torch_batched and args.vector_mode != "sync":
+        print(f"note: --vector-mode {args.vector_mode} is ignored for the torch-batched env {args.env_id}")
 
     def build_envs() -> tuple:
         """The envs and the episode statistics, sized by num_envs: ``(env, stats)``."""
-        env = gym.make_vec(
-            args.env_id,
-            num_envs=args.num_envs,
-            vectorization_mode="vector_entry_point",
-            site=site,
-            split="train",
-            action_mode="discrete",
-            device=device,
-            bess_action=args.bess_action,
-        )
-        env = getattr(env, "unwrapped", env)
+        if evhub:
+            env = gym.make_vec(
+                args.env_id,
+                num_envs=args.num_envs,
+                vectorization_mode="vector_entry_point",
+                site=site,
+                split="train",
+                action_mode="discrete",
+                device=device,
+                bess_action=args.bess_action,
+            )
+            env = getattr(env, "unwrapped", env)
+        elif torch_batched:
+            env = gym.make_vec(args.env_id, num_envs=args.num_envs, vectorization_mode="vector_entry_point", device=device)
+            env = getattr(env, "unwrapped", env)
+        else:
+            env, mode, warning = make_gym_vector_env(args.env_id, args.num_envs, args.vector_mode, device)
+            if warning is not None:
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
+                env_notes.append(warning)
+                args.vector_mode = mode
+        if not isinstance(env.single_action_space, gym.spaces.Discrete):
+            if hasattr(env, "close"):
+                env.close()
+            raise ValueError(
+                f"DQN needs a Discrete action space; {args.env_id} has {env.single_action_space}. "
+                "Use algos/ppo.py, algos/a2c.py or algos/sac.py for continuous (Box) actions."
+            )
         return env, make_episode_stats(args.num_envs, device)
 
     oom_history: list[str] = []  # one warning per halving of batch_size or num_envs after a CUDA out-of-memory error
@@ -862,19 +1246,29 @@ def main(args: Args) -> dict:
     env, stats = build_envs_backing_off("at setup")
     if oom_history:  # num_envs was halved: the iterations of the run change size
         args.num_iterations = max(1, args.total_timesteps // args.iteration_steps)
-    obs_dim = int(np.prod(env.single_observation_space.shape))
+    obs_shape = tuple(int(x) for x in env.single_observation_space.shape)
+    if len(obs_shape) not in (1, 3):
+        raise ValueError(
+            f"DQN takes flat (obs_dim,) or image (C, H, W) observations; {args.env_id} has {env.single_observation_space}"
+        )
+    obs_dim = int(np.prod(obs_shape))
     n_actions = int(env.single_action_space.n)
+    # what the replay buffer and the exported policy take: the size of flat observations, the shape of images
+    obs_size = obs_dim if len(obs_shape) == 1 else obs_shape
+    overlap = not torch_batched and args.vector_mode == "async"  # env stepping overlapped with the gradient steps
 
-    inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
-    if not args.weekday_features:
-        inputs = [i for i in inputs if i not in OBS_WEEKDAY]
-    qnet = QNetwork(obs_dim, n_actions, args.hidden_size, args.norm_obs, inputs).to(device)
+    inputs = None
+    if evhub:  # EVHub-v0's feature choice: the site-level features, optionally the sockets and the weekday
+        inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
+        if not args.weekday_features:
+            inputs = [i for i in inputs if i not in OBS_WEEKDAY]
+    qnet = QNetwork(obs_dim, n_actions, args.hidden_size, args.norm_obs, inputs, obs_shape, args.cnn_channels).to(device)
     target = copy.deepcopy(qnet)
     for p in target.parameters():
         p.requires_grad_(False)
     lr = torch.tensor(args.learning_rate, device=device) if args.cudagraphs else args.learning_rate
     optimizer = torch.optim.Adam(qnet.parameters(), lr=lr, capturable=args.cudagraphs)
-    rb = make_buffer(args, obs_dim, device, oom_notes)
+    rb = make_buffer(args, obs_size, device, oom_notes)
 
     next_obs, _ = env.reset(seed=args.seed)
     next_obs = next_obs.to(torch.float32)
@@ -889,7 +1283,9 @@ def main(args: Args) -> dict:
         global_step, start_iteration = int(ckpt["global_step"]), int(ckpt["iteration"]) + 1
         train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
         set_rng_state(env, ckpt["rng"])
-        if ckpt.get("num_envs") == args.num_envs:
+        if ckpt.get("env_state") is None:
+            print(f"resume: the state of the gymnasium env {args.env_id} cannot be stored; envs start new episodes")
+        elif ckpt.get("num_envs") == args.num_envs:
             env.load_state_dict(ckpt["env_state"])
             next_obs = ckpt["next_obs"].to(device)
             for key, value in ckpt["episode_stats"].items():
@@ -942,13 +1338,20 @@ def main(args: Args) -> dict:
     writer.add_text("hyperparameters", hyperparameters())
     for message in oom_notes:  # halvings at setup
         writer.add_text("oom", message, global_step)
-    print(f"DQN on {args.env_id} (discrete, {n_actions} actions) site={args.site} device={device} preset={args.preset}")
-    print("  " + " ".join(f"{k}={v}" for k, v in hparams.items()))
+    for message in env_notes:  # the async env fell back to sync
+        writer.add_text("warnings", message, global_step)
+    where = f"site={args.site}" if evhub else f"obs {obs_shape} ({'CNN' if len(obs_shape) == 3 else 'MLP'})"
+    kind = "torch-batched" if torch_batched else f"gymnasium {args.vector_mode}{', overlapped' if overlap else ''}"
+    print(f"DQN on {args.env_id} ({kind}, discrete, {n_actions} actions) {where} device={device} preset={args.preset}")
+    width = max(len(k) for k in hparams)
+    print("hyperparameters:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in hparams.items()))
     print(
         f"  {args.num_envs} envs x {args.num_steps} steps + {args.gradient_steps} gradient steps per iteration, "
         f"{args.num_iterations} iterations, {args.total_timesteps:,} steps; output {out_dir}",
         flush=True,
     )
+    if not evhub and args.eval_split.lower() != "none":
+        print(f"note: eval_split={args.eval_split!r} is ignored: {args.env_id} has no splits (no final evaluation)")
 
     def checkpoint(iteration: int, train_wall: float) -> None:
         check_finite(bad_any, first_bad_step, ckpt_path)
@@ -963,7 +1366,7 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state=env.state_dict(),
+            env_state=env.state_dict(),  # None for a gymnasium env
             next_obs=next_obs,
             episode_stats=stats,
             replay_buffer=buffer_state(rb) if args.save_buffer else None,
@@ -997,11 +1400,15 @@ def main(args: Args) -> dict:
                 steady_start = (synced_clock(device), global_step)
             epsilon.copy_(linear_schedule(args.start_e, args.end_e, args.exploration_fraction * args.total_timesteps, step_t))
             oom_error, oom_in_update = None, False
+            pending = None  # overlap: the last step's (obs, actions), sent with step_async, collected after the updates
             try:
                 next_obs = rollout(
-                    env, qnet, next_obs, rb, stats, epsilon, args.num_steps, not norm_frozen,
-                    args.bootstrap_truncation, args.reward_scale, args.amp, act_fn=act_fn,
+                    env, qnet, next_obs, rb, stats, epsilon, args.num_steps - 1 if overlap else args.num_steps,
+                    not norm_frozen, args.bootstrap_truncation, args.reward_scale, args.amp, act_fn=act_fn,
                 )  # fmt: skip
+                if overlap:
+                    pending = (next_obs, choose_actions(qnet, next_obs, epsilon, not norm_frozen, args.amp, act_fn))
+                    env.step_async(pending[1])
             except RuntimeError as exc:
                 oom_error = out_of_memory_message(exc)
                 if oom_error is None:
@@ -1026,6 +1433,11 @@ def main(args: Args) -> dict:
                             raise
                     if global_step // args.target_network_frequency > prev_step // args.target_network_frequency:
                         target_update(target, qnet, args.tau)
+                if pending is not None:  # the overlapped env step: collect it, then store its transition
+                    next_obs = record_step(
+                        rb, stats, pending[0], pending[1], env.step_wait(), args.bootstrap_truncation, args.reward_scale
+                    )
+                    pending = None
 
             if oom_error is not None:
                 # out of memory. Stepping the envs: those steps are dropped (not counted; the transitions already
@@ -1046,7 +1458,11 @@ def main(args: Args) -> dict:
                 if args.num_envs != n_envs:
                     generator = env._generator.get_state()  # the new envs go on drawing windows where these stopped
                     totals = {k: v for k, v in stats.items() if k == "n_done" or k.startswith("sum_")}
-                    env = stats = next_obs = None
+                    if pending is not None:  # an overlapped step still out: collect (and drop) it
+                        env.step_wait()
+                    if isinstance(env, GymVectorAdapter):
+                        env.close()
+                    env = stats = next_obs = pending = None
                     free_device_memory(device)
                     env, stats = build_envs_backing_off(where)
                     env._generator.set_state(generator)
@@ -1074,6 +1490,8 @@ def main(args: Args) -> dict:
                 eps_host = float(epsilon)
                 n_done = float(stats["n_done"])
                 ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done else math.nan for k in ("return", "co2_kg", "unserved_kwh", "length")}
+                if not evhub:  # the KPIs exist only on EVHub-v0
+                    ep["co2_kg"] = ep["unserved_kwh"] = math.nan
                 for key in ("n_done", "sum_return", "sum_co2_kg", "sum_unserved_kwh", "sum_length"):
                     stats[key].zero_()
                 wall = time.perf_counter() - start_time
@@ -1081,8 +1499,9 @@ def main(args: Args) -> dict:
                 if n_done:
                     writer.add_scalar("charts/episodic_return", ep["return"], global_step)
                     writer.add_scalar("charts/episodic_length", ep["length"], global_step)
-                    writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
-                    writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                    if evhub:
+                        writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
+                        writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
                 if global_step >= learn_from:
                     writer.add_scalar("losses/td_loss", losses_host["td_loss"], global_step)
                     writer.add_scalar("losses/q_values", losses_host["q_values"], global_step)
@@ -1090,18 +1509,24 @@ def main(args: Args) -> dict:
                 writer.add_scalar("charts/epsilon", eps_host, global_step)
                 writer.add_scalar("charts/learning_rate", args.learning_rate, global_step)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
+                gpu = gpu_stats(device)
+                if device.type == "cuda":
+                    for key, value in gpu.items():
+                        if math.isfinite(value):
+                            writer.add_scalar(key, value, global_step)
                 rows.append(
                     metrics_row(
                         global_step, train_wall_prev + wall, sps, ep, losses_host, eps_host, args.learning_rate,
-                        args.num_envs, args.batch_size,
+                        args.num_envs, args.batch_size, gpu,
                     )
                 )
                 write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
                 bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", eps=f"{eps_host:.2f}", refresh=False)
+                kpis = f"co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} " if evhub else f"length {ep['length']:.1f} "
                 if (bar.disable and iteration % max(1, args.num_iterations // 10) < args.log_every) or last:
                     print(
                         f"iter {iteration}/{args.num_iterations} step {global_step} SPS {int(sps)} eps {eps_host:.3f} "
-                        f"return {ep['return']:.2f} co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} "
+                        f"return {ep['return']:.2f} {kpis}"
                         f"td_loss {losses_host['td_loss']:.4f} q {losses_host['q_values']:.3f}",
                         flush=True,
                     )
@@ -1119,14 +1544,17 @@ def main(args: Args) -> dict:
     sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
     train_wall = train_wall_prev + end_time - start_time
     checkpoint(iteration, train_wall)
-    policy_path = export_policy(qnet, obs_dim, out_dir)
-    write_policy_spec(out_dir, args.env_id, "hub", args.bess_action)
+    policy_path = export_policy(qnet, obs_size, out_dir, hub=evhub)
+    if evhub:
+        write_policy_spec(out_dir, args.env_id, "hub", args.bess_action)
+    if isinstance(env, GymVectorAdapter):
+        env.close()
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady,
               "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size,
               "buffer_size": args.buffer_size}
-    if args.eval_split.lower() != "none":
+    if evhub and args.eval_split.lower() != "none":
         # the greedy policy as hub actions, evaluated in the hub mode (exactly the discrete mode; module docstring)
         greedy = GreedyHubPolicy(qnet, discrete_action_table()).to(device).eval()
 

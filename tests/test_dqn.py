@@ -1,5 +1,8 @@
 """``algos/dqn.py``: a tiny CPU training run on a synthetic site, ``--help``, and the pure pieces (epsilon
-schedule, TD target with and without double-Q, target update, replay-buffer wraparound, greedy hub policy)."""
+schedule, TD target with and without double-Q, target update, replay-buffer wraparound, greedy hub policy), and
+other gymnasium envs: Snake-v0 (torch-batched, CNN), CartPole-v1 (gymnasium's vector envs, sync and async with
+overlapped stepping), the async fallback, per-env defaults, a wrong action space, ``gpu_stats`` on the CPU.
+:func:`evaluate_snake` scores a Snake policy (the learning measurement; not run as a slow CI test)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import tyro
 from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo, tiny_run
 
 from envs.evhub import EVHubVectorEnv, discrete_action_table
@@ -58,7 +62,9 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained, site_toml):
         assert col in metrics, col
     # the episodes (48 steps, 4 envs) end at step 192: that row has finite episode statistics
     ended = metrics[metrics.global_step == 192]
-    assert np.isfinite(ended.to_numpy(dtype=float)).all(), metrics.T
+    gpu_columns = ["gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb", "gpu_util_pct"]
+    assert metrics[gpu_columns].isna().all().all()  # NaN on the CPU
+    assert np.isfinite(ended.drop(columns=gpu_columns).to_numpy(dtype=float)).all(), metrics.T
     assert (ended.episodic_co2_kg > 0).all()
     assert np.isfinite(metrics[["td_loss", "q_values", "epsilon", "sps"]].to_numpy()).all(), metrics.T
     assert (metrics.epsilon.diff().dropna() <= 0).all()
@@ -241,3 +247,169 @@ def test_non_finite_loss_stops_without_exporting(site_toml, tmp_path):
     assert proc.returncode != 0
     assert "NonFiniteLossError" in proc.stderr and "td_loss" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "policy.pt2").exists()
+
+
+# ---------------------------------------------------------------------------------------------- any gymnasium env
+GYM_TINY = [
+    "--num-envs", "4",
+    "--num-steps", "2",
+    "--gradient-steps", "1",
+    "--batch-size", "16",
+    "--buffer-size", "200",
+    "--learning-starts", "32",
+    "--target-network-frequency", "40",
+    "--hidden-size", "16",
+    "--log-every", "8",
+    "--checkpoint-every", "0",
+    "--no-cuda",
+]  # fmt: skip
+"""Tiny budget for the non-EVHub envs: 8 env steps and 1 gradient step per iteration."""
+
+EVHUB_ONLY = ("policy.json", "eval_test.parquet", "eval_test_traces.parquet")
+"""Outputs written for EVHub-v0 only."""
+
+
+def assert_generic_run(out: Path, proc: subprocess.CompletedProcess, total: int) -> pd.DataFrame:
+    """A non-EVHub run finished: curves with episode returns, checkpoint and policy, no EVHub-only outputs."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert metrics.global_step.iloc[-1] == total
+    assert np.isfinite(metrics.episodic_return).any() and np.isfinite(metrics.episodic_length).any()
+    assert metrics.episodic_co2_kg.isna().all() and metrics.episodic_unserved_kwh.isna().all()
+    assert metrics.gpu_mem_allocated_gb.isna().all()  # CPU run
+    assert (out / "checkpoint.pt").is_file() and (out / "policy.pt2").is_file()
+    for name in EVHUB_ONLY:
+        assert not (out / name).exists(), name
+    assert "no splits" in proc.stdout  # eval_split="test" (the default) is ignored with a note
+    return metrics
+
+
+def evaluate_snake(policy, episodes: int = 1000, seed: int = 0, device: str = "cpu") -> dict[str, float]:
+    """Run ``episodes`` Snake-v0 episodes (default board), one per env of a vector env seeded with ``seed``, each
+    until its first end; ``policy`` maps obs float32 ``(N, 3, H, W)`` to actions ``(N,)``, or is None for uniformly
+    random actions (a torch generator seeded with ``seed``). Returns the mean ``score`` (foods per episode), the
+    mean ``length`` (steps) and the mean ``return``.
+
+    Used for the learning measurement (not a CI test), e.g. with the exported policy::
+
+        evaluate_snake(torch.export.load("policy.pt2").module())
+    """
+    from envs.snake import SnakeVectorEnv
+
+    env = SnakeVectorEnv(episodes, device=device)
+    obs, _ = env.reset(seed=seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    running = torch.ones(episodes, dtype=torch.bool, device=device)
+    score = torch.zeros(episodes, device=device)
+    ret = torch.zeros(episodes, device=device)
+    length = torch.zeros(episodes, device=device)
+    with torch.no_grad():
+        while bool(running.any()):
+            if policy is None:
+                action = torch.randint(0, 4, (episodes,), generator=gen, device=device)
+            else:
+                action = policy(obs)
+            obs, reward, terminated, truncated, info = env.step(action)
+            score += info["food"] * running
+            ret += reward * running
+            length += running.float()
+            running &= ~(terminated | truncated)
+    return {"score": float(score.mean()), "length": float(length.mean()), "return": float(ret.mean())}
+
+
+def test_snake_smoke_run_uses_the_cnn_and_exports_an_action_policy(tmp_path):
+    proc = run_dqn("--env-id", "Snake-v0", "--output-dir", str(tmp_path), "--total-timesteps", "256",
+                   "--cnn-channels", "4", "8", *GYM_TINY)  # fmt: skip
+    assert_generic_run(tmp_path, proc, 256)
+    assert "torch-batched" in proc.stdout and "(CNN)" in proc.stdout
+    policy = torch.export.load(tmp_path / "policy.pt2").module()
+    action = policy(torch.rand(3, 3, 10, 10))
+    assert action.shape == (3,) and action.dtype == torch.int64 and 0 <= int(action.min()) and int(action.max()) < 4
+    assert set(evaluate_snake(policy, episodes=8)) == {"score", "length", "return"}
+
+
+def test_cartpole_smoke_run_through_gymnasium_vector_envs(tmp_path):
+    proc = run_dqn("--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--total-timesteps", "256", *GYM_TINY)
+    metrics = assert_generic_run(tmp_path, proc, 256)
+    assert "gymnasium sync" in proc.stdout and "(MLP)" in proc.stdout
+    assert (metrics.episodic_length.dropna() >= 8).all()  # CartPole episodes last at least 8 steps
+    policy = torch.export.load(tmp_path / "policy.pt2").module()
+    assert policy(torch.zeros(5, 4)).shape == (5,)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["env_state"] is None  # a gymnasium env's state is not stored
+
+
+@pytest.mark.slow
+def test_cartpole_async_overlaps_stepping_with_learning(tmp_path):
+    proc = run_dqn("--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--total-timesteps", "256",
+                   "--vector-mode", "async", *GYM_TINY, "--num-envs", "2")  # fmt: skip
+    assert_generic_run(tmp_path, proc, 256)
+    assert "gymnasium async, overlapped" in proc.stdout
+
+
+def test_resume_with_a_gymnasium_env_starts_new_episodes(tmp_path):
+    dqn = load_dqn()
+    argv = ["--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--eval-split", "none", *GYM_TINY]
+    dqn.main(tyro.cli(dqn.Args, args=[*argv, "--total-timesteps", "128"]))
+    result = dqn.main(tyro.cli(dqn.Args, args=[*argv, "--total-timesteps", "192", "--resume"]))
+    assert result["global_step"] == 192
+    assert list(pd.read_parquet(tmp_path / "metrics.parquet").global_step) == [64, 128, 192]
+
+
+def test_a_non_discrete_action_space_is_a_clear_error(tmp_path):
+    dqn = load_dqn()
+    args = tyro.cli(dqn.Args, args=["--env-id", "Pendulum-v1", "--output-dir", str(tmp_path), *GYM_TINY])
+    with pytest.raises(ValueError, match=r"Pendulum-v1 has Box\(-2.0, 2.0"):
+        dqn.main(args)
+
+
+def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeypatch, capsys):
+    import gymnasium as gym
+
+    dqn = load_dqn()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot start worker processes (injected)")
+
+    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", broken)
+    args = tyro.cli(dqn.Args, args=["--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--vector-mode", "async",
+                                    "--total-timesteps", "64", "--eval-split", "none", *GYM_TINY])  # fmt: skip
+    result = dqn.main(args)
+    assert result["global_step"] == 64 and args.vector_mode == "sync"
+    captured = capsys.readouterr()
+    assert "falling back to --vector-mode sync" in captured.err and "injected" in captured.err
+    assert "gymnasium sync" in captured.out
+    events = b"".join(p.read_bytes() for p in tmp_path.glob("events.out.tfevents.*"))
+    assert b"falling back to --vector-mode sync" in events  # TensorBoard text "warnings"
+
+
+def test_env_defaults_apply_to_unset_fields_only():
+    dqn = load_dqn()
+    cpu = torch.device("cpu")
+    snake = dqn.resolve_args(dqn.Args(env_id="Snake-v0", output_dir="x"), cpu)
+    assert snake.gamma == 0.99 and snake.reward_scale == 1.0 and snake.norm_obs is False
+    assert snake.cnn_channels == dqn.ENV_DEFAULTS["Snake-v0"]["cnn_channels"]
+    overridden = dqn.resolve_args(dqn.Args(env_id="Snake-v0", gamma=0.9, num_envs=8, output_dir="x"), cpu)
+    assert overridden.gamma == 0.9 and overridden.num_envs == 8
+    evhub = dqn.resolve_args(dqn.Args(output_dir="x"), cpu)
+    assert (evhub.gamma, evhub.reward_scale, evhub.target_network_frequency, evhub.norm_obs) == (0.95, 10.0, 5000, True)
+    cartpole = dqn.resolve_args(dqn.Args(env_id="CartPole-v1"), cpu)
+    assert cartpole.target_network_frequency == 500 and "CartPole-v1_seed1" in cartpole.output_dir
+
+
+def test_cnn_torso_is_chosen_for_image_observations():
+    dqn = load_dqn()
+    cnn = dqn.QNetwork(3 * 6 * 5, 4, 16, obs_shape=(3, 6, 5), cnn_channels=(4, 8))
+    assert isinstance(cnn.mlp[0], torch.nn.Conv2d) and cnn(torch.rand(2, 3, 6, 5)).shape == (2, 4)
+    mlp = dqn.QNetwork(4, 2, 16, obs_shape=(4,))
+    assert isinstance(mlp.mlp[0], torch.nn.Linear) and mlp(torch.rand(2, 4)).shape == (2, 2)
+    rb = dqn.make_replay_buffer(5, (3, 6, 5), torch.device("cpu"))
+    assert rb["obs"].shape == (5, 3, 6, 5)
+
+
+def test_gpu_stats_on_cpu_are_nan():
+    dqn = load_dqn()
+    stats = dqn.gpu_stats(torch.device("cpu"))
+    assert set(stats) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb",
+                          "perf/gpu_util_pct"}  # fmt: skip
+    assert all(math.isnan(v) for v in stats.values())
