@@ -1,4 +1,5 @@
-"""Soft Actor-Critic for continuous actions on ``EVHub-v0``, CleanRL style: one file, everything on one device.
+"""Soft Actor-Critic for continuous actions, CleanRL style: one file, everything on one device. Trains on
+``EVHub-v0`` by default and on any gymnasium env with a ``Box`` action space (``--env-id``).
 
 Twin Q networks with Polyak-averaged target copies, a tanh-squashed Gaussian actor, and automatic entropy
 tuning (``log_alpha`` with target entropy ``-act_dim``). Each iteration steps ``num_envs`` env copies once,
@@ -15,16 +16,44 @@ bf16 autocast.
 The site never terminates (episodes end by time limit only, and the env resets in the same step), so by
 default the truncation is treated as non-terminal: the target bootstraps into the next window.
 
+Other environments (``--env-id``, any registered id, also ``"my_module:MyEnv-v0"``):
+
+* Torch-batched envs (a ``vector_entry_point`` in their spec) are built with
+  ``gym.make_vec(..., vectorization_mode="vector_entry_point", device=...)``; the site arguments (``--site``,
+  ``--action-mode``, ``--bess-action``) go to ``EVHub-v0`` only, and ``--vector-mode`` is ignored for them.
+* Any other env is vectorised by gymnasium (``--vector-mode sync``: ``SyncVectorEnv``; ``async``:
+  ``AsyncVectorEnv``, one worker process per env, for slow CPU- or I/O-bound envs; if the workers cannot start
+  the run falls back to sync with a warning) with same-step autoreset, behind :class:`GymVectorAdapter`, which
+  gives the loop tensors on the training device. Actions in [-1, 1] are rescaled to the env's ``Box`` bounds;
+  on a truncation the Bellman target bootstraps from the episode's true last observation (``final_obs``).
+  Observations must be flat (a 1-D ``Box``; SAC has no CNN torso: image observations stop with an error).
+* The action space must be a bounded ``Box``; any other stops with a ``ValueError``.
+* Site-only parts are skipped elsewhere: the split evaluation (``--eval-split``, ``--eval-every``), the
+  ``policy.json`` spec, the socket / weekday feature selection and the ``co2_kg`` / ``unserved_kwh`` statistics
+  (NaN in ``metrics.parquet``). The policy is still exported and checkpoints are written; a resumed run restores
+  networks, optimizers, counters and RNG, but a gymnasium env's state cannot be stored, so its envs start new
+  episodes.
+
+Stepping order. Synchronously (``--vector-mode sync``, and every torch-batched env) an iteration is: act, step
+the envs, store the transitions, then the gradient steps. With ``--vector-mode async`` the env step overlaps the
+learning: act, ``env.step_async(actions)``, the gradient steps (on the transitions stored up to the previous
+iteration) while the workers step, ``env.step_wait()``, then store the transitions. An iteration then takes
+about max(env step, gradient steps) instead of their sum; the updates see the new transitions one iteration
+later, so they also start one iteration later (once the buffer holds ``learning_starts`` rows before the step).
+
 Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device)::
 
     python algos/sac.py
     python algos/sac.py --preset cpu --site path/to/site.toml --total-timesteps 200000 --seed 2
+    python algos/sac.py --env-id Pendulum-v1 --num-envs 4 --total-timesteps 20000 --learning-starts 1000
+    python algos/sac.py --env-id IOBound-v0 --num-envs 8 --vector-mode async
     tensorboard --logdir outputs/
 
-Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
-(networks, optimizers, counters, RNG and env state, optionally the replay buffer; ``--resume`` continues from
-it), ``policy.pt2`` (the deterministic actor ``tanh(mean)`` as a ``torch.export`` program: obs float32
-``(B, obs_dim)`` -> action in [-1, 1] ``(B, act_dim)``), and the deterministic evaluation over ``eval_split``:
+Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves; ``perf/gpu_*`` columns are
+NaN on the CPU), ``checkpoint.pt`` (networks, optimizers, counters, RNG and env state, optionally the replay buffer;
+``--resume`` continues from it), ``policy.pt2`` (the deterministic actor ``tanh(mean)`` as a ``torch.export``
+program: obs float32 ``(B, obs_dim)`` -> action ``(B, act_dim)``, in [-1, 1] for ``EVHub-v0``, rescaled to the
+env's action bounds for other envs), and for ``EVHub-v0`` the deterministic evaluation over ``eval_split``:
 ``eval_{split}.parquet`` (one KPI row, controller ``"sac"``) and ``eval_{split}_traces.parquet``.
 """
 
@@ -35,6 +64,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import inspect
 import math
 import os
 import random
@@ -110,13 +140,19 @@ class Args:
     preset: str = "auto"
     """default values of the fields left unset: 'cpu', 'gpu' or 'auto' (by the device)"""
     env_id: str = "EVHub-v0"
-    """the id of the environment"""
+    """the id of the environment: any registered gymnasium id with a bounded Box action space (also
+    'my_module:MyEnv-v0'); torch-batched envs (EVHub-v0) run on the device, others through gymnasium's vector envs"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """how gymnasium vectorises an env without a torch-batched vector entry point: 'sync' (one process) or 'async'
+    (one worker process per env, stepped while the gradient steps run; falls back to sync with a warning if the
+    workers cannot start); ignored for torch-batched envs such as EVHub-v0"""
     site: str = "caltech"
-    """site to train on: a shipped site name or a path to a site TOML file"""
+    """EVHub-v0 only: site to train on, a shipped site name or a path to a site TOML file"""
     action_mode: str = "hub"
-    """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket); SAC needs continuous actions"""
+    """EVHub-v0 only: 'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket); SAC needs
+    continuous actions"""
     bess_action: Literal["surplus", "setpoint"] = "surplus"
-    """meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
+    """EVHub-v0 only: meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
     self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess times the
     BESS power limit)"""
     total_timesteps: int | None = None
@@ -154,15 +190,16 @@ class Args:
     reward_scale: float = 1.0
     """constant factor on the env reward before it enters the replay buffer (statistics use the raw reward)"""
     socket_features: bool | None = None
-    """feed the per-socket observations to the networks (None: only in 'socket' mode; in 'hub' mode the site
+    """EVHub-v0 only: feed the per-socket observations to the networks (None: only in 'socket' mode; in 'hub' mode the site
     aggregates (energy needed, deadline floor and cap power) carry what the hub action needs, at a fraction of
     the cost of the first layers)"""
     weekday_features: bool = False
-    """feed the day-of-week features (sin/cos) to the networks (off: the policy reads the EV demand from the
+    """EVHub-v0 only: feed the day-of-week features (sin/cos) to the networks (off: the policy reads the EV demand from the
     sockets instead of learning the weekday pattern of the training year, which transfers worse to other years)"""
     bootstrap_truncation: bool = True
-    """treat the time-limit truncation as non-terminal (the site never terminates): bootstrap through the
-    autoreset into the next window; False treats it as terminal"""
+    """treat the time-limit truncation as non-terminal: on EVHub-v0 (the site never terminates) bootstrap through
+    the autoreset into the next window, on gymnasium envs from the episode's last observation (final_obs); False
+    treats it as terminal"""
     compile: bool = False
     """torch.compile the action sampling, the critic and actor updates and the target update"""
     cudagraphs: bool = False
@@ -175,7 +212,8 @@ class Args:
     """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar; None: preset,
     168: one caltech episode, so every log sees the envs' episodes end)"""
     output_dir: str | None = None
-    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed})"""
+    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed} on EVHub-v0,
+    outputs/runs/{exp_name}_{env_id}_seed{seed} otherwise)"""
     checkpoint_every: int = 2_000
     """iterations between checkpoints (0: only at the end)"""
     save_buffer: bool = False
@@ -183,11 +221,11 @@ class Args:
     for learning_starts steps with the current policy before updating again"""
     resume: bool = False
     """continue from output_dir/checkpoint.pt (networks, optimizers, counters, RNG and env state, and the replay
-    buffer if it was stored)"""
+    buffer if it was stored; a gymnasium env's state is not stored: its envs start new episodes)"""
     eval_split: str = "test"
-    """split for the final deterministic evaluation ('none' skips it)"""
+    """EVHub-v0 only: split for the final deterministic evaluation ('none' skips it)"""
     eval_every: int = 0
-    """iterations between deterministic evaluations on eval_split during training (0: only the final one); each
+    """EVHub-v0 only: iterations between deterministic evaluations on eval_split during training (0: only the final one); each
     is logged as eval/co2_kg etc. and added to eval_curve.parquet with the training wall time so far, which
     leaves the evaluations out"""
     max_oom_retries: int = 3
@@ -357,14 +395,25 @@ class Actor(nn.Module):
 
 
 class DeterministicActor(nn.Module):
-    """The deterministic policy: raw obs float32 ``(B, obs_dim)`` -> ``tanh(mean)`` ``(B, act_dim)`` in [-1, 1]."""
+    """The deterministic policy: raw obs float32 ``(B, obs_dim)`` -> ``tanh(mean)`` ``(B, act_dim)`` in [-1, 1].
 
-    def __init__(self, actor: Actor):
+    With ``low`` and ``high`` (float32 ``(act_dim,)``, finite) the action is rescaled from [-1, 1] to
+    ``[low, high]`` (the env's ``Box`` bounds), as :class:`GymVectorAdapter` does in training.
+    """
+
+    def __init__(self, actor: Actor, low: torch.Tensor | None = None, high: torch.Tensor | None = None):
         super().__init__()
         self.actor = actor
+        self.rescale = low is not None
+        if self.rescale:
+            self.register_buffer("low", torch.as_tensor(low, dtype=torch.float32))
+            self.register_buffer("high", torch.as_tensor(high, dtype=torch.float32))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.actor(obs)[0])
+        action = torch.tanh(self.actor(obs)[0])
+        if self.rescale:
+            action = self.low + 0.5 * (action + 1.0) * (self.high - self.low)
+        return action
 
 
 # ---------------------------------------------------------------------------------------------- hot paths
@@ -461,11 +510,16 @@ def update_actor(
 
 
 def record_episode_stats(stats: dict, reward: torch.Tensor, info: dict, episode_end: torch.Tensor) -> None:
-    """Add one step to the per-env episode sums; fold the envs whose episode ended into the log sums."""
+    """Add one step to the per-env episode sums; fold the envs whose episode ended into the log sums.
+
+    ``reward`` float32 ``(N,)`` (raw, unscaled), ``episode_end`` bool ``(N,)``; ``info["co2_kg"]`` and
+    ``info["unserved_kwh"]`` (``(N,)``) are added where the env reports them (``EVHub-v0``), else left at 0.
+    """
     end = episode_end.to(torch.float64)
     stats["ep_return"] += reward
-    stats["ep_co2_kg"] += info["co2_kg"]
-    stats["ep_unserved_kwh"] += info["unserved_kwh"]
+    if "co2_kg" in info:
+        stats["ep_co2_kg"] += info["co2_kg"]
+        stats["ep_unserved_kwh"] += info["unserved_kwh"]
     stats["ep_length"] += 1.0
     stats["n_done"] += end.sum()
     for key in ("return", "co2_kg", "unserved_kwh", "length"):
@@ -503,6 +557,196 @@ class CudaGraphFn:
         return self.static_out
 
 
+
+# ---------------------------------------------------------------------------------------------- environments
+def is_torch_batched(env_id: str) -> bool:
+    """Whether ``env_id`` is a torch-batched env such as ``EVHub-v0``: its spec has a ``vector_entry_point`` whose
+    constructor takes a ``device``. Gymnasium's own NumPy vector entry points (``CartPole-v1`` has one) take none
+    and are vectorised by ``--vector-mode`` like any other env.
+
+    Raises:
+        gymnasium.error.Error: ``env_id`` is not registered (a ``"module:EnvId"`` id imports its module first).
+    """
+    entry = gym.spec(env_id).vector_entry_point
+    if entry is None:
+        return False
+    creator = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
+    try:
+        return "device" in inspect.signature(creator).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+def check_action_space(env_id: str, space: gym.Space) -> None:
+    """SAC needs a bounded ``Box`` action space.
+
+    Raises:
+        ValueError: naming ``env_id`` and ``space``: not a ``Box``, or a ``Box`` with an infinite bound.
+    """
+    if not isinstance(space, gym.spaces.Box):
+        raise ValueError(
+            f"SAC needs a continuous (Box) action space, but {env_id} has {space}; use algos/dqn.py for discrete actions"
+        )
+    if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+        raise ValueError(
+            f"SAC squashes its actions into the action bounds, but {env_id} has an unbounded action space {space}"
+        )
+
+
+def check_observation_space(env_id: str, space: gym.Space) -> None:
+    """SAC's networks are MLPs over flat observations.
+
+    Raises:
+        ValueError: naming ``env_id`` and ``space``: not a ``Box``, or image-shaped (3-D, e.g. ``(C, H, W)``:
+            SAC has no CNN torso) or otherwise not 1-D.
+    """
+    if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
+        kind = "image observations (3-D)" if isinstance(space, gym.spaces.Box) and len(space.shape) == 3 else "this"
+        raise ValueError(
+            f"SAC's networks take flat observations (a 1-D Box), but {env_id} has {space}: {kind} is not supported "
+            f"(algos/dqn.py has a CNN torso for image observations)"
+        )
+
+
+class GymVectorAdapter:
+    """A gymnasium vector env (NumPy, same-step autoreset) behind the tensor interface of the torch-batched envs.
+
+    ``reset`` and ``step`` / ``step_wait`` return ``obs`` float32 ``(N, obs_dim)`` on ``device``, ``reward`` float32
+    ``(N,)``, ``terminated`` / ``truncated`` bool ``(N,)`` and ``info`` holding ``"final_obs"``: float32
+    ``(N, obs_dim)``, the observation each env actually reached (its episode's last observation where the episode
+    ended in this step, the returned ``obs`` elsewhere), the ``next_obs`` of the Bellman target. ``step`` and
+    ``step_async`` take actions float32 ``(N, act_dim)`` in [-1, 1] on any device, rescale them linearly to the
+    ``Box``'s ``[low, high]`` (clipped there) and send them as the space's dtype and shape.
+
+    Episode statistics are kept by the training loop on the device from the rewards (what
+    ``RecordEpisodeStatistics`` would give), since that wrapper cannot split a step into ``step_async`` and
+    ``step_wait``. The env's state is not part of checkpoints (``state_dict`` is None).
+
+    Args:
+        env: a ``gymnasium.vector.VectorEnv`` (``SyncVectorEnv`` or ``AsyncVectorEnv``) with a ``Box`` action space.
+        device: where the returned tensors live.
+        mode: ``"sync"`` or ``"async"``, the kind of ``env`` (``overlap`` is True for ``"async"``).
+    """
+
+    def __init__(self, env, device: torch.device, mode: str):
+        self.env, self.device, self.mode = env, torch.device(device), mode
+        self.overlap = mode == "async"
+        self.num_envs = env.num_envs
+        self.single_observation_space = env.single_observation_space
+        self.single_action_space = env.single_action_space
+        space = env.single_action_space  # checked by the caller (check_action_space): others have no bounds
+        box = isinstance(space, gym.spaces.Box)
+        self.low = np.asarray(space.low, np.float32).reshape(-1) if box else None
+        self.high = np.asarray(space.high, np.float32).reshape(-1) if box else None
+        self._pending = False
+
+    def _obs(self, obs: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(obs, np.float32).reshape(self.num_envs, -1), device=self.device)
+
+    def _actions(self, actions: torch.Tensor) -> np.ndarray:
+        a = actions.detach().to("cpu", torch.float32).numpy().reshape(self.num_envs, -1)
+        a = np.clip(self.low + 0.5 * (a + 1.0) * (self.high - self.low), self.low, self.high)
+        space = self.single_action_space
+        return a.astype(space.dtype).reshape(self.num_envs, *space.shape)
+
+    def reset(self, seed: int | None = None) -> tuple[torch.Tensor, dict]:
+        """Reset every env (env ``i`` seeded with ``seed + i``); returns ``(obs, {})``."""
+        obs, _ = self.env.reset(seed=seed)
+        return self._obs(obs), {}
+
+    def step_async(self, actions: torch.Tensor) -> None:
+        """Send the actions to the envs and return at once (an ``AsyncVectorEnv``'s workers step meanwhile)."""
+        a = self._actions(actions)
+        if hasattr(self.env, "step_async"):
+            self.env.step_async(a)
+        else:  # SyncVectorEnv: no split, step now
+            self._result = self.env.step(a)
+        self._pending = True
+
+    def step_wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """Wait for the step sent by :meth:`step_async`; returns ``(obs, reward, terminated, truncated, info)``."""
+        self._pending = False
+        if hasattr(self.env, "step_wait"):
+            obs, reward, terminated, truncated, info = self.env.step_wait()
+        else:
+            obs, reward, terminated, truncated, info = self._result
+            self._result = None
+        final = np.array(obs, np.float32, copy=True).reshape(self.num_envs, -1)
+        if "_final_obs" in info:
+            for i in np.flatnonzero(info["_final_obs"]):
+                final[i] = np.asarray(info["final_obs"][i], np.float32).reshape(-1)
+        t = lambda x, dtype: torch.as_tensor(np.asarray(x), dtype=dtype, device=self.device)  # noqa: E731
+        out = {"final_obs": t(final, torch.float32)}
+        return self._obs(obs), t(reward, torch.float32), t(terminated, torch.bool), t(truncated, torch.bool), out
+
+    def step(self, actions: torch.Tensor):
+        """:meth:`step_async` then :meth:`step_wait`."""
+        self.step_async(actions)
+        return self.step_wait()
+
+    def state_dict(self) -> None:
+        """None: a gymnasium env's state cannot be stored."""
+        return None
+
+    def close(self) -> None:
+        """Close the envs (and an ``AsyncVectorEnv``'s workers; a step still in flight is waited for first)."""
+        if self._pending:
+            with contextlib.suppress(Exception):
+                self.step_wait()
+        self.env.close()
+
+
+def make_gym_vector_env(env_id: str, num_envs: int, mode: str, device: torch.device, warnings: list[str]):
+    """``gym.make_vec(env_id, num_envs, vectorization_mode=mode)`` with same-step autoreset, in a
+    :class:`GymVectorAdapter`.
+
+    If the ``"async"`` workers cannot start (no fork, an env factory that cannot be pickled, ...), warn on stderr,
+    append the warning to ``warnings`` (the caller logs it to TensorBoard) and build the ``"sync"`` env instead.
+    """
+    kwargs = {"vector_kwargs": {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}}
+    if mode == "async":
+        try:
+            return GymVectorAdapter(gym.make_vec(env_id, num_envs, vectorization_mode="async", **kwargs), device, "async")
+        except Exception as exc:  # noqa: BLE001 - any failure to start the workers falls back to sync
+            message = (
+                f"--vector-mode async: the {num_envs} worker processes for {env_id} did not start "
+                f"({type(exc).__name__}: {exc}); falling back to --vector-mode sync"
+            )
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+            warnings.append(message)
+    return GymVectorAdapter(gym.make_vec(env_id, num_envs, vectorization_mode="sync", **kwargs), device, "sync")
+
+
+def gpu_stats(device: torch.device) -> dict[str, float]:
+    """GPU memory and utilisation for the log, read without a device sync.
+
+    On CUDA: ``perf/gpu_mem_allocated_gb``, ``perf/gpu_mem_reserved_gb`` and ``perf/gpu_mem_peak_gb`` (the caching
+    allocator's host-side counters ``torch.cuda.memory_allocated`` / ``memory_reserved`` / ``max_memory_allocated``,
+    in GB = 1e9 bytes) and ``perf/gpu_util_pct`` (percent of the last sample period the GPU was busy, from NVML via
+    ``pynvml``; NaN when that does not import or fails). On any other device every value is NaN. Never raises.
+    """
+    keys = ("perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb", "perf/gpu_util_pct")
+    out = dict.fromkeys(keys, math.nan)
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return out
+    try:
+        out["perf/gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(device) / 1e9
+        out["perf/gpu_mem_reserved_gb"] = torch.cuda.memory_reserved(device) / 1e9
+        out["perf/gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    except Exception:  # noqa: BLE001 - monitoring must never stop training
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.device(device).index
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if index is None else index)
+        out["perf/gpu_util_pct"] = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # noqa: BLE001 - no pynvml, or no NVML on this machine
+        pass
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 def resolve_args(args: Args, device: torch.device) -> Args:
     """Fill the fields left at ``None`` from the preset and compute the runtime sizes."""
@@ -517,10 +761,15 @@ def resolve_args(args: Args, device: torch.device) -> Args:
     for key, value in PRESETS[name].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.action_mode not in ("hub", "socket"):
+    evhub = args.env_id == "EVHub-v0"
+    if evhub and args.action_mode not in ("hub", "socket"):
         raise ValueError(f"SAC needs continuous actions: action_mode 'hub' or 'socket', not {args.action_mode!r}")
     if args.output_dir is None:
-        args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}")
+        if evhub:
+            name = f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}"
+        else:
+            name = f"{args.exp_name}_{''.join(c if c.isalnum() or c in '-_.' else '_' for c in args.env_id)}_seed{args.seed}"
+        args.output_dir = str(Path("outputs") / "runs" / name)
     if args.socket_features is None:
         args.socket_features = args.action_mode == "socket"
     args.num_iterations = max(1, args.total_timesteps // args.num_envs)
@@ -657,12 +906,14 @@ def halve_after_oom(args: Args, history: list[str], where: str, error: str, ckpt
 
 
 def rng_state(env) -> dict:
+    """Python, NumPy, torch (and CUDA) RNG states and, for a torch-batched env, its ``_generator``'s."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "env_generator": env._generator.get_state(),
     }
+    if hasattr(env, "_generator"):
+        state["env_generator"] = env._generator.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -672,7 +923,8 @@ def set_rng_state(env, state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    env._generator.set_state(state["env_generator"])
+    if hasattr(env, "_generator") and "env_generator" in state:
+        env._generator.set_state(state["env_generator"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -706,10 +958,13 @@ def check_finite(bad_any: torch.Tensor, first_bad_step: torch.Tensor, ckpt: Path
         raise NonFiniteLossError(f"non-finite {', '.join(names)} in the update at global_step {step}; training stopped, {kept}")
 
 
-def export_policy(actor: Actor, obs_dim: int, out_dir: Path) -> Path:
+def export_policy(actor: Actor, obs_dim: int, out_dir: Path, low=None, high=None) -> Path:
     """Save the deterministic actor (``torch.export`` with a dynamic batch to ``policy.pt2``; TorchScript
-    ``policy.pt`` if export fails), written atomically (temporary file, then rename). Returns the written path."""
-    module = DeterministicActor(copy.deepcopy(actor)).cpu().float().eval()
+    ``policy.pt`` if export fails), written atomically (temporary file, then rename). Returns the written path.
+
+    ``low`` / ``high`` (float32 ``(act_dim,)``): the env's action bounds, built into the exported program (see
+    :class:`DeterministicActor`); None keeps actions in [-1, 1]."""
+    module = DeterministicActor(copy.deepcopy(actor), low, high).cpu().float().eval()
     example = torch.zeros(2, obs_dim)
     try:
         batch = torch.export.Dim("batch", min=1)
@@ -722,6 +977,20 @@ def export_policy(actor: Actor, obs_dim: int, out_dir: Path) -> Path:
         traced = torch.jit.trace(module, example)
         atomic_write(path, lambda tmp: traced.save(str(tmp)))
     return path
+
+
+def preset_table(args: Args) -> str:
+    """The preset values as one text table: each field, its value in every preset and the value used (``*`` where
+    the command line set another value than the chosen preset's)."""
+    names = list(PRESETS)
+    rows = [("field", *names, f"used ({args.preset})")]
+    for key in PRESETS[names[0]]:
+        used = getattr(args, key)
+        mark = "" if used == PRESETS.get(args.preset, {}).get(key) else " *"
+        rows.append((key, *(str(PRESETS[n][key]) for n in names), f"{used}{mark}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "presets (* set on the command line):\n" + "\n".join("  " + line for line in lines)
 
 
 LOSS_KEYS = ("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss", "actor_loss", "alpha", "alpha_loss")
@@ -765,21 +1034,29 @@ def main(args: Args) -> dict:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
-    site = envs.load_site(args.site)
+    evhub = args.env_id == "EVHub-v0"
+    torch_batched = is_torch_batched(args.env_id)
+    site = envs.load_site(args.site) if evhub else None
+    env_warnings: list[str] = []  # e.g. the fall-back from async to sync, for TensorBoard text "warnings"
+    if torch_batched and args.vector_mode != "sync":
+        print(f"note: --vector-mode {args.vector_mode} is ignored: {args.env_id} is torch-batched (steps on {device})")
 
     def build_envs() -> tuple:
         """The envs and the episode statistics, sized by num_envs: ``(env, stats)``."""
-        env = gym.make_vec(
-            args.env_id,
-            num_envs=args.num_envs,
-            vectorization_mode="vector_entry_point",
-            site=site,
-            split="train",
-            action_mode=args.action_mode,
-            device=device,
-            bess_action=args.bess_action,
-        )
-        env = getattr(env, "unwrapped", env)
+        if torch_batched:
+            site_kwargs = (
+                dict(site=site, split="train", action_mode=args.action_mode, bess_action=args.bess_action) if evhub else {}
+            )
+            env = gym.make_vec(
+                args.env_id,
+                num_envs=args.num_envs,
+                vectorization_mode="vector_entry_point",
+                device=device,
+                **site_kwargs,
+            )
+            env = getattr(env, "unwrapped", env)
+        else:
+            env = make_gym_vector_env(args.env_id, args.num_envs, args.vector_mode, device, env_warnings)
         return env, make_episode_stats(args.num_envs, device)
 
     oom_history: list[str] = []  # one warning per halving of batch_size or num_envs after a CUDA out-of-memory error
@@ -801,14 +1078,28 @@ def main(args: Args) -> dict:
             oom_notes.append(message)
 
     env, stats = build_envs_backing_off("at setup")
+    try:
+        check_action_space(args.env_id, env.single_action_space)
+        check_observation_space(args.env_id, env.single_observation_space)
+    except ValueError:
+        if not torch_batched:
+            env.close()
+        raise
     if oom_history:  # num_envs was halved: the iterations of the run change size
         args.num_iterations = max(1, args.total_timesteps // args.num_envs)
     obs_dim = int(np.prod(env.single_observation_space.shape))
     act_dim = int(np.prod(env.single_action_space.shape))
+    # the exported policy acts in the env's units (EVHub-v0's box is [-1, 1] already)
+    act_low = act_high = None
+    if not torch_batched:
+        act_low, act_high = torch.as_tensor(env.low), torch.as_tensor(env.high)
 
-    inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
-    if not args.weekday_features:
-        inputs = [i for i in inputs if i not in OBS_WEEKDAY]
+    if evhub:
+        inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
+        if not args.weekday_features:
+            inputs = [i for i in inputs if i not in OBS_WEEKDAY]
+    else:
+        inputs = list(range(obs_dim))
     actor = Actor(obs_dim, act_dim, args.hidden_size, inputs).to(device)
     qf1 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
     qf2 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
@@ -850,7 +1141,9 @@ def main(args: Args) -> dict:
         set_rng_state(env, ckpt["rng"])
         if ckpt.get("replay_buffer") is not None:
             rb.load_state_dict(ckpt["replay_buffer"])
-        if ckpt.get("num_envs") == args.num_envs:
+        if ckpt.get("env_state") is None or not torch_batched:
+            print(f"resume: the state of a gymnasium env ({args.env_id}) is not stored; envs start new episodes")
+        elif ckpt.get("num_envs") == args.num_envs:
             env.load_state_dict(ckpt["env_state"])
             obs = ckpt["obs"].to(device)
             for key, value in ckpt["episode_stats"].items():
@@ -910,8 +1203,14 @@ def main(args: Args) -> dict:
     writer.add_text("hyperparameters", hyperparameters())
     for message in oom_notes:  # halvings at setup
         writer.add_text("oom", message, global_step)
+    for message in env_warnings:  # e.g. async -> sync
+        writer.add_text("warnings", message, global_step)
+    print(preset_table(args))
+    where = f"site={args.site} action_mode={args.action_mode}" if evhub else (
+        f"{'torch-batched' if torch_batched else f'vector_mode={env.mode}'}"
+    )
     print(
-        f"SAC on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
+        f"SAC on {args.env_id} {where} device={device} preset={args.preset}: "
         f"{args.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD {args.gradient_steps / args.num_envs:.3g}), "
         f"batch {args.batch_size}, buffer {args.buffer_size:,}, {args.num_iterations} iterations, "
         f"{args.total_timesteps:,} steps; output {out_dir}"
@@ -938,8 +1237,8 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state=env.state_dict(),
-            obs=obs,
+            env_state=env.state_dict() if torch_batched else None,
+            obs=obs if torch_batched else None,
             episode_stats=stats,
             replay_buffer=rb.state_dict() if args.save_buffer else None,
         )
@@ -965,6 +1264,35 @@ def main(args: Args) -> dict:
     first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
     out_q: dict = {}
     out_pi: dict = {}
+    overlap = getattr(env, "overlap", False)  # async gymnasium envs step while the gradient steps run
+
+    def learn() -> str | None:
+        """``gradient_steps`` updates on uniform samples of the replay buffer; returns the first line of a CUDA
+        out-of-memory error that stopped them (the remaining steps are skipped), else None."""
+        nonlocal out_q, out_pi, n_updates, first_bad_step, bad_any, data
+        try:
+            for _ in range(args.gradient_steps):
+                data = rb.sample(args.batch_size)
+                out_q = critic_step(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
+                bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
+                bad[0] = out_q["bad"]
+                n_updates += 1
+                if n_updates % args.policy_frequency == 0:  # delayed policy updates, TD3-style
+                    for _ in range(args.policy_frequency):
+                        out_pi = actor_step(data["obs"])
+                        bad[1:] |= out_pi["bad"]
+                if n_updates % args.target_network_frequency == 0:
+                    target_step()
+                first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
+                bad_any |= bad
+        except RuntimeError as exc:
+            error = out_of_memory_message(exc)
+            if error is None:
+                raise
+            return error
+        return None
+
+    data = None
     start_time = time.perf_counter()
     session_start_step = global_step
     sps = float(rows[-1]["sps"]) if rows else 0.0  # a resumed run that has nothing left to train keeps its SPS
@@ -986,47 +1314,42 @@ def main(args: Args) -> dict:
             if iteration == half_iteration:
                 steady_start = (synced_clock(device), global_step)
             oom_error, oom_in_update = None, False
-            # ---- act: uniform random actions before learning starts, then the stochastic policy
+            # ---- act: uniform random actions before learning starts, then the stochastic policy. Synchronously the
+            # envs step, the transitions are stored, then the gradient steps run; with overlap (async gymnasium envs)
+            # the gradient steps run between step_async and step_wait, on the transitions stored so far.
             try:
                 if global_step < args.learning_starts:
                     actions = torch.rand(args.num_envs, act_dim, device=device) * 2.0 - 1.0
                 else:
                     actions = policy_step(obs)
-                next_obs, reward, terminated, truncated, info = env.step(actions)
+                if overlap:
+                    env.step_async(actions)
+                    if global_step >= max(updates_from_step, 1):  # before this step's transitions are stored
+                        oom_error = learn()
+                        oom_in_update = oom_error is not None
+                    next_obs, reward, terminated, truncated, info = env.step_wait()
+                else:
+                    next_obs, reward, terminated, truncated, info = env.step(actions)
                 next_obs = next_obs.to(torch.float32)
                 reward = reward.to(torch.float32)
                 dones = terminated if args.bootstrap_truncation else terminated | truncated
-                rb.add(obs, actions, reward * args.reward_scale, next_obs, dones.to(torch.float32))
+                # gymnasium envs: the target's next obs is the episode's last one where it ended (EVHub-v0
+                # bootstraps through the autoreset into the next window)
+                target_obs = info["final_obs"] if "final_obs" in info else next_obs
+                rb.add(obs, actions, reward * args.reward_scale, target_obs, dones.to(torch.float32))
                 record_episode_stats(stats, reward, info, terminated | truncated)
             except RuntimeError as exc:
-                oom_error = out_of_memory_message(exc)
+                oom_error, oom_in_update = out_of_memory_message(exc), False
                 if oom_error is None:
                     raise
 
             # ---- learn: gradient_steps updates on uniform samples of the replay buffer
-            if oom_error is None:
+            if oom_error is None or oom_in_update:
                 obs = next_obs
                 global_step += args.num_envs
-                if global_step >= updates_from_step:
-                    try:
-                        for _ in range(args.gradient_steps):
-                            data = rb.sample(args.batch_size)
-                            out_q = critic_step(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
-                            bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
-                            bad[0] = out_q["bad"]
-                            n_updates += 1
-                            if n_updates % args.policy_frequency == 0:  # delayed policy updates, TD3-style
-                                for _ in range(args.policy_frequency):
-                                    out_pi = actor_step(data["obs"])
-                                    bad[1:] |= out_pi["bad"]
-                            if n_updates % args.target_network_frequency == 0:
-                                target_step()
-                            first_bad_step = torch.where((first_bad_step < 0) & bad.any(), global_step, first_bad_step)
-                            bad_any |= bad
-                    except RuntimeError as exc:
-                        oom_error, oom_in_update = out_of_memory_message(exc), True
-                        if oom_error is None:
-                            raise
+                if not overlap and global_step >= updates_from_step:
+                    oom_error = learn()
+                    oom_in_update = oom_error is not None
 
             if oom_error is not None:
                 # out of memory. Stepping the envs: that step is dropped (not counted), the envs are rebuilt with
@@ -1044,12 +1367,17 @@ def main(args: Args) -> dict:
                 print(f"warning: {message}", file=sys.stderr, flush=True)
                 oom_notes.append(message)
                 if args.num_envs != n_envs:
-                    generator = env._generator.get_state()  # the new envs go on drawing windows where these stopped
+                    # the new envs go on drawing windows where these stopped
+                    generator = env._generator.get_state() if torch_batched else None
                     totals = {k: v for k, v in stats.items() if k == "n_done" or k.startswith("sum_")}
+                    if not torch_batched:
+                        env.close()
                     env = stats = obs = next_obs = actions = None
                     free_device_memory(device)
                     env, stats = build_envs_backing_off(where)
-                    env._generator.set_state(generator)
+                    if generator is not None:
+                        env._generator.set_state(generator)
+                    overlap = getattr(env, "overlap", False)
                     for key, value in totals.items():
                         stats[key].copy_(value)
                     obs, _ = env.reset()
@@ -1074,6 +1402,8 @@ def main(args: Args) -> dict:
                 losses.update({k: float(out_pi[k]) if k in out_pi else math.nan for k in LOSS_KEYS[5:]})
                 n_done = float(stats["n_done"])
                 ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done else math.nan for k in ("return", "co2_kg", "unserved_kwh", "length")}
+                if not evhub:  # the site's KPIs do not exist elsewhere
+                    ep["co2_kg"] = ep["unserved_kwh"] = math.nan
                 for key in ("n_done", "sum_return", "sum_co2_kg", "sum_unserved_kwh", "sum_length"):
                     stats[key].zero_()
                 wall = time.perf_counter() - start_time
@@ -1081,8 +1411,13 @@ def main(args: Args) -> dict:
                 if n_done:
                     writer.add_scalar("charts/episodic_return", ep["return"], global_step)
                     writer.add_scalar("charts/episodic_length", ep["length"], global_step)
-                    writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
-                    writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                    if evhub:
+                        writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
+                        writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                gpu = gpu_stats(device)
+                for key, value in gpu.items():
+                    if math.isfinite(value):
+                        writer.add_scalar(key, value, global_step)
                 if out_q:
                     for key in LOSS_KEYS:
                         if math.isfinite(losses[key]):
@@ -1094,6 +1429,7 @@ def main(args: Args) -> dict:
                         "wall_s": train_wall_prev + wall,
                         "sps": sps,
                         "episodic_return": ep["return"],
+                        "episodic_length": ep["length"],
                         "episodic_co2_kg": ep["co2_kg"],
                         "episodic_unserved_kwh": ep["unserved_kwh"],
                         **losses,
@@ -1102,18 +1438,20 @@ def main(args: Args) -> dict:
                         "gradient_steps": n_updates,
                         "num_envs": args.num_envs,
                         "batch_size": args.batch_size,
+                        **{key.split("/", 1)[1]: value for key, value in gpu.items()},
                     }
                 )
                 write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
-                bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", refresh=False)
+                bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", **({"co2": f"{ep['co2_kg']:.1f}"} if evhub else {}), refresh=False)
                 if (bar.disable and (iteration // args.log_every) % max(1, args.num_iterations // args.log_every // 10) == 0) or last:
+                    site_kpis = f"co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} " if evhub else ""
                     print(
                         f"iter {iteration}/{args.num_iterations} step {global_step} SPS {int(sps)} "
-                        f"return {ep['return']:.2f} co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} "
+                        f"return {ep['return']:.2f} {site_kpis}"
                         f"qf_loss {losses['qf_loss']:.4f} q1 {losses['qf1_values']:.2f} alpha {losses['alpha']:.4f}",
                         flush=True,
                     )
-            if args.eval_every and iteration % args.eval_every == 0 and not last and args.eval_split.lower() != "none":
+            if evhub and args.eval_every and iteration % args.eval_every == 0 and not last and args.eval_split.lower() != "none":
                 # the evaluation's time is left out of the training clock (and out of the steady-state SPS)
                 eval_start = synced_clock(device)
                 row, _ = evaluate()
@@ -1127,11 +1465,15 @@ def main(args: Args) -> dict:
                     steady_start = (steady_start[0] + paused, steady_start[1])
             if args.checkpoint_every and iteration % args.checkpoint_every == 0 and not last:
                 checkpoint(iteration, train_wall_prev + time.perf_counter() - start_time)
-    except (NonFiniteLossError, OutOfMemoryBackoffError):
+    except BaseException:
         writer.close()
         bar.close()
+        if not torch_batched and env is not None:
+            env.close()
         raise
     bar.close()
+    if not torch_batched:
+        env.close()
     if oom_notes:  # the sizes actually used at the end
         writer.add_text("hyperparameters", hyperparameters(), global_step)
 
@@ -1139,14 +1481,17 @@ def main(args: Args) -> dict:
     sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
     train_wall = train_wall_prev + end_time - start_time
     checkpoint(iteration, train_wall)
-    policy_path = export_policy(actor, obs_dim, out_dir)
-    write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
+    policy_path = export_policy(actor, obs_dim, out_dir, act_low, act_high)
+    if evhub:
+        write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
     print(f"training: {global_step:,} steps, {n_updates:,} gradient steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady,
               "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size,
               "buffer_size": args.buffer_size}
-    if args.eval_split.lower() != "none":
+    if not evhub and args.eval_split.lower() != "none":
+        print(f"note: no split evaluation for {args.env_id} (eval_split={args.eval_split!r} applies to EVHub-v0 only)")
+    if evhub and args.eval_split.lower() != "none":
         row, traces = evaluate(train_wall_s=train_wall, env_steps=float(global_step), steps_per_s=sps)
         write_parquet(row, out_dir / f"eval_{args.eval_split}.parquet")
         write_parquet(traces, out_dir / f"eval_{args.eval_split}_traces.parquet")

@@ -1,11 +1,13 @@
-"""``algos/sac.py``: a tiny CPU training run on a synthetic site, resume, ``--help``, and the pure pieces
-(Polyak update, replay buffer, squashed-Gaussian log-prob)."""
+"""``algos/sac.py``: a tiny CPU training run on a synthetic site, resume, ``--help``, the pure pieces
+(Polyak update, replay buffer, squashed-Gaussian log-prob), and gymnasium envs (Pendulum-v1 in sync and async
+vector modes, the fall-back from async to sync, a wrong action space, the vector-env adapter, ``gpu_stats``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from functools import partial
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -35,6 +37,25 @@ TINY = [
 """Tiny budget: 4 envs; a log every 48 iterations (one synthetic episode); learning from step 64."""
 
 
+GPU_COLUMNS = ["gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb", "gpu_util_pct"]
+"""metrics.parquet columns of :func:`gpu_stats` (NaN on the CPU)."""
+
+PENDULUM = [
+    "--env-id", "Pendulum-v1",
+    "--preset", "cpu",
+    "--num-envs", "2",
+    "--hidden-size", "16",
+    "--batch-size", "32",
+    "--buffer-size", "1000",
+    "--learning-starts", "64",
+    "--gradient-steps", "1",
+    "--log-every", "100",
+    "--total-timesteps", "400",
+    "--no-cuda",
+]  # fmt: skip
+"""Pendulum-v1 (200-step episodes): 2 envs, a log every 100 iterations (200 steps, one episode per env), learning
+from step 64, 200 iterations."""
+
 load_sac = partial(load_algo, "sac")
 run_sac = partial(run_algo, "sac")
 
@@ -53,7 +74,9 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
 
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert list(metrics.global_step) == [192, 384]  # 4 envs x 48 iterations per log
-    assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
+    assert metrics[GPU_COLUMNS].isna().all().all()  # no GPU on this run
+    assert np.isfinite(metrics.drop(columns=GPU_COLUMNS).to_numpy(dtype=float)).all(), metrics.T
+    assert (metrics.episodic_length == 48).all()
     assert (metrics.episodic_co2_kg > 0).all()
     for col in ("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss", "actor_loss", "alpha", "alpha_loss", "learning_rate"):
         assert col in metrics, col
@@ -253,5 +276,137 @@ def test_cuda_speed_switches(site_toml, tmp_path, flags):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
-    assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
+    # gpu_util_pct is NaN where pynvml is not installed
+    assert np.isfinite(metrics.drop(columns=["gpu_util_pct"]).to_numpy(dtype=float)).all(), metrics.T
     assert (tmp_path / "g" / "policy.pt2").is_file()
+    assert (metrics.gpu_mem_peak_gb > 0).all() and (metrics.gpu_mem_reserved_gb >= metrics.gpu_mem_allocated_gb).all()
+
+
+# ---------------------------------------------------------------------------------------------- gymnasium envs
+def assert_gym_run_outputs(out: Path) -> pd.DataFrame:
+    """A finished Pendulum-v1 run of :data:`PENDULUM` in ``out``: curves with the episodic return, the policy in the
+    env's action units, a checkpoint, and none of EVHub-v0's outputs. Returns the metrics."""
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [200, 400]
+    assert np.isfinite(metrics.episodic_return.iloc[-1]) and metrics.episodic_return.iloc[-1] < 0
+    assert metrics.episodic_length.iloc[-1] == 200
+    assert metrics.episodic_co2_kg.isna().all() and metrics.episodic_unserved_kwh.isna().all()
+    assert np.isfinite(metrics.qf_loss.iloc[-1]) and metrics.gradient_steps.iloc[-1] > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"charts/episodic_return", "charts/episodic_length", "losses/qf_loss"} <= tags
+    assert "charts/episodic_co2_kg" not in tags
+    assert (out / "checkpoint.pt").is_file()
+    program = torch.export.load(str(out / "policy.pt2")).module()
+    action = program(torch.randn(5, 3))  # obs (cos, sin, angular velocity) -> torque in [-2, 2]
+    assert action.shape == (5, 1) and (action.abs() <= 2.0).all()
+    for name in ("policy.json", "eval_test.parquet", "eval_test_traces.parquet", "eval_curve.parquet"):
+        assert not (out / name).exists(), name
+    return metrics
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_pendulum_trains_in_sync_and_async_vector_modes(mode, tmp_path):
+    out = tmp_path / mode
+    proc = run_sac("--output-dir", str(out), "--vector-mode", mode, *PENDULUM)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"vector_mode={mode}" in proc.stdout and "no split evaluation for Pendulum-v1" in proc.stdout
+    assert "warning" not in proc.stderr.lower()  # async started: no fall-back
+    metrics = assert_gym_run_outputs(out)
+    # the updates start at step 64: synchronously after the 32nd step; overlapped, they run while the envs step,
+    # before that step's transitions are stored, so from the 33rd step on (one iteration fewer)
+    assert metrics.gradient_steps.iloc[-1] == (200 - 31 if mode == "sync" else 200 - 32)
+
+
+def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeypatch, capsys):
+    import gymnasium as gym
+    import tyro
+
+    sac = load_sac()
+
+    def no_workers(*args, **kwargs):
+        raise RuntimeError("cannot start worker processes here")
+
+    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", no_workers)
+    argv = ["--output-dir", str(tmp_path), "--vector-mode", "async", *PENDULUM, "--total-timesteps", "200"]
+    result = sac.main(tyro.cli(sac.Args, args=argv))
+    assert result["global_step"] == 200
+    captured = capsys.readouterr()
+    assert "warning: --vector-mode async" in captured.err and "falling back to --vector-mode sync" in captured.err
+    assert "cannot start worker processes here" in captured.err
+    assert "vector_mode=sync" in captured.out  # what actually ran
+    events = b"".join(p.read_bytes() for p in tmp_path.glob("events.out.tfevents.*"))
+    assert b"falling back to --vector-mode sync" in events  # TensorBoard text "warnings"
+    assert (tmp_path / "policy.pt2").is_file()
+
+
+@pytest.mark.parametrize("env_id, space", [("CartPole-v1", "Discrete(2)"), ("Snake-v0", "Discrete(4)")])
+def test_a_discrete_action_space_stops_with_a_clear_error(env_id, space, tmp_path):
+    import tyro
+
+    sac = load_sac()
+    args = tyro.cli(sac.Args, args=["--env-id", env_id, "--output-dir", str(tmp_path), "--no-cuda", "--num-envs", "2"])
+    with pytest.raises(ValueError, match=re.escape(f"SAC needs a continuous (Box) action space, but {env_id} has {space}")):
+        sac.main(args)
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_unbounded_actions_and_image_observations_are_refused():
+    import gymnasium as gym
+
+    sac = load_sac()
+    sac.check_action_space("X-v0", gym.spaces.Box(-2.0, 2.0, (1,)))  # fine
+    with pytest.raises(ValueError, match="X-v0 has an unbounded action space"):
+        sac.check_action_space("X-v0", gym.spaces.Box(-np.inf, np.inf, (2,)))
+    sac.check_observation_space("X-v0", gym.spaces.Box(-1.0, 1.0, (3,)))  # fine
+    with pytest.raises(ValueError, match="X-v0 has .*image observations"):
+        sac.check_observation_space("X-v0", gym.spaces.Box(0.0, 1.0, (3, 8, 8)))
+
+
+def test_gym_adapter_rescales_actions_and_returns_the_last_obs_on_truncation():
+    import gymnasium as gym
+
+    sac = load_sac()
+    vec = gym.make_vec("IOBound-v0", 2, vectorization_mode="sync", latency_s=0.0, max_steps=2,
+                       vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})  # fmt: skip
+    env = sac.GymVectorAdapter(vec, torch.device("cpu"), "sync")
+    assert not env.overlap and env.state_dict() is None
+    np.testing.assert_array_equal(env._actions(torch.tensor([[-1.0, 1.0], [0.0, 0.5]])), [[-1.0, 1.0], [0.0, 0.5]])
+    obs, _ = env.reset(seed=3)
+    assert obs.dtype == torch.float32 and obs.shape == (2, 2)
+    step = torch.tensor([[1.0, -1.0], [-1.0, 0.0]])
+    obs1, reward, terminated, truncated, info = env.step(step)
+    assert not truncated.any() and torch.equal(info["final_obs"], obs1)  # no episode ended: the next obs
+    assert reward.dtype == torch.float32 and terminated.dtype == torch.bool
+    obs2, _, _, truncated, info = env.step(step)
+    assert truncated.all()  # max_steps=2: both truncated and reset in the same step
+    expected = torch.clamp(obs1 + 0.1 * step, -1.0, 1.0)
+    torch.testing.assert_close(info["final_obs"], expected)  # the last obs of the episode, for the bootstrap
+    assert not torch.allclose(obs2, expected)  # the returned obs is the next episode's first
+    env.close()
+
+    pendulum = sac.GymVectorAdapter(gym.make_vec("Pendulum-v1", 1, vectorization_mode="sync"), torch.device("cpu"), "sync")
+    np.testing.assert_allclose(pendulum._actions(torch.tensor([[-1.0], [0.25]])[:1]), [[-2.0]])
+    np.testing.assert_allclose(pendulum._actions(torch.tensor([[0.25]])), [[0.5]])
+    np.testing.assert_allclose(pendulum._actions(torch.tensor([[1.0]])), [[2.0]])
+    pendulum.close()
+
+
+def test_gpu_stats_on_the_cpu_are_nan_without_error():
+    sac = load_sac()
+    stats = sac.gpu_stats(torch.device("cpu"))
+    assert set(stats) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb",
+                          "perf/gpu_util_pct"}  # fmt: skip
+    assert all(isinstance(v, float) and math.isnan(v) for v in stats.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_stats_on_cuda_reads_the_allocator():
+    sac = load_sac()
+    x = torch.ones(1024, 1024, device="cuda")
+    stats = sac.gpu_stats(torch.device("cuda"))
+    assert stats["perf/gpu_mem_allocated_gb"] >= x.numel() * 4 / 1e9
+    assert stats["perf/gpu_mem_peak_gb"] >= stats["perf/gpu_mem_allocated_gb"]
