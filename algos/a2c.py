@@ -1,30 +1,50 @@
-"""Synchronous advantage actor-critic (A2C) with a Gaussian policy for ``EVHub-v0``, CleanRL style.
+"""Synchronous advantage actor-critic (A2C) with a Gaussian policy, CleanRL style: ``EVHub-v0`` or any gymnasium
+environment with a Box action space.
 
-One file, everything on one device. Each iteration steps ``num_envs`` copies of the site for a short
+One file, everything on one device. Each iteration steps ``num_envs`` copies of the env for a short
 rollout of ``num_steps`` steps, computes returns and advantages by GAE (``gae_lambda=1`` gives the classic
 n-step returns bootstrapped from the value of the observation after the rollout) and takes ONE gradient
 step on ``policy_loss + vf_coef * value_loss - ent_coef * entropy`` with RMSprop (``alpha=0.99, eps=1e-5``
 as in Stable-Baselines3 / CleanRL) or Adam, clipped to ``max_grad_norm``. Observations and rewards are
 normalised with running statistics kept on the device, as in ``algos/ppo.py``.
 
+Environments (``--env-id``, any registered id, also a user's own as ``"my_module:MyEnv-v0"``):
+
+* torch-batched envs (a ``vector_entry_point`` in their spec that takes a ``device``, e.g. ``EVHub-v0``) are
+  built directly on the device; the site options (``--site``, ``--action-mode``, ``--bess-action``), the socket/weekday feature
+  selection, the split evaluation and ``policy.json`` exist for ``EVHub-v0`` only. ``--vector-mode`` does not
+  apply to them.
+* any other env (also one with a NumPy ``vector_entry_point`` such as ``CartPole-v1``'s) runs as ``--vector-mode sync`` (gymnasium's ``SyncVectorEnv``) or ``async`` (``AsyncVectorEnv``,
+  one subprocess per env: for CPU-bound or I/O-bound envs; if it cannot start, the run warns and falls back to
+  sync) with SAME_STEP autoreset, behind :class:`GymVectorAdapter` (NumPy <-> device tensors; actions produced
+  in [-1, 1] are rescaled to the Box's bounds). Observations must be a flat (or flattenable, not image) Box; the
+  networks are the MLPs below. The value of ``final_obs`` bootstraps truncated episodes. Env state is not
+  checkpointed: ``--resume`` starts new episodes.
+
 Hot paths are plain module-level functions -- :func:`policy_step` (observation normalisation + action
 selection), :func:`update` (bootstrap value, GAE, loss, gradient step) -- bound to the agent once with
 :func:`functools.partial`; ``--compile`` rebinds them to ``torch.compile`` versions, ``--cudagraphs`` to
 CUDA-graph replays (:class:`CudaGraphed`, with a capturable optimizer and a device-tensor learning rate),
-``--amp`` runs the network forward passes under bf16 autocast. No host sync inside the loop: statistics
-are summed on the device and read every ``log_every`` iterations.
+``--amp`` runs the network forward passes under bf16 autocast (for gymnasium envs all three apply to these
+network functions only; the env step is host code). No host sync inside the loop (torch-batched envs):
+statistics are summed on the device and read every ``log_every`` iterations, together with the GPU memory
+counters (:func:`gpu_stats`).
 
-Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device)::
+Run (defaults: ``EVHub-v0`` on the ``caltech`` site, ``hub`` actions, a preset sized to the device)::
 
     python algos/a2c.py
     python algos/a2c.py --site path/to/site.toml --total-timesteps 200000 --optimizer adam --gae-lambda 0.95
+    python algos/a2c.py --env-id Pendulum-v1 --num-envs 8 --num-steps 8 --total-timesteps 200000
+    python algos/a2c.py --env-id IOBound-v0 --vector-mode async --num-envs 8
     tensorboard --logdir outputs/
 
-Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
-(model, optimizer, counters, RNG and env state; ``--resume`` continues from it), ``policy.pt2`` (the
-deterministic actor as a ``torch.export`` program: obs float32 ``(B, obs_dim)`` -> action in [-1, 1]
-``(B, act_dim)``; load with ``envs.kpis.load_policy``), and the deterministic evaluation over
-``eval_split``: ``eval_{split}.parquet`` (one KPI row, controller ``"a2c"``) and
+Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves; ``episodic_co2_kg`` and
+``episodic_unserved_kwh`` are NaN for envs other than EVHub-v0, the ``gpu_*`` columns NaN on the CPU),
+``checkpoint.pt`` (model, optimizer, counters, RNG and, for torch-batched envs, env state; ``--resume`` continues
+from it), ``policy.pt2`` (the deterministic actor as a ``torch.export`` program: obs float32 ``(B, obs_dim)``
+(flattened) -> action ``(B, act_dim)``, in [-1, 1] for torch-batched envs, in the Box's bounds for gymnasium
+envs; load with ``envs.kpis.load_policy``) and, for EVHub-v0, ``policy.json`` and the deterministic evaluation
+over ``eval_split``: ``eval_{split}.parquet`` (one KPI row, controller ``"a2c"``) and
 ``eval_{split}_traces.parquet`` (hourly traces).
 """
 
@@ -93,13 +113,18 @@ class Args:
     """torch intra-op CPU threads, 0 keeps torch's default (None: preset, 1 on cpu: the tensors of a few hundred
     envs are too small to gain from more, and spinning threads cost a lot on a busy machine; 0 on gpu)"""
     env_id: str = "EVHub-v0"
-    """the id of the environment"""
+    """the id of the environment: any registered gymnasium id with a Box action space, also
+    'my_module:MyEnv-v0' (imports my_module, which registers it)"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """how gymnasium envs other than the torch-batched ones are vectorised: 'sync' (SyncVectorEnv, one process) or
+    'async' (AsyncVectorEnv, one subprocess per env; falls back to sync with a warning if it cannot start);
+    ignored for torch-batched envs such as EVHub-v0"""
     site: str = "caltech"
-    """site to train on: a shipped site name or a path to a site TOML file"""
+    """site to train on (EVHub-v0 only): a shipped site name or a path to a site TOML file"""
     action_mode: str = "hub"
-    """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
+    """EVHub-v0 only: 'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
     bess_action: Literal["surplus", "setpoint"] = "surplus"
-    """meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
+    """EVHub-v0 only: meaning of the BESS action: 'surplus' (the PV surplus is always stored; -1 = cover the deficit, the
     self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess times the
     BESS power limit)"""
     total_timesteps: int | None = None
@@ -135,17 +160,19 @@ class Args:
     init_logstd: float = -0.5
     """initial log standard deviation of the Gaussian policy (state-independent, learned)"""
     socket_features: bool = True
-    """feed the per-socket observations to the networks (False: only the site-level features before them)"""
+    """EVHub-v0 only: feed the per-socket observations to the networks (False: only the site-level features
+    before them)"""
     weekday_features: bool = False
-    """feed the day-of-week features (sin/cos) to the networks (off: the policy reads the EV demand from the
+    """EVHub-v0 only: feed the day-of-week features (sin/cos) to the networks (off: the policy reads the EV demand from the
     sockets instead of learning the weekday pattern of the training year, which transfers worse to other years)"""
     norm_obs: bool = True
     """standardise observations with running statistics kept in the agent (CleanRL's NormalizeObservation)"""
     norm_reward: bool = True
     """scale rewards by a running std of the discounted return (CleanRL's NormalizeReward, on device)"""
     bootstrap_truncation: bool = True
-    """bootstrap through the time-limit truncation (the site never terminates; with SAME_STEP autoreset the
-    value of the next window's first observation stands in for the lost final one); False: truncation is terminal"""
+    """bootstrap through time-limit truncations (torch-batched envs: with SAME_STEP autoreset the value of the
+    next episode's first observation stands in for the lost final one, exact where, as for EVHub-v0, the windows
+    are alike; gymnasium envs: from the value of info['final_obs']); False: truncation is terminal"""
     compile: bool = False
     """torch.compile the hot functions (action selection and the update)"""
     cudagraphs: bool = False
@@ -155,13 +182,16 @@ class Args:
     log_every: int | None = None
     """iterations between host reads of the statistics: TensorBoard, metrics.parquet, progress (None: preset, 50)"""
     output_dir: str | None = None
-    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed})"""
+    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed} for EVHub-v0,
+    outputs/runs/{exp_name}_{env_id}_seed{seed} otherwise)"""
     checkpoint_every: int = 1000
     """iterations between checkpoints (0: only at the end)"""
     resume: bool = False
-    """continue from output_dir/checkpoint.pt (model, optimizer, counters, RNG and env state)"""
+    """continue from output_dir/checkpoint.pt (model, optimizer, counters, RNG and the state of torch-batched
+    envs; gymnasium envs start new episodes)"""
     eval_split: str = "test"
-    """split for the final deterministic evaluation ('none' skips it)"""
+    """EVHub-v0 only: split for the final deterministic evaluation ('none' skips it; other envs have no splits
+    and skip it with a note)"""
     max_oom_retries: int = 3
     """halvings of num_envs allowed after CUDA out-of-memory errors: each one rebuilds the envs and the rollout
     storage with half as many envs (so the batch of the update halves), warns and trains on to total_timesteps; one
@@ -294,15 +324,26 @@ class DeterministicActor(nn.Module):
     """The deterministic policy: raw obs float32 ``(B, obs_dim)`` -> clipped mean action ``(B, act_dim)`` in [-1, 1].
 
     Observation normalisation (frozen statistics) is part of it, so callers pass the env's observations as is.
+    With ``low``/``high`` (float32 ``(act_dim,)``, the env's Box bounds; NaN where a bound is infinite) the
+    action is rescaled linearly from [-1, 1] to ``[low, high]`` (left in [-1, 1] where NaN), as
+    :class:`GymVectorAdapter` does.
     """
 
-    def __init__(self, obs_norm: nn.Module, actor_mean: nn.Module):
+    def __init__(
+        self, obs_norm: nn.Module, actor_mean: nn.Module, low: torch.Tensor | None = None, high: torch.Tensor | None = None
+    ):
         super().__init__()
         self.obs_norm = obs_norm
         self.actor_mean = actor_mean
+        self.rescale = low is not None
+        if self.rescale:
+            finite = torch.isfinite(low) & torch.isfinite(high)
+            self.register_buffer("scale", torch.where(finite, (high - low) / 2, torch.ones_like(low)).float())
+            self.register_buffer("offset", torch.where(finite, (high + low) / 2, torch.zeros_like(low)).float())
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.actor_mean(self.obs_norm(obs)).clamp(-1.0, 1.0)
+        action = self.actor_mean(self.obs_norm(obs)).clamp(-1.0, 1.0)
+        return self.offset + self.scale * action if self.rescale else action
 
 
 def make_optimizer(
@@ -323,6 +364,194 @@ def make_optimizer(
     raise ValueError(f"unknown optimizer {name!r}: expected 'rmsprop' or 'adam'")
 
 
+# ---------------------------------------------------------------------------------------------- environments
+def find_env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
+    """The registered spec of ``env_id``; ``"module:EnvId-v0"`` first imports ``module`` (which registers it).
+
+    Raises:
+        ModuleNotFoundError: the module part cannot be imported.
+        gymnasium.error.Error: no env is registered under that id.
+    """
+    module, name = env_id.split(":", 1) if ":" in env_id else (None, env_id)
+    if module:
+        import importlib
+
+        importlib.import_module(module)
+    return gym.spec(name)
+
+
+def is_torch_batched(spec: gym.envs.registration.EnvSpec) -> bool:
+    """Whether ``spec`` is a torch-batched env: a ``vector_entry_point`` whose constructor takes a ``device``
+    (``EVHub-v0``, ``Snake-v0``). Gymnasium's NumPy vector entry points (``CartPole-v1``'s) take none: such envs
+    are vectorised with ``--vector-mode`` like any other."""
+    if spec.vector_entry_point is None:
+        return False
+    import inspect
+
+    creator = spec.vector_entry_point
+    if isinstance(creator, str):
+        creator = gym.envs.registration.load_env_creator(creator)
+    try:
+        params = inspect.signature(creator).parameters
+    except (TypeError, ValueError):  # a builtin or an object without a signature: assume ours
+        return True
+    return "device" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def check_spaces(env_id: str, observation_space: gym.Space, action_space: gym.Space) -> None:
+    """Check that A2C can drive a single env with these spaces: a Box action space and a Box observation space
+    that is flat or flattenable (not an image, which would need a CNN torso this file does not have).
+
+    Raises:
+        ValueError: naming ``env_id`` and the offending space.
+    """
+    if not isinstance(action_space, gym.spaces.Box):
+        raise ValueError(
+            f"A2C needs a continuous Box action space, but {env_id} has action space {action_space}; "
+            f"use algos/dqn.py for Discrete actions"
+        )
+    if not isinstance(observation_space, gym.spaces.Box):
+        raise ValueError(f"A2C needs a Box observation space, but {env_id} has observation space {observation_space}")
+    if len(observation_space.shape) == 3:
+        raise ValueError(
+            f"A2C has MLP networks only, but {env_id} has image observations {observation_space} (C, H, W); "
+            f"use algos/dqn.py (CNN torso) or flatten the observations with a wrapper"
+        )
+
+
+class GymVectorAdapter:
+    """The tensor interface of the torch-batched envs around a gymnasium vector env (NumPy, host side).
+
+    ``env`` must use SAME_STEP autoreset (the observation returned where an episode ends is the next episode's
+    first; the last one is in ``info["final_obs"]``), a Box action space and a Box observation space.
+
+    * ``reset(seed)`` / ``step(action)`` return observations as float32 tensors ``(num_envs, obs_dim)`` on
+      ``device`` (flattened), rewards float32 ``(num_envs,)``, ``terminated``/``truncated`` bool ``(num_envs,)``.
+    * ``step`` takes float actions ``(num_envs, act_dim)`` in [-1, 1] (any device) and rescales them linearly
+      to the Box's ``[low, high]`` (dimensions with an infinite bound get the action as is), cast to the Box's
+      dtype and shape.
+    * ``info`` of ``step`` holds, only where some episode ended in that step, ``"final_obs"``: float32
+      ``(num_envs, obs_dim)`` on ``device``, the last observation of each env that ended (zeros elsewhere). The
+      env's other info entries are dropped.
+
+    Args:
+        env: a gymnasium vector env (e.g. from ``gym.make_vec`` in sync or async mode).
+        device: where the returned tensors live.
+    """
+
+    def __init__(self, env: gym.vector.VectorEnv, device: torch.device):
+        self.env = env
+        self.device = device
+        self.num_envs = env.num_envs
+        self.single_observation_space = env.single_observation_space
+        self.single_action_space = env.single_action_space
+        space = env.single_action_space
+        low, high = space.low.astype(np.float64).ravel(), space.high.astype(np.float64).ravel()
+        self._finite = np.isfinite(low) & np.isfinite(high)
+        self._low = np.where(self._finite, low, -1.0)
+        self._high = np.where(self._finite, high, 1.0)
+        self._obs_dim = int(np.prod(env.single_observation_space.shape))
+
+    def _obs(self, obs) -> torch.Tensor:
+        array = np.asarray(obs, dtype=np.float32).reshape(self.num_envs, self._obs_dim)
+        return torch.from_numpy(array).to(self.device)
+
+    def scale_action(self, action: np.ndarray) -> np.ndarray:
+        """Actions ``(num_envs, act_dim)`` in [-1, 1] -> the Box's bounds, shape ``(num_envs, *shape)`` and dtype."""
+        a = np.asarray(action, dtype=np.float64)
+        a = np.where(self._finite, self._low + 0.5 * (a + 1.0) * (self._high - self._low), a)
+        space = self.single_action_space
+        return a.reshape(self.num_envs, *space.shape).astype(space.dtype)
+
+    def reset(self, seed: int | None = None) -> tuple[torch.Tensor, dict]:
+        """Reset every env (env ``i`` seeded with ``seed + i``); returns ``(obs, {})``."""
+        obs, _ = self.env.reset(seed=seed)
+        return self._obs(obs), {}
+
+    def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """Step every env with ``action`` in [-1, 1]; returns ``(obs, reward, terminated, truncated, info)``."""
+        a = self.scale_action(action.detach().to("cpu", torch.float64).numpy())
+        obs, reward, terminated, truncated, info = self.env.step(a)
+        out = {}
+        ended = np.asarray(info.get("_final_obs", np.zeros(self.num_envs, bool)), dtype=bool)
+        if ended.any():
+            final = np.zeros((self.num_envs, self._obs_dim), np.float32)
+            for i in np.flatnonzero(ended):
+                final[i] = np.asarray(info["final_obs"][i], dtype=np.float32).reshape(-1)
+            out["final_obs"] = torch.from_numpy(final).to(self.device)
+        return (
+            self._obs(obs),
+            torch.from_numpy(np.asarray(reward, dtype=np.float32)).to(self.device),
+            torch.from_numpy(np.asarray(terminated, dtype=bool)).to(self.device),
+            torch.from_numpy(np.asarray(truncated, dtype=bool)).to(self.device),
+            out,
+        )
+
+    def close(self) -> None:
+        """Close the vector env (ends the worker processes of an async one)."""
+        self.env.close()
+
+
+def make_gym_vector_env(env_id: str, num_envs: int, vector_mode: str, warnings: list[str]) -> gym.vector.VectorEnv:
+    """``gym.make_vec`` of a gymnasium env without vector entry point, SAME_STEP autoreset, wrapped in
+    ``RecordEpisodeStatistics``.
+
+    ``vector_mode`` ``"async"`` that fails to start (no fork, an env factory that does not pickle, a worker that
+    dies) falls back to ``"sync"``: the warning is printed to stderr and appended to ``warnings``.
+    """
+    kwargs = {"vector_kwargs": {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}}
+    env = None
+    if vector_mode == "async":
+        try:
+            env = gym.make_vec(env_id, num_envs, vectorization_mode="async", **kwargs)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the workers, sync still works
+            message = (
+                f"--vector-mode async could not start {num_envs} worker processes for {env_id} "
+                f"({type(exc).__name__}: {exc}); falling back to --vector-mode sync"
+            )
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+            warnings.append(message)
+    if env is None:
+        env = gym.make_vec(env_id, num_envs, vectorization_mode="sync", **kwargs)
+    return gym.wrappers.vector.RecordEpisodeStatistics(env)
+
+
+def gpu_stats(device: torch.device) -> dict[str, float]:
+    """GPU memory (and, where ``pynvml`` imports, utilisation) of ``device`` for the logs.
+
+    The memory figures are the caching allocator's host-side counters (``torch.cuda.memory_allocated``,
+    ``memory_reserved``, ``max_memory_allocated``): reading them does not synchronise with the GPU.
+
+    Returns:
+        ``{"gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb"}`` in GB (1e9 bytes) and
+        ``"gpu_util_pct"`` (0-100, NVML's utilisation over its last sample period); every value is NaN on a
+        non-CUDA device, ``gpu_util_pct`` also where ``pynvml`` is missing or NVML fails. Never raises.
+    """
+    stats = dict.fromkeys(GPU_STATS, math.nan)
+    if device.type != "cuda":
+        return stats
+    try:
+        stats["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated(device) / 1e9
+        stats["gpu_mem_reserved_gb"] = torch.cuda.memory_reserved(device) / 1e9
+        stats["gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    except Exception:  # noqa: BLE001 - monitoring must never stop training
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        stats["gpu_util_pct"] = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # noqa: BLE001 - no pynvml, no NVML, or a device NVML numbers differently
+        pass
+    return stats
+
+
+GPU_STATS = ("gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb", "gpu_util_pct")
+"""Keys of :func:`gpu_stats`: metrics.parquet columns, TensorBoard scalars ``perf/<key>``."""
+
+
 # ---------------------------------------------------------------------------------------------- state
 def make_storage(num_steps: int, num_envs: int, obs_dim: int, act_dim: int, device: torch.device) -> dict:
     """Preallocated rollout storage on ``device``: ``(num_steps, num_envs, ...)`` tensors.
@@ -341,20 +570,17 @@ def make_storage(num_steps: int, num_envs: int, obs_dim: int, act_dim: int, devi
     }
 
 
-def make_episode_stats(num_envs: int, device: torch.device) -> dict:
-    """Per-env running sums of the current episode and device sums over the episodes finished since the last log."""
+EVHUB_KPIS = ("co2_kg", "unserved_kwh")
+"""Per-step ``info`` entries of EVHub-v0 summed per episode and logged (``charts/episodic_<key>``)."""
+
+
+def make_episode_stats(num_envs: int, device: torch.device, kpis: tuple[str, ...] = EVHUB_KPIS) -> dict:
+    """Per-env running sums of the current episode and device sums over the episodes finished since the last log
+    (float64): return, length and each of ``kpis`` (per-step ``info`` entries; ``()`` for envs other than
+    EVHub-v0)."""
     z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float64)  # noqa: E731
-    return {
-        "ep_return": z(num_envs),
-        "ep_co2_kg": z(num_envs),
-        "ep_unserved_kwh": z(num_envs),
-        "ep_length": z(num_envs),
-        "n_done": z(()),
-        "sum_return": z(()),
-        "sum_co2_kg": z(()),
-        "sum_unserved_kwh": z(()),
-        "sum_length": z(()),
-    }
+    keys = ("return", *kpis, "length")
+    return {**{f"ep_{k}": z(num_envs) for k in keys}, "n_done": z(()), **{f"sum_{k}": z(()) for k in keys}}
 
 
 def make_reward_norm(num_envs: int, device: torch.device) -> dict:
@@ -441,6 +667,13 @@ def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False) -> tuple[tor
         # mean + std * noise rather than dist.sample(): torch.normal checks std >= 0 on the host (a sync on CUDA,
         # and an exception before the NaN check could name the bad update)
         return obs_n, dist.loc + dist.scale * torch.randn_like(dist.loc), value
+
+
+def state_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch.Tensor:
+    """Value ``(B,)`` of raw observations ``obs`` ``(B, obs_dim)`` (normalised with the current statistics, which
+    it does not update); no gradient."""
+    with torch.no_grad():
+        return agent.dist_and_value(agent.obs_norm(obs), amp)[1]
 
 
 def update(
@@ -537,23 +770,41 @@ class CudaGraphed:
 
 
 def record_step(stats: dict, reward: torch.Tensor, info: dict, episode_end: torch.Tensor) -> None:
-    """Add one step to the per-env episode sums; move the sums of finished episodes into the totals."""
+    """Add one step to the per-env episode sums (the raw reward, 1 to the length, ``info[key]`` for the KPIs in
+    ``stats``); move the sums of finished episodes into the totals."""
     end = episode_end.to(torch.float64)
+    keys = [k[len("ep_") :] for k in stats if k.startswith("ep_")]
     stats["ep_return"] += reward
-    stats["ep_co2_kg"] += info["co2_kg"]
-    stats["ep_unserved_kwh"] += info["unserved_kwh"]
+    for key in keys:
+        if key not in ("return", "length"):
+            stats[f"ep_{key}"] += info[key]
     stats["ep_length"] += 1.0
     stats["n_done"] += end.sum()
-    for key in ("return", "co2_kg", "unserved_kwh", "length"):
+    for key in keys:
         stats[f"sum_{key}"] += (stats[f"ep_{key}"] * end).sum()
         stats[f"ep_{key}"] *= 1.0 - end
 
 
 def rollout(
-    env, act, next_obs: torch.Tensor, storage: dict, stats: dict, rn: dict | None, gamma: float, bootstrap_truncation: bool
+    env,
+    act,
+    next_obs: torch.Tensor,
+    storage: dict,
+    stats: dict,
+    rn: dict | None,
+    gamma: float,
+    bootstrap_truncation: bool,
+    value_fn=None,
 ) -> torch.Tensor:
     """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``act`` (:func:`policy_step`
-    bound to the agent); no host sync. Returns the raw observation after the last step."""
+    bound to the agent); no host sync in it. Returns the raw observation after the last step.
+
+    Where the env reports ``info["final_obs"]`` (:class:`GymVectorAdapter`) and ``bootstrap_truncation`` holds,
+    a truncated (not terminated) step gets ``gamma * value_fn(final_obs)`` added to its (normalised) reward and is
+    stored as terminal, as Stable-Baselines3 does; ``value_fn`` (:func:`state_value` bound to the agent) maps raw
+    observations ``(B, obs_dim)`` to values ``(B,)``. Without ``final_obs`` (torch-batched envs) truncated steps
+    bootstrap from the next stored value, the next episode's first observation.
+    """
     for step in range(storage["obs"].shape[0]):
         obs_n, action, value = act(next_obs)
         storage["obs"][step] = obs_n
@@ -566,13 +817,34 @@ def rollout(
         record_step(stats, reward, info, episode_end)
         if rn is not None:
             reward = normalize_reward(rn, reward, episode_end, gamma)
+        final_obs = info.get("final_obs") if bootstrap_truncation and value_fn is not None else None
+        if final_obs is not None:
+            cut = (truncated & ~terminated).to(reward.dtype)
+            reward = reward + gamma * cut * value_fn(final_obs).to(reward.dtype)
+            storage["terminals"][step] = episode_end
+        else:
+            storage["terminals"][step] = terminated if bootstrap_truncation else episode_end
         storage["rewards"][step] = reward
-        storage["terminals"][step] = terminated if bootstrap_truncation else episode_end
         storage["dones"][step] = episode_end
     return next_obs
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def preset_table(args: Args) -> str:
+    """The :data:`PRESETS` as one Markdown table: a row per field, a column per preset and the value in use
+    (``args`` resolved; the preset picked is marked with ``*``)."""
+    names = list(PRESETS)
+    head = "|field|" + "|".join(f"{n}{'*' if n == args.preset else ''}" for n in names) + "|used|"
+    rows = [f"|{key}|" + "|".join(str(PRESETS[n].get(key, "")) for n in names) + f"|{getattr(args, key)}|"
+            for key in PRESETS[names[0]]]  # fmt: skip
+    return "\n".join([head, "|-" * (len(names) + 2) + "|", *rows])
+
+
+def is_evhub(env_id: str) -> bool:
+    """Whether ``env_id`` names ``EVHub-v0`` (also as ``"module:EVHub-v0"``): the site options apply."""
+    return env_id.split(":")[-1] == "EVHub-v0"
+
+
 def resolve_args(args: Args, device: torch.device) -> Args:
     """Fill the fields left at ``None`` from the preset and compute the runtime sizes.
 
@@ -587,7 +859,11 @@ def resolve_args(args: Args, device: torch.device) -> Args:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.output_dir is None:
-        args.output_dir = str(Path("outputs") / "runs" / f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}")
+        if is_evhub(args.env_id):
+            run = f"{args.exp_name}_{Path(args.site).stem}_{args.action_mode}_seed{args.seed}"
+        else:
+            run = f"{args.exp_name}_{args.env_id.replace(':', '_').replace('/', '_')}_seed{args.seed}"
+        args.output_dir = str(Path("outputs") / "runs" / run)
     if min(args.num_envs, args.num_steps, args.log_every) < 1:
         raise ValueError("num_envs, num_steps and log_every must be >= 1")
     args.batch_size = int(args.num_envs * args.num_steps)
@@ -596,22 +872,26 @@ def resolve_args(args: Args, device: torch.device) -> Args:
 
 
 def rng_state(env) -> dict:
+    """Python, NumPy, torch (and CUDA) RNG states, and the env's ``_generator`` where it has one (torch-batched)."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "env_generator": env._generator.get_state(),
     }
+    if hasattr(env, "_generator"):
+        state["env_generator"] = env._generator.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(env, state: dict) -> None:
+    """Restore what :func:`rng_state` saved (the env generator only where both have one)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    env._generator.set_state(state["env_generator"])
+    if hasattr(env, "_generator") and "env_generator" in state:
+        env._generator.set_state(state["env_generator"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -701,13 +981,20 @@ def halve_num_envs(args: Args, history: list[str], where: str, error: str, ckpt:
     )
 
 
-def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
+def export_policy(agent: Agent, obs_dim: int, out_dir: Path, action_space: gym.spaces.Box | None = None) -> Path:
     """Save the deterministic actor (float32, CPU) for code that does not import ``algos``.
 
     ``torch.export`` with a dynamic batch dimension to ``policy.pt2``; if export fails, a TorchScript trace to
     ``policy.pt``. Either is written atomically (temporary file, then rename). Returns the written path.
+    ``action_space`` (gymnasium envs): the exported actor returns actions rescaled to its bounds, flattened
+    ``(B, act_dim)``; None: actions in [-1, 1].
     """
-    actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_mean)).cpu().float().eval()
+    bounds = {}
+    if action_space is not None:
+        bounds = {k: torch.as_tensor(np.asarray(b, np.float64).ravel()) for k, b in
+                  (("low", action_space.low), ("high", action_space.high))}  # fmt: skip
+    actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_mean), **bounds)
+    actor = actor.cpu().float().eval()
     example = torch.zeros(2, obs_dim)
     try:
         batch = torch.export.Dim("batch", min=1)
@@ -722,9 +1009,13 @@ def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
     return path
 
 
-def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float, num_envs: int) -> dict:
-    """One row of ``metrics.parquet`` from host numbers: episode means ``ep``, update ``losses``, learning rate and
-    the number of envs of the update (less than asked for after a halving for lack of memory)."""
+def metrics_row(
+    global_step: int, wall_s: float, sps: float, ep: dict, losses: dict, lr: float, num_envs: int, gpu: dict | None = None
+) -> dict:
+    """One row of ``metrics.parquet`` from host numbers: episode means ``ep`` (NaN for the EVHub KPIs of other
+    envs), update ``losses``, learning rate, the number of envs of the update (less than asked for after a halving
+    for lack of memory) and the :func:`gpu_stats` (NaN on the CPU)."""
+    gpu = gpu if gpu is not None else dict.fromkeys(GPU_STATS, math.nan)
     return {
         "global_step": global_step,
         "wall_s": wall_s,
@@ -732,6 +1023,7 @@ def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: d
         "episodic_return": ep["return"],
         "episodic_co2_kg": ep["co2_kg"],
         "episodic_unserved_kwh": ep["unserved_kwh"],
+        "episodic_length": ep["length"],
         "value_loss": losses["value_loss"],
         "policy_loss": losses["policy_loss"],
         "entropy": losses["entropy"],
@@ -739,6 +1031,7 @@ def metrics_row(global_step: int, wall_s: float, sps: float, ep: dict, losses: d
         "explained_variance": losses["explained_variance"],
         "learning_rate": lr,
         "num_envs": num_envs,
+        **{key: float(gpu.get(key, math.nan)) for key in GPU_STATS},
     }
 
 
@@ -777,25 +1070,40 @@ def main(args: Args) -> dict:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
-    site = envs.load_site(args.site)
+    evhub = is_evhub(args.env_id)
+    torch_batched = is_torch_batched(find_env_spec(args.env_id))
+    site = envs.load_site(args.site) if evhub else None
+    run_warnings: list[str] = []  # shown on stderr when they happen, and as TensorBoard text "warnings"
+    if torch_batched and args.vector_mode != "sync":
+        print(f"note: --vector-mode {args.vector_mode} is ignored: {args.env_id} is a torch-batched env (one "
+              f"vector env on {device})")  # fmt: skip
 
     def build_envs() -> tuple:
         """The envs and all the state sized by num_envs: ``(env, storage, episode stats, reward normaliser)``."""
-        env = gym.make_vec(
-            args.env_id,
-            num_envs=args.num_envs,
-            vectorization_mode="vector_entry_point",
-            site=site,
-            split="train",
-            action_mode=args.action_mode,
-            device=device,
-            bess_action=args.bess_action,
-        )
-        env = getattr(env, "unwrapped", env)
+        if torch_batched:
+            evhub_kwargs = {"site": site, "split": "train", "action_mode": args.action_mode,
+                            "bess_action": args.bess_action} if evhub else {}  # fmt: skip
+            env = gym.make_vec(
+                args.env_id,
+                num_envs=args.num_envs,
+                vectorization_mode="vector_entry_point",
+                device=device,
+                **evhub_kwargs,
+            )
+            env = getattr(env, "unwrapped", env)
+        else:
+            env = make_gym_vector_env(args.env_id, args.num_envs, args.vector_mode, run_warnings)
+        try:
+            check_spaces(args.env_id, env.single_observation_space, env.single_action_space)
+        except ValueError:
+            env.close()
+            raise
+        if not torch_batched:
+            env = GymVectorAdapter(env, device)
         obs_dim = int(np.prod(env.single_observation_space.shape))
         act_dim = int(np.prod(env.single_action_space.shape))
         storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
-        stats = make_episode_stats(args.num_envs, device)
+        stats = make_episode_stats(args.num_envs, device, EVHUB_KPIS if evhub else ())
         rn = make_reward_norm(args.num_envs, device) if args.norm_reward else None
         return env, storage, stats, rn
 
@@ -822,9 +1130,11 @@ def main(args: Args) -> dict:
     obs_dim = int(np.prod(env.single_observation_space.shape))
     act_dim = int(np.prod(env.single_action_space.shape))
 
-    inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
-    if not args.weekday_features:
-        inputs = [i for i in inputs if i not in OBS_WEEKDAY]
+    inputs = None  # every feature (the selection below is EVHub-v0's observation layout)
+    if evhub:
+        inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
+        if not args.weekday_features:
+            inputs = [i for i in inputs if i not in OBS_WEEKDAY]
     agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs).to(device)
     # a device-tensor learning rate, annealed in place: no recompilation, and CUDA graphs see the new value.
     # On CUDA the optimizers take a tensor LR only as capturable (their foreach paths need it; graphs need it too).
@@ -844,7 +1154,18 @@ def main(args: Args) -> dict:
         global_step, start_iteration = int(ckpt["global_step"]), int(ckpt["iteration"]) + 1
         train_wall_prev = float(ckpt.get("train_wall_s", 0.0))
         set_rng_state(env, ckpt["rng"])
-        if ckpt.get("num_envs") == args.num_envs:
+        if not torch_batched:
+            # the state of gymnasium envs is not stored: new episodes (seeded apart from the first session's), the
+            # totals of finished episodes and the return statistics carry over
+            print(f"resume: the state of {args.env_id} cannot be stored; envs start new episodes")
+            next_obs, _ = env.reset(seed=args.seed + global_step)
+            for key, value in ckpt["episode_stats"].items():
+                if key == "n_done" or key.startswith("sum_"):
+                    stats[key].copy_(value)
+            if rn is not None and ckpt.get("reward_norm") is not None:
+                for key in ("mean", "var", "count"):
+                    rn[key].copy_(ckpt["reward_norm"][key])
+        elif ckpt.get("num_envs") == args.num_envs:
             env.load_state_dict(ckpt["env_state"])
             next_obs = ckpt["next_obs"].to(device)
             for key, value in ckpt["episode_stats"].items():
@@ -898,15 +1219,24 @@ def main(args: Args) -> dict:
         """The resolved arguments as a Markdown table (TensorBoard text)."""
         return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
 
+    # the value of final observations (gymnasium envs' truncations); eager: called only in steps where one ends
+    value_fn = None if torch_batched else functools.partial(state_value, agent, amp=args.amp)
+
     writer = SummaryWriter(str(out_dir))
     writer.add_text("hyperparameters", hyperparameters())
+    writer.add_text("presets", preset_table(args))
     for message in oom_history:  # halvings at setup
         writer.add_text("oom", message, global_step)
+    for message in run_warnings:  # e.g. the async vector env fell back to sync
+        writer.add_text("warnings", message, global_step)
+    env_desc = f"site={args.site} action_mode={args.action_mode}" if evhub else (
+        "torch-batched" if torch_batched else f"vector_env={type(env.env.unwrapped).__name__}")
     print(
-        f"A2C on {args.env_id} site={args.site} action_mode={args.action_mode} device={device} preset={args.preset}: "
+        f"A2C on {args.env_id} {env_desc} device={device} preset={args.preset}: "
         f"{args.num_envs} envs x {args.num_steps} steps, {args.num_iterations} updates, "
         f"{args.total_timesteps:,} steps; output {out_dir}"
     )
+    print(preset_table(args))
     print("args: " + ", ".join(f"{k}={v}" for k, v in vars(args).items()), flush=True)
 
     def checkpoint(iteration: int, train_wall: float) -> None:
@@ -921,7 +1251,7 @@ def main(args: Args) -> dict:
             args=dataclasses.asdict(args),
             num_envs=args.num_envs,
             rng=rng_state(env),
-            env_state=env.state_dict(),
+            env_state=env.state_dict() if torch_batched else None,
             next_obs=next_obs,
             episode_stats=stats,
             reward_norm=rn,
@@ -954,7 +1284,9 @@ def main(args: Args) -> dict:
 
             oom_error = None
             try:
-                next_obs = rollout(env, act, next_obs, storage, stats, rn, args.gamma, args.bootstrap_truncation)
+                next_obs = rollout(
+                    env, act, next_obs, storage, stats, rn, args.gamma, args.bootstrap_truncation, value_fn
+                )
                 out = learn(
                     storage["obs"],
                     storage["actions"],
@@ -974,17 +1306,22 @@ def main(args: Args) -> dict:
                 # finished episodes and the return statistics carry over
                 where = f"at global_step {global_step} (iteration {iteration})"
                 iteration -= 1
-                generator = env._generator.get_state()  # the new envs go on drawing windows where these stopped
+                # the new envs go on drawing windows where these stopped (torch-batched envs)
+                generator = env._generator.get_state() if hasattr(env, "_generator") else None
+                if not torch_batched:
+                    env.close()  # ends an async env's workers
                 totals = {k: v for k, v in stats.items() if k == "n_done" or k.startswith("sum_")}
                 rn_totals = None if rn is None else {k: rn[k] for k in ("mean", "var", "count")}
                 env = storage = stats = rn = next_obs = out = act = learn = None
                 env, storage, stats, rn = build_envs_backing_off(where, oom_error)
-                env._generator.set_state(generator)
+                if generator is not None:
+                    env._generator.set_state(generator)
                 for key, value in totals.items():
                     stats[key].copy_(value)
                 for key, value in (rn_totals or {}).items():
                     rn[key].copy_(value)
-                next_obs, _ = env.reset()
+                # gymnasium envs draw no windows from a generator: new episodes, seeded apart from the first ones
+                next_obs, _ = env.reset() if torch_batched else env.reset(seed=args.seed + global_step)
                 next_obs = next_obs.to(torch.float32)
                 act, learn = bind_hot_functions()
                 args.num_iterations = iteration + max(1, (args.total_timesteps - global_step) // args.batch_size)
@@ -1007,28 +1344,37 @@ def main(args: Args) -> dict:
                 losses = {k: float(v) for k, v in out.items() if k != "bad"}
                 lr_now = float(lr_t)
                 n_done = float(stats["n_done"])
-                ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done else math.nan for k in ("return", "co2_kg", "unserved_kwh", "length")}
-                for key in ("n_done", "sum_return", "sum_co2_kg", "sum_unserved_kwh", "sum_length"):
-                    stats[key].zero_()
+                ep = {k: float(stats[f"sum_{k}"]) / n_done if n_done and f"sum_{k}" in stats else math.nan
+                      for k in ("return", "co2_kg", "unserved_kwh", "length")}  # fmt: skip
+                for key in stats:
+                    if key == "n_done" or key.startswith("sum_"):
+                        stats[key].zero_()
+                gpu = gpu_stats(device)  # host-side counters: no GPU sync
                 wall = time.perf_counter() - start_time
                 sps = (global_step - session_start_step) / max(wall, 1e-9)
                 if n_done:
                     writer.add_scalar("charts/episodic_return", ep["return"], global_step)
                     writer.add_scalar("charts/episodic_length", ep["length"], global_step)
-                    writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
-                    writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                    if evhub:
+                        writer.add_scalar("charts/episodic_co2_kg", ep["co2_kg"], global_step)
+                        writer.add_scalar("charts/episodic_unserved_kwh", ep["unserved_kwh"], global_step)
+                for key, value in gpu.items():
+                    if math.isfinite(value):
+                        writer.add_scalar(f"perf/{key}", value, global_step)
                 writer.add_scalar("charts/learning_rate", lr_now, global_step)
                 for key in ("value_loss", "policy_loss", "entropy", "grad_norm", "explained_variance"):
                     writer.add_scalar(f"losses/{key}", losses[key], global_step)
                 writer.add_scalar("charts/SPS", int(sps), global_step)
-                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses, lr_now, args.num_envs))
+                rows.append(metrics_row(global_step, train_wall_prev + wall, sps, ep, losses, lr_now, args.num_envs, gpu))
                 write_parquet(pd.DataFrame(rows), out_dir / "metrics.parquet")
                 bar.set_postfix(sps=int(sps), ret=f"{ep['return']:.1f}", co2=f"{ep['co2_kg']:.1f}", refresh=False)
                 n_logs = max(1, args.num_iterations // args.log_every)
                 if (bar.disable and (iteration // args.log_every) % max(1, n_logs // 10) == 0) or last:
                     print(
                         f"iter {iteration}/{args.num_iterations} step {global_step} SPS {int(sps)} "
-                        f"return {ep['return']:.2f} co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} "
+                        f"return {ep['return']:.2f} "
+                        + (f"co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} " if evhub else "")
+                        + f"length {ep['length']:.1f} "
                         f"v_loss {losses['value_loss']:.4f} ev {losses['explained_variance']:.3f} "
                         f"entropy {losses['entropy']:.3f}",
                         flush=True,
@@ -1039,6 +1385,9 @@ def main(args: Args) -> dict:
         writer.close()
         bar.close()
         raise
+    finally:
+        if not torch_batched and env is not None:
+            env.close()  # ends an async env's workers; the envs are not stepped after training
     bar.close()
     if oom_history:  # the sizes actually used at the end
         writer.add_text("hyperparameters", hyperparameters(), global_step)
@@ -1047,13 +1396,17 @@ def main(args: Args) -> dict:
     sps_steady = (global_step - steady_start[1]) / max(end_time - steady_start[0], 1e-9) if steady_start else sps
     train_wall = train_wall_prev + end_time - start_time
     checkpoint(iteration, train_wall)
-    policy_path = export_policy(agent, obs_dim, out_dir)
-    write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
+    policy_path = export_policy(agent, obs_dim, out_dir, None if torch_batched else env.single_action_space)
+    if evhub:
+        write_policy_spec(out_dir, args.env_id, args.action_mode, args.bess_action)
     print(f"training: {global_step:,} steps in {train_wall:.1f} s ({sps:.0f} SPS, {sps_steady:.0f} over the second half); policy saved to {policy_path}")
 
     result = {"global_step": global_step, "train_wall_s": train_wall, "sps": sps, "sps_steady": sps_steady,
               "policy": str(policy_path), "num_envs": args.num_envs, "batch_size": args.batch_size}
-    if args.eval_split.lower() != "none":
+    if not evhub and args.eval_split.lower() != "none":
+        print(f"note: {args.env_id} has no data splits: no evaluation on eval_split={args.eval_split!r} (pass "
+              f"--eval-split none to silence this note); the deterministic policy is in {policy_path}")  # fmt: skip
+    elif args.eval_split.lower() != "none":
         actor = DeterministicActor(agent.obs_norm, agent.actor_mean).eval()
 
         def policy(obs: torch.Tensor, env_) -> torch.Tensor:

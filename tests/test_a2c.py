@@ -1,5 +1,7 @@
 """``algos/a2c.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, n-step returns and
-GAE (with truncation), the optimizer choice, the speed switches and ``--help``."""
+GAE (with truncation), the optimizer choice, the speed switches and ``--help``; gymnasium envs (Pendulum-v1 in sync
+and async vector modes, the wrong action space, the async-start fallback, resume, the final_obs bootstrap) and
+``gpu_stats``."""
 
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import math
 import subprocess
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+import tyro
 from conftest import ROOT, assert_compile_reproduces_eager, load_algo, make_site, run_algo, tiny_run
 
 import envs
@@ -36,6 +40,11 @@ load_a2c = partial(load_algo, "a2c")
 run_a2c = partial(run_algo, "a2c")
 
 
+def a2c_gpu_columns() -> tuple[str, ...]:
+    """The metrics.parquet columns of ``gpu_stats``."""
+    return load_a2c().GPU_STATS
+
+
 @pytest.fixture(scope="module")
 def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return tiny_run("a2c", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
@@ -53,8 +62,10 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
     for col in ("wall_s", "sps", "episodic_return", "episodic_co2_kg", "episodic_unserved_kwh", "value_loss",
                 "policy_loss", "entropy", "explained_variance", "learning_rate"):  # fmt: skip
         assert col in metrics, col
-    assert np.isfinite(metrics.to_numpy(dtype=float)).all(), metrics.T
-    assert (metrics.episodic_co2_kg > 0).all()
+    finite = metrics.drop(columns=[c for c in metrics if c.startswith("gpu_")])  # NaN on the CPU by design
+    assert np.isfinite(finite.to_numpy(dtype=float)).all(), metrics.T
+    assert (metrics.episodic_co2_kg > 0).all() and (metrics.episodic_length == 48).all()
+    assert metrics[list(a2c_gpu_columns())].isna().all().all()
 
     obs_dim = envs.evhub.obs_dim(6)
     module = torch.export.load(out / "policy.pt2").module()
@@ -281,5 +292,135 @@ def test_speed_switches_on_cuda(site_toml, tmp_path, flags):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "device=cuda" in proc.stdout
-    assert np.isfinite(pd.read_parquet(tmp_path / "g" / "metrics.parquet").to_numpy(dtype=float)).all()
+    metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
+    # gpu_util_pct needs pynvml (nvidia-ml-py), an optional dependency: NaN without it
+    assert np.isfinite(metrics.drop(columns=["gpu_util_pct"]).to_numpy(dtype=float)).all(), metrics.T
+    assert (metrics.gpu_mem_allocated_gb > 0).all() and (metrics.gpu_mem_peak_gb >= metrics.gpu_mem_allocated_gb).all()
     assert (tmp_path / "g" / "policy.pt2").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- gymnasium envs
+GYM_TINY = ["--num-envs", "2", "--num-steps", "8", "--hidden-size", "16", "--log-every", "15", "--no-cuda"]
+"""Pendulum-v1 (200-step episodes) with 2 envs x 8 steps per update: a log row every 15 updates = 240 steps."""
+
+
+def tensorboard(out):
+    """The run's TensorBoard scalars and text (an ``EventAccumulator``, loaded)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    return acc
+
+
+def tensorboard_bytes(out) -> bytes:
+    """The bytes of the run's TensorBoard event files (text summaries are stored verbatim)."""
+    return b"".join(p.read_bytes() for p in sorted(Path(out).glob("events.out.tfevents.*")))
+
+
+def train_in_process(out, *argv: str) -> dict:
+    """``algos/a2c.py``'s ``main`` in this process with ``argv`` (output into ``out``); returns its result."""
+    a2c = load_a2c()
+    return a2c.main(tyro.cli(a2c.Args, args=["--output-dir", str(out), *argv]))
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_pendulum_trains_in_both_vector_modes(mode, tmp_path):
+    out = tmp_path / mode
+    proc = run_a2c("--env-id", "Pendulum-v1", "--vector-mode", mode, "--output-dir", str(out), "--total-timesteps",
+                   "480", *GYM_TINY)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"vector_env={mode.capitalize()}VectorEnv" in proc.stdout
+    assert "has no data splits" in proc.stdout  # eval_split is left at "test": a note, no evaluation
+    assert "|field|cpu*|gpu|used|" in proc.stdout  # the presets, printed as one table
+
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [240, 480]
+    last = metrics.iloc[-1]  # the first episodes (200 steps per env) ended before step 480
+    assert math.isfinite(last.episodic_return) and last.episodic_return < 0 and last.episodic_length == 200
+    assert metrics[["episodic_co2_kg", "episodic_unserved_kwh", *a2c_gpu_columns()]].isna().all().all()
+    assert np.isfinite(metrics[["value_loss", "policy_loss", "entropy", "learning_rate"]].to_numpy()).all()
+    tags = set(tensorboard(out).Tags()["scalars"])
+    assert {"charts/episodic_return", "charts/episodic_length", "losses/value_loss"} <= tags
+    assert not any("co2" in t or "unserved" in t or t.startswith("perf/gpu") for t in tags), tags
+
+    # the deterministic policy, in Pendulum's units (torque in [-2, 2]), and the checkpoint; no EVHub outputs
+    policy = torch.export.load(out / "policy.pt2").module()
+    action = policy(torch.randn(5, 3) * 10)
+    assert action.shape == (5, 1) and (action.abs() <= 2.0).all()
+    assert (out / "checkpoint.pt").is_file()
+    assert not (out / "policy.json").exists() and not list(out.glob("eval_*.parquet"))
+
+
+def test_a_discrete_action_space_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"Box action space, but CartPole-v1 has action space Discrete\(2\)"):
+        train_in_process(tmp_path, "--env-id", "CartPole-v1", *GYM_TINY)
+    a2c = load_a2c()
+    image = gym.spaces.Box(0.0, 1.0, (3, 8, 8), np.float32)
+    with pytest.raises(ValueError, match="image observations"):
+        a2c.check_spaces("Image-v0", image, gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
+
+
+def test_async_that_cannot_start_falls_back_to_sync(tmp_path, monkeypatch, capsys):
+    def no_subprocesses(*args, **kwargs):
+        raise OSError("cannot start worker processes here")
+
+    monkeypatch.setattr(gym.vector, "AsyncVectorEnv", no_subprocesses)
+    result = train_in_process(tmp_path, "--env-id", "Pendulum-v1", "--vector-mode", "async", "--total-timesteps",
+                              "240", "--eval-split", "none", *GYM_TINY)  # fmt: skip
+    captured = capsys.readouterr()
+    assert "warning: --vector-mode async could not start 2 worker processes for Pendulum-v1" in captured.err
+    assert "cannot start worker processes here" in captured.err and "falling back to --vector-mode sync" in captured.err
+    assert "vector_env=SyncVectorEnv" in captured.out
+    assert result["global_step"] == 240 and (tmp_path / "policy.pt2").is_file()
+    assert b"falling back to --vector-mode sync" in tensorboard_bytes(tmp_path)  # TensorBoard text "warnings"
+
+
+def test_resume_with_a_gymnasium_env_starts_new_episodes(tmp_path, capsys):
+    common = ["--env-id", "Pendulum-v1", "--eval-split", "none", "--checkpoint-every", "5", *GYM_TINY]
+    train_in_process(tmp_path, "--total-timesteps", "240", *common)
+    result = train_in_process(tmp_path, "--total-timesteps", "480", "--resume", *common)
+    out = capsys.readouterr().out
+    assert "envs start new episodes" in out and "resumed from" in out and "global_step 240" in out
+    assert result["global_step"] == 480
+    metrics = pd.read_parquet(tmp_path / "metrics.parquet")
+    assert list(metrics.global_step) == [240, 480]
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 480 and ckpt["env_state"] is None
+
+
+def test_gym_adapter_rescales_actions_and_bootstraps_truncations_from_final_obs():
+    a2c = load_a2c()
+    vec = gym.make_vec("Pendulum-v1", 2, vectorization_mode="sync", max_episode_steps=3,
+                       vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})  # fmt: skip
+    env = a2c.GymVectorAdapter(vec, torch.device("cpu"))
+    np.testing.assert_allclose(env.scale_action(np.array([[-1.0], [0.5]])), [[-2.0], [1.0]])
+    torch.manual_seed(0)
+    agent = a2c.Agent(3, 1, 8, norm_obs=False)  # no running statistics: both rollouts act alike
+    act = functools.partial(a2c.policy_step, agent)
+    storages = []
+    for value_fn in (None, lambda obs: torch.full((obs.shape[0],), 10.0)):
+        obs, _ = env.reset(seed=0)
+        assert obs.dtype == torch.float32 and obs.shape == (2, 3)
+        storage = a2c.make_storage(4, 2, 3, 1, torch.device("cpu"))
+        stats = a2c.make_episode_stats(2, torch.device("cpu"), kpis=())
+        torch.manual_seed(1)
+        a2c.rollout(env, act, obs, storage, stats, None, 0.9, True, value_fn)
+        assert float(stats["n_done"]) == 2 and float(stats["sum_length"]) == 6
+        storages.append(storage)
+    plain, boot = storages
+    truncation = torch.zeros(4, 2)
+    truncation[2] = 1.0  # the third step truncates both envs
+    torch.testing.assert_close(plain["dones"], truncation)
+    torch.testing.assert_close(plain["terminals"], torch.zeros(4, 2))  # no final_obs bootstrap: V(next obs)
+    torch.testing.assert_close(boot["terminals"], truncation)  # the bootstrap is in the reward
+    torch.testing.assert_close(boot["rewards"], plain["rewards"] + 0.9 * 10.0 * truncation)
+    env.close()
+
+
+def test_gpu_stats_on_cpu_are_nan():
+    a2c = load_a2c()
+    stats = a2c.gpu_stats(torch.device("cpu"))
+    assert set(stats) == set(a2c.GPU_STATS) == {"gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb",
+                                                 "gpu_util_pct"}  # fmt: skip
+    assert all(isinstance(v, float) and math.isnan(v) for v in stats.values())
