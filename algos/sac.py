@@ -970,7 +970,7 @@ def export_policy(actor: Actor, obs_dim: int, out_dir: Path, low=None, high=None
         batch = torch.export.Dim("batch", min=1)
         program = torch.export.export(module, (example,), dynamic_shapes={"obs": {0: batch}})
         path = out_dir / "policy.pt2"
-        atomic_write(path, lambda tmp: torch.export.save(program, tmp))
+        atomic_write(path, lambda tmp: torch.export.save(program, tmp), suffix=".tmp.pt2")
     except Exception as exc:  # noqa: BLE001 - any export failure falls back to TorchScript
         print(f"torch.export failed ({type(exc).__name__}: {exc}); saving a TorchScript trace instead", file=sys.stderr)
         path = out_dir / "policy.pt"

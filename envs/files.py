@@ -10,15 +10,16 @@ from pathlib import Path
 import pandas as pd
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
+def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
     """Call ``write(tmp)`` on a temporary file in ``path``'s folder, then rename it onto ``path``.
 
-    The folder is created if needed; on any error the temporary file is removed and the error re-raised.
-    Returns ``path``.
+    The temporary file is hidden (``.<name>.<random><suffix>``); ``suffix`` lets writers that check the file
+    extension see the one they expect (``".tmp.pt2"`` for ``torch.export.save``). The folder is created if
+    needed; on any error the temporary file is removed and the error re-raised. Returns ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
         write(Path(tmp))
