@@ -366,10 +366,16 @@ def build_hourly(raw_dir: Path, params: PVParams = PVParams()) -> tuple[pd.DataF
     return hourly, info
 
 
-def split_summary(hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str = SITE_TZ) -> list[dict]:
-    """Hours, sessions and delivered energy of each default split (inclusive local dates), for reports."""
+def split_summary(
+    hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str = SITE_TZ, splits: dict[str, tuple[str, str]] | None = None
+) -> list[dict]:
+    """Hours, sessions, delivered energy (kWh), PV (kWh/kWp) and mean MOER (kg/kWh) of each split, for reports.
+
+    ``splits`` maps split names to inclusive local dates (default: this site's :data:`SPLITS`); sessions count
+    by arrival. Where ``sessions`` has a ``kind`` column, ``by_kind`` counts the sessions of each kind.
+    """
     rows = []
-    for name, (first, last) in SPLITS.items():
+    for name, (first, last) in (SPLITS if splits is None else splits).items():
         start = pd.Timestamp(first).tz_localize(tz).tz_convert("UTC")
         end = (pd.Timestamp(last) + pd.Timedelta(days=1)).tz_localize(tz).tz_convert("UTC")
         h = hourly[(hourly.time >= start) & (hourly.time < end)]
@@ -385,6 +391,8 @@ def split_summary(hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str = SITE_T
                 "moer_mean": float(h.moer_kg_per_kwh.astype(np.float64).mean()),
             }
         )
+        if "kind" in s.columns:
+            rows[-1]["by_kind"] = s.kind.value_counts().to_dict()
     return rows
 
 

@@ -323,25 +323,11 @@ def generate_sessions(
 
 
 def split_summary(hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str = SITE_TZ) -> list[dict]:
-    """Per split of :data:`SPLITS`: hours, sessions (by arrival), energy (kWh), PV (kWh/kWp), sessions per kind."""
-    out = []
-    for name, (first, last) in SPLITS.items():
-        a = pd.Timestamp(first).tz_localize(tz).tz_convert("UTC")
-        b = (pd.Timestamp(last) + pd.Timedelta(days=1)).tz_localize(tz).tz_convert("UTC")
-        h = hourly[(hourly.time >= a) & (hourly.time < b)]
-        s = sessions[(sessions.arrival >= a) & (sessions.arrival < b)]
-        out.append(
-            {
-                "split": name,
-                "dates": f"{first}..{last}",
-                "hours": len(h),
-                "sessions": len(s),
-                "by_kind": s.kind.value_counts().to_dict(),
-                "energy_kwh": float(s.energy_kwh.sum()),
-                "pv_kwh_per_kwp": float(h.pv_kw_per_kwp.sum()),
-            }
-        )
-    return out
+    """Per split of :data:`SPLITS`: :func:`pipeline.ingest.split_summary` with this site's splits (hours,
+    sessions by arrival, energy kWh, PV kWh/kWp, mean MOER, sessions per kind)."""
+    from pipeline import ingest
+
+    return ingest.split_summary(hourly, sessions, tz, SPLITS)
 
 
 def _fleet_rows() -> str:
