@@ -80,6 +80,44 @@ class PVParams:
 # ------------------------------------------------------------------------------------------------- PV
 
 
+def pvwatts_chain(params, solpos, dni, ghi, dhi, dni_extra, albedo, temp_air, wind_speed):
+    """PV output of 1 kWp DC from irradiance and weather, per time step: plane-of-array irradiance (pvlib
+    ``get_total_irradiance`` with ``params.transposition``), SAPM cell temperature, PVWatts DC with
+    ``params.gamma_pdc`` less ``params.system_losses_pct`` of losses, then the PVWatts inverter at
+    ``params.dc_ac_ratio`` and ``params.eta_inv_nom`` (pvlib's PVWatts model, NREL/TP-6A20-62641).
+
+    Args:
+        params: :class:`PVParams`.
+        solpos: pvlib solar position (``apparent_zenith``, ``azimuth``) per step.
+        dni, ghi, dhi: irradiance components, W/m^2; ``dni_extra``: extraterrestrial DNI, W/m^2.
+        albedo: ground albedo (scalar or per step); ``temp_air``: air temperature, deg C; ``wind_speed``: m/s
+            (scalars or per step).
+
+    Returns:
+        ``(poa_global, pdc, pac)``: plane-of-array irradiance (W/m^2, Series, night and NaN as 0), DC power
+        after losses and AC power (float64 ndarray, NaN as 0, clipped at 0), both kW per kWp DC.
+    """
+    poa = pvlib.irradiance.get_total_irradiance(
+        params.surface_tilt,
+        params.surface_azimuth,
+        solpos["apparent_zenith"],
+        solpos["azimuth"],
+        dni,
+        ghi,
+        dhi,
+        dni_extra=dni_extra,
+        albedo=albedo,
+        model=params.transposition,
+    )
+    poa_global = poa["poa_global"].fillna(0.0).clip(lower=0.0)
+    tparams = pvlib.temperature.TEMPERATURE_MODEL_PARAMETERS["sapm"][params.temperature_model]
+    temp_cell = pvlib.temperature.sapm_cell(poa_global, temp_air, wind_speed, **tparams)
+    pdc = pvlib.pvsystem.pvwatts_dc(poa_global, temp_cell, pdc0=1.0, gamma_pdc=params.gamma_pdc)
+    pdc = pdc * (1.0 - params.system_losses_pct / 100.0)
+    pac = pvlib.inverter.pvwatts(pdc, pdc0=1.0 / params.dc_ac_ratio, eta_inv_nom=params.eta_inv_nom)
+    return poa_global, pdc, np.clip(np.nan_to_num(np.asarray(pac, dtype=np.float64)), 0.0, None)
+
+
 def tmy_pv_kw_per_kwp(epw_path: str | Path, params: PVParams = PVParams()) -> tuple[pd.Series, dict]:
     """Model the AC output of 1 kWp DC of PV over the TMY3 year of an EPW file, hour by hour.
 
@@ -126,25 +164,10 @@ def tmy_pv_kw_per_kwp(epw_path: str | Path, params: PVParams = PVParams()) -> tu
     solpos.index = data.index
     dni_extra = pd.Series(pvlib.irradiance.get_extra_radiation(mid).to_numpy(), index=data.index)
     albedo = data["albedo"].where((data["albedo"] > 0) & (data["albedo"] < 1), 0.2)
-    poa = pvlib.irradiance.get_total_irradiance(
-        params.surface_tilt,
-        params.surface_azimuth,
-        solpos["apparent_zenith"],
-        solpos["azimuth"],
-        data["dni"],
-        data["ghi"],
-        data["dhi"],
-        dni_extra=dni_extra,
-        albedo=albedo,
-        model=params.transposition,
+    poa_global, pdc, pac = pvwatts_chain(
+        params, solpos, data["dni"], data["ghi"], data["dhi"], dni_extra, albedo, data["temp_air"], data["wind_speed"]
     )
-    poa_global = poa["poa_global"].fillna(0.0).clip(lower=0.0)
-    tparams = pvlib.temperature.TEMPERATURE_MODEL_PARAMETERS["sapm"][params.temperature_model]
-    temp_cell = pvlib.temperature.sapm_cell(poa_global, data["temp_air"], data["wind_speed"], **tparams)
-    pdc = pvlib.pvsystem.pvwatts_dc(poa_global, temp_cell, pdc0=1.0, gamma_pdc=params.gamma_pdc)
-    pdc = pdc * (1.0 - params.system_losses_pct / 100.0)
-    pac = pvlib.inverter.pvwatts(pdc, pdc0=1.0 / params.dc_ac_ratio, eta_inv_nom=params.eta_inv_nom)
-    pac = pd.Series(np.clip(np.nan_to_num(np.asarray(pac, dtype=np.float64)), 0.0, None), index=data.index)
+    pac = pd.Series(pac, index=data.index)
     info = {
         "metadata": meta,
         "annual_kwh_per_kwp": float(pac.sum()),

@@ -29,7 +29,7 @@ import pvlib
 
 from envs import files
 from envs.schemas import UTC_NS, validate_site_data
-from pipeline.ingest import PVParams
+from pipeline.ingest import PVParams, pvwatts_chain
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "envs" / "sites" / "iquitos"
@@ -180,25 +180,9 @@ def clear_sky_pv_kw_per_kwp(index: pd.DatetimeIndex, params: PVParams = PV_PARAM
     linke = pvlib.clearsky.lookup_linke_turbidity(fine, LATITUDE, LONGITUDE)
     cs = loc.get_clearsky(fine, model="ineichen", solar_position=solpos, linke_turbidity=linke)
     dni_extra = pvlib.irradiance.get_extra_radiation(fine)
-    poa = pvlib.irradiance.get_total_irradiance(
-        params.surface_tilt,
-        params.surface_azimuth,
-        solpos["apparent_zenith"],
-        solpos["azimuth"],
-        cs["dni"],
-        cs["ghi"],
-        cs["dhi"],
-        dni_extra=dni_extra,
-        albedo=ALBEDO,
-        model=params.transposition,
+    poa_global, _, pac = pvwatts_chain(
+        params, solpos, cs["dni"], cs["ghi"], cs["dhi"], dni_extra, ALBEDO, AIR_TEMP_C, WIND_SPEED_M_S
     )
-    poa_global = poa["poa_global"].fillna(0.0).clip(lower=0.0)
-    tparams = pvlib.temperature.TEMPERATURE_MODEL_PARAMETERS["sapm"][params.temperature_model]
-    temp_cell = pvlib.temperature.sapm_cell(poa_global, AIR_TEMP_C, WIND_SPEED_M_S, **tparams)
-    pdc = pvlib.pvsystem.pvwatts_dc(poa_global, temp_cell, pdc0=1.0, gamma_pdc=params.gamma_pdc)
-    pdc = pdc * (1.0 - params.system_losses_pct / 100.0)
-    pac = pvlib.inverter.pvwatts(pdc, pdc0=1.0 / params.dc_ac_ratio, eta_inv_nom=params.eta_inv_nom)
-    pac = np.clip(np.nan_to_num(np.asarray(pac, dtype=np.float64)), 0.0, None)
     hourly = pd.Series(pac.reshape(len(index), n).mean(axis=1), index=index)
     info = {
         "annual_kwh_per_kwp": float(hourly.sum()),
