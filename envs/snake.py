@@ -2,8 +2,11 @@
 
 :class:`SnakeVectorEnv` steps ``num_envs`` boards at once with a fixed sequence of tensor operations on
 one device: no Python loop over envs, no host sync and no data-dependent branching in ``step``; all state
-lives in preallocated tensors that ``step`` updates in place. :class:`SnakeEnv` wraps one board as a plain
-``gymnasium.Env`` with NumPy spaces for tools that expect one (``check_env``, Stable-Baselines3).
+lives in preallocated tensors that ``step`` updates in place. So ``step`` traces as one graph with
+``torch.compile(env.step, fullgraph=True)`` and can be captured as a CUDA graph (both follow the eager env
+exactly; ``tests/test_snake.py`` checks the first on any device, the second where CUDA is present).
+:class:`SnakeEnv` wraps one board as a plain ``gymnasium.Env`` with NumPy spaces for tools that expect one
+(``check_env``, Stable-Baselines3).
 
 Rules (board of ``height`` x ``width`` cells, row 0 at the top):
 
@@ -284,7 +287,7 @@ class SnakeVectorEnv(VectorEnv):
         obs.view(B, -1).scatter_(1, marks + self._mark_offsets, 1.0)
         # body: steps each cell stays occupied, over the length
         body = obs[:, 1]
-        torch.sub(self._board(), self.tau[:, None, None], out=body)  # exact in int64, then cast
+        body.copy_(self._board() - self.tau[:, None, None])  # exact in int64, then cast
         body.clamp_(min=0.0).div_(self.length.to(torch.float32)[:, None, None])
         return obs
 
