@@ -5,6 +5,9 @@ Implementations (``impl``):
 
 * ``ours``: :class:`envs.evhub.EVHubVectorEnv` with ``num_envs`` copies on ``device`` (float32, train split,
   hub actions, ``bess_action="surplus"``), stepped as one batch of tensor code.
+* ``ours_compile`` (opt-in, not in the default ``impls``): the same env with its ``step`` wrapped in
+  ``torch.compile`` (``fullgraph=True`` for Snake-v0, whose step traces as one graph; EVHub-v0's step draws
+  from a ``torch.Generator`` on episode starts, a graph break). Compilation happens in the untimed warm-up.
 * ``gym_sync``: ``gymnasium.vector.SyncVectorEnv`` of ``num_envs`` :class:`envs.evhub.EVHubEnv` (one copy
   each, CPU, float64), stepped in a Python loop in this process.
 * ``gym_async``: ``gymnasium.vector.AsyncVectorEnv`` of the same, one worker subprocess per env.
@@ -62,8 +65,12 @@ from benchmarks.common import (
     synced,
 )
 
-ALL_IMPLS: tuple[str, ...] = ("ours", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
+ALL_IMPLS: tuple[str, ...] = ("ours", "ours_compile", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
 """Every implementation this benchmark knows (see the module docstring)."""
+DEFAULT_IMPLS: tuple[str, ...] = ("ours", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
+"""Implementations measured unless ``impls`` says otherwise (``ours_compile`` is opt-in: it compiles per N)."""
+OURS_IMPLS = ("ours", "ours_compile")
+"""Implementations that run the torch-batched env on ``device``."""
 INPROCESS_IMPLS = ("gym_sync", "sb3_dummy")
 """Baselines that hold one Python env object per copy in this process (limited by ``max_inprocess_envs``)."""
 SUBPROCESS_IMPLS = ("gym_async", "sb3_subproc")
@@ -168,7 +175,7 @@ def _mp_context() -> multiprocessing.context.BaseContext:
 def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Generator, env_id: str = "EVHub-v0"):
     """Build one configuration; returns ``(env, step(k) -> env steps, close)`` (the env is already reset)."""
     snake = env_id == "Snake-v0"
-    if impl == "ours":
+    if impl in OURS_IMPLS:
         gen = torch.Generator(device=device).manual_seed(0)
         if snake:
             from envs.snake import SnakeVectorEnv
@@ -181,10 +188,14 @@ def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Ge
             env = EVHubVectorEnv(num_envs=n, site=site, split="train", device=device, bess_action="surplus")
             pool = list((torch.rand((ACTION_POOL, n, 2), generator=gen, device=device) * 2.0 - 1.0).unbind(0))
         env.reset(seed=0)
+        env_step = env.step
+        if impl == "ours_compile":
+            torch._dynamo.reset()  # a fresh cache per configuration: no recompile limit across N
+            env_step = torch.compile(env.step, fullgraph=snake)
 
         def step(k: int) -> int:
             for i in range(k):
-                env.step(pool[i % ACTION_POOL])
+                env_step(pool[i % ACTION_POOL])
             return k * n
 
         return env, step, env.close
@@ -286,7 +297,7 @@ def markdown(df: pd.DataFrame) -> str:
 def run(
     num_envs: Sequence[int] | None = None,
     device: str = "cpu",
-    impls: Sequence[str] = ALL_IMPLS,
+    impls: Sequence[str] = DEFAULT_IMPLS,
     repeats: int = 5,
     min_seconds: float = 1.0,
     max_inprocess_envs: int = 256,
@@ -300,7 +311,8 @@ def run(
     Args:
         num_envs: numbers of parallel envs N (default :data:`CPU_NUM_ENVS`, or :data:`CUDA_NUM_ENVS` on CUDA).
         device: torch device of ``ours`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``); baselines always run on the CPU.
-        impls: implementations to run, a subset of :data:`ALL_IMPLS` (``speedup_vs`` needs ``"ours"``).
+        impls: implementations to run, a subset of :data:`ALL_IMPLS` (default :data:`DEFAULT_IMPLS`;
+            ``speedup_vs`` needs ``"ours"``).
         repeats: timed repeats per configuration; the table reports their median, min and max.
         min_seconds: each repeat times at least this many seconds of stepping.
         max_inprocess_envs: largest N for ``gym_sync`` and ``sb3_dummy``; larger N are recorded as skipped.
@@ -356,7 +368,7 @@ def run(
     t_start = time.perf_counter()
     for n in num_envs:
         for impl in impls:
-            row_dev = dev if impl == "ours" else torch.device("cpu")
+            row_dev = dev if impl in OURS_IMPLS else torch.device("cpu")
             row: dict[str, Any] = {
                 "impl": impl,
                 "device": str(row_dev),
@@ -374,7 +386,7 @@ def run(
             if reason is not None:
                 row["status"] = f"skipped: {reason}"
                 rows.append(row)
-                print(f"  {impl:<11} N={n:<6,} skipped: {reason}", flush=True)
+                print(f"  {impl:<12} N={n:<6,} skipped: {reason}", flush=True)
                 continue
             _free_memory()
             reset_peak_rss()
@@ -398,14 +410,14 @@ def run(
             except Exception as e:  # one broken baseline must not lose the rest of the run
                 row["status"] = f"error: {type(e).__name__}: {e}"[:300]
                 rows.append(row)
-                print(f"  {impl:<11} N={n:<6,} ERROR {type(e).__name__}: {e}", flush=True)
+                print(f"  {impl:<12} N={n:<6,} ERROR {type(e).__name__}: {e}", flush=True)
                 continue
             row.update(
                 steps_per_s=median, steps_per_s_min=min(rates), steps_per_s_max=max(rates), repeats=len(rates)
             )
             rows.append(row)
             print(
-                f"  {impl:<11} N={n:<6,} {median:>14,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f}; "
+                f"  {impl:<12} N={n:<6,} {median:>14,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f}; "
                 f"build {t_build:.1f} s, total {time.perf_counter() - t0:.1f} s, peak RSS {row['peak_rss_mb']:,.0f} MiB)",
                 flush=True,
             )
@@ -445,8 +457,9 @@ class Args:
     """numbers of parallel envs N (None: 1 16 256 4096 on cpu, plus 16384 on cuda)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """device of the batched env ('auto': cuda when available); the baselines always run on the cpu"""
-    impls: tuple[Literal["ours", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc"], ...] = ALL_IMPLS  # type: ignore[assignment]
-    """implementations to measure ('ours' is needed for the speed-up column)"""
+    impls: tuple[Literal["ours", "ours_compile", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc"], ...] = DEFAULT_IMPLS  # type: ignore[assignment]
+    """implementations to measure ('ours' is needed for the speed-up column; 'ours_compile', the batched env's step
+    under torch.compile, is opt-in)"""
     repeats: int = 5
     """timed repeats per configuration (the table reports median, min and max)"""
     min_seconds: float = 1.0

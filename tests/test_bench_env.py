@@ -119,3 +119,13 @@ def test_snake_runs_side_by_side_with_its_single_env(tmp_path):
     assert (tmp_path / "env_throughput_snake.parquet").is_file()
     with pytest.raises(ValueError, match="unknown env id"):
         bench.run(num_envs=[1], impls=("ours",), env_id="Pong-v0", out_dir=tmp_path)
+
+
+def test_compiled_step_is_an_opt_in_row_of_its_own(tmp_path):
+    """``ours_compile`` runs Snake's step under torch.compile (one graph) beside the eager ``ours``."""
+    assert "ours_compile" in bench.ALL_IMPLS and "ours_compile" not in bench.DEFAULT_IMPLS
+    df = bench.run(num_envs=[2], impls=("ours", "ours_compile"), repeats=1, min_seconds=0.01, out_dir=tmp_path,
+                   env_id="Snake-v0")
+    assert (df.status == "ok").all(), df.status.tolist()
+    assert df.impl.tolist() == ["ours", "ours_compile"] and (df.device == "cpu").all()
+    assert (df.steps_per_s > 0).all() and df.speedup_vs.notna().all()
