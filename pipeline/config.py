@@ -19,6 +19,17 @@ from pathlib import Path
 from envs.site import load_config
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def shown_path(path: str | Path) -> str:
+    """``path`` as a report shows it: relative to the project root when it lies inside it (a shipped site
+    config reads ``envs/sites/caltech.toml`` on every machine), else as given."""
+    try:
+        return Path(path).resolve().relative_to(PROJECT_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 ALGOS = ("ppo", "sac", "a2c", "dqn")
 """Agents the pipeline knows how to train (one ``algos/<name>.py`` script each)."""
 SPLITS = ("train", "test")

@@ -23,7 +23,7 @@ import pandas as pd
 from envs.files import write_parquet, write_text
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_config, load_site
-from pipeline.config import PROJECT_ROOT, SPLITS
+from pipeline.config import PROJECT_ROOT, SPLITS, shown_path
 
 INPUTS = ("config", "hourly", "sessions")
 """Inputs validated one task each."""
@@ -252,7 +252,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
 
     c, toml = load_config(cfg_dict["site_toml"])
     summary = {
-        "site": f"{c.name} ({cfg_dict['site_toml']})",
+        "site": f"{c.name} ({shown_path(cfg_dict['site_toml'])})",
         "timezone": c.timezone,
         "PV": f"{c.pv.kwp:g} kWp",
         "BESS": f"{c.bess.capacity_kwh:g} kWh / {c.bess.power_kw:g} kW, SOC {c.bess.soc_min:g}..{c.bess.soc_max:g}",

@@ -25,7 +25,7 @@ def test_tiny_pipeline_end_to_end_then_up_to_date_then_config_change(tmp_path):
         assert (rows.co2_kg >= oracle - 1e-6).all(), rows[["controller", "co2_kg"]]
         assert rows.loc[rows.controller == "uncontrolled", "co2_reduction_pct"].iloc[0] == pytest.approx(0.0)
     text = (report / "report.md").read_text()
-    assert "ppo" in text and "oracle" in text
+    assert "ppo" in text and "oracle" in text and f"synthetic ({site_toml})" in text
     assert any(report.glob("*.png"))
     assert any((out / "synthetic" / "runs" / "ppo_seed1").glob("events.out.tfevents.*"))
 

@@ -213,3 +213,10 @@ def test_seeds_are_averaged_with_their_spread(tmp_path):
     assert "| uncontrolled | – | 1,000.0 |" in md
     with pytest.raises(ValueError, match="with seed 2"):
         read_kpi_files([*files, shutil.copy(files[3], tmp_path / "again.parquet")])
+
+
+def test_report_shows_a_shipped_site_config_relative_to_the_project(tmp_path):
+    from pipeline.config import PROJECT_ROOT, shown_path
+
+    assert shown_path(PROJECT_ROOT / "envs" / "sites" / "caltech.toml") == "envs/sites/caltech.toml"
+    assert shown_path(tmp_path / "site.toml") == str(tmp_path / "site.toml")  # a user's own file: as given
