@@ -95,6 +95,10 @@ from envs.evhub import discrete_action_table
 from envs.files import atomic_write
 from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
+EVHUB_ONLY_ARGS = ("site", "bess_action", "socket_features", "weekday_features", "eval_split")
+"""Arguments that only EVHub-v0 reads: left out of the printed and logged hyperparameters of other envs."""
+
+
 PRESETS = {
     # 2 CPU cores: a few dozen envs, a small net, a replay ratio of 8 samples per env step
     "cpu": {
@@ -1329,11 +1333,15 @@ def main(args: Args) -> dict:
 
     act_fn, update_fn = bind_hot_functions()
 
+    def shown_args() -> dict:
+        """The resolved arguments this env reads (all but :data:`EVHUB_ONLY_ARGS` for envs other than EVHub-v0)."""
+        return {k: v for k, v in dataclasses.asdict(args).items() if evhub or k not in EVHUB_ONLY_ARGS}
+
     def hyperparameters() -> str:
         """The resolved arguments as a Markdown table (TensorBoard text)."""
-        return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in dataclasses.asdict(args).items()))
+        return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in shown_args().items()))
 
-    hparams = dataclasses.asdict(args)
+    hparams = shown_args()
     writer = SummaryWriter(str(out_dir))
     writer.add_text("hyperparameters", hyperparameters())
     for message in oom_notes:  # halvings at setup

@@ -93,6 +93,10 @@ except ModuleNotFoundError:  # run as `python algos/sac.py` from a checkout that
 from envs.files import atomic_write
 from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
 
+EVHUB_ONLY_ARGS = ("site", "bess_action", "socket_features", "weekday_features", "eval_split")
+"""Arguments that only EVHub-v0 reads: left out of the printed and logged hyperparameters of other envs."""
+
+
 PRESETS = {
     # 2 CPU cores: a few dozen envs, a small net, a few gradient steps per iteration; 2.5 to 4 minutes
     # on the caltech site, evaluation included
@@ -1195,9 +1199,13 @@ def main(args: Args) -> dict:
 
     policy_step, critic_step, actor_step, target_step = bind_hot_functions()
 
+    def shown_args() -> dict:
+        """The resolved arguments this env reads (all but :data:`EVHUB_ONLY_ARGS` for envs other than EVHub-v0)."""
+        return {k: v for k, v in vars(args).items() if evhub or k not in EVHUB_ONLY_ARGS}
+
     def hyperparameters() -> str:
         """The resolved arguments as a Markdown table (TensorBoard text)."""
-        return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in vars(args).items()))
+        return "|param|value|\n|-|-|\n%s" % ("\n".join(f"|{k}|{v}|" for k, v in shown_args().items()))
 
     writer = SummaryWriter(str(out_dir))
     writer.add_text("hyperparameters", hyperparameters())
@@ -1215,7 +1223,7 @@ def main(args: Args) -> dict:
         f"batch {args.batch_size}, buffer {args.buffer_size:,}, {args.num_iterations} iterations, "
         f"{args.total_timesteps:,} steps; output {out_dir}"
     )
-    print("args: " + ", ".join(f"{k}={v}" for k, v in vars(args).items()), flush=True)
+    print("args: " + ", ".join(f"{k}={v}" for k, v in shown_args().items()), flush=True)
 
     def checkpoint(iteration: int, train_wall: float) -> None:
         check_finite(bad_any, first_bad_step, ckpt_path)

@@ -120,7 +120,7 @@ def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int
     curve.attrs["sps_steady"] = result["sps_steady"]
     curve.attrs["train_wall_s"] = result["train_wall_s"]
     curve.attrs["env_steps"] = result["global_step"]
-    curve.attrs["num_envs"] = sized.num_envs
+    curve.attrs["num_envs"] = result["num_envs"]  # after any out-of-memory halving, as trained
     return curve
 
 

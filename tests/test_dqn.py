@@ -322,6 +322,8 @@ def test_snake_smoke_run_uses_the_cnn_and_exports_an_action_policy(tmp_path):
                    "--cnn-channels", "4", "8", *GYM_TINY)  # fmt: skip
     assert_generic_run(tmp_path, proc, 256)
     assert "torch-batched" in proc.stdout and "(CNN)" in proc.stdout
+    shown = [line.split()[0] for line in proc.stdout.split("hyperparameters:\n")[1].splitlines() if line.startswith("  ")]
+    assert "cnn_channels" in shown and not set(load_dqn().EVHUB_ONLY_ARGS) & set(shown)  # no site options for Snake
     policy = torch.export.load(tmp_path / "policy.pt2").module()
     action = policy(torch.rand(3, 3, 10, 10))
     assert action.shape == (3,) and action.dtype == torch.int64 and 0 <= int(action.min()) and int(action.max()) < 4

@@ -314,6 +314,7 @@ def test_pendulum_trains_in_sync_and_async_vector_modes(mode, tmp_path):
     proc = run_sac("--output-dir", str(out), "--vector-mode", mode, *PENDULUM)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"vector_mode={mode}" in proc.stdout and "no split evaluation for Pendulum-v1" in proc.stdout
+    assert "site=" not in proc.stdout and "bess_action=" not in proc.stdout  # EVHub-only options not shown
     assert "warning" not in proc.stderr.lower()  # async started: no fall-back
     metrics = assert_gym_run_outputs(out)
     # the updates start at step 64: synchronously after the 32nd step; overlapped, they run while the envs step,
