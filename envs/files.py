@@ -2,24 +2,62 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import socket
 import tempfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 
+_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+"""This machine's tag in temporary file names (CRC-32 of the host name, 8 hex digits)."""
+
+
+def _is_running(pid: int) -> bool:
+    """Whether a process with this id exists on this machine (a pid taken again after a crash counts too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def sweep_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete the temporary files that killed writers of ``path`` left beside it; returns the deleted paths.
+
+    A temporary file of :func:`atomic_write` is named ``.<name>.p<pid>h<host>.<random><suffix>``. One is stale
+    when its host tag is this machine's and no process with its pid is running: a writer on another machine
+    (a shared file system) or one still running is left alone.
+    """
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.p(\d+)h([0-9a-f]{{8}})\.")
+    removed = []
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}.p*"):
+        m = pattern.match(candidate.name)
+        if m and m.group(2) == _HOST and int(m.group(1)) != os.getpid() and not _is_running(int(m.group(1))):
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
 
 def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
     """Call ``write(tmp)`` on a temporary file in ``path``'s folder, then rename it onto ``path``.
 
-    The temporary file is hidden (``.<name>.<random><suffix>``); ``suffix`` lets writers that check the file
-    extension see the one they expect (``".tmp.pt2"`` for ``torch.export.save``). The folder is created if
-    needed; on any error the temporary file is removed and the error re-raised. Returns ``path``.
+    The temporary file is hidden (``.<name>.p<pid>h<host>.<random><suffix>``); ``suffix`` lets writers that check
+    the file extension see the one they expect (``".tmp.pt2"`` for ``torch.export.save``). The folder is created
+    if needed; on any error the temporary file is removed and the error re-raised. A process killed mid-write
+    leaves its temporary file behind; the next successful write of the same ``path`` deletes it
+    (:func:`sweep_stale_temporaries`). Returns ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.p{os.getpid()}h{_HOST}.", suffix=suffix, dir=path.parent)
     os.close(fd)
     try:
         write(Path(tmp))
@@ -28,6 +66,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    sweep_stale_temporaries(path)
     return path
 
 

@@ -273,13 +273,35 @@ def test_a_kill_while_writing_parquet_leaves_the_previous_file_or_none(tmp_path)
         else:
             assert trial == 0, "a previous version existed and must still be there"
         temporary = [p for p in tmp_path.iterdir() if p != path]
-        # a kill can leave a hidden temporary file beside the target, never a file under the target's name
+        # a kill can leave a hidden temporary file beside the target, never a file under the target's name;
+        # the next writer's first completed write deletes the ones left by earlier kills
         assert all(p.name.startswith(".kpis.parquet.") and p.suffix == ".tmp" for p in temporary), temporary
+        assert len(temporary) <= 1, temporary  # at most the one of this kill
         leftovers += len(temporary)
-        for p in temporary:
-            p.unlink()
     assert path.exists()
     assert leftovers > 0, "no kill landed in the middle of a write: the test did not exercise the window"
+    write_parquet(pd.read_parquet(path), path)  # a completed write sweeps what the dead writers left
+    assert [p.name for p in tmp_path.iterdir()] == ["kpis.parquet"]
+
+
+def test_only_temporaries_of_dead_writers_on_this_machine_are_swept(tmp_path):
+    from envs import files
+
+    path = tmp_path / "kpis.parquet"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    other_host = "0" * 8 if files._HOST != "0" * 8 else "1" * 8
+    names = {
+        "dead": f".kpis.parquet.p{dead_pid}h{files._HOST}.abc.tmp",
+        "alive": f".kpis.parquet.p{os.getppid()}h{files._HOST}.abc.tmp",  # the test runner's parent: running
+        "elsewhere": f".kpis.parquet.p{dead_pid}h{other_host}.abc.tmp",  # another machine's writer
+        "other_file": f".metrics.parquet.p{dead_pid}h{files._HOST}.abc.tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"PAR1")
+    write_parquet(pd.DataFrame({"co2_kg": [1.0]}), path)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {"kpis.parquet", names["alive"], names["elsewhere"], names["other_file"]}
 
 
 def test_a_failing_writer_leaves_the_previous_file_and_no_temporary(tmp_path):
