@@ -1,5 +1,5 @@
-"""Synchronous advantage actor-critic (A2C) with a Gaussian policy, CleanRL style: ``EVHub-v0`` or any gymnasium
-environment with a Box action space.
+"""Synchronous advantage actor-critic (A2C), CleanRL style: ``EVHub-v0`` or any gymnasium environment with a Box
+action space (a Gaussian policy) or a Discrete one (a Categorical policy).
 
 One file, everything on one device. Each iteration steps ``num_envs`` copies of the env for a short
 rollout of ``num_steps`` steps, computes returns and advantages by GAE (``gae_lambda=1`` gives the classic
@@ -16,10 +16,21 @@ Environments (``--env-id``, any registered id, also a user's own as ``"my_module
   apply to them.
 * any other env (also one with a NumPy ``vector_entry_point`` such as ``CartPole-v1``'s) runs as ``--vector-mode sync`` (gymnasium's ``SyncVectorEnv``) or ``async`` (``AsyncVectorEnv``,
   one subprocess per env: for CPU-bound or I/O-bound envs; if it cannot start, the run warns and falls back to
-  sync) with SAME_STEP autoreset, behind :class:`GymVectorAdapter` (NumPy <-> device tensors; actions produced
-  in [-1, 1] are rescaled to the Box's bounds). Observations must be a flat (or flattenable, not image) Box; the
-  networks are the MLPs below. The value of ``final_obs`` bootstraps truncated episodes. Env state is not
-  checkpointed: ``--resume`` starts new episodes.
+  sync) with SAME_STEP autoreset, behind :class:`GymVectorAdapter` (NumPy <-> device tensors; Box actions
+  produced in [-1, 1] are rescaled to the Box's bounds, Discrete action indices ``0..n-1`` get the space's
+  ``start`` added). Observations must be a flat (or flattenable, not image) Box; the networks are the MLPs below.
+  The value of ``final_obs`` bootstraps truncated episodes. Env state is not checkpointed: ``--resume`` starts new
+  episodes.
+
+Action spaces (decided once at start-up, a Python bool; see :func:`check_spaces`):
+
+* ``Box``: Gaussian policy, an unsquashed mean (``actor_mean``) and a state-independent learned log-std
+  (``actor_logstd``); rollout actions float32 ``(num_steps, num_envs, act_dim)``, clipped to [-1, 1] for the env.
+* ``Discrete(n, start=s)``: Categorical policy over the logits of ``actor_logits`` (width ``n``, CleanRL
+  ``ppo.py``'s ``actor``), sampled with the Gumbel-max trick (no host sync); rollout actions int64
+  ``(num_steps, num_envs)``, the indices ``0..n-1`` (the env receives index + ``s``).
+
+Other spaces (MultiDiscrete, MultiBinary, Dict, image observations, ...) are refused with a ``ValueError``.
 
 Hot paths are plain module-level functions -- :func:`policy_step` (observation normalisation + action
 selection), :func:`update` (bootstrap value, GAE, loss, gradient step) -- bound to the agent once with
@@ -35,6 +46,7 @@ Run (defaults: ``EVHub-v0`` on the ``caltech`` site, ``hub`` actions, a preset s
     python algos/a2c.py
     python algos/a2c.py --site path/to/site.toml --total-timesteps 200000 --optimizer adam --gae-lambda 0.95
     python algos/a2c.py --env-id Pendulum-v1 --num-envs 8 --num-steps 8 --total-timesteps 200000
+    python algos/a2c.py --env-id CartPole-v1 --num-envs 8 --num-steps 5 --gamma 0.99 --total-timesteps 100000
     python algos/a2c.py --env-id IOBound-v0 --vector-mode async --num-envs 8
     tensorboard --logdir outputs/
 
@@ -42,8 +54,10 @@ Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same cu
 ``episodic_unserved_kwh`` are NaN for envs other than EVHub-v0, the ``gpu_*`` columns NaN on the CPU),
 ``checkpoint.pt`` (model, optimizer, counters, RNG and, for torch-batched envs, env state; ``--resume`` continues
 from it), ``policy.pt2`` (the deterministic actor as a ``torch.export`` program: obs float32 ``(B, obs_dim)``
-(flattened) -> action ``(B, act_dim)``, in [-1, 1] for torch-batched envs, in the Box's bounds for gymnasium
-envs; load with ``envs.kpis.load_policy``) and, for EVHub-v0, ``policy.json`` and the deterministic evaluation
+(flattened) -> for Box actions the mean action float32 ``(B, act_dim)``, in [-1, 1] for torch-batched envs, in the
+Box's bounds for gymnasium envs; for Discrete actions the greedy (argmax) action int64 ``(B,)`` in ``0..n-1``, to
+which the env's ``start`` is to be added; load with ``torch.export.load(path).module()``, for EVHub-v0 with
+``envs.kpis.load_policy``) and, for EVHub-v0, ``policy.json`` and the deterministic evaluation
 over ``eval_split``: ``eval_{split}.parquet`` (one KPI row, controller ``"a2c"``) and
 ``eval_{split}_traces.parquet`` (hourly traces).
 """
@@ -70,6 +84,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import tyro
+from torch.distributions.categorical import Categorical
 from torch.distributions.normal import Normal
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
@@ -113,8 +128,9 @@ class Args:
     """torch intra-op CPU threads, 0 keeps torch's default (None: preset, 1 on cpu: the tensors of a few hundred
     envs are too small to gain from more, and spinning threads cost a lot on a busy machine; 0 on gpu)"""
     env_id: str = "EVHub-v0"
-    """the id of the environment: any registered gymnasium id with a Box action space, also
-    'my_module:MyEnv-v0' (imports my_module, which registers it)"""
+    """the id of the environment: any registered gymnasium id with a Box action space (Gaussian policy) or a
+    Discrete one (Categorical policy, e.g. CartPole-v1) and flat Box observations, also 'my_module:MyEnv-v0'
+    (imports my_module, which registers it)"""
     vector_mode: Literal["sync", "async"] = "sync"
     """how gymnasium envs other than the torch-batched ones are vectorised: 'sync' (SyncVectorEnv, one process) or
     'async' (AsyncVectorEnv, one subprocess per env; falls back to sync with a warning if it cannot start);
@@ -158,7 +174,7 @@ class Args:
     hidden_size: int | None = None
     """width of the two hidden layers of actor and critic (None: preset, 64 on cpu, 256 on gpu)"""
     init_logstd: float = -0.5
-    """initial log standard deviation of the Gaussian policy (state-independent, learned)"""
+    """initial log standard deviation of the Gaussian policy (state-independent, learned; Box actions only)"""
     socket_features: bool = True
     """EVHub-v0 only: feed the per-socket observations to the networks (False: only the site-level features
     before them)"""
@@ -286,10 +302,14 @@ def mlp(n_in: int, hidden: int, n_out: int, out_std: float, select: nn.Module) -
 
 
 class Agent(nn.Module):
-    """Separate actor and critic MLPs; Gaussian actor with an unsquashed mean and a state-independent log-std.
+    """Separate actor and critic MLPs. Box actions (``discrete=False``): a Gaussian actor with an unsquashed mean
+    (``actor_mean``, ``act_dim`` outputs) and a state-independent log-std (``actor_logstd``). Discrete actions
+    (``discrete=True``): a Categorical actor over the logits of ``actor_logits`` (``act_dim`` = the number of
+    actions ``n``); both output layers are initialised orthogonally with std 0.01.
 
     ``obs_norm`` (running standardisation, or identity) maps raw env observations to the network inputs;
-    the rollout stores normalised observations, so the update works on those.
+    the rollout stores normalised observations, so the update works on those. ``discrete`` is a plain Python
+    attribute: the hot functions branch on it, never on a tensor value.
     """
 
     def __init__(
@@ -300,18 +320,30 @@ class Agent(nn.Module):
         init_logstd: float = 0.0,
         norm_obs: bool = True,
         inputs: list[int] | None = None,
+        discrete: bool = False,
     ):
         super().__init__()
         inputs = list(range(obs_dim)) if inputs is None else list(inputs)
         n_in = len(inputs)
         sel = (lambda: Select(inputs)) if n_in < obs_dim else nn.Identity
+        self.discrete = discrete
         self.obs_norm = RunningObsNorm(obs_dim) if norm_obs else nn.Identity()
         self.critic = mlp(n_in, hidden, 1, 1.0, sel())
-        self.actor_mean = mlp(n_in, hidden, act_dim, 0.01, sel())
-        self.actor_logstd = nn.Parameter(torch.full((1, act_dim), float(init_logstd)))
+        if discrete:
+            self.actor_logits = mlp(n_in, hidden, act_dim, 0.01, sel())
+        else:
+            self.actor_mean = mlp(n_in, hidden, act_dim, 0.01, sel())
+            self.actor_logstd = nn.Parameter(torch.full((1, act_dim), float(init_logstd)))
 
-    def dist_and_value(self, x: torch.Tensor, amp: bool = False) -> tuple[Normal, torch.Tensor]:
-        """Policy distribution and value ``(B,)`` at normalised observations ``x``; ``amp``: bf16 forward passes."""
+    def dist_and_value(self, x: torch.Tensor, amp: bool = False) -> tuple[Normal | Categorical, torch.Tensor]:
+        """Policy distribution and value ``(B,)`` at normalised observations ``x`` float32 ``(B, n_in)``: a
+        ``Normal`` over ``(B, act_dim)`` (Box) or a ``Categorical`` over ``n`` actions, batch ``(B,)`` (Discrete);
+        ``amp``: bf16 forward passes (the distribution's parameters are float32)."""
+        if self.discrete:
+            with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
+                logits = self.actor_logits(x)
+                value = self.critic(x)
+            return Categorical(logits=logits.float(), validate_args=False), value.float().squeeze(-1)
         with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
             mean = self.actor_mean(x)
             value = self.critic(x)
@@ -344,6 +376,22 @@ class DeterministicActor(nn.Module):
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         action = self.actor_mean(self.obs_norm(obs)).clamp(-1.0, 1.0)
         return self.offset + self.scale * action if self.rescale else action
+
+
+class GreedyActor(nn.Module):
+    """The deterministic policy for Discrete actions: raw obs float32 ``(B, obs_dim)`` -> the action of the largest
+    logit, int64 ``(B,)`` in ``0..n-1`` (the index; the env receives index + its space's ``start``).
+
+    Observation normalisation (frozen statistics) is part of it, so callers pass the env's observations as is.
+    """
+
+    def __init__(self, obs_norm: nn.Module, actor_logits: nn.Module):
+        super().__init__()
+        self.obs_norm = obs_norm
+        self.actor_logits = actor_logits
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.actor_logits(self.obs_norm(obs)).argmax(-1)
 
 
 def make_optimizer(
@@ -398,20 +446,33 @@ def is_torch_batched(spec: gym.envs.registration.EnvSpec) -> bool:
     return "device" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def check_spaces(env_id: str, observation_space: gym.Space, action_space: gym.Space) -> None:
-    """Check that A2C can drive a single env with these spaces: a Box action space and a Box observation space
-    that is flat or flattenable (not an image, which would need a CNN torso this file does not have).
+def check_spaces(
+    env_id: str, observation_space: gym.Space, action_space: gym.Space, torch_batched: bool = False
+) -> None:
+    """Check that A2C can drive a single env with these spaces: a Box action space (Gaussian policy) or a Discrete
+    one (Categorical policy), and a Box observation space that is flat or flattenable (not an image, which would
+    need a CNN torso this file does not have). ``torch_batched``: the env is torch-batched, which gets the action
+    indices as is, so its Discrete space must start at 0.
 
     Raises:
-        ValueError: naming ``env_id`` and the offending space.
+        ValueError: naming ``env_id``, the offending space and the spaces supported.
     """
-    if not isinstance(action_space, gym.spaces.Box):
+    if not isinstance(action_space, (gym.spaces.Box, gym.spaces.Discrete)):
         raise ValueError(
-            f"A2C needs a continuous Box action space, but {env_id} has action space {action_space}; "
-            f"use algos/dqn.py for Discrete actions"
+            f"A2C supports Box actions (Gaussian policy) and Discrete actions (Categorical policy), but {env_id} "
+            f"has action space {action_space}; wrap the env to expose a Box or a Discrete action space "
+            f"(e.g. flatten a MultiDiscrete space into one Discrete space)"
+        )
+    if torch_batched and isinstance(action_space, gym.spaces.Discrete) and int(action_space.start) != 0:
+        raise ValueError(
+            f"A2C passes action indices 0..n-1 to torch-batched envs as is, but {env_id} has action space "
+            f"{action_space} (start {int(action_space.start)}); give it a Discrete space that starts at 0"
         )
     if not isinstance(observation_space, gym.spaces.Box):
-        raise ValueError(f"A2C needs a Box observation space, but {env_id} has observation space {observation_space}")
+        raise ValueError(
+            f"A2C supports flat Box observations only, but {env_id} has observation space {observation_space}; "
+            f"flatten it with a wrapper (e.g. gymnasium.wrappers.FlattenObservation)"
+        )
     if len(observation_space.shape) == 3:
         raise ValueError(
             f"A2C has MLP networks only, but {env_id} has image observations {observation_space} (C, H, W); "
@@ -423,13 +484,16 @@ class GymVectorAdapter:
     """The tensor interface of the torch-batched envs around a gymnasium vector env (NumPy, host side).
 
     ``env`` must use SAME_STEP autoreset (the observation returned where an episode ends is the next episode's
-    first; the last one is in ``info["final_obs"]``), a Box action space and a Box observation space.
+    first; the last one is in ``info["final_obs"]``), a Box or Discrete action space and a Box observation space.
 
     * ``reset(seed)`` / ``step(action)`` return observations as float32 tensors ``(num_envs, obs_dim)`` on
       ``device`` (flattened), rewards float32 ``(num_envs,)``, ``terminated``/``truncated`` bool ``(num_envs,)``.
-    * ``step`` takes float actions ``(num_envs, act_dim)`` in [-1, 1] (any device) and rescales them linearly
-      to the Box's ``[low, high]`` (dimensions with an infinite bound get the action as is), cast to the Box's
-      dtype and shape.
+    * Box: ``step`` takes float actions ``(num_envs, act_dim)`` in [-1, 1] (any device) and rescales them
+      linearly to the Box's ``[low, high]`` (dimensions with an infinite bound get the action as is), cast to the
+      Box's dtype and shape (:meth:`scale_action`).
+    * Discrete(n, start=s): ``step`` takes integer action indices ``(num_envs,)`` in ``0..n-1`` (any device) and
+      passes them to the env as a NumPy int64 array ``(num_envs,)`` plus ``s`` (:meth:`offset_action`); no
+      rescaling.
     * ``info`` of ``step`` holds, only where some episode ended in that step, ``"final_obs"``: float32
       ``(num_envs, obs_dim)`` on ``device``, the last observation of each env that ended (zeros elsewhere). The
       env's other info entries are dropped.
@@ -446,10 +510,14 @@ class GymVectorAdapter:
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
         space = env.single_action_space
-        low, high = space.low.astype(np.float64).ravel(), space.high.astype(np.float64).ravel()
-        self._finite = np.isfinite(low) & np.isfinite(high)
-        self._low = np.where(self._finite, low, -1.0)
-        self._high = np.where(self._finite, high, 1.0)
+        self.discrete = isinstance(space, gym.spaces.Discrete)
+        if self.discrete:
+            self._start = np.int64(space.start)
+        else:
+            low, high = space.low.astype(np.float64).ravel(), space.high.astype(np.float64).ravel()
+            self._finite = np.isfinite(low) & np.isfinite(high)
+            self._low = np.where(self._finite, low, -1.0)
+            self._high = np.where(self._finite, high, 1.0)
         self._obs_dim = int(np.prod(env.single_observation_space.shape))
 
     def _obs(self, obs) -> torch.Tensor:
@@ -463,14 +531,23 @@ class GymVectorAdapter:
         space = self.single_action_space
         return a.reshape(self.num_envs, *space.shape).astype(space.dtype)
 
+    def offset_action(self, action: np.ndarray) -> np.ndarray:
+        """Discrete action indices ``(num_envs,)`` in ``0..n-1`` -> the env's actions: int64 ``(num_envs,)``, the
+        index plus the space's ``start``."""
+        return np.asarray(action, dtype=np.int64).reshape(self.num_envs) + self._start
+
     def reset(self, seed: int | None = None) -> tuple[torch.Tensor, dict]:
         """Reset every env (env ``i`` seeded with ``seed + i``); returns ``(obs, {})``."""
         obs, _ = self.env.reset(seed=seed)
         return self._obs(obs), {}
 
     def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        """Step every env with ``action`` in [-1, 1]; returns ``(obs, reward, terminated, truncated, info)``."""
-        a = self.scale_action(action.detach().to("cpu", torch.float64).numpy())
+        """Step every env with ``action`` (Box: float ``(num_envs, act_dim)`` in [-1, 1]; Discrete: indices
+        ``(num_envs,)``); returns ``(obs, reward, terminated, truncated, info)``."""
+        if self.discrete:
+            a = self.offset_action(action.detach().to("cpu", torch.int64).numpy())
+        else:
+            a = self.scale_action(action.detach().to("cpu", torch.float64).numpy())
         obs, reward, terminated, truncated, info = self.env.step(a)
         out = {}
         ended = np.asarray(info.get("_final_obs", np.zeros(self.num_envs, bool)), dtype=bool)
@@ -553,16 +630,20 @@ GPU_STATS = ("gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb", "
 
 
 # ---------------------------------------------------------------------------------------------- state
-def make_storage(num_steps: int, num_envs: int, obs_dim: int, act_dim: int, device: torch.device) -> dict:
-    """Preallocated rollout storage on ``device``: ``(num_steps, num_envs, ...)`` tensors.
+def make_storage(
+    num_steps: int, num_envs: int, obs_dim: int, act_dim: int, device: torch.device, discrete: bool = False
+) -> dict:
+    """Preallocated rollout storage on ``device``: float32 ``(num_steps, num_envs, ...)`` tensors.
 
-    ``terminals[t]``/``dones[t]`` flag the transition of step ``t``: no bootstrap from its next observation /
-    the episode ended there (the advantage trace is cut).
+    ``actions`` is float32 ``(num_steps, num_envs, act_dim)`` for Box actions and, with ``discrete``, int64
+    ``(num_steps, num_envs)`` (the action indices; ``act_dim`` is not used). ``terminals[t]``/``dones[t]`` flag the
+    transition of step ``t``: no bootstrap from its next observation / the episode ended there (the advantage trace
+    is cut).
     """
     z = lambda *s: torch.zeros(num_steps, num_envs, *s, device=device)  # noqa: E731
     return {
         "obs": z(obs_dim),
-        "actions": z(act_dim),
+        "actions": torch.zeros(num_steps, num_envs, dtype=torch.int64, device=device) if discrete else z(act_dim),
         "rewards": z(),
         "values": z(),
         "terminals": z(),
@@ -654,16 +735,23 @@ def explained_variance(y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- hot paths
 def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold raw ``obs`` into the running normaliser, normalise, sample an action; no host sync.
+    """Fold raw ``obs`` float32 ``(B, obs_dim)`` into the running normaliser, normalise, sample an action; no host
+    sync.
 
     Returns:
-        ``(obs_normalised, action, value)``: action unclipped ``(B, act_dim)`` (the env gets it clipped).
+        ``(obs_normalised, action, value)``: for Box actions the action float32 ``(B, act_dim)``, unclipped (the
+        env gets it clipped); for Discrete actions the action index int64 ``(B,)`` in ``0..n-1``.
     """
     with torch.no_grad():
         if isinstance(agent.obs_norm, RunningObsNorm):
             agent.obs_norm.update(obs)
         obs_n = agent.obs_norm(obs)
         dist, value = agent.dist_and_value(obs_n, amp)
+        if agent.discrete:
+            # Gumbel-max: argmax(logits + Gumbel noise) is a sample of the Categorical, without torch.multinomial
+            # (whose CUDA kernel checks the probabilities; the uniform draws are clamped away from 0, log(0))
+            u = torch.rand_like(dist.logits).clamp_(min=torch.finfo(dist.logits.dtype).tiny)
+            return obs_n, (dist.logits - torch.log(-torch.log(u))).argmax(-1), value
         # mean + std * noise rather than dist.sample(): torch.normal checks std >= 0 on the host (a sync on CUDA,
         # and an exception before the NaN check could name the bad update)
         return obs_n, dist.loc + dist.scale * torch.randn_like(dist.loc), value
@@ -697,6 +785,11 @@ def update(
 ) -> dict[str, torch.Tensor]:
     """One A2C step: bootstrap value of ``next_obs`` (raw), GAE returns, one gradient step on the whole batch.
 
+    ``obs`` float32 ``(num_steps, num_envs, obs_dim)`` (normalised), ``actions`` float32
+    ``(num_steps, num_envs, act_dim)`` (Box) or int64 ``(num_steps, num_envs)`` (Discrete, as ``agent.discrete``
+    says), ``rewards``/``values``/``terminals``/``dones`` float32 ``(num_steps, num_envs)``, ``next_obs`` float32
+    ``(num_envs, obs_dim)`` (raw).
+
     Returns:
         device tensors ``value_loss, policy_loss, entropy, grad_norm, explained_variance`` and ``bad``: a
         ``(len(LOSS_NAMES),)`` bool tensor, True where that quantity is non-finite.
@@ -705,14 +798,18 @@ def update(
         _, next_value = agent.dist_and_value(agent.obs_norm(next_obs), amp)
         advantages, returns = compute_gae(rewards, values, next_value, terminals, dones, gamma, gae_lambda)
     b_obs = obs.reshape(-1, obs.shape[-1])
-    b_actions = actions.reshape(-1, actions.shape[-1])
+    b_actions = actions.reshape(-1) if agent.discrete else actions.reshape(-1, actions.shape[-1])
     b_adv, b_returns = advantages.reshape(-1), returns.reshape(-1)
     if norm_adv:
         b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
 
     dist, new_value = agent.dist_and_value(b_obs, amp)
-    logprob = dist.log_prob(b_actions).sum(1)
-    entropy = dist.entropy().sum(1).mean()
+    if agent.discrete:
+        logprob = dist.log_prob(b_actions)
+        entropy = dist.entropy().mean()
+    else:
+        logprob = dist.log_prob(b_actions).sum(1)
+        entropy = dist.entropy().sum(1).mean()
     pg_loss = -(b_adv * logprob).mean()
     v_loss = F.mse_loss(new_value, b_returns)
     loss = pg_loss + vf_coef * v_loss - ent_coef * entropy
@@ -795,9 +892,13 @@ def rollout(
     gamma: float,
     bootstrap_truncation: bool,
     value_fn=None,
+    discrete: bool = False,
 ) -> torch.Tensor:
     """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``act`` (:func:`policy_step`
     bound to the agent); no host sync in it. Returns the raw observation after the last step.
+
+    Box actions are clipped to [-1, 1] for the env (stored unclipped); with ``discrete`` the action indices int64
+    ``(num_envs,)`` go to the env as they are (:class:`GymVectorAdapter` adds the space's ``start``).
 
     Where the env reports ``info["final_obs"]`` (:class:`GymVectorAdapter`) and ``bootstrap_truncation`` holds,
     a truncated (not terminated) step gets ``gamma * value_fn(final_obs)`` added to its (normalised) reward and is
@@ -810,7 +911,7 @@ def rollout(
         storage["obs"][step] = obs_n
         storage["actions"][step] = action
         storage["values"][step] = value
-        next_obs, reward, terminated, truncated, info = env.step(action.clamp(-1.0, 1.0))
+        next_obs, reward, terminated, truncated, info = env.step(action if discrete else action.clamp(-1.0, 1.0))
         next_obs = next_obs.to(torch.float32)
         reward = reward.to(torch.float32)
         episode_end = terminated | truncated
@@ -981,19 +1082,28 @@ def halve_num_envs(args: Args, history: list[str], where: str, error: str, ckpt:
     )
 
 
-def export_policy(agent: Agent, obs_dim: int, out_dir: Path, action_space: gym.spaces.Box | None = None) -> Path:
+def export_policy(
+    agent: Agent, obs_dim: int, out_dir: Path, action_space: gym.spaces.Box | gym.spaces.Discrete | None = None
+) -> Path:
     """Save the deterministic actor (float32, CPU) for code that does not import ``algos``.
 
     ``torch.export`` with a dynamic batch dimension to ``policy.pt2``; if export fails, a TorchScript trace to
     ``policy.pt``. Either is written atomically (temporary file, then rename). Returns the written path.
-    ``action_space`` (gymnasium envs): the exported actor returns actions rescaled to its bounds, flattened
-    ``(B, act_dim)``; None: actions in [-1, 1].
+    The program maps raw obs float32 ``(B, obs_dim)`` (flattened) to:
+
+    * Box actions (:class:`DeterministicActor`): the clipped mean action float32 ``(B, act_dim)``; with
+      ``action_space`` (gymnasium envs, a Box) rescaled to its bounds, flattened; None: in [-1, 1].
+    * Discrete actions (``agent.discrete``, :class:`GreedyActor`): the argmax action index int64 ``(B,)`` in
+      ``0..n-1``; the env receives index + ``action_space.start`` (``action_space`` is not used).
     """
-    bounds = {}
-    if action_space is not None:
-        bounds = {k: torch.as_tensor(np.asarray(b, np.float64).ravel()) for k, b in
-                  (("low", action_space.low), ("high", action_space.high))}  # fmt: skip
-    actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_mean), **bounds)
+    if agent.discrete:
+        actor = GreedyActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_logits))
+    else:
+        bounds = {}
+        if action_space is not None:
+            bounds = {k: torch.as_tensor(np.asarray(b, np.float64).ravel()) for k, b in
+                      (("low", action_space.low), ("high", action_space.high))}  # fmt: skip
+        actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_mean), **bounds)
     actor = actor.cpu().float().eval()
     example = torch.zeros(2, obs_dim)
     try:
@@ -1094,15 +1204,16 @@ def main(args: Args) -> dict:
         else:
             env = make_gym_vector_env(args.env_id, args.num_envs, args.vector_mode, run_warnings)
         try:
-            check_spaces(args.env_id, env.single_observation_space, env.single_action_space)
+            check_spaces(args.env_id, env.single_observation_space, env.single_action_space, torch_batched)
         except ValueError:
             env.close()
             raise
         if not torch_batched:
             env = GymVectorAdapter(env, device)
         obs_dim = int(np.prod(env.single_observation_space.shape))
-        act_dim = int(np.prod(env.single_action_space.shape))
-        storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
+        discrete = isinstance(env.single_action_space, gym.spaces.Discrete)
+        act_dim = 1 if discrete else int(np.prod(env.single_action_space.shape))
+        storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device, discrete)
         stats = make_episode_stats(args.num_envs, device, EVHUB_KPIS if evhub else ())
         rn = make_reward_norm(args.num_envs, device) if args.norm_reward else None
         return env, storage, stats, rn
@@ -1128,14 +1239,16 @@ def main(args: Args) -> dict:
     if oom_history:  # num_envs was halved: the iterations of the run change size
         args.num_iterations = max(1, args.total_timesteps // args.batch_size)
     obs_dim = int(np.prod(env.single_observation_space.shape))
-    act_dim = int(np.prod(env.single_action_space.shape))
+    # the one branch on the action space, a Python bool: Categorical policy over n actions (Discrete) or Gaussian
+    discrete = isinstance(env.single_action_space, gym.spaces.Discrete)
+    act_dim = int(env.single_action_space.n) if discrete else int(np.prod(env.single_action_space.shape))
 
     inputs = None  # every feature (the selection below is EVHub-v0's observation layout)
     if evhub:
         inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
         if not args.weekday_features:
             inputs = [i for i in inputs if i not in OBS_WEEKDAY]
-    agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs).to(device)
+    agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs, discrete).to(device)
     # a device-tensor learning rate, annealed in place: no recompilation, and CUDA graphs see the new value.
     # On CUDA the optimizers take a tensor LR only as capturable (their foreach paths need it; graphs need it too).
     lr_t = torch.tensor(args.learning_rate, device=device)
@@ -1285,7 +1398,7 @@ def main(args: Args) -> dict:
             oom_error = None
             try:
                 next_obs = rollout(
-                    env, act, next_obs, storage, stats, rn, args.gamma, args.bootstrap_truncation, value_fn
+                    env, act, next_obs, storage, stats, rn, args.gamma, args.bootstrap_truncation, value_fn, discrete
                 )
                 out = learn(
                     storage["obs"],

@@ -1,4 +1,5 @@
-"""PPO with a Gaussian policy for ``EVHub-v0`` or any gymnasium env with Box actions, CleanRL style: one file.
+"""PPO for ``EVHub-v0`` or any gymnasium env with Box actions (a Gaussian policy) or Discrete actions (a Categorical
+policy), CleanRL style: one file.
 
 The whole rollout stays on the device: the torch-batched env steps ``num_envs`` copies of the site, the
 agent samples actions from tensors, rollout storage is preallocated, and episode statistics are summed
@@ -20,23 +21,29 @@ Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device):
     python algos/ppo.py --preset gpu --compile --cudagraphs
     tensorboard --logdir outputs/
     python algos/ppo.py --env-id Pendulum-v1 --vector-mode async --num-envs 8 --total-timesteps 200000
+    python algos/ppo.py --env-id CartPole-v1 --num-envs 8 --num-steps 128 --total-timesteps 100000
 
 Other environments (``--env-id``: any registered gymnasium id, a user's own too as ``"module:EnvId-v0"``): an id
 with a ``vector_entry_point`` that takes a ``device`` (the torch-batched envs of this repo) is built by it on the
-device; any other is
-stepped by gymnasium's ``SyncVectorEnv`` or, with ``--vector-mode async``, ``AsyncVectorEnv`` (one worker process
-per env, for CPU- or I/O-bound envs; if it cannot start, the run warns and falls back to sync) with the same-step
-autoreset of our envs, wrapped in :class:`GymVecEnv` (numpy <-> device tensors, actions in [-1, 1] rescaled to the
-Box's bounds, truncations bootstrapped from ``final_obs``). PPO needs a Box action space and flat observations (an
-image observation is refused with a ValueError: there is no CNN torso here). The EVHub-only parts (site split,
-socket/weekday feature selection, KPI episode statistics, ``policy.json``, the evaluation on ``eval_split``) are
-skipped for other envs; checkpoint and ``policy.pt2`` are written for every env. Resuming a gymnasium env starts
-new episodes (its state cannot be saved).
+device; any other is stepped by gymnasium's ``SyncVectorEnv`` or, with ``--vector-mode async``, ``AsyncVectorEnv``
+(one worker process per env, for CPU- or I/O-bound envs; if it cannot start, the run warns and falls back to sync)
+with the same-step autoreset of our envs, wrapped in :class:`GymVecEnv` (numpy <-> device tensors, Box actions in
+[-1, 1] rescaled to the Box's bounds, Discrete actions sent as int64 indices plus the space's ``start``, truncations
+bootstrapped from ``final_obs``). The action space, read once at start-up, is a ``Box`` (Gaussian policy with a
+state-independent log-std; the env gets the sampled action clipped to [-1, 1]) or a ``Discrete(n, start)``
+(Categorical policy over ``n`` logits; actions are int64 indices ``0..n-1`` in the rollout; a torch-batched env gets
+them as they are, so its space must start at 0); any other kind (MultiDiscrete, MultiBinary, Dict, ...) is refused
+with a ValueError. Observations must be a Box, flattened to ``(obs_dim,)``; an image observation (3-D) is refused
+with a ValueError (there is no CNN torso here). The EVHub-only parts (site split, socket/weekday feature selection,
+KPI episode statistics, ``policy.json``, the evaluation on ``eval_split``) are skipped for other envs; checkpoint and
+``policy.pt2`` are written for every env. Resuming a gymnasium env starts new episodes (its state cannot be saved).
 
 Writes into ``output_dir``: TensorBoard events, ``metrics.parquet`` (the same curves), ``checkpoint.pt``
 (model, optimizer, counters, RNG and env state; ``--resume`` continues from it), ``policy.pt2`` (the
-deterministic actor as a ``torch.export`` program: obs float32 ``(B, obs_dim)`` -> action in [-1, 1]
-``(B, act_dim)``; load with ``torch.export.load(path).module()``), and the deterministic evaluation over
+deterministic actor as a ``torch.export`` program, load with ``torch.export.load(path).module()``: obs float32
+``(B, obs_dim)`` -> for a Box, the mean action float32 ``(B, act_dim)`` clipped to [-1, 1] (the env gets it rescaled
+to its bounds); for a Discrete(n, start), the argmax action int64 ``(B,)`` in ``0..n-1`` (the env gets it plus
+``start``)), and the deterministic evaluation over
 ``eval_split``: ``eval_{split}.parquet`` (one KPI row, controller ``"ppo"``) and
 ``eval_{split}_traces.parquet`` (hourly traces).
 
@@ -68,6 +75,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 import tyro
+from torch.distributions.categorical import Categorical
 from torch.distributions.normal import Normal
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
@@ -109,8 +117,9 @@ class Args:
     """torch intra-op CPU threads, 0 keeps torch's default (None: preset, 1 on cpu: the tensors of a few hundred
     envs are too small to gain from more, and spinning threads cost a lot on a busy machine; 0 on gpu)"""
     env_id: str = "EVHub-v0"
-    """the id of the environment: any registered gymnasium id with a Box action space (e.g. Pendulum-v1, or a
-    user's own as 'module:EnvId-v0'); the site options below apply to EVHub-v0 only"""
+    """the id of the environment: any registered gymnasium id with a Box action space (Gaussian policy, e.g.
+    Pendulum-v1) or a Discrete one (Categorical policy, e.g. CartPole-v1) and flat Box observations, a user's own too
+    as 'module:EnvId-v0'; the site options below apply to EVHub-v0 only"""
     vector_mode: Literal["sync", "async"] = "sync"
     """how a gymnasium env without a vector entry point is vectorised: 'sync' (SyncVectorEnv, one process) or
     'async' (AsyncVectorEnv, one worker process per env, for CPU- or I/O-bound envs; falls back to sync with a
@@ -159,7 +168,7 @@ class Args:
     hidden_size: int | None = None
     """width of the two hidden layers of actor and critic (None: preset, 64 on cpu, 256 on gpu)"""
     init_logstd: float = -0.5
-    """initial log standard deviation of the Gaussian policy (state-independent, learned)"""
+    """initial log standard deviation of the Gaussian policy (state-independent, learned); Box actions only"""
     socket_features: bool = True
     """feed the per-socket observations to the networks (False: only the site-level features before them);
     EVHub-v0 only"""
@@ -249,16 +258,18 @@ class GymVecEnv:
     ``env`` is a ``SyncVectorEnv`` or ``AsyncVectorEnv`` with ``AutoresetMode.SAME_STEP`` (the observation returned
     at an episode end already begins the next episode, as in ``EVHub-v0``), usually wrapped in
     ``gymnasium.wrappers.vector.RecordEpisodeStatistics``. Observations become float32 ``(num_envs, obs_dim)``
-    tensors on ``device`` (flattened); actions are float tensors ``(num_envs, act_dim)`` in [-1, 1], rescaled
-    affinely to the Box's ``[low, high]`` where both bounds are finite (else passed as they are) and handed to the
-    env as numpy arrays of the space's dtype; rewards float32 ``(num_envs,)``; terminated/truncated bool
-    ``(num_envs,)``. ``step``'s info is ``{"final_obs": float32 (num_envs, obs_dim) tensor (the last observation
+    tensors on ``device`` (flattened). Actions, by the action space (read once, here): for a ``Box``, float tensors
+    ``(num_envs, act_dim)`` in [-1, 1], rescaled affinely to the Box's ``[low, high]`` where both bounds are finite
+    (else passed as they are) and handed to the env as numpy arrays of the space's dtype; for a
+    ``Discrete(n, start)``, int64 tensors ``(num_envs,)`` of indices in ``0..n-1``, handed to the env as a numpy
+    int64 array ``(num_envs,)`` plus ``start`` (no rescaling). Rewards float32 ``(num_envs,)``; terminated/truncated
+    bool ``(num_envs,)``. ``step``'s info is ``{"final_obs": float32 (num_envs, obs_dim) tensor (the last observation
     of each episode that ended, the returned observation elsewhere), "any_truncated": bool, "env_info": the
     env's own info dict}``. There is no ``state_dict``: the envs cannot be checkpointed.
 
     Raises:
-        ValueError: the action space is not a Box, or the observation space is not a flat Box (see
-            :func:`check_spaces`).
+        ValueError: the action space is neither a Box nor a Discrete, or the observation space is not a Box or is an
+            image (see :func:`check_spaces`).
     """
 
     def __init__(self, env: gym.vector.VectorEnv, device: torch.device, env_id: str):
@@ -269,14 +280,18 @@ class GymVecEnv:
         self.single_observation_space = env.single_observation_space
         self.single_action_space = env.single_action_space
         space = env.single_action_space
-        self._act_shape = space.shape
-        self._act_dtype = space.dtype
-        low, high = np.asarray(space.low, np.float64).reshape(-1), np.asarray(space.high, np.float64).reshape(-1)
-        finite = np.isfinite(low) & np.isfinite(high)
-        self._low, self._high = low, high
-        self._mid = np.where(finite, (high + low) / 2.0, 0.0)
-        self._half = np.where(finite, (high - low) / 2.0, 1.0)
-        self._finite = finite
+        self.discrete = isinstance(space, gym.spaces.Discrete)
+        if self.discrete:  # indices 0..n-1 -> start..start+n-1
+            self._start = np.int64(space.start)
+        else:  # [-1, 1] -> [low, high]
+            self._act_shape = space.shape
+            self._act_dtype = space.dtype
+            low, high = np.asarray(space.low, np.float64).reshape(-1), np.asarray(space.high, np.float64).reshape(-1)
+            finite = np.isfinite(low) & np.isfinite(high)
+            self._low, self._high = low, high
+            self._mid = np.where(finite, (high + low) / 2.0, 0.0)
+            self._half = np.where(finite, (high - low) / 2.0, 1.0)
+            self._finite = finite
 
     def _obs(self, obs) -> torch.Tensor:
         """numpy ``(num_envs, *obs_shape)`` -> float32 ``(num_envs, obs_dim)`` tensor on the device."""
@@ -284,8 +299,11 @@ class GymVecEnv:
         return torch.as_tensor(flat).to(self.device)
 
     def action_to_env(self, action: torch.Tensor) -> np.ndarray:
-        """Actions float ``(num_envs, act_dim)`` in [-1, 1] -> numpy ``(num_envs, *act_shape)`` of the Box's dtype,
-        in ``[low, high]`` (dimensions with an infinite bound are passed unscaled)."""
+        """Box: actions float ``(num_envs, act_dim)`` in [-1, 1] -> numpy ``(num_envs, *act_shape)`` of the Box's
+        dtype, in ``[low, high]`` (dimensions with an infinite bound are passed unscaled). Discrete: indices int64
+        ``(num_envs,)`` in ``0..n-1`` -> numpy int64 ``(num_envs,)``, plus the space's ``start``."""
+        if self.discrete:
+            return action.detach().to("cpu", torch.int64).numpy().reshape(self.num_envs) + self._start
         a = action.detach().to("cpu", torch.float64).numpy().reshape(self.num_envs, -1)
         a = self._mid + self._half * a
         a = np.where(self._finite, np.clip(a, self._low, self._high), a)
@@ -297,7 +315,8 @@ class GymVecEnv:
         return self._obs(obs), info
 
     def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        """One step of every env with ``action`` float ``(num_envs, act_dim)`` in [-1, 1]; see the class docstring."""
+        """One step of every env with ``action`` (Box: float ``(num_envs, act_dim)`` in [-1, 1]; Discrete: int64
+        ``(num_envs,)`` indices); see the class docstring."""
         obs, reward, terminated, truncated, info = self.env.step(self.action_to_env(action))
         next_obs = self._obs(obs)
         final_obs = next_obs
@@ -325,22 +344,33 @@ def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> Non
     """Check that PPO can drive an env with these single-env spaces.
 
     Raises:
-        ValueError: the action space is not a ``Box`` (PPO's Gaussian policy needs continuous actions), or the
-            observation space is not a ``Box``, or is an image (3-D: this PPO has only the MLP torso); both name
-            the env id and the space.
+        ValueError: the action space is neither a ``Box`` (Gaussian policy) nor a ``Discrete`` (Categorical policy),
+            e.g. a MultiDiscrete, MultiBinary or Dict; or the observation space is not a ``Box``, or is an image
+            (3-D: this PPO has only the MLP torso); each names the env id, the space and what is supported.
     """
-    if not isinstance(act_space, gym.spaces.Box):
+    if not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete)):
         raise ValueError(
-            f"PPO needs a Box (continuous) action space, but {env_id} has {act_space}; use algos/dqn.py for "
-            f"discrete actions"
+            f"PPO supports a Box (continuous, Gaussian policy) or a Discrete (Categorical policy) action space, but "
+            f"{env_id} has {act_space}; algos/sac.py (Box) and algos/dqn.py (Discrete) take no other kind either: "
+            f"wrap the env to expose a single Box or Discrete action space"
         )
     if not isinstance(obs_space, gym.spaces.Box):
-        raise ValueError(f"PPO needs a Box observation space, but {env_id} has {obs_space}")
+        raise ValueError(
+            f"PPO needs a Box observation space (flat, or flattened to (obs_dim,)), but {env_id} has {obs_space}"
+        )
     if len(obs_space.shape) == 3:
         raise ValueError(
             f"PPO here has only an MLP for flat observations, but {env_id} has image observations {obs_space} "
             f"(C, H, W); use algos/dqn.py (CNN torso) or flatten them with a wrapper"
         )
+
+
+def action_head(space: gym.Space) -> tuple[bool, int]:
+    """``(discrete, act_dim)`` of a single-env action space checked by :func:`check_spaces`: ``(True, n)`` for a
+    ``Discrete(n)`` (a Categorical over ``n`` logits), ``(False, prod(shape))`` for a ``Box`` (a Gaussian)."""
+    if isinstance(space, gym.spaces.Discrete):
+        return True, int(space.n)
+    return False, int(np.prod(space.shape))
 
 
 def is_torch_batched(env_id: str) -> bool:
@@ -484,7 +514,12 @@ class Select(nn.Module):
 
 
 class Agent(nn.Module):
-    """Separate actor and critic MLPs; Gaussian actor with a tanh-free mean and a state-independent log-std.
+    """Separate actor and critic MLPs, with the policy head of the action space.
+
+    Box actions (``discrete=False``): a Gaussian actor, ``actor_mean`` (a tanh-free mean, width ``act_dim``) and a
+    state-independent ``actor_logstd``. Discrete actions (``discrete=True``): a Categorical actor, ``actor`` (the
+    logits, width ``act_dim`` = the number of actions ``n``). Both heads end in a layer with orthogonal init of gain
+    0.01. ``discrete`` is a plain bool fixed at construction: the methods branch on it in Python, never on a tensor.
 
     ``obs_norm`` (running standardisation, or identity) maps raw env observations to the network inputs;
     the rollout stores normalised observations, so the PPO update works on those.
@@ -498,8 +533,10 @@ class Agent(nn.Module):
         init_logstd: float = 0.0,
         norm_obs: bool = True,
         inputs: list[int] | None = None,
+        discrete: bool = False,
     ):
         super().__init__()
+        self.discrete = bool(discrete)
         inputs = list(range(obs_dim)) if inputs is None else list(inputs)
         n_in = len(inputs)
         self.obs_norm = RunningObsNorm(obs_dim) if norm_obs else nn.Identity()
@@ -511,7 +548,7 @@ class Agent(nn.Module):
             nn.Tanh(),
             layer_init(nn.Linear(hidden, 1), std=1.0),
         )
-        self.actor_mean = nn.Sequential(
+        actor = nn.Sequential(
             Select(inputs) if n_in < obs_dim else nn.Identity(),
             layer_init(nn.Linear(n_in, hidden)),
             nn.Tanh(),
@@ -519,7 +556,16 @@ class Agent(nn.Module):
             nn.Tanh(),
             layer_init(nn.Linear(hidden, act_dim), std=0.01),
         )
-        self.actor_logstd = nn.Parameter(torch.full((1, act_dim), float(init_logstd)))
+        if self.discrete:
+            self.actor = actor  # logits of the Categorical
+        else:
+            self.actor_mean = actor
+            self.actor_logstd = nn.Parameter(torch.full((1, act_dim), float(init_logstd)))
+
+    @property
+    def policy_head(self) -> nn.Module:
+        """The actor network: ``actor`` (logits, Discrete) or ``actor_mean`` (Gaussian mean, Box)."""
+        return self.actor if self.discrete else self.actor_mean
 
     def get_value(self, x: torch.Tensor, amp: bool = False) -> torch.Tensor:
         """Value float32 ``(B,)`` at normalised observations ``x`` float32 ``(B, obs_dim)``; ``amp``: bf16 forward."""
@@ -527,40 +573,57 @@ class Agent(nn.Module):
             value = self.critic(x)
         return value.float().squeeze(-1)
 
-    def dist_and_value(self, x: torch.Tensor, amp: bool = False) -> tuple[Normal, torch.Tensor]:
-        """Policy distribution (batch ``(B, act_dim)``, float32) and value float32 ``(B,)`` at normalised
-        observations ``x`` float32 ``(B, obs_dim)``; ``amp``: bf16 forward passes."""
+    def dist_and_value(self, x: torch.Tensor, amp: bool = False) -> tuple[Normal | Categorical, torch.Tensor]:
+        """Policy distribution and value float32 ``(B,)`` at normalised observations ``x`` float32 ``(B, obs_dim)``;
+        ``amp``: bf16 forward passes. The distribution is a ``Normal`` of batch shape ``(B, act_dim)`` (Box) or a
+        ``Categorical`` of batch shape ``(B,)`` over float32 logits ``(B, n)`` (Discrete); neither validates its
+        arguments (a host sync)."""
         with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=amp):
-            mean = self.actor_mean(x)
+            head = self.policy_head(x)
             value = self.critic(x)
-        mean = mean.float()
+        if self.discrete:
+            return Categorical(logits=head.float(), validate_args=False), value.float().squeeze(-1)
+        mean = head.float()
         std = torch.exp(self.actor_logstd.expand_as(mean))
         return Normal(mean, std, validate_args=False), value.float().squeeze(-1)  # validation would sync
 
 
 class DeterministicActor(nn.Module):
-    """The deterministic policy: raw obs float32 ``(B, obs_dim)`` -> clipped mean action ``(B, act_dim)`` in [-1, 1].
+    """The deterministic policy: raw obs float32 ``(B, obs_dim)`` -> for a Box, the mean action float32
+    ``(B, act_dim)`` clipped to [-1, 1]; for a Discrete (``discrete=True``, ``head`` gives the logits), the argmax
+    action int64 ``(B,)`` in ``0..n-1`` (the env receives it plus the space's ``start``).
 
     Observation normalisation (frozen statistics) is part of it, so callers pass the env's observations as is.
     """
 
-    def __init__(self, obs_norm: nn.Module, actor_mean: nn.Module):
+    def __init__(self, obs_norm: nn.Module, head: nn.Module, discrete: bool = False):
         super().__init__()
+        self.discrete = bool(discrete)
         self.obs_norm = obs_norm
-        self.actor_mean = actor_mean
+        if self.discrete:
+            self.actor = head
+        else:
+            self.actor_mean = head
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        """Raw observations float32 ``(B, obs_dim)`` -> actions float32 ``(B, act_dim)`` in [-1, 1]."""
+        """Raw observations float32 ``(B, obs_dim)`` -> actions float32 ``(B, act_dim)`` in [-1, 1] (Box) or int64
+        ``(B,)`` in ``0..n-1`` (Discrete)."""
+        if self.discrete:
+            return self.actor(self.obs_norm(obs)).argmax(-1)
         return self.actor_mean(self.obs_norm(obs)).clamp(-1.0, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------- state
-def make_storage(num_steps: int, num_envs: int, obs_dim: int, act_dim: int, device: torch.device) -> dict:
-    """Preallocated rollout storage on ``device``: ``(num_steps, num_envs, ...)`` tensors."""
+def make_storage(
+    num_steps: int, num_envs: int, obs_dim: int, act_dim: int, device: torch.device, discrete: bool = False
+) -> dict:
+    """Preallocated rollout storage on ``device``: ``(num_steps, num_envs, ...)`` tensors, float32 but for the
+    actions: float32 ``(num_steps, num_envs, act_dim)`` for a Box, int64 ``(num_steps, num_envs)`` for a Discrete
+    (``act_dim``, the number of actions, is then unused)."""
     z = lambda *s: torch.zeros(num_steps, num_envs, *s, device=device)  # noqa: E731
     return {
         "obs": z(obs_dim),
-        "actions": z(act_dim),
+        "actions": torch.zeros(num_steps, num_envs, dtype=torch.int64, device=device) if discrete else z(act_dim),
         "logprobs": z(),
         "rewards": z(),
         "dones": z(),
@@ -659,14 +722,21 @@ def policy_step(
     """Fold raw ``obs`` float32 ``(B, obs_dim)`` into the running normaliser, normalise, sample an action; no host sync.
 
     Returns:
-        ``(obs_normalised (B, obs_dim), action (B, act_dim), logprob (B,), value (B,))``, all float32; the action
-        is unclipped (the env gets it clipped).
+        ``(obs_normalised (B, obs_dim), action, logprob (B,), value (B,))``, float32 but for a Discrete action. The
+        action is float32 ``(B, act_dim)`` for a Box, unclipped (the env gets it clipped), or int64 ``(B,)`` in
+        ``0..n-1`` for a Discrete.
     """
     with torch.no_grad():
         if isinstance(agent.obs_norm, RunningObsNorm):
             agent.obs_norm.update(obs)
         obs_n = agent.obs_norm(obs)
         dist, value = agent.dist_and_value(obs_n, amp)
+        if agent.discrete:
+            # the Gumbel-max draw of Categorical.sample() (argmax of probs / Exp(1) noise) without its host-side
+            # check of the probabilities (a sync, and no CUDA-graph capture); on the CPU both draw the same numbers
+            probs = dist.probs
+            action = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+            return obs_n, action, dist.log_prob(action), value
         # mean + std * noise rather than dist.sample(): torch.normal checks std >= 0 on the host (a sync, and no
         # CUDA-graph capture); on the CPU both draw the same numbers
         action = dist.loc + dist.scale * torch.randn_like(dist.loc)
@@ -723,16 +793,20 @@ def update_minibatch(
     """PPO's clipped-surrogate loss and one gradient step on one minibatch; no host sync.
 
     Args:
-        obs: normalised observations float32 ``(M, obs_dim)``; actions: float32 ``(M, act_dim)`` as sampled;
-            logprobs, advantages, returns, values: float32 ``(M,)`` from the rollout and GAE.
+        obs: normalised observations float32 ``(M, obs_dim)``; actions: as sampled, float32 ``(M, act_dim)`` (Box)
+            or int64 ``(M,)`` (Discrete); logprobs, advantages, returns, values: float32 ``(M,)`` from the rollout
+            and GAE.
 
     Returns:
         float32 device scalars ``value_loss, policy_loss, entropy, old_approx_kl, approx_kl, clipfrac`` and
         ``bad``: a bool ``(len(LOSS_NAMES),)`` tensor, True where that quantity (or the gradient norm) is non-finite.
     """
     dist, newvalue = agent.dist_and_value(obs, amp)
-    newlogprob = dist.log_prob(actions).sum(1)
-    entropy = dist.entropy().sum(1)
+    if agent.discrete:
+        newlogprob, entropy = dist.log_prob(actions), dist.entropy()
+    else:
+        newlogprob = dist.log_prob(actions).sum(1)
+        entropy = dist.entropy().sum(1)
     logratio = newlogprob - logprobs
     ratio = logratio.exp()
     with torch.no_grad():
@@ -795,8 +869,8 @@ def update(
     ``target_kl`` is set: then the last minibatch's ``approx_kl`` is read after each epoch to stop early.
 
     Args:
-        b_obs: normalised observations float32 ``(B, obs_dim)``; b_actions: float32 ``(B, act_dim)``;
-            b_logprobs, b_advantages, b_returns, b_values: float32 ``(B,)``.
+        b_obs: normalised observations float32 ``(B, obs_dim)``; b_actions: float32 ``(B, act_dim)`` (Box) or int64
+            ``(B,)`` (Discrete); b_logprobs, b_advantages, b_returns, b_values: float32 ``(B,)``.
 
     Returns:
         device tensors: the last minibatch's ``value_loss, policy_loss, entropy, old_approx_kl, approx_kl``,
@@ -892,9 +966,13 @@ def rollout(
     gamma: float,
     bootstrap_truncation: bool,
     final_value=None,
+    discrete: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``act`` (:func:`policy_step`
     bound to the agent); no host sync (beyond what a host env's step needs).
+
+    The env gets each sampled action clipped to [-1, 1] (Box), or as it is with ``discrete`` (int64 indices
+    ``(num_envs,)``; :class:`GymVecEnv` adds the space's ``start``).
 
     ``next_obs`` is the raw env observation float32 ``(num_envs, obs_dim)``; ``act`` updates the agent's
     observation normaliser with each one, and the normalised observations are stored.
@@ -916,7 +994,7 @@ def rollout(
         storage["values"][step] = value
         storage["actions"][step] = action
         storage["logprobs"][step] = logprob
-        next_obs, reward, terminated, truncated, info = env.step(action.clamp(-1.0, 1.0))
+        next_obs, reward, terminated, truncated, info = env.step(action if discrete else action.clamp(-1.0, 1.0))
         next_obs = next_obs.to(torch.float32)
         reward = reward.to(torch.float32)
         if final_value is None:
@@ -1110,12 +1188,16 @@ def halve_num_envs(args: Args, history: list[str], where: str, error: str, ckpt:
 
 
 def export_policy(agent: Agent, obs_dim: int, out_dir: Path) -> Path:
-    """Save the deterministic actor for code that does not import ``algos``.
+    """Save the deterministic actor (:class:`DeterministicActor`) for code that does not import ``algos``.
 
+    The program maps raw observations float32 ``(B, obs_dim)`` to, for a Box action space, the mean action float32
+    ``(B, act_dim)`` clipped to [-1, 1] (the env takes it rescaled to its bounds), or, for a Discrete(n, start)
+    (``agent.discrete``), the argmax action int64 ``(B,)`` in ``0..n-1`` (the env takes it plus ``start``).
     ``torch.export`` with a dynamic batch dimension to ``policy.pt2``; if export fails, a TorchScript trace to
     ``policy.pt``. Either is written atomically (temporary file, then rename). Returns the written path.
     """
-    actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.actor_mean)).cpu().float().eval()
+    actor = DeterministicActor(copy.deepcopy(agent.obs_norm), copy.deepcopy(agent.policy_head), agent.discrete)
+    actor = actor.cpu().float().eval()
     example = torch.zeros(2, obs_dim)
     try:
         batch = torch.export.Dim("batch", min=1)
@@ -1182,7 +1264,8 @@ def main(args: Args) -> dict:
         one-row DataFrame).
 
     Raises:
-        ValueError: the env has no Box action space or no flat Box observations (:func:`check_spaces`).
+        ValueError: the env's action space is neither a Box nor a Discrete, or its observations are not a flat Box
+            (:func:`check_spaces`); or a torch-batched env's Discrete action space does not start at 0.
         NonFiniteLossError: a loss became NaN or infinite.
         OutOfMemoryBackoffError: CUDA ran out of memory once more after ``max_oom_retries`` halvings of num_envs
             (or with nothing left to halve); the last checkpoint is kept.
@@ -1230,6 +1313,12 @@ def main(args: Args) -> dict:
             env = getattr(env, "unwrapped", env)
             try:
                 check_spaces(args.env_id, env.single_observation_space, env.single_action_space)
+                space = env.single_action_space
+                if isinstance(space, gym.spaces.Discrete) and int(space.start) != 0:
+                    raise ValueError(
+                        f"PPO steps a torch-batched env with the action indices 0..n-1, but {args.env_id} has {space} "
+                        f"(start != 0)"
+                    )
             except ValueError:
                 getattr(env, "close", lambda: None)()
                 raise
@@ -1245,8 +1334,8 @@ def main(args: Args) -> dict:
                 vec.close()
                 raise
         obs_dim = int(np.prod(env.single_observation_space.shape))
-        act_dim = int(np.prod(env.single_action_space.shape))
-        storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device)
+        discrete, act_dim = action_head(env.single_action_space)
+        storage = make_storage(args.num_steps, args.num_envs, obs_dim, act_dim, device, discrete)
         stats = make_episode_stats(args.num_envs, device)
         rn = make_reward_norm(args.num_envs, device) if args.norm_reward else None
         return env, storage, stats, rn
@@ -1272,14 +1361,15 @@ def main(args: Args) -> dict:
     if oom_history:  # num_envs was halved: the iterations of the run change size
         args.num_iterations = max(1, args.total_timesteps // args.batch_size)
     obs_dim = int(np.prod(env.single_observation_space.shape))
-    act_dim = int(np.prod(env.single_action_space.shape))
+    # the action space's kind, decided once: every action path below branches on this Python bool
+    discrete, act_dim = action_head(env.single_action_space)
 
     inputs = None  # every feature: the EVHub-v0 feature selection below applies to the site's observation only
     if is_evhub:
         inputs = list(range(obs_dim if args.socket_features else obs_dim - 3 * env.n_sockets))
         if not args.weekday_features:
             inputs = [i for i in inputs if i not in OBS_WEEKDAY]
-    agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs).to(device)
+    agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs, inputs, discrete).to(device)
     # a device-tensor learning rate, annealed in place: no recompilation, and CUDA graphs see the new value. On CUDA
     # Adam takes a tensor LR only as capturable (its foreach path needs it; graphs need it too). On the CPU it is
     # float64: Adam reads it back as a Python number there, so the steps are those of a plain float LR.
@@ -1405,7 +1495,7 @@ def main(args: Args) -> dict:
             reward_norm=rn,
         )
 
-    actor = DeterministicActor(agent.obs_norm, agent.actor_mean)  # shares the agent's weights
+    actor = DeterministicActor(agent.obs_norm, agent.policy_head, discrete)  # shares the agent's weights
 
     def evaluate(**extra: float) -> tuple[pd.DataFrame, pd.DataFrame]:
         """Run the current deterministic policy over the whole eval split: ``(KPI row, hourly traces)``."""
@@ -1453,13 +1543,13 @@ def main(args: Args) -> dict:
             try:
                 next_obs, next_done = rollout(
                     env, act, next_obs, next_done, storage, stats, rn, args.gamma, args.bootstrap_truncation,
-                    final_value=final_value,
+                    final_value=final_value, discrete=discrete,
                 )
                 advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
                 out = update(
                     learn,
                     storage["obs"].reshape(-1, obs_dim),
-                    storage["actions"].reshape(-1, act_dim),
+                    storage["actions"].reshape(-1) if discrete else storage["actions"].reshape(-1, act_dim),
                     storage["logprobs"].reshape(-1),
                     advantages.reshape(-1),
                     returns.reshape(-1),
