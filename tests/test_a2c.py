@@ -1,7 +1,9 @@
 """``algos/a2c.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, n-step returns and
 GAE (with truncation), the optimizer choice, the speed switches and ``--help``; gymnasium envs (Pendulum-v1 in sync
 and async vector modes, the spaces refused, the async-start fallback, resume, the final_obs bootstrap), Discrete
-actions (CartPole-v1: a smoke run, resume, learning; the adapter's ``start`` offset) and ``gpu_stats``."""
+actions (CartPole-v1: a smoke run, resume, learning; the adapter's ``start`` offset), image observations (Snake-v0
+through the CNN torso: a smoke run, resume, the hyperparameters shown, the env defaults; the CNN agent and a
+gymnasium image env through the adapter) and ``gpu_stats``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import dataclasses
 import functools
 from functools import partial
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -352,21 +355,26 @@ def test_pendulum_trains_in_both_vector_modes(mode, tmp_path):
     assert not (out / "policy.json").exists() and not list(out.glob("eval_*.parquet"))
 
 
-def test_unsupported_spaces_are_a_clear_error(tmp_path):
-    # Snake-v0: Discrete actions, but image observations (no CNN torso in this script)
-    with pytest.raises(ValueError, match=r"Snake-v0 has image observations .*use algos/dqn.py"):
-        train_in_process(tmp_path, "--env-id", "Snake-v0", *GYM_TINY)
+def test_unsupported_spaces_are_a_clear_error():
     a2c = load_a2c()
     flat = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
-    image = gym.spaces.Box(0.0, 1.0, (3, 8, 8), np.float32)
-    with pytest.raises(ValueError, match="image observations"):
-        a2c.check_spaces("Image-v0", image, gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
+    # images (C, H, W) take the CNN torso, 2-D Boxes are flattened; 4-D ones (stacked frames) are refused
+    a2c.check_spaces("Image-v0", gym.spaces.Box(0.0, 1.0, (3, 8, 8), np.float32), gym.spaces.Discrete(4))
+    a2c.check_spaces("Matrix-v0", gym.spaces.Box(-1.0, 1.0, (2, 5), np.float32), gym.spaces.Discrete(4))
+    frames = gym.spaces.Box(0.0, 1.0, (4, 3, 8, 8), np.float32)
+    with pytest.raises(ValueError, match=r"flat observations \(MLPs\) or images \(C, H, W\) \(CNN torso\), but "
+                                         r"Frames-v0 has observations of 4 dims .*ReshapeObservation"):  # fmt: skip
+        a2c.check_spaces("Frames-v0", frames, gym.spaces.Discrete(4))
+    with pytest.raises(ValueError, match=r"takes flat \(obs_dim,\) or image \(C, H, W\) observations, got shape "
+                                         r"\(4, 3, 8, 8\)"):  # fmt: skip
+        a2c.Agent(4 * 3 * 8 * 8, 4, 8, discrete=True, obs_shape=(4, 3, 8, 8))
     for space in (gym.spaces.MultiDiscrete([3, 2]), gym.spaces.MultiBinary(3),
                   gym.spaces.Dict({"a": gym.spaces.Discrete(2)})):  # fmt: skip
         with pytest.raises(ValueError, match=r"supports Box actions .* and Discrete actions .*, but Toy-v0 has "
                                              r"action space (MultiDiscrete|MultiBinary|Dict)"):  # fmt: skip
             a2c.check_spaces("Toy-v0", flat, space)
-    with pytest.raises(ValueError, match=r"flat Box observations only, but Toy-v0 has observation space Dict"):
+    with pytest.raises(ValueError, match=r"flat Box observations and images .* only, but Toy-v0 has observation "
+                                         r"space Dict"):  # fmt: skip
         a2c.check_spaces("Toy-v0", gym.spaces.Dict({"x": flat}), gym.spaces.Discrete(2))
     # torch-batched envs get the indices as they are: a Discrete space must start at 0 there
     with pytest.raises(ValueError, match="start -1"):
@@ -564,4 +572,193 @@ def test_gym_adapter_passes_discrete_actions_as_ints_offset_by_start():
     a2c.rollout(env, functools.partial(a2c.policy_step, agent), obs, storage, stats, None, 0.9, True, discrete=True)
     assert [int(a) for a in log] == (storage["actions"].reshape(-1) - 1).tolist()
     assert set(storage["actions"].unique().tolist()) <= {0, 1, 2}
+    env.close()
+
+
+# ---------------------------------------------------------------------------------------------- image observations
+SNAKE_TINY = ["--env-id", "Snake-v0", "--num-envs", "4", "--num-steps", "8", "--hidden-size", "16", "--cnn-channels",
+              "4", "8", "--log-every", "4", "--no-cuda"]  # fmt: skip
+"""Snake-v0 (10 x 10 boards) with 4 envs x 8 steps per update and a tiny CNN: a log row every 4 updates = 128 steps."""
+
+
+def shown_args(stdout: str) -> dict[str, str]:
+    """The ``args: k=v, ...`` line a run prints, as a dict of the printed values."""
+    line = next(line for line in stdout.splitlines() if line.startswith("args: "))
+    pairs = re.split(r", (?=\w+=)", line[len("args: "):])
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+@pytest.fixture(scope="module")
+def snake_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("a2c_snake")
+    proc = run_a2c("--output-dir", str(out), "--total-timesteps", "256", "--checkpoint-every", "4", *SNAKE_TINY)
+    return out, proc
+
+
+def test_snake_trains_through_the_cnn_and_exports_an_action_policy(snake_run):
+    out, proc = snake_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    start = next(line for line in proc.stdout.splitlines() if line.startswith("A2C on Snake-v0"))
+    assert "torch-batched" in start and "obs (3, 10, 10) (CNN 4-8)" in start and "4 envs x 8 steps" in start
+    assert "|field|cpu*|gpu|Snake-v0|used|" in proc.stdout  # the env's defaults, a column of the preset table
+    assert "|gamma|||0.99|0.99|" in proc.stdout and "|cnn_channels|||(16, 32)|(4, 8)|" in proc.stdout
+    assert "has no data splits" in proc.stdout
+
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [128, 256]
+    assert np.isfinite(metrics[["episodic_return", "episodic_length", "value_loss", "policy_loss", "entropy",
+                                "grad_norm", "learning_rate"]].to_numpy()).all(), metrics.T  # fmt: skip
+    assert (metrics.episodic_length >= 1).all() and (metrics.episodic_return >= -1).all()
+    assert (metrics.entropy <= math.log(4) + 1e-6).all()  # a Categorical over Snake's 4 actions
+    assert metrics[["episodic_co2_kg", "episodic_unserved_kwh", *a2c_gpu_columns()]].isna().all().all()
+
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 256 and ckpt["env_state"] is not None  # a torch-batched env: its state is stored
+    agent = ckpt["agent"]
+    assert agent["network.0.weight"].shape == (4, 3, 3, 3) and agent["network.2.weight"].shape == (8, 4, 3, 3)
+    assert agent["network.5.weight"].shape == (16, 8 * 10 * 10)  # Linear(c2 * H * W, hidden_size)
+    assert agent["actor_logits.weight"].shape == (4, 16) and agent["critic.weight"].shape == (1, 16)
+    assert not any(k.startswith("obs_norm.") for k in agent)  # images are not standardised by default
+    assert ckpt["args"]["norm_obs"] is False and ckpt["args"]["norm_reward"] is False
+
+    policy = torch.export.load(out / "policy.pt2").module()
+    for batch in (1, 6):  # dynamic batch dimension
+        action = policy(torch.rand(batch, 3, 10, 10))
+        assert action.shape == (batch,) and action.dtype == torch.int64
+        assert ((action >= 0) & (action <= 3)).all()
+    assert not (out / "policy.json").exists() and not list(out.glob("eval_*.parquet"))
+
+
+def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake_run, trained):
+    a2c = load_a2c()
+    out, proc = snake_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(a2c.EVHUB_ONLY_ARGS) == {"site", "action_mode", "bess_action", "socket_features", "weekday_features",
+                                        "eval_split"}  # fmt: skip
+    assert set(a2c.EVHUB_ONLY_ARGS) <= {f.name for f in dataclasses.fields(a2c.Args)}
+    shown = shown_args(proc.stdout)
+    assert shown["env_id"] == "Snake-v0" and shown["cnn_channels"] == "(4, 8)" and shown["gamma"] == "0.99"
+    assert not set(a2c.EVHUB_ONLY_ARGS) & set(shown), shown
+    text = tensorboard(out).Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "|cnn_channels|(4, 8)|" in text and not any(f"|{k}|" in text for k in a2c.EVHUB_ONLY_ARGS), text
+    # EVHub-v0 runs show them all, with the EVHub-v0 values of the env-dependent fields
+    evhub_shown = shown_args(trained[1].stdout)
+    assert set(a2c.EVHUB_ONLY_ARGS) <= set(evhub_shown)
+    assert (evhub_shown["gamma"], evhub_shown["ent_coef"], evhub_shown["norm_obs"], evhub_shown["norm_reward"]) == (
+        "0.98", "0.0", "True", "True")  # fmt: skip
+
+
+def test_resume_of_a_snake_run_reaches_the_full_step_count(snake_run, tmp_path, capsys):
+    out, first = snake_run
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / "snake"
+    run.mkdir()
+    for name in ("checkpoint.pt", "metrics.parquet"):
+        (run / name).write_bytes((out / name).read_bytes())
+    before = torch.load(run / "checkpoint.pt", weights_only=False)
+    result = train_in_process(run, "--total-timesteps", "512", "--resume", "--checkpoint-every", "4",
+                              "--eval-split", "none", *SNAKE_TINY)  # fmt: skip
+    stdout = capsys.readouterr().out
+    assert "resumed from" in stdout and "global_step 256" in stdout and "start new episodes" not in stdout
+    assert result["global_step"] == 512
+    assert list(pd.read_parquet(run / "metrics.parquet").global_step) == [128, 256, 384, 512]
+    after = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert after["global_step"] == 512 and after["iteration"] == 16 and after["env_state"] is not None
+    assert not torch.equal(after["agent"]["network.0.weight"], before["agent"]["network.0.weight"])
+    action = torch.export.load(run / "policy.pt2").module()(torch.rand(2, 3, 10, 10))
+    assert action.dtype == torch.int64 and action.shape == (2,)
+
+
+def test_snake_defaults_come_from_env_defaults_and_every_flag_wins():
+    a2c = load_a2c()
+    cpu = torch.device("cpu")
+    args = a2c.resolve_args(a2c.Args(env_id="Snake-v0"), cpu)
+    snake = {**a2c.ENV_DEFAULTS["Snake-v0"], **a2c.ENV_DEFAULTS["Snake-v0/cpu"]}
+    for key, value in snake.items():
+        assert getattr(args, key) == value, key
+    assert (args.gamma, args.norm_obs, args.norm_reward, args.learning_rate) == (0.99, False, False, 7e-4)
+    assert args.log_every == a2c.PRESETS["cpu"]["log_every"]  # what the env leaves open comes from the preset
+    flags = dict(gamma=0.9, ent_coef=0.0, norm_obs=True, norm_reward=True, cnn_channels=(2, 3), num_envs=3,
+                 total_timesteps=96, hidden_size=8)  # fmt: skip
+    args = a2c.resolve_args(a2c.Args(env_id="Snake-v0", **flags), cpu)
+    assert {k: getattr(args, k) for k in flags} == flags
+    gpu = a2c.resolve_args(a2c.Args(env_id="envs:Snake-v0", preset="gpu"), cpu)  # a module prefix is fine
+    assert (gpu.num_envs, gpu.cnn_channels, gpu.gamma) == (512, (32, 64), 0.99)
+    # envs without an entry keep the EVHub-v0 values; norm_obs is decided from the observation space in main
+    for env_id in ("EVHub-v0", "CartPole-v1"):
+        args = a2c.resolve_args(a2c.Args(env_id=env_id), cpu)
+        assert (args.gamma, args.ent_coef, args.norm_reward, args.norm_obs) == (0.98, 0.0, True, None)
+        assert args.num_envs == a2c.PRESETS["cpu"]["num_envs"] and args.cnn_channels == (32, 64)
+        assert "Snake" not in a2c.preset_table(args) and a2c.preset_table(args).startswith("|field|cpu*|gpu|used|")
+
+
+def test_cnn_agent_shares_its_torso_and_takes_box_actions_too():
+    a2c = load_a2c()
+    torch.manual_seed(0)
+    agent = a2c.Agent(3 * 6 * 5, 4, 16, norm_obs=False, discrete=True, obs_shape=(3, 6, 5), cnn_channels=(2, 4))
+    assert agent.image and isinstance(agent.actor_logits, torch.nn.Linear) and isinstance(agent.critic, torch.nn.Linear)
+    assert agent.actor_logits.weight.abs().max() < 0.05  # policy head: orthogonal, std 0.01
+    obs = torch.rand(7, 3, 6, 5)
+    dist, value = agent.dist_and_value(obs)
+    assert dist.logits.shape == (7, 4) and value.shape == (7,)
+    value.sum().backward()  # the critic's loss reaches the shared torso
+    assert agent.network[0].weight.grad is not None and agent.network[0].weight.grad.abs().sum() > 0
+    assert agent.actor_logits.weight.grad is None
+    # one update over a rollout of images; Box actions: a Gaussian head on the same torso
+    T, N = 3, 2
+    box = a2c.Agent(3 * 6 * 5, 2, 16, init_logstd=-0.5, obs_shape=(3, 6, 5), cnn_channels=(2, 4))
+    assert isinstance(box.obs_norm, a2c.RunningObsNorm) and box.obs_norm.mean.shape == (3, 6, 5)  # per pixel
+    opt = a2c.make_optimizer(box.parameters(), "rmsprop", torch.tensor(1e-3))
+    storage = a2c.make_storage(T, N, (3, 6, 5), 2, torch.device("cpu"))
+    assert storage["obs"].shape == (T, N, 3, 6, 5)
+    obs_n, action, _ = a2c.policy_step(box, torch.rand(N, 3, 6, 5))
+    assert obs_n.shape == (N, 3, 6, 5) and action.shape == (N, 2)
+    before = box.network[0].weight.detach().clone()
+    out = a2c.update(
+        box, opt, torch.rand(T, N, 3, 6, 5), torch.randn(T, N, 2), torch.randn(T, N), torch.randn(T, N),
+        torch.zeros(T, N), torch.zeros(T, N), torch.rand(N, 3, 6, 5),
+        gamma=0.9, gae_lambda=1.0, vf_coef=0.5, ent_coef=0.01, max_grad_norm=0.5, norm_adv=True, amp=False,
+    )  # fmt: skip
+    assert not out["bad"].any() and not torch.equal(before, box.network[0].weight)
+
+
+class ToyImageEnv(gym.Env):
+    """Images ``(2, 4, 3)`` filled with the step count / 10, Discrete(3) actions, reward 1, truncated after 3 steps."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (2, 4, 3), np.float32)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros((2, 4, 3), np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full((2, 4, 3), self.t / 10, np.float32), 1.0, False, self.t >= 3, {}
+
+
+def test_gym_adapter_keeps_image_observations_and_bootstraps_from_their_final_obs():
+    a2c = load_a2c()
+    vec = gym.vector.SyncVectorEnv([ToyImageEnv] * 2, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    env = a2c.GymVectorAdapter(vec, torch.device("cpu"))
+    assert a2c.network_obs_shape(env) == (2, 4, 3)
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (2, 2, 4, 3) and obs.dtype == torch.float32
+    torch.manual_seed(0)
+    agent = a2c.Agent(24, 3, 8, norm_obs=False, discrete=True, obs_shape=(2, 4, 3), cnn_channels=(2, 2))
+    storage = a2c.make_storage(4, 2, (2, 4, 3), 1, torch.device("cpu"), discrete=True)
+    stats = a2c.make_episode_stats(2, torch.device("cpu"), kpis=())
+    finals = []
+
+    def value_fn(final_obs):
+        finals.append(final_obs)
+        return torch.full((final_obs.shape[0],), 10.0)
+
+    a2c.rollout(env, functools.partial(a2c.policy_step, agent), obs, storage, stats, None, 0.9, True, value_fn,
+                discrete=True)  # fmt: skip
+    assert len(finals) == 1 and finals[0].shape == (2, 2, 4, 3)
+    torch.testing.assert_close(finals[0], torch.full((2, 2, 4, 3), 0.3))  # the last image of each episode
+    torch.testing.assert_close(storage["rewards"][2], torch.full((2,), 1.0 + 0.9 * 10.0))
+    assert storage["obs"][3].abs().sum() == 0  # SAME_STEP autoreset: the next episode's first image
     env.close()
