@@ -1,7 +1,9 @@
 """``algos/ppo.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, GAE, the minibatch
 update, the presets, the speed switches and ``--help``; gymnasium envs (Pendulum-v1, sync and async vector envs, the
 async-start fallback, the final_obs bootstrap, refused spaces), Discrete actions (CartPole-v1: a run, resume, the
-out-of-memory back-off, learning; the Categorical head and the adapter's ``start`` offset) and ``gpu_stats``."""
+out-of-memory back-off, learning; the Categorical head and the adapter's ``start`` offset), image observations
+(Snake-v0 through the CNN torso: a run, resume, the printed hyperparameters, its defaults, ``--norm-obs``, the
+out-of-memory back-off; the shared torso) and ``gpu_stats``."""
 
 from __future__ import annotations
 
@@ -405,17 +407,32 @@ class MultiDiscreteToy(gym.Env):
         return np.zeros(3, np.float32), 0.0, True, False, {}
 
 
+class StackedFramesToy(gym.Env):
+    """A one-step env with 4-D observations (stacked image frames), which PPO does not support."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (2, 3, 8, 8), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros((2, 3, 8, 8), np.float32), {}
+
+    def step(self, action):
+        return np.zeros((2, 3, 8, 8), np.float32), 0.0, True, False, {}
+
+
 @pytest.mark.parametrize(
     "env_id, message",
     [
-        ("Snake-v0", r"Snake-v0 has image observations"),  # Discrete actions, but no CNN torso here
+        ("StackedFramesToy-v0", r"flat Box observations .* images \(C, H, W\) .* StackedFramesToy-v0 has 4-D"),
         ("MultiDiscreteToy-v0", r"a Box \(continuous, .* or a Discrete .* MultiDiscreteToy-v0 has MultiDiscrete"),
     ],
 )
 def test_an_unsupported_space_is_a_clear_error(env_id, message, tmp_path, monkeypatch):
     ppo = load_ppo()
-    spec = gym.envs.registration.EnvSpec("MultiDiscreteToy-v0", entry_point=MultiDiscreteToy)
-    monkeypatch.setitem(gym.envs.registry, spec.id, spec)
+    for toy in (MultiDiscreteToy, StackedFramesToy):
+        spec = gym.envs.registration.EnvSpec(f"{toy.__name__}-v0", entry_point=toy)
+        monkeypatch.setitem(gym.envs.registry, spec.id, spec)
     with pytest.raises(ValueError, match=message):
         ppo.main(pendulum_args(tmp_path, env_id=env_id))
 
@@ -436,13 +453,17 @@ def test_other_action_spaces_are_refused_naming_what_is_supported(space):
     ppo.check_spaces("Toy-v0", obs, gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
 
 
-def test_image_observations_are_refused():
-    import gymnasium as gym
-
+def test_observations_of_four_dims_are_refused_images_and_flat_ones_pass():
     ppo = load_ppo()
-    image = gym.spaces.Box(0.0, 1.0, (3, 8, 8), np.float32)
-    with pytest.raises(ValueError, match="image observations"):
-        ppo.check_spaces("Img-v0", image, gym.spaces.Box(-1.0, 1.0, (2,), np.float32))
+    act = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    frames = gym.spaces.Box(0.0, 1.0, (4, 3, 8, 8), np.float32)
+    with pytest.raises(ValueError, match=r"Frames-v0 has 4-D observations") as info:
+        ppo.check_spaces("Frames-v0", frames, act)
+    assert "(C, H, W)" in str(info.value)
+    for shape, torso in (((3, 8, 8), (3, 8, 8)), ((5,), (5,)), ((2, 3), (6,)), ((), (1,))):
+        space = gym.spaces.Box(0.0, 1.0, shape, np.float32)
+        ppo.check_spaces("Ok-v0", space, act)  # images go to the CNN, the rest is flattened for the MLP
+        assert ppo.torso_shape(space.shape) == torso
 
 
 def test_gym_adapter_rescales_actions_to_the_box():
@@ -705,3 +726,244 @@ def test_discrete_head_samples_scores_and_updates():
 
     actor = ppo.DeterministicActor(agent.obs_norm, agent.policy_head, discrete=True)
     torch.testing.assert_close(actor(obs), agent.actor(agent.obs_norm(obs)).argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------------- image observations
+SNAKE = [
+    "--env-id", "Snake-v0",
+    "--num-envs", "4",
+    "--num-steps", "32",
+    "--total-timesteps", "256",
+    "--num-minibatches", "2",
+    "--update-epochs", "2",
+    "--hidden-size", "16",
+    "--cnn-channels", "4", "8",
+    "--checkpoint-every", "1",
+    "--no-cuda",
+]  # fmt: skip
+"""Tiny Snake budget: 4 boards x 32 steps per iteration, 2 iterations, a CNN torso of 4 and 8 channels."""
+
+
+def snake_args(out: Path, **overrides):
+    """``Args`` of a tiny in-process Snake-v0 run into ``out`` (the fields of :data:`SNAKE`)."""
+    ppo = load_ppo()
+    fields = dict(env_id="Snake-v0", num_envs=4, num_steps=32, total_timesteps=256, num_minibatches=2, update_epochs=2,
+                  hidden_size=16, cnn_channels=(4, 8), checkpoint_every=1, cuda=False, output_dir=str(out))  # fmt: skip
+    return ppo.Args(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def snake(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("snake") / "run"
+    return out, run_ppo("--output-dir", str(out), *SNAKE)
+
+
+def shown_args(stdout: str) -> list[str]:
+    """The names on the ``args: name=value, ...`` line a run prints at its start."""
+    import re
+
+    line = next(line for line in stdout.splitlines() if line.startswith("args: "))
+    return re.findall(r"(?:^args: |, )(\w+)=", line)
+
+
+@pytest.mark.slow
+def test_snake_trains_with_a_cnn_torso_and_exports_an_argmax_policy(snake):
+    out, proc = snake
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    start = next(line for line in proc.stdout.splitlines() if line.startswith("PPO on "))
+    assert start.startswith("PPO on Snake-v0 torch-batched obs (3, 10, 10) (CNN") and "Categorical" in start, start
+
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    assert list(metrics.global_step) == [128, 256] and metrics.num_envs.tolist() == [4, 4]
+    losses = metrics[["value_loss", "policy_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"]]
+    assert np.isfinite(losses.to_numpy()).all()
+    assert ((metrics.entropy > 0) & (metrics.entropy <= math.log(4))).all()  # a Categorical over 4 directions
+    # a random snake dies within a few dozen steps: episodes end in each iteration, -1 for the death plus any food
+    assert (metrics.episodic_length >= 1).all() and (metrics.episodic_return >= -1).all()
+    assert metrics.episodic_co2_kg.isna().all()
+
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 256 and ckpt["iteration"] == 2
+    weights = ckpt["agent"]
+    assert weights["network.0.weight"].shape == (4, 3, 3, 3) and weights["network.2.weight"].shape == (8, 4, 3, 3)
+    assert weights["network.5.weight"].shape == (16, 8 * 10 * 10)  # Linear(c2 * H * W, hidden)
+    assert weights["actor.weight"].shape == (4, 16) and weights["critic.weight"].shape == (1, 16)
+    assert not any(k.startswith("obs_norm") for k in weights)  # images are fed as they are by default
+    assert ckpt["next_obs"].shape == (4, 3, 10, 10) and ckpt["env_state"] is not None
+    assert ckpt["args"]["cnn_channels"] == (4, 8) and ckpt["args"]["gamma"] == 0.99  # Snake's own defaults
+
+    policy = torch.export.load(out / "policy.pt2").module()
+    ppo = load_ppo()
+    agent = ppo.Agent(300, 4, 16, norm_obs=False, discrete=True, obs_shape=(3, 10, 10), cnn_channels=(4, 8))
+    agent.load_state_dict(weights)
+    for batch in (1, 5):  # dynamic batch dimension
+        obs = torch.rand(batch, 3, 10, 10)
+        action = policy(obs)
+        assert action.dtype == torch.int64 and action.shape == (batch,)
+        assert ((action >= 0) & (action <= 3)).all()
+        torch.testing.assert_close(action, agent.policy_head(obs).argmax(-1), rtol=0, atol=0)
+    from envs.snake import SnakeVectorEnv
+
+    env = SnakeVectorEnv(3)
+    obs, _ = env.reset(seed=0)
+    env.step(policy(obs))  # the greedy actions of real boards drive the env
+    assert not (out / "policy.json").exists() and not list(out.glob("eval_*.parquet"))
+
+
+@pytest.mark.slow
+def test_snake_resumes_where_it_stopped_to_the_full_step_count(snake, tmp_path):
+    first, proc = snake
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "resumed"
+    out.mkdir()
+    for name in ("checkpoint.pt", "metrics.parquet"):
+        (out / name).write_bytes((first / name).read_bytes())
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)
+    proc = run_ppo("--output-dir", str(out), "--resume", *SNAKE, "--total-timesteps", "384")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "global_step 256" in proc.stdout
+    assert "envs start new episodes" not in proc.stdout  # a torch-batched env goes on from its saved state
+    assert list(pd.read_parquet(out / "metrics.parquet").global_step) == [128, 256, 384]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 384 and ckpt["iteration"] == 3
+    assert not torch.equal(ckpt["agent"]["network.0.weight"], saved["agent"]["network.0.weight"])  # trained on
+    action = torch.export.load(out / "policy.pt2").module()(torch.zeros(2, 3, 10, 10))
+    assert action.dtype == torch.int64 and action.shape == (2,)
+
+
+@pytest.mark.slow
+def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake, trained):
+    ppo = load_ppo()
+    assert {"site", "bess_action", "socket_features", "weekday_features", "eval_split"} <= set(ppo.EVHUB_ONLY_ARGS)
+    out, proc = snake
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shown = shown_args(proc.stdout)
+    assert {"env_id", "cnn_channels", "gamma", "ent_coef", "norm_obs", "norm_reward", "num_envs"} <= set(shown)
+    assert not set(ppo.EVHUB_ONLY_ARGS) & set(shown), shown
+    events = b"".join(p.read_bytes() for p in out.glob("events.out.tfevents.*"))  # the TensorBoard text too
+    assert b"|cnn_channels|(4, 8)|" in events and b"|env_id|Snake-v0|" in events
+    assert not any(f"|{name}|".encode() in events for name in ppo.EVHUB_ONLY_ARGS)
+    # the preset table shows Snake's own defaults beside the presets and the values used
+    assert "|field|cpu*|gpu|Snake-v0|used|" in proc.stdout and "|gamma|||0.99|0.99|" in proc.stdout
+    assert "|cnn_channels|||(16, 32)|(4, 8)|" in proc.stdout
+    # EVHub-v0 runs still show them
+    evhub_out, evhub_proc = trained
+    assert evhub_proc.returncode == 0, evhub_proc.stderr[-3000:]
+    assert set(ppo.EVHUB_ONLY_ARGS) <= set(shown_args(evhub_proc.stdout))
+
+
+def test_snake_defaults_fill_only_the_fields_left_unset():
+    ppo = load_ppo()
+    cpu = torch.device("cpu")
+    snake = ppo.resolve_args(ppo.Args(env_id="Snake-v0"), cpu)
+    expected = {**ppo.ENV_DEFAULTS["Snake-v0"], **ppo.ENV_DEFAULTS["Snake-v0/cpu"]}
+    assert ppo.env_defaults("Snake-v0", "cpu") == ppo.env_defaults("envs:Snake-v0", "cpu") == expected
+    assert {key: getattr(snake, key) for key in expected} == expected
+    assert snake.gamma == 0.99 and snake.norm_obs is False and snake.norm_reward is False
+    assert snake.num_threads == ppo.PRESETS["cpu"]["num_threads"]  # what Snake leaves unset comes from the preset
+    assert (snake.batch_size, snake.num_iterations) == (snake.num_envs * snake.num_steps,
+                                                       snake.total_timesteps // snake.batch_size)  # fmt: skip
+    custom = ppo.resolve_args(ppo.Args(env_id="Snake-v0", gamma=0.9, num_envs=3, cnn_channels=(4, 8), norm_reward=True,
+                                       learning_rate=3e-4, update_epochs=1), cpu)  # fmt: skip
+    assert (custom.gamma, custom.num_envs, custom.cnn_channels, custom.norm_reward) == (0.9, 3, (4, 8), True)
+    assert (custom.learning_rate, custom.update_epochs, custom.ent_coef) == (3e-4, 1, 0.01)
+    gpu = ppo.resolve_args(ppo.Args(env_id="Snake-v0"), torch.device("cuda"))
+    assert (gpu.num_envs, gpu.hidden_size, gpu.cnn_channels) == (256, 512, (32, 64))
+    # other envs keep the values the fields had before the env defaults existed; norm_obs is left to the obs space
+    for env_id in ("EVHub-v0", "CartPole-v1", "Pendulum-v1"):
+        args = ppo.resolve_args(ppo.Args(env_id=env_id), cpu)
+        assert (args.learning_rate, args.gamma, args.num_minibatches, args.update_epochs, args.ent_coef,
+                args.norm_reward, args.cnn_channels, args.norm_obs) == (1e-3, 0.98, 8, 5, 0.0, True, (32, 64), None)
+    with pytest.raises(ValueError, match="--cnn-channels takes two positive"):
+        ppo.resolve_args(ppo.Args(env_id="Snake-v0", cnn_channels=(0, 8)), cpu)
+
+
+@pytest.mark.parametrize("discrete", [True, False])
+def test_cnn_agent_shares_one_torso_between_its_heads(discrete, tmp_path):
+    """The image torso (CleanRL's ppo_atari layout with dqn.py's layers): both heads read one CNN, the policy head
+    has gain 0.01 and the value head gain 1; sampling, the update and the exported policy take (B, C, H, W)."""
+    ppo = load_ppo()
+    torch.manual_seed(0)
+    n = 4 if discrete else 2
+    agent = ppo.Agent(3 * 6 * 5, n, 32, norm_obs=False, discrete=discrete, obs_shape=(3, 6, 5), cnn_channels=(4, 8))
+    assert agent.image and isinstance(agent.obs_norm, torch.nn.Identity)
+    convs = [m for m in agent.network if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
+        (3, 4, (3, 3), (1, 1)), (4, 8, (3, 3), (1, 1))]  # fmt: skip
+    assert (agent.network[5].in_features, agent.network[5].out_features) == (8 * 6 * 5, 32)
+    head = (agent.actor if discrete else agent.actor_mean).weight
+    torch.testing.assert_close(head @ head.T, 1e-4 * torch.eye(n))  # orthogonal rows of norm 0.01
+    torch.testing.assert_close(agent.critic.weight.norm(), torch.tensor(1.0))
+    assert discrete != hasattr(agent, "actor_logstd")
+
+    obs = torch.rand(6, 3, 6, 5)
+    obs_n, action, logprob, value = ppo.policy_step(agent, obs)
+    assert obs_n.shape == (6, 3, 6, 5) and logprob.shape == (6,) and value.shape == (6,)
+    assert (action.dtype, action.shape) == ((torch.int64, (6,)) if discrete else (torch.float32, (6, n)))
+    for loss in ("value", "policy"):  # each head's loss reaches the shared torso
+        agent.zero_grad(set_to_none=True)
+        dist, v = agent.dist_and_value(obs)
+        (v.sum() if loss == "value" else dist.log_prob(action).sum()).backward()
+        assert agent.network[0].weight.grad.abs().sum() > 0, loss
+    torch.testing.assert_close(agent.get_value(obs), v.detach())
+
+    storage = ppo.make_storage(2, 6, (3, 6, 5), n, torch.device("cpu"), discrete=discrete)
+    assert storage["obs"].shape == (2, 6, 3, 6, 5)
+    opt = torch.optim.Adam(agent.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64), eps=1e-5)
+    before = agent.network[0].weight.detach().clone()
+    out = ppo.update_minibatch(agent, opt, obs_n, action, logprob, *torch.randn(3, 6), **COEFS)
+    assert not out["bad"].any() and not torch.equal(before, agent.network[0].weight)
+
+    path = ppo.export_policy(agent, (3, 6, 5), tmp_path)
+    policy = torch.export.load(path).module()
+    expected = ppo.DeterministicActor(agent.obs_norm, agent.policy_head, discrete)(obs)
+    torch.testing.assert_close(policy(obs), expected)
+    assert policy(obs).shape == ((6,) if discrete else (6, n))
+
+
+def test_snake_with_norm_obs_on_standardises_each_pixel(tmp_path):
+    """``--norm-obs True`` works for images: per-pixel running statistics in the agent, the checkpoint and the
+    exported policy."""
+    ppo = load_ppo()
+    result = ppo.main(snake_args(tmp_path, norm_obs=True, total_timesteps=128))
+    assert result["global_step"] == 128
+    weights = torch.load(tmp_path / "checkpoint.pt", weights_only=False)["agent"]
+    assert weights["obs_norm.mean"].shape == (3, 10, 10) and float(weights["obs_norm.count"]) > 128
+    assert 0.0 < float(weights["obs_norm.mean"][2].sum()) < 1.1  # the food channel: one cell in 100 per board
+    action = torch.export.load(tmp_path / "policy.pt2").module()(torch.rand(3, 3, 10, 10))
+    assert action.dtype == torch.int64 and action.shape == (3,)
+
+
+def test_snake_backs_off_from_an_out_of_memory_error(tmp_path, monkeypatch, capsys):
+    """The image storage is rebuilt at half the boards after an out-of-memory error, and the run finishes."""
+    ppo = load_ppo()
+    real, calls = ppo.update, []
+
+    def update(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppo, "update", update)
+    result = ppo.main(snake_args(tmp_path, total_timesteps=384))
+    assert result["num_envs"] == 2 and result["global_step"] == 384
+    assert "num_envs 4 -> 2" in capsys.readouterr().err
+    assert list(pd.read_parquet(tmp_path / "metrics.parquet").global_step) == [128, 192, 256, 320, 384]
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ckpt["global_step"] == 384 and ckpt["next_obs"].shape == (2, 3, 10, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flags", [["--cudagraphs"], ["--compile", "--cudagraphs", "--amp"]])
+def test_snake_speed_switches_on_cuda(tmp_path, flags):
+    tiny_cuda = [a for a in SNAKE if a != "--no-cuda"]
+    # 5 iterations: the once-per-iteration GAE is captured at its 4th call and replayed at its 5th
+    proc = run_ppo("--output-dir", str(tmp_path / "g"), *tiny_cuda, "--total-timesteps", "640", *flags, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "device=cuda" in proc.stdout
+    metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
+    assert len(metrics) == 5 and np.isfinite(metrics[["value_loss", "policy_loss", "entropy"]].to_numpy()).all()
+    action = torch.export.load(tmp_path / "g" / "policy.pt2").module()(torch.rand(3, 3, 10, 10))
+    assert action.dtype == torch.int64 and action.shape == (3,)
