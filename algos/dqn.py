@@ -921,6 +921,24 @@ def env_defaults(env_id: str, preset: str) -> dict:
     return {**base, **ENV_DEFAULTS.get(f"{name}/{preset}", {})}
 
 
+def preset_table(args: Args) -> str:
+    """The :data:`PRESETS` as one Markdown table: a row per field, a column per device preset (the one picked
+    marked ``*``) and the value in use (``args`` resolved). For an env with its own defaults (:func:`env_defaults`,
+    e.g. ``Snake-v0`` or any env other than EVHub-v0) a column of them comes before ``used``, with rows for the
+    fields only they set; they take precedence over the preset's."""
+    names = list(PRESETS)
+    env = env_defaults(args.env_id, args.preset) if not is_evhub(args.env_id) else {}
+    keys = list(PRESETS[names[0]]) + [k for k in env if k not in PRESETS[names[0]]]
+    env_col = [args.env_id.split(":")[-1]] if env else []
+    head = "|field|" + "|".join([*(f"{n}{'*' if n == args.preset else ''}" for n in names), *env_col]) + "|used|"
+    rows = [
+        f"|{key}|" + "|".join([*(str(PRESETS[n].get(key, "")) for n in names), *(str(env.get(key, "")) for _ in env_col)])
+        + f"|{getattr(args, key)}|"
+        for key in keys
+    ]
+    return "\n".join([head, "|-" * (len(names) + len(env_col) + 2) + "|", *rows])
+
+
 def resolve_args(args: Args, device: torch.device) -> Args:
     """Fill the fields left at ``None`` from the env's defaults (:func:`env_defaults`), then the preset
     (:data:`PRESETS`), then :data:`FIELD_DEFAULTS`, and compute the runtime sizes."""
@@ -1344,6 +1362,7 @@ def main(args: Args) -> dict:
     hparams = shown_args()
     writer = SummaryWriter(str(out_dir))
     writer.add_text("hyperparameters", hyperparameters())
+    writer.add_text("presets", preset_table(args))
     for message in oom_notes:  # halvings at setup
         writer.add_text("oom", message, global_step)
     for message in env_notes:  # the async env fell back to sync
@@ -1351,6 +1370,7 @@ def main(args: Args) -> dict:
     where = f"site={args.site}" if evhub else f"obs {obs_shape} ({'CNN' if len(obs_shape) == 3 else 'MLP'})"
     kind = "torch-batched" if torch_batched else f"gymnasium {args.vector_mode}{', overlapped' if overlap else ''}"
     print(f"DQN on {args.env_id} ({kind}, discrete, {n_actions} actions) {where} device={device} preset={args.preset}")
+    print(f"presets (* = the one in use; any field can be set on the command line):\n{preset_table(args)}")
     width = max(len(k) for k in hparams)
     print("hyperparameters:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in hparams.items()))
     print(

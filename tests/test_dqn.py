@@ -324,6 +324,8 @@ def test_snake_smoke_run_uses_the_cnn_and_exports_an_action_policy(tmp_path):
     assert "torch-batched" in proc.stdout and "(CNN)" in proc.stdout
     shown = [line.split()[0] for line in proc.stdout.split("hyperparameters:\n")[1].splitlines() if line.startswith("  ")]
     assert "cnn_channels" in shown and not set(load_dqn().EVHUB_ONLY_ARGS) & set(shown)  # no site options for Snake
+    assert "|field|cpu*|gpu|Snake-v0|used|" in proc.stdout  # the preset table, with Snake's own defaults
+    assert "|cnn_channels|||(16, 32)|(4, 8)|" in proc.stdout  # the flag wins over them
     policy = torch.export.load(tmp_path / "policy.pt2").module()
     action = policy(torch.rand(3, 3, 10, 10))
     assert action.shape == (3,) and action.dtype == torch.int64 and 0 <= int(action.min()) and int(action.max()) < 4
