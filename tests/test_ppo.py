@@ -609,9 +609,8 @@ def test_cartpole_resumes_from_its_checkpoint_to_the_full_step_count(cartpole, t
     assert torch.export.load(out / "policy.pt2").module()(torch.zeros(3, 4)).dtype == torch.int64
 
 
-def test_cartpole_backs_off_from_an_out_of_memory_error(tmp_path, monkeypatch, capsys):
-    """The Discrete storage is rebuilt at half the envs after an out-of-memory error, and the run finishes."""
-    ppo = load_ppo()
+def fail_second_update_with_oom(ppo, monkeypatch) -> None:
+    """Make the second call of ``ppo.update`` raise a CUDA out-of-memory error (as the allocator would)."""
     real, calls = ppo.update, []
 
     def update(*args, **kwargs):
@@ -621,6 +620,12 @@ def test_cartpole_backs_off_from_an_out_of_memory_error(tmp_path, monkeypatch, c
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ppo, "update", update)
+
+
+def test_cartpole_backs_off_from_an_out_of_memory_error(tmp_path, monkeypatch, capsys):
+    """The Discrete storage is rebuilt at half the envs after an out-of-memory error, and the run finishes."""
+    ppo = load_ppo()
+    fail_second_update_with_oom(ppo, monkeypatch)
     result = ppo.main(cartpole_args(tmp_path, total_timesteps=768, checkpoint_every=1))
     assert result["num_envs"] == 2 and result["global_step"] == 768
     assert "num_envs 4 -> 2" in capsys.readouterr().err
@@ -937,15 +942,7 @@ def test_snake_with_norm_obs_on_standardises_each_pixel(tmp_path):
 def test_snake_backs_off_from_an_out_of_memory_error(tmp_path, monkeypatch, capsys):
     """The image storage is rebuilt at half the boards after an out-of-memory error, and the run finishes."""
     ppo = load_ppo()
-    real, calls = ppo.update, []
-
-    def update(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ppo, "update", update)
+    fail_second_update_with_oom(ppo, monkeypatch)
     result = ppo.main(snake_args(tmp_path, total_timesteps=384))
     assert result["num_envs"] == 2 and result["global_step"] == 384
     assert "num_envs 4 -> 2" in capsys.readouterr().err
