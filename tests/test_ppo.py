@@ -589,17 +589,25 @@ def test_cartpole_trains_and_exports_an_argmax_policy(cartpole):
     assert not (out / "policy.json").exists() and not list(out.glob("eval_*.parquet"))
 
 
-@pytest.mark.slow
-def test_cartpole_resumes_from_its_checkpoint_to_the_full_step_count(cartpole, tmp_path):
-    first, proc = cartpole
+def resume_a_copy(finished, tmp_path: Path, *argv: str):
+    """Copy the checkpoint and metrics of a ``finished`` run (``(out_dir, proc)``) into ``tmp_path/resumed`` and run
+    ``ppo.py --resume`` there with ``argv``; returns ``(out_dir, the copied checkpoint, proc)``, the run succeeded."""
+    first, proc = finished
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "resumed"
     out.mkdir()
     for name in ("checkpoint.pt", "metrics.parquet"):
         (out / name).write_bytes((first / name).read_bytes())
-    saved = torch.load(out / "checkpoint.pt", weights_only=False)["agent"]
-    proc = run_ppo("--output-dir", str(out), "--resume", *CARTPOLE, "--total-timesteps", "768")
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)
+    proc = run_ppo("--output-dir", str(out), "--resume", *argv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, saved, proc
+
+
+@pytest.mark.slow
+def test_cartpole_resumes_from_its_checkpoint_to_the_full_step_count(cartpole, tmp_path):
+    out, saved, proc = resume_a_copy(cartpole, tmp_path, *CARTPOLE, "--total-timesteps", "768")
+    saved = saved["agent"]
     assert "resumed from" in proc.stdout and "global_step 512" in proc.stdout
     assert "envs start new episodes" in proc.stdout
     assert list(pd.read_parquet(out / "metrics.parquet").global_step) == [256, 512, 768]
@@ -817,15 +825,7 @@ def test_snake_trains_with_a_cnn_torso_and_exports_an_argmax_policy(snake):
 
 @pytest.mark.slow
 def test_snake_resumes_where_it_stopped_to_the_full_step_count(snake, tmp_path):
-    first, proc = snake
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "resumed"
-    out.mkdir()
-    for name in ("checkpoint.pt", "metrics.parquet"):
-        (out / name).write_bytes((first / name).read_bytes())
-    saved = torch.load(out / "checkpoint.pt", weights_only=False)
-    proc = run_ppo("--output-dir", str(out), "--resume", *SNAKE, "--total-timesteps", "384")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, saved, proc = resume_a_copy(snake, tmp_path, *SNAKE, "--total-timesteps", "384")
     assert "resumed from" in proc.stdout and "global_step 256" in proc.stdout
     assert "envs start new episodes" not in proc.stdout  # a torch-batched env goes on from its saved state
     assert list(pd.read_parquet(out / "metrics.parquet").global_step) == [128, 256, 384]
