@@ -81,6 +81,11 @@ DISCRETE_EV_LEVELS = (0.0, 0.5, 1.0)
 
 
 BESS_ACTIONS = ("setpoint", "surplus")
+
+DEFAULT_BESS_ACTION = "surplus"
+"""The BESS action meaning the training scripts use unless told otherwise, and the one a policy without a recorded
+``bess_action`` (no ``policy.json``, nothing embedded in ``policy.pt2``) is evaluated under. The env itself defaults
+to ``"setpoint"``, the plain physical meaning the baselines are written in."""
 """Meanings of the BESS action ``a_bess`` in [-1, 1] (``P_max``: BESS power limit, kW; ``s``: PV minus base
 load minus the EV power chosen this step, clipped to [-P_max, P_max], kW):
 
@@ -126,6 +131,18 @@ def obs_dim(n_sockets: int) -> int:
 
 N_SITE_FEATURES = 19
 """Number of site-level observation features before the ``3 * n_sockets`` per-socket ones."""
+
+
+def observation_layout(n_sockets: int) -> dict[str, list[int]]:
+    """Feature indices of the observation by name: ``"hour_of_day"`` (sin, cos), ``"day_of_week"`` (sin, cos),
+    ``"site"`` (every site-level feature, those two groups included) and ``"sockets"`` (the ``3 * n_sockets``
+    per-socket features: occupied, energy needed, hours to departure)."""
+    return {
+        "hour_of_day": [0, 1],
+        "day_of_week": [2, 3],
+        "site": list(range(N_SITE_FEATURES)),
+        "sockets": list(range(N_SITE_FEATURES, obs_dim(n_sockets))),
+    }
 
 
 class EVHubVectorEnv(VectorEnv):
@@ -259,6 +276,11 @@ class EVHubVectorEnv(VectorEnv):
         self._arange = torch.arange(B, device=self.device)
 
     # ------------------------------------------------------------------ state helpers
+    @property
+    def observation_layout(self) -> dict[str, list[int]]:
+        """Feature indices of this env's observation by name (:func:`observation_layout`)."""
+        return observation_layout(self.n_sockets)
+
     @property
     def soc(self) -> torch.Tensor:
         """State of charge of the BESS, fraction of capacity, shape ``(num_envs,)``."""

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from envs.evhub import BESS_ACTIONS, INFO_KEYS, EVHubVectorEnv
+from envs.evhub import BESS_ACTIONS, DEFAULT_BESS_ACTION, INFO_KEYS, EVHubVectorEnv
 from envs.files import write_parquet, write_text  # noqa: F401  (write_parquet re-exported for the algos)
 from envs.site import Site, SplitData
 
@@ -222,17 +222,25 @@ def write_policy_spec(out_dir: str | Path, env_id: str, action_mode: str, bess_a
 def read_policy_spec(run_dir: str | Path) -> dict[str, str]:
     """The env settings an exported policy was trained in: ``{"action_mode", "bess_action"}``.
 
-    A run without ``policy.json`` gets the env defaults (``"hub"``, ``"setpoint"``).
+    Read from ``policy.json``; without it, from the copy embedded in ``policy.pt2`` (extra file ``policy.json``,
+    written by every script); without either (a policy from an older version), the scripts' defaults: ``"hub"``
+    and :data:`~envs.evhub.DEFAULT_BESS_ACTION`.
 
     Raises:
-        ValueError: ``policy.json`` is not a JSON object or names an unknown action or BESS action mode
-            (the message names the file).
+        ValueError: the spec is not a JSON object or names an unknown action or BESS action mode (the message names
+            the file).
     """
     path = Path(run_dir) / POLICY_SPEC
-    spec = {"action_mode": "hub", "bess_action": "setpoint"}
-    if path.is_file():
+    spec = {"action_mode": "hub", "bess_action": DEFAULT_BESS_ACTION}
+    text = path.read_text() if path.is_file() else None
+    program = Path(run_dir) / "policy.pt2"
+    if text is None and program.is_file():
+        extra = {POLICY_SPEC: ""}
+        torch.export.load(str(program), extra_files=extra)
+        text, path = extra[POLICY_SPEC] or None, program
+    if text is not None:
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc})") from exc
         if not isinstance(raw, dict):
@@ -250,7 +258,8 @@ def load_policy(path: str | Path, device: str | torch.device = "cpu") -> Policy:
 
     Args:
         path: ``policy.pt2`` (``torch.export.save`` of a module mapping float32 observations
-            ``(B, obs_dim)`` to actions ``(B, action_dim)`` in [-1, 1]) or ``policy.pt`` (TorchScript).
+            ``(B, obs_dim)`` to actions ``(B, action_dim)`` in the env's units, [-1, 1] for EVHub-v0; see
+            ``algos/harness.py``'s ``export_policy``) or ``policy.pt`` (TorchScript).
 
     Returns:
         a :data:`Policy` usable with :func:`evaluate_policy`.
