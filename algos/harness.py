@@ -490,14 +490,14 @@ class EnvUnitsPolicy(nn.Module):
             low = np.asarray(space.low, np.float64).reshape(-1)
             high = np.asarray(space.high, np.float64).reshape(-1)
             finite = np.isfinite(low) & np.isfinite(high)
-            self.register_buffer("mid", torch.as_tensor(np.where(finite, (high + low) / 2, 0.0), dtype=torch.float32))
-            self.register_buffer("half", torch.as_tensor(np.where(finite, (high - low) / 2, 1.0), dtype=torch.float32))
+            self.register_buffer("center", torch.as_tensor(np.where(finite, (high + low) / 2, 0.0), dtype=torch.float32))
+            self.register_buffer("scale", torch.as_tensor(np.where(finite, (high - low) / 2, 1.0), dtype=torch.float32))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """Raw observations -> actions in the env's units (class docstring)."""
         if self.discrete:
             return self.actor(obs) + self.start
-        return self.mid + self.half * self.actor(obs).clamp(-1.0, 1.0)
+        return self.center + self.scale * self.actor(obs).clamp(-1.0, 1.0)
 
 
 def export_policy(actor: nn.Module, obs_shape: tuple[int, ...], space: gym.Space, out_dir: Path, spec: dict | None) -> Path:
@@ -581,6 +581,7 @@ def train_with_oom_restarts(train: Callable, run: Run, sizes, shrink: Callable) 
             if error is None:
                 raise
             where, in_update = "at setup", False
+        run.close_env()
         free_device_memory(run.device)
         reason = None
         if len(run.oom_history) >= run.args.max_oom_retries:
@@ -654,6 +655,7 @@ class Run:
     def announce(self, what: str, env, sizes: dict) -> None:
         """Print the run's headline, the presets table and the arguments; log the sizes and any env warning."""
         args = self.args
+        self.env = env  # closed by close(), also on an error or before an out-of-memory re-entry
         if env.torch_batched and args.vector_mode != "sync":
             print(f"note: --vector-mode {args.vector_mode} is ignored: {args.env_id} is a torch-batched env")
         if getattr(env, "warning", None):
@@ -938,7 +940,7 @@ class Run:
         out = {"global_step": self.global_step, "train_wall_s": train_wall, "sps": self.sps,
                "sps_steady": self.sps_steady, "policy": str(path),
                "vector_mode": None if env.torch_batched else env.vector_mode, **result}  # fmt: skip
-        env.close()
+        self.close_env()
         if self.evhub and args.eval_split.lower() != "none":
             row, traces = self.evaluate(actor, spec["action_mode"], train_wall_s=train_wall,
                                         env_steps=float(self.global_step), steps_per_s=self.sps)
@@ -965,10 +967,19 @@ class Run:
         if self.bar is not None:
             self.bar.close()
         self.train_wall_prev, self._start = self.wall(), None
+        if not in_update:  # the iteration did not finish: it is repeated at the new size
+            self.iteration -= 1
         raise OutOfMemoryRestart(where, error, to_cpu({**self.counters(), **state()}), in_update) from exc
 
+    def close_env(self) -> None:
+        """Close the env announced last (an async env's workers end), once."""
+        env, self.env = getattr(self, "env", None), None
+        if env is not None:
+            env.close()
+
     def close(self) -> None:
-        """Close the writer and the progress bar (also on an error)."""
+        """Close the env, the writer and the progress bar (also on an error)."""
+        self.close_env()
         if self.bar is not None:
             self.bar.close()
         self.writer.close()
