@@ -173,9 +173,15 @@ def preset_args(args_cls, presets: dict, env_defaults: dict, **overrides) -> Any
     name = preset_name(overrides.get("preset", "auto"), overrides.get("cuda", True))
     if name not in presets:
         raise ValueError(f"unknown preset {name!r}: expected auto or one of {', '.join(presets)}")
-    env = env_name(overrides.get("env_id", EVHUB_ID))
-    values = {**presets[name], **env_defaults.get(env, {}), **env_defaults.get(f"{env}/{name}", {}), **overrides}
+    values = {**presets[name], **env_own_defaults(env_defaults, overrides.get("env_id", EVHUB_ID), name), **overrides}
     return args_cls(**{**values, "preset": name})
+
+
+def env_own_defaults(env_defaults: dict, env_id: str, preset: str) -> dict:
+    """``env_defaults[<env>]`` (``env_defaults["*"]``, where given, for an env without an entry of its own) with
+    ``env_defaults["<env>/<preset>"]`` on top."""
+    env = env_name(env_id)
+    return {**env_defaults.get(env, env_defaults.get("*", {})), **env_defaults.get(f"{env}/{preset}", {})}
 
 
 def cli(args_cls, presets: dict, env_defaults: dict, argv: list[str] | None = None, description: str | None = None):
@@ -193,11 +199,22 @@ def cli(args_cls, presets: dict, env_defaults: dict, argv: list[str] | None = No
     return tyro.cli(args_cls, args=argv, default=default, description=description)
 
 
+def script(main: Callable, args_cls, presets: dict, env_defaults: dict, description: str | None = None) -> None:
+    """A script's ``__main__``: parse the command line (:func:`cli`) and run ``main``; a checkpoint that cannot be
+    resumed from ends the process with its message (exit status 2), not a traceback."""
+    args = cli(args_cls, presets, env_defaults, description=description)
+    try:
+        main(args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def presets_table(presets: dict, env_defaults: dict, args) -> str:
     """The presets as Markdown: one row per field they set, one column per preset (the chosen one marked ``*``), the
     env's own defaults when it has any, and the value in use."""
     env = env_name(args.env_id)
-    own = {**env_defaults.get(env, {}), **env_defaults.get(f"{env}/{args.preset}", {})}
+    own = env_own_defaults(env_defaults, args.env_id, args.preset)
     keys = list(dict.fromkeys([k for p in presets.values() for k in p] + list(own)))
     head = ["field"] + [f"{n}*" if n == args.preset else n for n in presets] + ([env] if own else []) + ["used"]
     lines = ["|" + "|".join(head) + "|", "|" + "|".join("-" for _ in head) + "|"]
@@ -208,9 +225,11 @@ def presets_table(presets: dict, env_defaults: dict, args) -> str:
 
 
 def output_dir(args, exp_name: str) -> Path:
-    """``args.output_dir``, or the default run folder of the module docstring of :class:`RunArgs`."""
+    """``args.output_dir``, or the default run folder of the module docstring of :class:`RunArgs` (named after
+    ``args.exp_name`` where the script has that field, else ``exp_name``)."""
     if args.output_dir is not None:
         return Path(args.output_dir)
+    exp_name = getattr(args, "exp_name", None) or exp_name
     if is_evhub(args.env_id):
         mode = getattr(args, "action_mode", "discrete")
         return Path("outputs") / "runs" / f"{exp_name}_{Path(args.site).stem}_{mode}_seed{args.seed}"
@@ -558,6 +577,35 @@ def to_cpu(tree):
     return tree
 
 
+def allocate_halving(run: Run, make: Callable[[int], Any], size: int, floor: int, name: str) -> tuple[Any, int]:
+    """``(make(size), size)``, halving ``size`` after each CUDA out-of-memory error while it stays ``>= floor`` (a
+    replay buffer at setup: ``name`` is its field, ``"buffer_size"``). Each halving is warned on stderr and logged as
+    TensorBoard text ``oom``; none counts against ``max_oom_retries``.
+
+    Raises:
+        OutOfMemoryBackoffError: halving once more would go below ``floor``.
+    """
+    while True:
+        try:
+            return make(size), size
+        except RuntimeError as exc:
+            error = out_of_memory_message(exc)
+            if error is None:
+                raise
+        flag = "--" + name.replace("_", "-")
+        if size // 2 < floor:
+            raise OutOfMemoryBackoffError(
+                f"CUDA out of memory at setup for {name} {size:,}, and halving it would go below {floor:,}; the run "
+                f"stopped before training. Ask for less memory: a smaller {flag}, --num-envs or --batch-size.\n"
+                f"The error: {error}"
+            )
+        free_device_memory(run.device)
+        message = f"CUDA out of memory at setup: {name} {size:,} -> {size // 2:,}; continuing"
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+        run.writer.add_text("oom", message, run.global_step)
+        size //= 2
+
+
 def train_with_oom_restarts(train: Callable, run: Run, sizes, shrink: Callable) -> dict:
     """Call ``train(run, sizes, state)`` until it returns; on a CUDA out-of-memory error, shrink and re-enter.
 
@@ -585,7 +633,7 @@ def train_with_oom_restarts(train: Callable, run: Run, sizes, shrink: Callable) 
         free_device_memory(run.device)
         reason = None
         if len(run.oom_history) >= run.args.max_oom_retries:
-            reason = f"max_oom_retries={run.args.max_oom_retries} shrinks were made already"
+            reason = f"max_oom_retries={run.args.max_oom_retries} halvings were made already"
         else:
             try:
                 sizes, change = shrink(sizes, in_update)
@@ -598,7 +646,7 @@ def train_with_oom_restarts(train: Callable, run: Run, sizes, shrink: Callable) 
             tried = "".join(f"\n  {h}" for h in run.oom_history) or " none"
             raise OutOfMemoryBackoffError(
                 f"CUDA out of memory {where} with {sizes}, and no further back-off: {reason}. Training stopped; "
-                f"{kept}.\nShrinks made:{tried}\nAsk for less memory: fewer --num-envs, a smaller --batch-size or "
+                f"{kept}.\nHalvings made:{tried}\nAsk for less memory: fewer --num-envs, a smaller --batch-size or "
                 f"--hidden-size, no --cudagraphs or --compile; or allow more with --max-oom-retries.\nThe error: {error}"
             )
         message = f"CUDA out of memory {where}: {change}; continuing"
@@ -632,9 +680,7 @@ class Run:
         if args.resume and not self.ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {self.ckpt_path}")
         self.presets_text = presets_table(presets, env_defaults, args)
-        self.writer = SummaryWriter(str(self.out_dir))
-        self.writer.add_text("hyperparameters", self.hyperparameters())
-        self.writer.add_text("presets", self.presets_text)
+        self._writer: SummaryWriter | None = None
         self.oom_history: list[str] = []
         self.rows: list[dict] = []
         self.curve: list[dict] = []
@@ -642,6 +688,15 @@ class Run:
         self.sps = self.sps_steady = 0.0
         self.bar = None
         self._site = None
+
+    @property
+    def writer(self) -> SummaryWriter:
+        """The TensorBoard writer, opened at first use (so a refused ``--resume`` leaves the folder as it was)."""
+        if self._writer is None:
+            self._writer = SummaryWriter(str(self.out_dir))
+            self._writer.add_text("hyperparameters", self.hyperparameters())
+            self._writer.add_text("presets", self.presets_text)
+        return self._writer
 
     # -- text
     def shown_args(self, **sizes) -> dict:
@@ -982,7 +1037,8 @@ class Run:
         self.close_env()
         if self.bar is not None:
             self.bar.close()
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, lr=None) -> None:

@@ -536,4 +536,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(harness.cli(Args, PRESETS, ENV_DEFAULTS, description=__doc__))
+    harness.script(main, Args, PRESETS, ENV_DEFAULTS, description=__doc__)

@@ -16,9 +16,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import tyro
 from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo, tiny_run
 
+from algos import harness
 from envs.evhub import EVHubVectorEnv, discrete_action_table
 from envs.kpis import evaluate_policy, load_policy
 
@@ -42,6 +42,12 @@ TINY = [
 
 load_dqn = partial(load_algo, "dqn")
 run_dqn = partial(run_algo, "dqn")
+
+
+def cli(*argv: str):
+    """``dqn.Args`` as the command line ``argv`` gives them (presets and env defaults first)."""
+    dqn = load_dqn()
+    return harness.cli(dqn.Args, dqn.PRESETS, dqn.ENV_DEFAULTS, list(argv))
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +151,8 @@ def test_td_target_plain_and_double_q():
 
 def test_target_update_hard_and_polyak():
     dqn = load_dqn()
-    online = dqn.QNetwork(4, 3, 8)
-    target = dqn.QNetwork(4, 3, 8)
+    online = dqn.QNetwork((4,), 3, 8)
+    target = dqn.QNetwork((4,), 3, 8)
     online.obs_norm.mean.fill_(2.0)
     before = [p.detach().clone() for p in target.parameters()]
     dqn.target_update(target, online, 0.25)
@@ -178,7 +184,7 @@ def test_replay_buffer_wraps_around():
 def test_act_is_greedy_at_epsilon_zero_and_random_at_one():
     dqn = load_dqn()
     torch.manual_seed(0)
-    qnet = dqn.QNetwork(4, 15, 8, norm_obs=False)
+    qnet = dqn.QNetwork((4,), 15, 8, norm_obs=False)
     obs = torch.randn(2000, 4)
     greedy = qnet(obs).argmax(1)
     assert torch.equal(dqn.act(qnet, obs, torch.tensor(0.0)), greedy)
@@ -193,7 +199,7 @@ def test_greedy_hub_policy_equals_the_discrete_env(site):
     n = 4
     hub = EVHubVectorEnv(n, site=site, action_mode="hub", dtype=torch.float64)
     disc = EVHubVectorEnv(n, site=site, action_mode="discrete", dtype=torch.float64)
-    qnet = dqn.QNetwork(hub.single_observation_space.shape[0], 15, 16, norm_obs=False)
+    qnet = dqn.QNetwork(hub.single_observation_space.shape, 15, 16, norm_obs=False)
     policy = dqn.GreedyHubPolicy(qnet, discrete_action_table())
     starts = [0, 30, 60, 90]
     o1, _ = hub.reset(options={"start_steps": starts})
@@ -280,7 +286,7 @@ def assert_generic_run(out: Path, proc: subprocess.CompletedProcess, total: int)
     assert (out / "checkpoint.pt").is_file() and (out / "policy.pt2").is_file()
     for name in EVHUB_ONLY:
         assert not (out / name).exists(), name
-    assert "no splits" in proc.stdout  # eval_split="test" (the default) is ignored with a note
+    assert "no split evaluation" in proc.stdout  # eval_split="test" (the default) is ignored with a note
     return metrics
 
 
@@ -322,8 +328,9 @@ def test_snake_smoke_run_uses_the_cnn_and_exports_an_action_policy(tmp_path):
                    "--cnn-channels", "4", "8", *GYM_TINY)  # fmt: skip
     assert_generic_run(tmp_path, proc, 256)
     assert "torch-batched" in proc.stdout and "(CNN)" in proc.stdout
-    shown = [line.split()[0] for line in proc.stdout.split("hyperparameters:\n")[1].splitlines() if line.startswith("  ")]
-    assert "cnn_channels" in shown and not set(load_dqn().EVHUB_ONLY_ARGS) & set(shown)  # no site options for Snake
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("args: "))
+    shown = [item.split("=")[0] for item in line.removeprefix("args: ").split(", ")]
+    assert "cnn_channels" in shown and not set(harness.EVHUB_ONLY_ARGS) & set(shown)  # no site options for Snake
     assert "|field|cpu*|gpu|Snake-v0|used|" in proc.stdout  # the preset table, with Snake's own defaults
     assert "|cnn_channels|||(16, 32)|(4, 8)|" in proc.stdout  # the flag wins over them
     policy = torch.export.load(tmp_path / "policy.pt2").module()
@@ -335,12 +342,12 @@ def test_snake_smoke_run_uses_the_cnn_and_exports_an_action_policy(tmp_path):
 def test_cartpole_smoke_run_through_gymnasium_vector_envs(tmp_path):
     proc = run_dqn("--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--total-timesteps", "256", *GYM_TINY)
     metrics = assert_generic_run(tmp_path, proc, 256)
-    assert "gymnasium sync" in proc.stdout and "(MLP)" in proc.stdout
+    assert "vector_mode=sync" in proc.stdout and "(MLP)" in proc.stdout
     assert (metrics.episodic_length.dropna() >= 8).all()  # CartPole episodes last at least 8 steps
     policy = torch.export.load(tmp_path / "policy.pt2").module()
     assert policy(torch.zeros(5, 4)).shape == (5,)
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert ckpt["env_state"] is None  # a gymnasium env's state is not stored
+    assert ckpt["env"]["env"] is None  # a gymnasium env's state is not stored (only the episode statistics)
 
 
 @pytest.mark.slow
@@ -348,21 +355,21 @@ def test_cartpole_async_overlaps_stepping_with_learning(tmp_path):
     proc = run_dqn("--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--total-timesteps", "256",
                    "--vector-mode", "async", *GYM_TINY, "--num-envs", "2")  # fmt: skip
     assert_generic_run(tmp_path, proc, 256)
-    assert "gymnasium async, overlapped" in proc.stdout
+    assert "vector_mode=async" in proc.stdout and "overlapped with the gradient steps" in proc.stdout
 
 
 def test_resume_with_a_gymnasium_env_starts_new_episodes(tmp_path):
     dqn = load_dqn()
     argv = ["--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--eval-split", "none", *GYM_TINY]
-    dqn.main(tyro.cli(dqn.Args, args=[*argv, "--total-timesteps", "128"]))
-    result = dqn.main(tyro.cli(dqn.Args, args=[*argv, "--total-timesteps", "192", "--resume"]))
+    dqn.main(cli(*argv, "--total-timesteps", "128"))
+    result = dqn.main(cli(*argv, "--total-timesteps", "192", "--resume"))
     assert result["global_step"] == 192
     assert list(pd.read_parquet(tmp_path / "metrics.parquet").global_step) == [64, 128, 192]
 
 
 def test_a_non_discrete_action_space_is_a_clear_error(tmp_path):
     dqn = load_dqn()
-    args = tyro.cli(dqn.Args, args=["--env-id", "Pendulum-v1", "--output-dir", str(tmp_path), *GYM_TINY])
+    args = cli("--env-id", "Pendulum-v1", "--output-dir", str(tmp_path), *GYM_TINY)
     with pytest.raises(ValueError, match=r"Pendulum-v1 has Box\(-2.0, 2.0"):
         dqn.main(args)
 
@@ -376,44 +383,60 @@ def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeyp
         raise RuntimeError("cannot start worker processes (injected)")
 
     monkeypatch.setattr(gym.vector, "AsyncVectorEnv", broken)
-    args = tyro.cli(dqn.Args, args=["--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--vector-mode", "async",
-                                    "--total-timesteps", "64", "--eval-split", "none", *GYM_TINY])  # fmt: skip
+    args = cli("--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--vector-mode", "async",
+               "--total-timesteps", "64", "--eval-split", "none", *GYM_TINY)  # fmt: skip
     result = dqn.main(args)
-    assert result["global_step"] == 64 and args.vector_mode == "sync"
+    assert result["global_step"] == 64 and result["vector_mode"] == "sync" and args.vector_mode == "async"
     captured = capsys.readouterr()
     assert "falling back to --vector-mode sync" in captured.err and "injected" in captured.err
-    assert "gymnasium sync" in captured.out
+    assert "vector_mode=sync" in captured.out
     events = b"".join(p.read_bytes() for p in tmp_path.glob("events.out.tfevents.*"))
     assert b"falling back to --vector-mode sync" in events  # TensorBoard text "warnings"
 
 
 def test_env_defaults_apply_to_unset_fields_only():
     dqn = load_dqn()
-    cpu = torch.device("cpu")
-    snake = dqn.resolve_args(dqn.Args(env_id="Snake-v0", output_dir="x"), cpu)
+    resolve = partial(harness.preset_args, dqn.Args, dqn.PRESETS, dqn.ENV_DEFAULTS, preset="cpu")
+    snake = resolve(env_id="Snake-v0", output_dir="x")
     assert snake.gamma == 0.99 and snake.reward_scale == 1.0 and snake.norm_obs is False
     assert snake.cnn_channels == dqn.ENV_DEFAULTS["Snake-v0"]["cnn_channels"]
-    overridden = dqn.resolve_args(dqn.Args(env_id="Snake-v0", gamma=0.9, num_envs=8, output_dir="x"), cpu)
+    overridden = resolve(env_id="Snake-v0", gamma=0.9, num_envs=8, output_dir="x")
     assert overridden.gamma == 0.9 and overridden.num_envs == 8
-    evhub = dqn.resolve_args(dqn.Args(output_dir="x"), cpu)
+    evhub = resolve(output_dir="x")
     assert (evhub.gamma, evhub.reward_scale, evhub.target_network_frequency, evhub.norm_obs) == (0.95, 10.0, 5000, True)
-    cartpole = dqn.resolve_args(dqn.Args(env_id="CartPole-v1"), cpu)
-    assert cartpole.target_network_frequency == 500 and "CartPole-v1_seed1" in cartpole.output_dir
+    assert snake.num_envs == dqn.ENV_DEFAULTS["Snake-v0/cpu"]["num_envs"]  # the env's own sizes for the preset
+    cartpole = resolve(env_id="CartPole-v1")
+    assert cartpole.target_network_frequency == 500 and cartpole.learning_starts == 10_000
+    assert "CartPole-v1_seed1" in str(harness.output_dir(cartpole, "dqn"))
+    assert "|field|cpu*|gpu|CartPole-v1|used|" in harness.presets_table(dqn.PRESETS, dqn.ENV_DEFAULTS, cartpole)
 
 
 def test_cnn_torso_is_chosen_for_image_observations():
     dqn = load_dqn()
-    cnn = dqn.QNetwork(3 * 6 * 5, 4, 16, obs_shape=(3, 6, 5), cnn_channels=(4, 8))
+    cnn = dqn.QNetwork((3, 6, 5), 4, 16, cnn_channels=(4, 8))
     assert isinstance(cnn.mlp[0], torch.nn.Conv2d) and cnn(torch.rand(2, 3, 6, 5)).shape == (2, 4)
-    mlp = dqn.QNetwork(4, 2, 16, obs_shape=(4,))
+    mlp = dqn.QNetwork((4,), 2, 16)
     assert isinstance(mlp.mlp[0], torch.nn.Linear) and mlp(torch.rand(2, 4)).shape == (2, 2)
     rb = dqn.make_replay_buffer(5, (3, 6, 5), torch.device("cpu"))
     assert rb["obs"].shape == (5, 3, 6, 5)
 
 
 def test_gpu_stats_on_cpu_are_nan():
-    dqn = load_dqn()
-    stats = dqn.gpu_stats(torch.device("cpu"))
+    stats = harness.gpu_stats(torch.device("cpu"))
     assert set(stats) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb",
                           "perf/gpu_util_pct"}  # fmt: skip
     assert all(math.isnan(v) for v in stats.values())
+
+
+def test_shrink_halves_the_batch_in_the_gradient_steps_then_the_envs():
+    dqn = load_dqn()
+    sizes = dqn.Sizes(num_envs=2, batch_size=256, buffer_size=1000)
+    sizes, change = dqn.shrink(sizes, True)
+    assert change == "batch_size 256 -> 128" and sizes.batch_size == 128
+    sizes, change = dqn.shrink(sizes, False)  # stepping the envs: always num_envs
+    assert change == "num_envs 2 -> 1" and sizes.num_envs == 1
+    sizes, change = dqn.shrink(sizes, True)
+    assert change == "batch_size 128 -> 64"
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved and batch_size 64"):
+        dqn.shrink(sizes, True)  # the batch is at its floor, one env left
+    assert (sizes.num_envs, sizes.batch_size, sizes.buffer_size) == (1, 64, 1000)
