@@ -715,7 +715,7 @@ class Run:
             print(f"note: --vector-mode {args.vector_mode} is ignored: {args.env_id} is a torch-batched env")
         if getattr(env, "warning", None):
             self.writer.add_text("warnings", env.warning, self.global_step)
-        where = f"site={args.site}" if self.evhub else (
+        where = f"site={args.site} action_mode={getattr(args, 'action_mode', 'discrete')}" if self.evhub else (
             "torch-batched" if env.torch_batched else f"vector_mode={env.vector_mode}")
         print(f"{self.algo.upper()} on {args.env_id} {where} device={self.device} preset={args.preset}: {what}; "
               f"output {self.out_dir}")

@@ -163,10 +163,12 @@ def check_args(args: Args) -> Sizes:
     """The run's :class:`Sizes`, after checking the arguments.
 
     Raises:
-        ValueError: a size below 1; more minibatches than rows; ``--cudagraphs`` with ``--target-kl`` (its early stop
+        ValueError: a size below 1 or bad ``--cnn-channels``; more minibatches than rows; ``--cudagraphs`` with ``--target-kl`` (its early stop
             reads the device) or with unequal minibatches.
     """
     sizes = Sizes(args.num_envs, args.num_steps, args.num_minibatches)
+    if len(args.cnn_channels) != 2 or min(args.cnn_channels) < 1:
+        raise ValueError(f"--cnn-channels takes two positive channel counts (C1 C2), got {args.cnn_channels}")
     if min(args.num_envs, args.num_steps, args.log_every) < 1:
         raise ValueError("num_envs, num_steps and log_every must be >= 1")
     if sizes.minibatch_size < 1:
@@ -476,11 +478,14 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
 
     def live_state() -> dict:
         return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "env": env.state_dict(),
-                "num_envs": sizes.num_envs, "next_obs": next_obs, "next_done": next_done}
+                "num_envs": sizes.num_envs, "sizes": dataclasses.asdict(sizes), "next_obs": next_obs,
+                "next_done": next_done}
 
     policy = DeterministicActor(agent)  # shares the agent's weights
-    run.announce(f"{sizes.num_envs} envs x {sizes.num_steps} steps, {num_iterations} iterations, "
-                 f"{args.total_timesteps:,} steps", env, dataclasses.asdict(sizes))
+    torso = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]} channels" if agent.image else "MLP"
+    run.announce(f"obs {obs_shape} ({torso}) {'Categorical' if discrete else 'Gaussian'} policy, {sizes.num_envs} envs "
+                 f"x {sizes.num_steps} steps, {num_iterations} iterations, {args.total_timesteps:,} steps", env,
+                 dataclasses.asdict(sizes))
     guard = run.new_guard()
     for iteration in run.iterations(num_iterations):
         if args.anneal_lr:

@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from algos import harness
 from benchmarks.common import BENCH_DIR, machine_info, resolve_device, save_table
 from envs.files import write_text
 
@@ -79,14 +80,12 @@ def profile_env(num_envs: int, device: torch.device, steps: int = 50) -> dict:
 
 def profile_algo(algo: str, device: torch.device, iterations: int = 2, out_dir: Path = BENCH_DIR) -> dict:
     """Profile a short eager run of ``algos/<algo>.py`` with its device preset (``iterations`` iterations)."""
-    import tyro
-
     module = importlib.import_module(f"algos.{algo}")
     argv = ["--eval-split", "none", "--checkpoint-every", "0", "--output-dir", str(out_dir / "runs" / f"profile_{algo}"),
             "--cuda" if device.type == "cuda" else "--no-cuda"]
-    args = tyro.cli(module.Args, args=argv)
-    sized = module.resolve_args(dataclasses.replace(args), device)
-    per_iteration = getattr(sized, "batch_size", 0) if algo in ("ppo", "a2c") else sized.num_envs * getattr(sized, "num_steps", 1)
+    args = harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv)
+    sized = args  # the preset's values are the parsed defaults
+    per_iteration = sized.num_envs * getattr(sized, "num_steps", 1)  # env steps per iteration
     learning_starts = getattr(sized, "learning_starts", 0)
     steps = learning_starts + iterations * per_iteration  # off-policy: profile iterations that learn
     args = dataclasses.replace(args, total_timesteps=steps)

@@ -29,6 +29,7 @@ from typing import Literal
 import pandas as pd
 import torch
 
+from algos import harness
 from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, fmt_num, machine_info, peak_rss_mb, resolve_device, run_worker, save_table
 
 ALGOS = ("ppo", "a2c", "dqn", "sac")
@@ -49,17 +50,15 @@ BUDGET_STEPS = {
 
 def run_one(algo: str, switches: str, device: str, steps: int, seed: int, out_dir: Path) -> dict:
     """Train ``algos/<algo>.py`` with ``switches`` in this process; returns its speed and memory (JSON-able)."""
-    import tyro
-
     module = importlib.import_module(f"algos.{algo}")
     argv = [*SWITCHES[switches], "--seed", str(seed), "--total-timesteps", str(steps), "--eval-split", "none",
             "--checkpoint-every", "0", "--output-dir", str(out_dir / "runs" / f"switches_{algo}_{switches}_{device}"),
             "--cuda" if device == "cuda" else "--no-cuda"]
-    args = tyro.cli(module.Args, args=argv)
+    args = harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv)
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    sized = module.resolve_args(dataclasses.replace(args), dev)
+    sized = args  # the preset's values are the parsed defaults
     result = module.main(args)
     return {
         "num_envs": sized.num_envs,

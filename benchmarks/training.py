@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from algos import harness
 from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, fmt_num, machine_info, peak_rss_mb, resolve_device, run_worker, save_table
 
 
@@ -105,14 +106,12 @@ def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int
     """Train our script in this process; returns its eval curve (global_step, train_wall_s, co2_kg)."""
     import importlib
 
-    import tyro
-
     module = importlib.import_module(f"algos.{cfg.algo}")
     argv = [*cfg.args, "--seed", str(seed), "--total-timesteps", str(budget_steps), "--output-dir", str(out),
             "--checkpoint-every", "0", "--cuda" if device == "cuda" else "--no-cuda"]
-    args = tyro.cli(module.Args, args=argv)
-    sized = module.resolve_args(dataclasses.replace(args), torch.device(device))
-    per_iteration = getattr(sized, "batch_size", 0) if cfg.algo == "ppo" else sized.num_envs
+    args = harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv)
+    sized = args  # the preset's values are the parsed defaults
+    per_iteration = sized.num_envs * getattr(sized, "num_steps", 1)  # env steps per iteration
     args = dataclasses.replace(args, eval_every=max(1, eval_every_steps // max(per_iteration, 1)))
     result = module.main(args)
     curve = pd.read_parquet(out / "eval_curve.parquet")

@@ -158,7 +158,7 @@ def test_dqn_checkpointed_replay_buffer_restores_identically(batches, tmp_path):
     assert dqn.Args().save_buffer is False  # opt-in: the buffer makes checkpoints large
     saved = filled_dqn_buffer(dqn, 10, batches)
     path = tmp_path / "checkpoint.pt"
-    dqn.save_checkpoint(path, replay_buffer=dqn.buffer_state(saved))
+    atomic_write(path, lambda tmp: torch.save({"replay_buffer": dqn.buffer_state(saved)}, tmp))
     state = torch.load(path, weights_only=False)["replay_buffer"]
     count = min(4 * batches, 10)
     assert (state["pos"], state["count"], state["size"]) == (4 * batches % 10, count, 10)

@@ -1,7 +1,8 @@
 """CUDA out-of-memory back-off of every agent, on the CPU: a ``torch.OutOfMemoryError`` injected into a module-level
-function of ``algos/<name>.py`` (run in this process) halves num_envs (PPO, A2C) or the batch / num_envs (SAC, DQN),
-the run warns and trains on to its full step count; repeated errors stop it with ``OutOfMemoryBackoffError`` and its
-last checkpoint, from which it resumes; an error at setup backs off too.
+function of ``algos/<name>.py`` (run in this process) hands the live state over, the algorithm's rule halves num_envs
+(PPO, A2C) or the batch / num_envs (SAC, DQN), and training re-enters from that state, warns and trains on to its full
+step count; repeated errors stop it with ``OutOfMemoryBackoffError`` and its last checkpoint, from which it resumes;
+an error at setup (``harness.make_env``) backs off too.
 
 What a GPU adds (CUDA-graph re-capture, the memory actually handed back) is not covered here.
 """
@@ -14,12 +15,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import tyro
 from conftest import load_algo
 from test_a2c import TINY as A2C_TINY
 from test_dqn import TINY as DQN_TINY
 from test_ppo import TINY as PPO_TINY
 from test_sac import TINY as SAC_TINY
+
+from algos import harness
 
 
 @dataclass(frozen=True)
@@ -28,27 +30,26 @@ class Case:
 
     ``args`` are the tiny settings (``extra`` is added after them), ``total`` the env steps of the run and
     ``per_iteration`` its env steps per iteration at the asked-for num_envs. ``update`` is a module-level function
-    called in each update, ``setup`` one called once while building the state sized by num_envs.
+    called in each update.
     """
 
     args: list[str]
     total: int
     per_iteration: int
     update: str
-    setup: str
     extra: list[str] = field(default_factory=list)
 
 
 CASES = {
     # 4 envs x 48 steps = 192 steps per iteration; a checkpoint every iteration
-    "ppo": Case(PPO_TINY, total=576, per_iteration=192, update="update", setup="make_storage"),
+    "ppo": Case(PPO_TINY, total=576, per_iteration=192, update="update"),
     # 4 envs x 8 steps = 32 steps per iteration; a log and a checkpoint every 6 iterations
-    "a2c": Case(A2C_TINY, total=384, per_iteration=32, update="update", setup="make_storage"),
+    "a2c": Case(A2C_TINY, total=384, per_iteration=32, update="update"),
     # 4 envs, 2 critic steps per iteration from step 64 on; batch 128, so it can halve once above its floor of 64
-    "sac": Case(SAC_TINY, total=384, per_iteration=4, update="update_critic", setup="make_episode_stats",
+    "sac": Case(SAC_TINY, total=384, per_iteration=4, update="update_critic",
                 extra=["--batch-size", "128"]),
     # 4 envs x 2 steps = 8 steps per iteration, 2 gradient steps per iteration from step 64 on; batch 128 likewise
-    "dqn": Case(DQN_TINY, total=256, per_iteration=8, update="update", setup="make_episode_stats",
+    "dqn": Case(DQN_TINY, total=256, per_iteration=8, update="update",
                 extra=["--batch-size", "128"]),
 }  # fmt: skip
 
@@ -84,7 +85,7 @@ def train(name: str, site_toml, out, total: int, *extra: str) -> dict:
     case = CASES[name]
     argv = ["--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", str(total), "--eval-split", "none",
             "--seed", "3", *case.args, *case.extra, *extra]  # fmt: skip
-    return module.main(tyro.cli(module.Args, args=argv))
+    return module.main(harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv))
 
 
 def tensorboard_text(out) -> bytes:
@@ -140,7 +141,7 @@ def test_an_oom_in_training_halves_warns_and_the_run_finishes(case, site_toml, t
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
     for key, value in sizes.items():  # the values used are logged, not the ones asked for
         assert result[key] == value and metrics[key].iloc[-1] == value, (key, metrics[key].tolist())
-        assert saved["args"][key] == value
+        assert saved["sizes"][key] == value  # the sizes in use; Args keeps what was asked for
         assert f"|{key}|{value}|".encode() in events  # the hyperparameters again, as used at the end
     if name in ("ppo", "a2c"):  # annealed linearly over the steps, so with no jump at the halving
         num_steps = int(CASES[name].args[CASES[name].args.index("--num-steps") + 1])
@@ -167,7 +168,7 @@ def test_repeated_ooms_stop_with_an_explanatory_error_and_the_run_resumes_from_i
     case = CASES[name]
     ckpt = tmp_path / "checkpoint.pt"
     seen = inject_oom(monkeypatch, module, case.update, REPEATED[name], ckpt)
-    with pytest.raises(module.OutOfMemoryBackoffError) as info:
+    with pytest.raises(harness.OutOfMemoryBackoffError) as info:
         train(name, site_toml, tmp_path, case.total, "--max-oom-retries", "2")
 
     message = str(info.value)
@@ -196,7 +197,7 @@ def test_repeated_ooms_stop_with_an_explanatory_error_and_the_run_resumes_from_i
 def test_an_oom_at_setup_halves_num_envs(name, site_toml, tmp_path, monkeypatch, capsys):
     module = load_algo(name)
     case = CASES[name]
-    seen = inject_oom(monkeypatch, module, case.setup, lambda n: n == 1)
+    seen = inject_oom(monkeypatch, harness, "make_env", lambda n: n == 1)
     result = train(name, site_toml, tmp_path, case.total)
     assert seen["raised"] == 1 and seen["calls"] == 2  # built again once, at half the size
     assert "warning: CUDA out of memory at setup: num_envs 4 -> 2" in capsys.readouterr().err
@@ -221,17 +222,15 @@ def test_a_replay_buffer_that_does_not_fit_is_halved_down_to_its_floor(name, buf
 
     # never fits: the halving stops at max(num_envs, batch_size) rows, with a clear error
     inject_oom(monkeypatch, module, buffer, lambda n: True)
-    with pytest.raises(module.OutOfMemoryBackoffError, match="--buffer-size"):
+    with pytest.raises(harness.OutOfMemoryBackoffError, match="--buffer-size"):
         train(name, site_toml, tmp_path / "never", case.total, "--batch-size", "16")
     assert not (tmp_path / "never" / "checkpoint.pt").exists()
 
 
 # ---------------------------------------------------------------------------------------------- the pieces
-@pytest.mark.parametrize("name", list(CASES))
-def test_out_of_memory_message_finds_the_error_behind_another(name):
-    module = load_algo(name)
-    assert module.out_of_memory_message(torch.OutOfMemoryError(INJECTED + "\nmore lines")) == INJECTED
-    assert module.out_of_memory_message(RuntimeError("shape mismatch")) is None
+def test_out_of_memory_message_finds_the_error_behind_another():
+    assert harness.out_of_memory_message(torch.OutOfMemoryError(INJECTED + "\nmore lines")) == INJECTED
+    assert harness.out_of_memory_message(RuntimeError("shape mismatch")) is None
     # a failed capture or compilation raises its own error while handling (or from) the allocator's
     for chain in ("context", "cause"):
         try:
@@ -242,39 +241,31 @@ def test_out_of_memory_message_finds_the_error_behind_another(name):
                     raise RuntimeError("compilation failed") from oom
                 raise RuntimeError("operation failed during capture")  # noqa: B904
         except RuntimeError as exc:
-            assert module.out_of_memory_message(exc) == INJECTED
+            assert harness.out_of_memory_message(exc) == INJECTED
 
 
-def test_ppo_halving_stops_where_num_envs_cannot_be_halved(tmp_path):
+def test_ppo_halving_stops_where_num_envs_cannot_be_halved():
     ppo = load_algo("ppo")
-    args = ppo.resolve_args(ppo.Args(num_envs=1, num_steps=4, num_minibatches=2, output_dir=str(tmp_path)),
-                            torch.device("cpu"))  # fmt: skip
-    with pytest.raises(ppo.OutOfMemoryBackoffError, match="num_envs 1 cannot be halved") as info:
-        ppo.halve_num_envs(args, [], "at setup", INJECTED, tmp_path / "checkpoint.pt")
-    assert "no checkpoint was written" in str(info.value) and args.num_envs == 1  # left as it was
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved"):
+        ppo.halve_num_envs(ppo.Sizes(num_envs=1, num_steps=4, num_minibatches=2), in_update=False)
     # under --cudagraphs the halved batch must still split into equal minibatches: 6 envs x 1 step into 2, 3 x 1 not
-    args = ppo.resolve_args(ppo.Args(num_envs=12, num_steps=1, num_minibatches=2, output_dir=str(tmp_path)),
-                            torch.device("cpu"))  # fmt: skip
-    args.cudagraphs = True
-    history: list[str] = []
-    warning = ppo.halve_num_envs(args, history, "at setup", INJECTED, tmp_path / "c.pt")
-    assert warning == "CUDA out of memory at setup: num_envs 12 -> 6 (batch 12 -> 6, minibatch 6 -> 3); continuing"
-    with pytest.raises(ppo.OutOfMemoryBackoffError, match="equal minibatches"):
-        ppo.halve_num_envs(args, history, "at setup", INJECTED, tmp_path / "c.pt")
-    assert (args.num_envs, args.batch_size, args.minibatch_size) == (6, 6, 3) and history == [warning]
+    sizes, change = ppo.halve_num_envs(ppo.Sizes(12, 1, 2), in_update=False, cudagraphs=True)
+    assert change == "num_envs 12 -> 6 (batch 12 -> 6, minibatch 6 -> 3)"
+    with pytest.raises(ValueError, match="equal minibatches"):
+        ppo.halve_num_envs(sizes, in_update=False, cudagraphs=True)
+    assert (sizes.num_envs, sizes.batch_size, sizes.minibatch_size) == (6, 6, 3)
 
 
 @pytest.mark.parametrize("name", ["sac", "dqn"])
-def test_off_policy_halving_order_batch_then_envs(name, tmp_path):
+def test_off_policy_halving_order_batch_then_envs(name):
     module = load_algo(name)
-    args = module.resolve_args(module.Args(num_envs=2, batch_size=256, output_dir=str(tmp_path), max_oom_retries=9),
-                               torch.device("cpu"))  # fmt: skip
-    history: list[str] = []
-    ckpt = tmp_path / "checkpoint.pt"
-    halve = lambda in_update: module.halve_after_oom(args, history, "here", INJECTED, ckpt, in_update)  # noqa: E731
-    assert "batch_size 256 -> 128" in halve(True)
-    assert "num_envs 2 -> 1" in halve(False)  # stepping the envs: always num_envs
-    assert "batch_size 128 -> 64" in halve(True)
-    with pytest.raises(module.OutOfMemoryBackoffError, match="num_envs 1 cannot be halved and batch_size 64"):
-        halve(True)  # the batch is at its floor, one env left
-    assert (args.num_envs, args.batch_size, len(history)) == (1, 64, 3)
+    sizes = module.Sizes(num_envs=2, batch_size=256, buffer_size=1000)
+    sizes, change = module.shrink(sizes, True)
+    assert "batch_size 256 -> 128" in change
+    sizes, change = module.shrink(sizes, False)
+    assert "num_envs 2 -> 1" in change  # stepping the envs: always num_envs
+    sizes, change = module.shrink(sizes, True)
+    assert "batch_size 128 -> 64" in change
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved and batch_size 64"):
+        module.shrink(sizes, True)  # the batch is at its floor, one env left
+    assert (sizes.num_envs, sizes.batch_size) == (1, 64)

@@ -22,6 +22,8 @@ from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo,
 
 import envs
 import envs.evhub
+from algos import harness
+from envs.vector import GymTorchVecEnv, NormalizeReward, RecordEpisodeStatistics, make_vec, obs_shape_of
 
 SCRIPT = ROOT / "algos" / "ppo.py"
 
@@ -41,6 +43,20 @@ load_ppo = partial(load_algo, "ppo")
 run_ppo = partial(run_algo, "ppo")
 
 
+def preset_args(**fields):
+    """``Args`` as the command line builds them: the preset's and the env's own defaults under ``fields``."""
+    ppo = load_ppo()
+    return harness.preset_args(ppo.Args, ppo.PRESETS, ppo.ENV_DEFAULTS, **fields)
+
+
+def make_agent(obs_shape: tuple[int, ...], act_dim: int, hidden: int, *, discrete: bool = False, norm_obs: bool = True,
+               init_logstd: float = 0.0, cnn_channels: tuple[int, int] = (32, 64)):
+    """A PPO ``Agent`` for one env's observation shape and action width, with these network settings."""
+    ppo = load_ppo()
+    args = ppo.Args(hidden_size=hidden, norm_obs=norm_obs, init_logstd=init_logstd, cnn_channels=cnn_channels)
+    return ppo.Agent(tuple(obs_shape), act_dim, discrete, args, None)
+
+
 @pytest.fixture(scope="module")
 def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return tiny_run("ppo", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
@@ -57,7 +73,7 @@ def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert len(metrics) == 2  # 384 steps / (4 envs x 48 steps) iterations, one row each
     assert list(metrics.global_step) == [192, 384]
-    gpu_columns = [k.removeprefix("perf/") for k in load_ppo().GPU_STAT_KEYS]
+    gpu_columns = [k.removeprefix("perf/") for k in harness.GPU_STAT_KEYS]
     assert metrics[gpu_columns].isna().all().all()  # GPU monitoring: NaN on the CPU
     assert np.isfinite(metrics.drop(columns=gpu_columns).to_numpy(dtype=float)).all(), metrics.T
     assert (metrics.episodic_co2_kg > 0).all() and (metrics.episodic_length == 48).all()
@@ -133,7 +149,6 @@ def test_help_documents_every_field():
 
 
 def test_gae_matches_a_hand_computed_example():
-    ppo = load_ppo()
     gamma, lam = 0.9, 0.8
     # env 0: a terminal step at t=1 (dones[2] = 1), bootstraps from next_value after t=2
     # env 1: no episode end inside, the observation after the rollout is terminal (next_done = 1)
@@ -142,7 +157,7 @@ def test_gae_matches_a_hand_computed_example():
     dones = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
     next_value = torch.tensor([2.0, 1.0])
     next_done = torch.tensor([0.0, 1.0])
-    adv, ret = ppo.compute_gae(rewards, values, dones, next_value, next_done, gamma, lam)
+    adv, ret = harness.compute_gae(rewards, values, dones, next_value, next_done, gamma, lam)
     # env 0: d2 = 3 + 0.9*2 - 1.5 = 3.3; d1 = 2 - 1 = 1 (no bootstrap); d0 = 1 + 0.9*1 - 0.5 = 1.4
     #        A2 = 3.3, A1 = 1.0, A0 = 1.4 + 0.72 * 1.0 = 2.12
     # env 1: d2 = 1 (next obs terminal), d1 = d0 = 0: A2 = 1, A1 = 0.72, A0 = 0.72^2
@@ -151,11 +166,25 @@ def test_gae_matches_a_hand_computed_example():
     torch.testing.assert_close(ret, expected + values)
 
 
+class RewardsOnly:
+    """A stand-in vector env of ``len(rewards[0])`` envs that returns the rows of ``rewards`` in turn, no episode
+    ending."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, rewards: torch.Tensor):
+        self.rewards, self.num_envs, self.t = rewards, rewards.shape[1], 0
+
+    def step(self, action):
+        reward, self.t = self.rewards[self.t], self.t + 1
+        no = torch.zeros(self.num_envs, dtype=torch.bool)
+        return torch.zeros(self.num_envs, 1), reward, no, no, {}
+
+
 def test_running_normalisers_match_batch_statistics():
-    ppo = load_ppo()
     torch.manual_seed(0)
     data = torch.randn(5, 64, 3) * torch.tensor([1.0, 5.0, 0.1]) + torch.tensor([0.0, 2.0, -1.0])
-    norm = ppo.RunningObsNorm(3)
+    norm = harness.RunningObsNorm(3)
     for batch in data:
         norm.update(batch)
     flat = data.reshape(-1, 3)
@@ -163,18 +192,18 @@ def test_running_normalisers_match_batch_statistics():
     torch.testing.assert_close(norm.var, flat.var(0, unbiased=False), rtol=1e-3, atol=1e-4)
     assert norm(flat).abs().max() <= norm.clip
 
-    rn = ppo.make_reward_norm(2, torch.device("cpu"))
     rewards = torch.tensor([[-1.0, -2.0], [-1.0, -2.0], [-1.0, -2.0]])
+    env = NormalizeReward(RewardsOnly(rewards), gamma=0.5, reset_on_truncation=True)
     returns = []
     ret = torch.zeros(2, dtype=torch.float64)
     for r in rewards:
-        scaled = ppo.normalize_reward(rn, r, torch.zeros(2), gamma=0.5)
+        _, scaled, *_ = env.step(torch.zeros(2, 1))
         ret = ret * 0.5 + r.double()
         returns.append(ret.clone())
         assert scaled.dtype == r.dtype
-    torch.testing.assert_close(rn["ret"], ret)
+    torch.testing.assert_close(env.rn["ret"], ret)
     var = torch.stack(returns).reshape(-1).var(unbiased=False)
-    torch.testing.assert_close(rn["var"], var, rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(env.rn["var"], var, rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(scaled, rewards[-1] / torch.sqrt(var + 1e-8).float(), rtol=1e-3, atol=1e-6)
 
 
@@ -183,7 +212,7 @@ def test_policy_step_draws_what_the_distribution_samples():
     """``mean + std * noise`` (no host sync) draws the numbers ``Normal.sample`` would, so seeds keep their runs."""
     ppo = load_ppo()
     torch.manual_seed(0)
-    agent = ppo.Agent(7, 2, 16, init_logstd=-0.5)
+    agent = make_agent((7,), 2, 16, init_logstd=-0.5)
     obs = torch.randn(5, 7)
     rng = torch.get_rng_state()
     obs_n, action, logprob, value = ppo.policy_step(agent, obs)
@@ -207,7 +236,7 @@ COEFS = dict(clip_coef=0.2, norm_adv=True, clip_vloss=True, ent_coef=0.01, vf_co
 def test_update_takes_one_finite_step(amp):
     ppo = load_ppo()
     torch.manual_seed(0)
-    agent = ppo.Agent(7, 2, 16)
+    agent = make_agent((7,), 2, 16)
     opt = torch.optim.Adam(agent.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64), eps=1e-5)
     before = [p.detach().clone() for p in agent.parameters()]
     out = ppo.update_minibatch(agent, opt, *minibatch(), **COEFS, amp=amp)
@@ -243,7 +272,6 @@ def test_update_covers_the_batch_in_minibatches_and_stops_at_target_kl():
 
 def test_resumed_optimizer_keeps_this_runs_lr_tensor_and_device_flags():
     """A checkpoint from a CUDA run (capturable Adam) resumes on the CPU; the annealed LR tensor stays in charge."""
-    ppo = load_ppo()
     param = torch.nn.Parameter(torch.zeros(3))
     saved_opt = torch.optim.Adam([param], lr=0.5)
     param.grad = torch.ones(3)
@@ -252,7 +280,7 @@ def test_resumed_optimizer_keeps_this_runs_lr_tensor_and_device_flags():
     state["param_groups"][0]["capturable"] = True  # as written on a GPU
     lr = torch.tensor(1e-2, dtype=torch.float64)
     opt = torch.optim.Adam([param], lr=lr, eps=1e-5)
-    ppo.load_optimizer_state(opt, state, lr)
+    harness.load_optimizer_state(opt, state, lr)
     group = opt.param_groups[0]
     assert group["lr"] is lr and not group["capturable"]
     before = param.detach().clone()
@@ -264,30 +292,35 @@ def test_resumed_optimizer_keeps_this_runs_lr_tensor_and_device_flags():
     assert (param < before).all()
 
 
-def test_presets_and_cudagraphs_needs_cuda():
+def test_presets_and_cudagraphs_needs_cuda(monkeypatch):
     ppo = load_ppo()
     # the cpu preset keeps the sizes of the runs made before presets had names (same seed, same numbers)
     assert ppo.PRESETS["cpu"] == {"num_envs": 128, "num_steps": 168, "total_timesteps": 4_000_000, "hidden_size": 64,
                                   "num_threads": 1}  # fmt: skip
-    args = ppo.resolve_args(ppo.Args(), torch.device("cpu"))
+    args = preset_args(cuda=False)  # auto without CUDA in use: cpu
     assert args.preset == "cpu" and (args.num_envs, args.hidden_size, args.num_threads) == (128, 64, 1)
+    sizes = ppo.check_args(args)
     batch = 128 * 168
-    assert (args.batch_size, args.minibatch_size, args.num_iterations) == (batch, batch // 8, 4_000_000 // batch)
-    assert ppo.resolve_args(ppo.Args(), torch.device("cuda")).preset == "gpu"  # auto picks by device
-    args = ppo.resolve_args(ppo.Args(preset="gpu", num_envs=7), torch.device("cpu"))
+    assert (sizes.batch_size, sizes.minibatch_size, args.total_timesteps // sizes.batch_size) == (
+        batch, batch // 8, 4_000_000 // batch)  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert preset_args().preset == "gpu"  # auto picks by device
+    assert preset_args(cuda=False).preset == "cpu"
+    monkeypatch.undo()
+    args = preset_args(preset="gpu", num_envs=7, cuda=False)
     assert args.num_envs == 7 and args.hidden_size == ppo.PRESETS["gpu"]["hidden_size"]
 
 
-def test_cudagraphs_needs_cuda():
+def test_cudagraphs_needs_cuda(tmp_path):
     ppo = load_ppo()
     with pytest.raises(ValueError, match="--cudagraphs needs CUDA"):
-        ppo.resolve_args(ppo.Args(cudagraphs=True), torch.device("cpu"))
+        ppo.main(ppo.Args(cudagraphs=True, cuda=False, output_dir=str(tmp_path)))
     # target_kl's early stop reads the device after each epoch: refused under CUDA graphs (no GPU needed to check)
     with pytest.raises(ValueError, match="target-kl"):
-        ppo.resolve_args(ppo.Args(cudagraphs=True, target_kl=0.02), torch.device("cuda"))
+        ppo.check_args(ppo.Args(cudagraphs=True, target_kl=0.02))
     with pytest.raises(ValueError, match="equal minibatches"):
-        ppo.resolve_args(ppo.Args(cudagraphs=True, num_envs=3, num_steps=5, num_minibatches=2), torch.device("cuda"))
-    assert ppo.resolve_args(ppo.Args(cudagraphs=True), torch.device("cuda")).cudagraphs
+        ppo.check_args(ppo.Args(cudagraphs=True, num_envs=3, num_steps=5, num_minibatches=2))
+    assert isinstance(ppo.check_args(ppo.Args(cudagraphs=True)), ppo.Sizes)
 
 
 @pytest.mark.slow
@@ -368,11 +401,10 @@ def test_pendulum_sync_vector_env_trains_and_resumes_with_new_episodes(tmp_path)
 
 
 def pendulum_args(out: Path, **overrides):
-    """Resolved-at-runtime ``Args`` of a tiny in-process Pendulum run into ``out``."""
-    ppo = load_ppo()
+    """``Args`` of a tiny in-process Pendulum run into ``out`` (preset and env defaults under these fields)."""
     fields = dict(env_id="Pendulum-v1", num_envs=2, num_steps=100, total_timesteps=200, num_minibatches=2,
                   update_epochs=1, hidden_size=16, cuda=False, output_dir=str(out), eval_split="none")  # fmt: skip
-    return ppo.Args(**{**fields, **overrides})
+    return preset_args(**{**fields, **overrides})
 
 
 def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeypatch, capsys):
@@ -424,8 +456,9 @@ class StackedFramesToy(gym.Env):
 @pytest.mark.parametrize(
     "env_id, message",
     [
-        ("StackedFramesToy-v0", r"flat Box observations .* images \(C, H, W\) .* StackedFramesToy-v0 has 4-D"),
-        ("MultiDiscreteToy-v0", r"a Box \(continuous, .* or a Discrete .* MultiDiscreteToy-v0 has MultiDiscrete"),
+        ("StackedFramesToy-v0",
+         r"flat Box observations .* images \(C, H, W\) .* StackedFramesToy-v0 has Box\(.*\(2, 3, 8, 8\)"),
+        ("MultiDiscreteToy-v0", r"a Box \(.*Gaussian.* or a Discrete .* MultiDiscreteToy-v0 has MultiDiscrete"),
     ],
 )
 def test_an_unsupported_space_is_a_clear_error(env_id, message, tmp_path, monkeypatch):
@@ -457,23 +490,21 @@ def test_observations_of_four_dims_are_refused_images_and_flat_ones_pass():
     ppo = load_ppo()
     act = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
     frames = gym.spaces.Box(0.0, 1.0, (4, 3, 8, 8), np.float32)
-    with pytest.raises(ValueError, match=r"Frames-v0 has 4-D observations") as info:
+    with pytest.raises(ValueError, match=r"Frames-v0 has Box\(.*\(4, 3, 8, 8\)") as info:  # its 4-D shape
         ppo.check_spaces("Frames-v0", frames, act)
     assert "(C, H, W)" in str(info.value)
     for shape, torso in (((3, 8, 8), (3, 8, 8)), ((5,), (5,)), ((2, 3), (6,)), ((), (1,))):
         space = gym.spaces.Box(0.0, 1.0, shape, np.float32)
         ppo.check_spaces("Ok-v0", space, act)  # images go to the CNN, the rest is flattened for the MLP
-        assert ppo.torso_shape(space.shape) == torso
+        assert obs_shape_of(space) == torso
 
 
 def test_gym_adapter_rescales_actions_to_the_box():
     import gymnasium as gym
 
-    ppo = load_ppo()
-    vec, warning = ppo.make_gym_vector_env("Pendulum-v1", 3, "sync")
+    env = make_vec("Pendulum-v1", 3, torch.device("cpu"), "sync")
     try:
-        env = ppo.GymVecEnv(vec, torch.device("cpu"), "Pendulum-v1")
-        assert warning is None
+        assert isinstance(env, GymTorchVecEnv) and env.warning is None and env.vector_mode == "sync"
         action = env.action_to_env(torch.tensor([[-1.0], [0.25], [1.0]]))
         assert action.dtype == np.float32 and action.shape == (3, 1)
         np.testing.assert_allclose(action[:, 0], [-2.0, 0.5, 2.0])
@@ -481,10 +512,10 @@ def test_gym_adapter_rescales_actions_to_the_box():
         assert obs.dtype == torch.float32 and obs.shape == (3, 3)
         obs, reward, terminated, truncated, info = env.step(torch.zeros(3, 1))
         assert reward.dtype == torch.float32 and terminated.dtype == torch.bool and truncated.dtype == torch.bool
-        assert torch.equal(info["final_obs"], obs) and not info["any_truncated"]
+        assert torch.equal(info["final_obs"], obs) and not truncated.any()
     finally:
-        vec.close()
-    assert isinstance(vec.unwrapped, gym.vector.SyncVectorEnv)
+        env.close()
+    assert isinstance(env.env.unwrapped, gym.vector.SyncVectorEnv)
 
 
 def test_rollout_bootstraps_truncations_from_final_obs():
@@ -492,46 +523,65 @@ def test_rollout_bootstraps_truncations_from_final_obs():
     ppo = load_ppo()
 
     class TwoEnvs:  # env 0 truncates at its first step, env 1 terminates; both give reward 1
+        num_envs, device = 2, torch.device("cpu")
+
         def step(self, action):
             obs = torch.zeros(2, 3)
             final = torch.tensor([[7.0, 7.0, 7.0], [0.0, 0.0, 0.0]])
-            return obs, torch.ones(2), torch.tensor([False, True]), torch.tensor([True, False]), {
-                "final_obs": final, "any_truncated": True}
+            return obs, torch.ones(2), torch.tensor([False, True]), torch.tensor([True, False]), {"final_obs": final}
 
     def act(obs):
         return obs, torch.zeros(2, 1), torch.zeros(2), torch.zeros(2)
 
-    storage = ppo.make_storage(1, 2, 3, 1, torch.device("cpu"))
-    stats = ppo.make_episode_stats(2, torch.device("cpu"))
+    storage = ppo.make_storage(ppo.Sizes(num_envs=2, num_steps=1, num_minibatches=1), (3,), 1, False,
+                               torch.device("cpu"))  # fmt: skip
+    env = RecordEpisodeStatistics(TwoEnvs())  # the training env's episode statistics
     seen = []
 
     def final_value(obs):
         seen.append(obs)
         return torch.full((2,), 10.0)
 
-    _, next_done = ppo.rollout(TwoEnvs(), act, torch.zeros(2, 3), torch.zeros(2), storage, stats, None, 0.5, True,
-                               final_value=final_value)  # fmt: skip
+    _, next_done = ppo.rollout(env, act, torch.zeros(2, 3), torch.zeros(2), storage, 0.5, True, final_value=final_value)
     torch.testing.assert_close(storage["rewards"][0], torch.tensor([1.0 + 0.5 * 10.0, 1.0]))
     torch.testing.assert_close(next_done, torch.ones(2))
     assert float(seen[0][0, 0]) == 7.0
-    assert float(stats["n_done"]) == 2 and float(stats["sum_return"]) == 2.0  # raw rewards in the statistics
+    n_done, sum_return = env.pop().tolist()[:2]
+    assert n_done == 2 and sum_return == 2.0  # raw rewards in the statistics
 
 
-def test_gpu_stats_on_cpu_are_nan():
+def test_gpu_stats_on_cpu_are_nan(tmp_path):
     ppo = load_ppo()
-    stats = ppo.gpu_stats(torch.device("cpu"))
-    assert set(stats) == set(ppo.GPU_STAT_KEYS)
+    stats = harness.gpu_stats(torch.device("cpu"))
+    assert set(stats) == set(harness.GPU_STAT_KEYS)
     assert all(math.isnan(v) for v in stats.values())
-    row = ppo.metrics_row(1, 0.0, 0.0, {"return": 0.0, "length": 1.0, "co2_kg": 0.0, "unserved_kwh": 0.0},
-                          dict.fromkeys(ppo.LOSS_NAMES + ("approx_kl", "clipfrac", "explained_variance"), 0.0), 0.0, 1,
-                          stats)  # fmt: skip
+
+    class OneStep:  # every episode ends after one step of reward 0
+        num_envs, device = 1, torch.device("cpu")
+
+        def step(self, action):
+            ended, cut = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)
+            return torch.zeros(1, 3), torch.zeros(1), ended, cut, {}
+
+    # one metrics row, as the training loop logs it on the CPU
+    run = harness.Run("ppo", pendulum_args(tmp_path), ppo.LOSS_NAMES, ppo.PRESETS, ppo.ENV_DEFAULTS)
+    try:
+        env = RecordEpisodeStatistics(OneStep())
+        losses = dict.fromkeys(ppo.LOSS_NAMES + ("approx_kl", "clipfrac", "explained_variance"), torch.zeros(()))
+        for _ in run.iterations(1):
+            env.step(torch.zeros(1, 1))
+            run.global_step += 1
+            row = run.log(env, run.new_guard(), {f"losses/{k}": v for k, v in losses.items()}, num_envs=1)
+    finally:
+        run.close()
     assert math.isnan(row["gpu_mem_peak_gb"]) and math.isnan(row["gpu_util_pct"]) and row["episodic_length"] == 1.0
+    assert math.isnan(pd.read_parquet(tmp_path / "metrics.parquet").gpu_util_pct.iloc[0])
 
 
 def test_presets_table_lists_every_preset_and_the_values_used():
     ppo = load_ppo()
-    args = ppo.resolve_args(ppo.Args(num_envs=3), torch.device("cpu"))
-    table = ppo.presets_table(args.preset, args)
+    args = preset_args(num_envs=3, cuda=False)
+    table = harness.presets_table(ppo.PRESETS, ppo.ENV_DEFAULTS, args)
     assert table.splitlines()[0] == "|field|cpu*|gpu|used|"
     assert "|num_envs|128|2048|3|" in table
 
@@ -553,11 +603,10 @@ CARTPOLE = [
 
 
 def cartpole_args(out: Path, **overrides):
-    """``Args`` of a tiny in-process CartPole-v1 run into ``out``."""
-    ppo = load_ppo()
+    """``Args`` of a tiny in-process CartPole-v1 run into ``out`` (preset and env defaults under these fields)."""
     fields = dict(env_id="CartPole-v1", num_envs=4, num_steps=64, total_timesteps=512, num_minibatches=2,
                   update_epochs=2, hidden_size=16, cuda=False, output_dir=str(out), eval_split="none")  # fmt: skip
-    return ppo.Args(**{**fields, **overrides})
+    return preset_args(**{**fields, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -667,8 +716,10 @@ def test_cartpole_greedy_policy_beats_a_random_one(tmp_path):
     """40,960 steps (8 envs x 128 steps, 40 iterations, about 5 s of training on 2 CPU cores); seeds 1 to 6 gave a
     greedy mean return of 500, 463, 500, 256, 500 and 450 over these 20 episodes, a random policy about 22."""
     ppo = load_ppo()
+    # the cpu preset's width (64), not the tiny runs' 16
     args = cartpole_args(tmp_path, num_envs=8, num_steps=128, total_timesteps=40_960, num_minibatches=4,
-                         update_epochs=4, hidden_size=None, checkpoint_every=0, seed=1)  # fmt: skip
+                         update_epochs=4, hidden_size=ppo.PRESETS["cpu"]["hidden_size"], checkpoint_every=0,
+                         seed=1)  # fmt: skip
     result = ppo.main(args)
     assert result["global_step"] == 40_960
     greedy = greedy_cartpole_return(torch.export.load(tmp_path / "policy.pt2").module())
@@ -677,8 +728,6 @@ def test_cartpole_greedy_policy_beats_a_random_one(tmp_path):
 
 
 def test_gym_adapter_passes_discrete_actions_as_ints_offset_by_start():
-    ppo = load_ppo()
-
     class Shifted(gym.Env):  # Discrete(3, start=-1): actions -1, 0, 1; the observation echoes the action
         observation_space = gym.spaces.Box(-2.0, 2.0, (2,), np.float32)
         action_space = gym.spaces.Discrete(3, start=-1)
@@ -695,7 +744,7 @@ def test_gym_adapter_passes_discrete_actions_as_ints_offset_by_start():
 
     vec = gym.vector.SyncVectorEnv([Shifted] * 3, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     try:
-        env = ppo.GymVecEnv(vec, torch.device("cpu"), "Shifted-v0")
+        env = GymTorchVecEnv(vec, torch.device("cpu"), "sync")
         assert env.discrete
         host = env.action_to_env(torch.tensor([0, 1, 2]))
         assert host.dtype == np.int64 and host.shape == (3,)
@@ -715,7 +764,7 @@ def test_discrete_head_samples_scores_and_updates():
     argmax deterministic actor."""
     ppo = load_ppo()
     torch.manual_seed(0)
-    agent = ppo.Agent(7, 3, 16, discrete=True)
+    agent = make_agent((7,), 3, 16, discrete=True)
     assert agent.discrete and agent.policy_head is agent.actor and not hasattr(agent, "actor_logstd")
     head = agent.actor[-1].weight  # orthogonal rows of norm 0.01
     torch.testing.assert_close(head @ head.T, 1e-4 * torch.eye(3))
@@ -728,7 +777,8 @@ def test_discrete_head_samples_scores_and_updates():
     torch.testing.assert_close(action, dist.sample(), rtol=0, atol=0)
     torch.testing.assert_close(logprob, torch.log_softmax(agent.actor(obs_n), -1).gather(1, action[:, None])[:, 0])
 
-    storage = ppo.make_storage(2, 5, 7, 3, torch.device("cpu"), discrete=True)
+    storage = ppo.make_storage(ppo.Sizes(num_envs=5, num_steps=2, num_minibatches=1), (7,), 3, True,
+                               torch.device("cpu"))  # fmt: skip
     assert storage["actions"].dtype == torch.int64 and storage["actions"].shape == (2, 5)
     storage["actions"][0] = action
     opt = torch.optim.Adam(agent.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64), eps=1e-5)
@@ -737,7 +787,7 @@ def test_discrete_head_samples_scores_and_updates():
     assert not out["bad"].any() and 0.0 < float(out["entropy"]) <= math.log(3)
     assert any(not torch.equal(b, p) for b, p in zip(before, agent.parameters()))
 
-    actor = ppo.DeterministicActor(agent.obs_norm, agent.policy_head, discrete=True)
+    actor = ppo.DeterministicActor(agent)
     torch.testing.assert_close(actor(obs), agent.actor(agent.obs_norm(obs)).argmax(-1))
 
 
@@ -758,11 +808,11 @@ SNAKE = [
 
 
 def snake_args(out: Path, **overrides):
-    """``Args`` of a tiny in-process Snake-v0 run into ``out`` (the fields of :data:`SNAKE`)."""
-    ppo = load_ppo()
+    """``Args`` of a tiny in-process Snake-v0 run into ``out`` (the fields of :data:`SNAKE`, Snake's own defaults
+    under them, as on the command line)."""
     fields = dict(env_id="Snake-v0", num_envs=4, num_steps=32, total_timesteps=256, num_minibatches=2, update_epochs=2,
                   hidden_size=16, cnn_channels=(4, 8), checkpoint_every=1, cuda=False, output_dir=str(out))  # fmt: skip
-    return ppo.Args(**{**fields, **overrides})
+    return preset_args(**{**fields, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -784,7 +834,9 @@ def test_snake_trains_with_a_cnn_torso_and_exports_an_argmax_policy(snake):
     out, proc = snake
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     start = next(line for line in proc.stdout.splitlines() if line.startswith("PPO on "))
-    assert start.startswith("PPO on Snake-v0 torch-batched obs (3, 10, 10) (CNN") and "Categorical" in start, start
+    # the headline names the env, the observations, the torso and the policy head
+    assert start.startswith("PPO on Snake-v0 torch-batched"), start
+    assert "obs (3, 10, 10)" in start and "CNN" in start and "Categorical" in start, start
 
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert list(metrics.global_step) == [128, 256] and metrics.num_envs.tolist() == [4, 4]
@@ -802,12 +854,11 @@ def test_snake_trains_with_a_cnn_torso_and_exports_an_argmax_policy(snake):
     assert weights["network.5.weight"].shape == (16, 8 * 10 * 10)  # Linear(c2 * H * W, hidden)
     assert weights["actor.weight"].shape == (4, 16) and weights["critic.weight"].shape == (1, 16)
     assert not any(k.startswith("obs_norm") for k in weights)  # images are fed as they are by default
-    assert ckpt["next_obs"].shape == (4, 3, 10, 10) and ckpt["env_state"] is not None
+    assert ckpt["next_obs"].shape == (4, 3, 10, 10) and ckpt["env"]["env"] is not None  # Snake's own state
     assert ckpt["args"]["cnn_channels"] == (4, 8) and ckpt["args"]["gamma"] == 0.99  # Snake's own defaults
 
     policy = torch.export.load(out / "policy.pt2").module()
-    ppo = load_ppo()
-    agent = ppo.Agent(300, 4, 16, norm_obs=False, discrete=True, obs_shape=(3, 10, 10), cnn_channels=(4, 8))
+    agent = make_agent((3, 10, 10), 4, 16, norm_obs=False, discrete=True, cnn_channels=(4, 8))
     agent.load_state_dict(weights)
     for batch in (1, 5):  # dynamic batch dimension
         obs = torch.rand(batch, 3, 10, 10)
@@ -838,49 +889,51 @@ def test_snake_resumes_where_it_stopped_to_the_full_step_count(snake, tmp_path):
 
 @pytest.mark.slow
 def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake, trained):
-    ppo = load_ppo()
-    assert {"site", "bess_action", "socket_features", "weekday_features", "eval_split"} <= set(ppo.EVHUB_ONLY_ARGS)
+    assert {"site", "bess_action", "socket_features", "weekday_features", "eval_split"} <= set(harness.EVHUB_ONLY_ARGS)
     out, proc = snake
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     shown = shown_args(proc.stdout)
     assert {"env_id", "cnn_channels", "gamma", "ent_coef", "norm_obs", "norm_reward", "num_envs"} <= set(shown)
-    assert not set(ppo.EVHUB_ONLY_ARGS) & set(shown), shown
+    assert not set(harness.EVHUB_ONLY_ARGS) & set(shown), shown
     events = b"".join(p.read_bytes() for p in out.glob("events.out.tfevents.*"))  # the TensorBoard text too
     assert b"|cnn_channels|(4, 8)|" in events and b"|env_id|Snake-v0|" in events
-    assert not any(f"|{name}|".encode() in events for name in ppo.EVHUB_ONLY_ARGS)
+    assert not any(f"|{name}|".encode() in events for name in harness.EVHUB_ONLY_ARGS)
     # the preset table shows Snake's own defaults beside the presets and the values used
     assert "|field|cpu*|gpu|Snake-v0|used|" in proc.stdout and "|gamma|||0.99|0.99|" in proc.stdout
     assert "|cnn_channels|||(16, 32)|(4, 8)|" in proc.stdout
     # EVHub-v0 runs still show them
     evhub_out, evhub_proc = trained
     assert evhub_proc.returncode == 0, evhub_proc.stderr[-3000:]
-    assert set(ppo.EVHUB_ONLY_ARGS) <= set(shown_args(evhub_proc.stdout))
+    assert set(harness.EVHUB_ONLY_ARGS) <= set(shown_args(evhub_proc.stdout))
 
 
-def test_snake_defaults_fill_only_the_fields_left_unset():
+def test_snake_defaults_fill_only_the_fields_left_unset(tmp_path):
     ppo = load_ppo()
-    cpu = torch.device("cpu")
-    snake = ppo.resolve_args(ppo.Args(env_id="Snake-v0"), cpu)
+    snake = preset_args(env_id="Snake-v0", cuda=False)
     expected = {**ppo.ENV_DEFAULTS["Snake-v0"], **ppo.ENV_DEFAULTS["Snake-v0/cpu"]}
-    assert ppo.env_defaults("Snake-v0", "cpu") == ppo.env_defaults("envs:Snake-v0", "cpu") == expected
+    prefixed = preset_args(env_id="envs:Snake-v0", cuda=False)  # a module: prefix finds the same defaults
+    assert {key: getattr(prefixed, key) for key in expected} == expected
     assert {key: getattr(snake, key) for key in expected} == expected
     assert snake.gamma == 0.99 and snake.norm_obs is False and snake.norm_reward is False
     assert snake.num_threads == ppo.PRESETS["cpu"]["num_threads"]  # what Snake leaves unset comes from the preset
-    assert (snake.batch_size, snake.num_iterations) == (snake.num_envs * snake.num_steps,
-                                                       snake.total_timesteps // snake.batch_size)  # fmt: skip
-    custom = ppo.resolve_args(ppo.Args(env_id="Snake-v0", gamma=0.9, num_envs=3, cnn_channels=(4, 8), norm_reward=True,
-                                       learning_rate=3e-4, update_epochs=1), cpu)  # fmt: skip
+    sizes = ppo.check_args(snake)
+    assert (sizes.batch_size, sizes.minibatch_size) == (snake.num_envs * snake.num_steps,
+                                                        snake.num_envs * snake.num_steps // snake.num_minibatches)
+    assert snake.total_timesteps // sizes.batch_size == 500_000 // (16 * 128)
+    custom = preset_args(env_id="Snake-v0", gamma=0.9, num_envs=3, cnn_channels=(4, 8), norm_reward=True,
+                         learning_rate=3e-4, update_epochs=1, cuda=False)  # fmt: skip
     assert (custom.gamma, custom.num_envs, custom.cnn_channels, custom.norm_reward) == (0.9, 3, (4, 8), True)
     assert (custom.learning_rate, custom.update_epochs, custom.ent_coef) == (3e-4, 1, 0.01)
-    gpu = ppo.resolve_args(ppo.Args(env_id="Snake-v0"), torch.device("cuda"))
+    gpu = preset_args(env_id="Snake-v0", preset="gpu")
     assert (gpu.num_envs, gpu.hidden_size, gpu.cnn_channels) == (256, 512, (32, 64))
-    # other envs keep the values the fields had before the env defaults existed; norm_obs is left to the obs space
+    # other envs keep the values the fields had before the env defaults existed (norm_obs: on, as it was for their
+    # flat observations)
     for env_id in ("EVHub-v0", "CartPole-v1", "Pendulum-v1"):
-        args = ppo.resolve_args(ppo.Args(env_id=env_id), cpu)
+        args = preset_args(env_id=env_id, cuda=False)
         assert (args.learning_rate, args.gamma, args.num_minibatches, args.update_epochs, args.ent_coef,
-                args.norm_reward, args.cnn_channels, args.norm_obs) == (1e-3, 0.98, 8, 5, 0.0, True, (32, 64), None)
+                args.norm_reward, args.cnn_channels, args.norm_obs) == (1e-3, 0.98, 8, 5, 0.0, True, (32, 64), True)
     with pytest.raises(ValueError, match="--cnn-channels takes two positive"):
-        ppo.resolve_args(ppo.Args(env_id="Snake-v0", cnn_channels=(0, 8)), cpu)
+        ppo.main(snake_args(tmp_path, cnn_channels=(0, 8)))
 
 
 @pytest.mark.parametrize("discrete", [True, False])
@@ -890,7 +943,7 @@ def test_cnn_agent_shares_one_torso_between_its_heads(discrete, tmp_path):
     ppo = load_ppo()
     torch.manual_seed(0)
     n = 4 if discrete else 2
-    agent = ppo.Agent(3 * 6 * 5, n, 32, norm_obs=False, discrete=discrete, obs_shape=(3, 6, 5), cnn_channels=(4, 8))
+    agent = make_agent((3, 6, 5), n, 32, norm_obs=False, discrete=discrete, cnn_channels=(4, 8))
     assert agent.image and isinstance(agent.obs_norm, torch.nn.Identity)
     convs = [m for m in agent.network if isinstance(m, torch.nn.Conv2d)]
     assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
@@ -912,16 +965,18 @@ def test_cnn_agent_shares_one_torso_between_its_heads(discrete, tmp_path):
         assert agent.network[0].weight.grad.abs().sum() > 0, loss
     torch.testing.assert_close(agent.get_value(obs), v.detach())
 
-    storage = ppo.make_storage(2, 6, (3, 6, 5), n, torch.device("cpu"), discrete=discrete)
+    storage = ppo.make_storage(ppo.Sizes(num_envs=6, num_steps=2, num_minibatches=1), (3, 6, 5), n, discrete,
+                               torch.device("cpu"))  # fmt: skip
     assert storage["obs"].shape == (2, 6, 3, 6, 5)
     opt = torch.optim.Adam(agent.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64), eps=1e-5)
     before = agent.network[0].weight.detach().clone()
     out = ppo.update_minibatch(agent, opt, obs_n, action, logprob, *torch.randn(3, 6), **COEFS)
     assert not out["bad"].any() and not torch.equal(before, agent.network[0].weight)
 
-    path = ppo.export_policy(agent, (3, 6, 5), tmp_path)
+    space = gym.spaces.Discrete(n) if discrete else gym.spaces.Box(-1.0, 1.0, (n,), np.float32)
+    path = harness.export_policy(ppo.DeterministicActor(agent), (3, 6, 5), space, tmp_path, None)
     policy = torch.export.load(path).module()
-    expected = ppo.DeterministicActor(agent.obs_norm, agent.policy_head, discrete)(obs)
+    expected = ppo.DeterministicActor(agent)(obs)
     torch.testing.assert_close(policy(obs), expected)
     assert policy(obs).shape == ((6,) if discrete else (6, n))
 
