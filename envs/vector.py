@@ -355,11 +355,12 @@ class RecordEpisodeStatistics(_Wrapper):
 
     def load_state_dict(self, state: dict, statistics_only: bool = False) -> None:
         """Restore :meth:`state_dict`; ``statistics_only`` (envs that start new episodes: another ``num_envs``, or a
-        gymnasium env) keeps this env's state and open episodes and restores only what passes on to them."""
+        gymnasium env) keeps this env's state and open episodes and restores only what passes on to them: the totals
+        of the episodes finished since the last :meth:`pop` (not per env)."""
+        self.totals.copy_(state["episode_stats"]["totals"])
         if not statistics_only:
             self.env.load_state_dict(state["env"])
             self.ep.copy_(state["episode_stats"]["ep"])
-            self.totals.copy_(state["episode_stats"]["totals"])
         elif isinstance(self.env, _Wrapper):
             self.env.load_state_dict(state["env"], statistics_only=True)
 

@@ -1,9 +1,9 @@
 """``algos/a2c.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, n-step returns and
-GAE (with truncation), the optimizer choice, the speed switches and ``--help``; gymnasium envs (Pendulum-v1 in sync
-and async vector modes, the spaces refused, the async-start fallback, resume, the final_obs bootstrap), Discrete
-actions (CartPole-v1: a smoke run, resume, learning; the adapter's ``start`` offset), image observations (Snake-v0
-through the CNN torso: a smoke run, resume, the hyperparameters shown, the env defaults; the CNN agent and a
-gymnasium image env through the adapter) and ``gpu_stats``."""
+GAE (with truncation), the optimizer choice, the presets, the out-of-memory shrink rule, the speed switches and
+``--help``; gymnasium envs (Pendulum-v1 in sync and async vector modes, the spaces refused, the async-start fallback,
+resume, the final_obs bootstrap), Discrete actions (CartPole-v1: a smoke run, resume, learning; the ``start``
+offset), image observations (Snake-v0 through the CNN torso: a smoke run, resume, the hyperparameters shown, the env
+defaults; the CNN agent and a gymnasium image env) and ``gpu_stats``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from functools import partial
 import math
 import re
 import subprocess
+import types
 from pathlib import Path
 
 import gymnasium as gym
@@ -20,11 +21,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import tyro
 from conftest import ROOT, assert_compile_reproduces_eager, load_algo, make_site, run_algo, tiny_run
 
 import envs
+from algos import harness
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
+from envs.vector import GymTorchVecEnv, NormalizeReward, RecordEpisodeStatistics, TorchVecEnv
 
 SCRIPT = ROOT / "algos" / "a2c.py"
 
@@ -45,7 +47,7 @@ run_a2c = partial(run_algo, "a2c")
 
 def a2c_gpu_columns() -> tuple[str, ...]:
     """The metrics.parquet columns of ``gpu_stats``."""
-    return load_a2c().GPU_STATS
+    return tuple(key.removeprefix("perf/") for key in harness.GPU_STAT_KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -210,19 +212,20 @@ def test_rollout_flags_the_truncations_of_the_env(bootstrap):
     a2c = load_a2c()
     torch.manual_seed(0)
     site = make_site(days=3, n_sockets=4)  # 48-step windows
-    env = envs.EVHubVectorEnv(3, site=site, split="train")
+    dev = torch.device("cpu")
+    stats = RecordEpisodeStatistics(TorchVecEnv(envs.EVHubVectorEnv(3, site=site, split="train"), dev))
+    env = NormalizeReward(stats, 0.98, reset_on_truncation=True)
     obs, _ = env.reset(seed=0)
     agent = a2c.Agent(env.single_observation_space.shape[0], 2, 8)
-    dev = torch.device("cpu")
     storage = a2c.make_storage(50, 3, obs.shape[1], 2, dev)
-    stats = a2c.make_episode_stats(3, dev)
     act = functools.partial(a2c.policy_step, agent)
-    a2c.rollout(env, act, obs.float(), storage, stats, a2c.make_reward_norm(3, dev), 0.98, bootstrap)
+    a2c.rollout(env, act, obs, storage, 0.98, bootstrap)
     expected = torch.zeros(50, 3)
     expected[47] = 1.0
     torch.testing.assert_close(storage["dones"], expected)
     torch.testing.assert_close(storage["terminals"], torch.zeros(50, 3) if bootstrap else expected)
-    assert float(stats["n_done"]) == 3 and float(stats["sum_co2_kg"]) > 0
+    n_done, _, length, co2_kg, _ = stats.pop().tolist()
+    assert n_done == 3 and length == 3 * 48 and co2_kg > 0
     assert torch.isfinite(storage["rewards"]).all() and torch.isfinite(storage["obs"]).all()
 
 
@@ -269,14 +272,26 @@ def test_update_takes_one_finite_step(amp):
     assert any(not torch.equal(b, p) for b, p in zip(before, agent.parameters()))
 
 
-def test_cudagraphs_needs_cuda():
+def test_cudagraphs_needs_cuda_and_presets_apply():
     a2c = load_a2c()
     with pytest.raises(ValueError, match="needs CUDA"):
-        a2c.resolve_args(a2c.Args(cudagraphs=True), torch.device("cpu"))
-    args = a2c.resolve_args(a2c.Args(), torch.device("cpu"))
+        harness.setup(a2c.Args(cudagraphs=True, cuda=False))
+    preset_args = functools.partial(harness.preset_args, a2c.Args, a2c.PRESETS, a2c.ENV_DEFAULTS, cuda=False)
+    args = preset_args()
     assert args.preset == "cpu" and args.num_envs == a2c.PRESETS["cpu"]["num_envs"]
-    args = a2c.resolve_args(a2c.Args(preset="gpu", num_envs=7), torch.device("cpu"))
+    args = preset_args(preset="gpu", num_envs=7)
     assert args.num_envs == 7 and args.hidden_size == a2c.PRESETS["gpu"]["hidden_size"]
+    with pytest.raises(ValueError, match="num_envs, num_steps and log_every must be >= 1"):
+        a2c.main(preset_args(num_envs=0))
+
+
+def test_out_of_memory_shrink_halves_num_envs_and_the_batch():
+    a2c = load_a2c()
+    sizes, change = a2c.shrink(a2c.Sizes(4, 32), False)
+    assert sizes == a2c.Sizes(2, 16) and change == "num_envs 4 -> 2 (batch 32 -> 16)"
+    assert a2c.shrink(a2c.Sizes(3, 24), True)[1] == "num_envs 3 -> 1 (batch 24 -> 8)"
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved"):
+        a2c.shrink(a2c.Sizes(1, 8), False)
 
 
 @pytest.mark.slow
@@ -324,7 +339,7 @@ def tensorboard_bytes(out) -> bytes:
 def train_in_process(out, *argv: str) -> dict:
     """``algos/a2c.py``'s ``main`` in this process with ``argv`` (output into ``out``); returns its result."""
     a2c = load_a2c()
-    return a2c.main(tyro.cli(a2c.Args, args=["--output-dir", str(out), *argv]))
+    return a2c.main(harness.cli(a2c.Args, a2c.PRESETS, a2c.ENV_DEFAULTS, ["--output-dir", str(out), *argv]))
 
 
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
@@ -333,8 +348,8 @@ def test_pendulum_trains_in_both_vector_modes(mode, tmp_path):
     proc = run_a2c("--env-id", "Pendulum-v1", "--vector-mode", mode, "--output-dir", str(out), "--total-timesteps",
                    "480", *GYM_TINY)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"vector_env={mode.capitalize()}VectorEnv" in proc.stdout
-    assert "has no data splits" in proc.stdout  # eval_split is left at "test": a note, no evaluation
+    assert f"vector_mode={mode}" in proc.stdout
+    assert "no split evaluation for Pendulum-v1" in proc.stdout  # eval_split is left at "test": a note, no evaluation
     assert "|field|cpu*|gpu|used|" in proc.stdout  # the presets, printed as one table
 
     metrics = pd.read_parquet(out / "metrics.parquet")
@@ -376,11 +391,12 @@ def test_unsupported_spaces_are_a_clear_error():
     with pytest.raises(ValueError, match=r"flat Box observations and images .* only, but Toy-v0 has observation "
                                          r"space Dict"):  # fmt: skip
         a2c.check_spaces("Toy-v0", gym.spaces.Dict({"x": flat}), gym.spaces.Discrete(2))
-    # torch-batched envs get the indices as they are: a Discrete space must start at 0 there
-    with pytest.raises(ValueError, match="start -1"):
-        a2c.check_spaces("Toy-v0", flat, gym.spaces.Discrete(3, start=-1), torch_batched=True)
-    a2c.check_spaces("Toy-v0", flat, gym.spaces.Discrete(3, start=-1))  # gymnasium envs: the adapter adds start
-    a2c.check_spaces("Toy-v0", flat, gym.spaces.Discrete(3), torch_batched=True)
+    # torch-batched envs get the indices as they are: a Discrete space must start at 0 there (the vector env says so)
+    shifted = types.SimpleNamespace(num_envs=1, single_observation_space=flat,
+                                    single_action_space=gym.spaces.Discrete(3, start=-1))  # fmt: skip
+    with pytest.raises(ValueError, match=r"takes the action indices 0\.\.n-1"):
+        TorchVecEnv(shifted, torch.device("cpu"))
+    a2c.check_spaces("Toy-v0", flat, gym.spaces.Discrete(3, start=-1))  # gymnasium envs: the vector env adds start
 
 
 def test_async_that_cannot_start_falls_back_to_sync(tmp_path, monkeypatch, capsys):
@@ -393,7 +409,7 @@ def test_async_that_cannot_start_falls_back_to_sync(tmp_path, monkeypatch, capsy
     captured = capsys.readouterr()
     assert "warning: --vector-mode async could not start 2 worker processes for Pendulum-v1" in captured.err
     assert "cannot start worker processes here" in captured.err and "falling back to --vector-mode sync" in captured.err
-    assert "vector_env=SyncVectorEnv" in captured.out
+    assert "vector_mode=sync" in captured.out
     assert result["global_step"] == 240 and (tmp_path / "policy.pt2").is_file()
     assert b"falling back to --vector-mode sync" in tensorboard_bytes(tmp_path)  # TensorBoard text "warnings"
 
@@ -408,27 +424,29 @@ def test_resume_with_a_gymnasium_env_starts_new_episodes(tmp_path, capsys):
     metrics = pd.read_parquet(tmp_path / "metrics.parquet")
     assert list(metrics.global_step) == [240, 480]
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 480 and ckpt["env_state"] is None
+    assert ckpt["global_step"] == 480 and ckpt["env"]["env"]["env"] is None  # (reward norm, episode stats, env)
 
 
-def test_gym_adapter_rescales_actions_and_bootstraps_truncations_from_final_obs():
+def test_gym_env_rescales_actions_and_truncations_bootstrap_from_final_obs():
     a2c = load_a2c()
     vec = gym.make_vec("Pendulum-v1", 2, vectorization_mode="sync", max_episode_steps=3,
                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})  # fmt: skip
-    env = a2c.GymVectorAdapter(vec, torch.device("cpu"))
-    np.testing.assert_allclose(env.scale_action(np.array([[-1.0], [0.5]])), [[-2.0], [1.0]])
+    vec = GymTorchVecEnv(vec, torch.device("cpu"), "sync")
+    np.testing.assert_allclose(vec.action_to_env(torch.tensor([[-1.0], [0.5]])), [[-2.0], [1.0]])
+    np.testing.assert_allclose(vec.action_to_env(torch.tensor([[-3.0], [1.5]])), [[-2.0], [2.0]])  # clipped first
     torch.manual_seed(0)
     agent = a2c.Agent(3, 1, 8, norm_obs=False)  # no running statistics: both rollouts act alike
     act = functools.partial(a2c.policy_step, agent)
     storages = []
     for value_fn in (None, lambda obs: torch.full((obs.shape[0],), 10.0)):
+        env = RecordEpisodeStatistics(vec, info_keys=())  # episode sums from 0
         obs, _ = env.reset(seed=0)
         assert obs.dtype == torch.float32 and obs.shape == (2, 3)
         storage = a2c.make_storage(4, 2, 3, 1, torch.device("cpu"))
-        stats = a2c.make_episode_stats(2, torch.device("cpu"), kpis=())
         torch.manual_seed(1)
-        a2c.rollout(env, act, obs, storage, stats, None, 0.9, True, value_fn)
-        assert float(stats["n_done"]) == 2 and float(stats["sum_length"]) == 6
+        a2c.rollout(env, act, obs, storage, 0.9, True, value_fn)
+        n_done, _, length = env.pop().tolist()
+        assert n_done == 2 and length == 6
         storages.append(storage)
     plain, boot = storages
     truncation = torch.zeros(4, 2)
@@ -441,10 +459,9 @@ def test_gym_adapter_rescales_actions_and_bootstraps_truncations_from_final_obs(
 
 
 def test_gpu_stats_on_cpu_are_nan():
-    a2c = load_a2c()
-    stats = a2c.gpu_stats(torch.device("cpu"))
-    assert set(stats) == set(a2c.GPU_STATS) == {"gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb",
-                                                 "gpu_util_pct"}  # fmt: skip
+    stats = harness.gpu_stats(torch.device("cpu"))
+    assert set(stats) == set(harness.GPU_STAT_KEYS) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb",
+                                                        "perf/gpu_mem_peak_gb", "perf/gpu_util_pct"}  # fmt: skip
     assert all(isinstance(v, float) and math.isnan(v) for v in stats.values())
 
 
@@ -458,7 +475,7 @@ def test_cartpole_trains_with_a_categorical_policy(tmp_path):
     out = tmp_path / "cartpole"
     proc = run_a2c("--output-dir", str(out), "--total-timesteps", "1000", "--checkpoint-every", "25", *CARTPOLE_TINY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "vector_env=SyncVectorEnv" in proc.stdout
+    assert "vector_mode=sync" in proc.stdout
 
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert list(metrics.global_step) == [500, 1000]
@@ -488,7 +505,7 @@ def test_resume_of_a_cartpole_run_reaches_the_full_step_count(tmp_path, capsys):
     assert result["global_step"] == 1000
     assert list(pd.read_parquet(tmp_path / "metrics.parquet").global_step) == [500, 1000]
     after = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
-    assert after["global_step"] == 1000 and after["iteration"] == 50 and after["env_state"] is None
+    assert after["global_step"] == 1000 and after["iteration"] == 50 and after["env"]["env"]["env"] is None
     assert not torch.equal(after["agent"]["actor_logits.5.weight"], before["agent"]["actor_logits.5.weight"])
     assert torch.export.load(tmp_path / "policy.pt2").module()(torch.zeros(3, 4)).dtype == torch.int64
 
@@ -549,14 +566,14 @@ class RecordActions(gym.Env):
         return np.zeros(2, np.float32), 0.0, True, False, {}
 
 
-def test_gym_adapter_passes_discrete_actions_as_ints_offset_by_start():
+def test_gym_env_gets_discrete_actions_as_ints_offset_by_start():
     a2c = load_a2c()
     log: list = []
     vec = gym.vector.SyncVectorEnv([lambda: RecordActions(log)] * 3,
                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)  # fmt: skip
-    env = a2c.GymVectorAdapter(vec, torch.device("cpu"))
-    np.testing.assert_array_equal(env.offset_action(np.array([0, 1, 2])), [-1, 0, 1])
-    assert env.offset_action(np.array([2, 0, 1])).dtype == np.int64
+    env = RecordEpisodeStatistics(GymTorchVecEnv(vec, torch.device("cpu"), "sync"), info_keys=())
+    np.testing.assert_array_equal(env.action_to_env(torch.tensor([0, 1, 2])), [-1, 0, 1])
+    assert env.action_to_env(torch.tensor([2, 0, 1])).dtype == np.int64
     env.reset(seed=0)
     _, _, terminated, _, info = env.step(torch.tensor([0, 2, 1]))  # the indices a Categorical policy samples
     assert [int(a) for a in log] == [-1, 1, 0]
@@ -568,8 +585,7 @@ def test_gym_adapter_passes_discrete_actions_as_ints_offset_by_start():
     assert storage["actions"].dtype == torch.int64 and storage["actions"].shape == (4, 3)
     log.clear()
     obs, _ = env.reset(seed=0)
-    stats = a2c.make_episode_stats(3, torch.device("cpu"), kpis=())
-    a2c.rollout(env, functools.partial(a2c.policy_step, agent), obs, storage, stats, None, 0.9, True, discrete=True)
+    a2c.rollout(env, functools.partial(a2c.policy_step, agent), obs, storage, 0.9, True)
     assert [int(a) for a in log] == (storage["actions"].reshape(-1) - 1).tolist()
     assert set(storage["actions"].unique().tolist()) <= {0, 1, 2}
     env.close()
@@ -602,7 +618,7 @@ def test_snake_trains_through_the_cnn_and_exports_an_action_policy(snake_run):
     assert "torch-batched" in start and "obs (3, 10, 10) (CNN 4-8)" in start and "4 envs x 8 steps" in start
     assert "|field|cpu*|gpu|Snake-v0|used|" in proc.stdout  # the env's defaults, a column of the preset table
     assert "|gamma|||0.99|0.99|" in proc.stdout and "|cnn_channels|||(16, 32)|(4, 8)|" in proc.stdout
-    assert "has no data splits" in proc.stdout
+    assert "no split evaluation for Snake-v0" in proc.stdout
 
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert list(metrics.global_step) == [128, 256]
@@ -613,7 +629,7 @@ def test_snake_trains_through_the_cnn_and_exports_an_action_policy(snake_run):
     assert metrics[["episodic_co2_kg", "episodic_unserved_kwh", *a2c_gpu_columns()]].isna().all().all()
 
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 256 and ckpt["env_state"] is not None  # a torch-batched env: its state is stored
+    assert ckpt["global_step"] == 256 and ckpt["env"]["env"] is not None  # a torch-batched env: its state is stored
     agent = ckpt["agent"]
     assert agent["network.0.weight"].shape == (4, 3, 3, 3) and agent["network.2.weight"].shape == (8, 4, 3, 3)
     assert agent["network.5.weight"].shape == (16, 8 * 10 * 10)  # Linear(c2 * H * W, hidden_size)
@@ -633,17 +649,17 @@ def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake_run, train
     a2c = load_a2c()
     out, proc = snake_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert set(a2c.EVHUB_ONLY_ARGS) == {"site", "action_mode", "bess_action", "socket_features", "weekday_features",
-                                        "eval_split"}  # fmt: skip
-    assert set(a2c.EVHUB_ONLY_ARGS) <= {f.name for f in dataclasses.fields(a2c.Args)}
+    assert set(harness.EVHUB_ONLY_ARGS) == {"site", "action_mode", "bess_action", "socket_features",
+                                            "weekday_features", "eval_split", "eval_every"}  # fmt: skip
+    assert set(harness.EVHUB_ONLY_ARGS) <= {f.name for f in dataclasses.fields(a2c.Args)}
     shown = shown_args(proc.stdout)
     assert shown["env_id"] == "Snake-v0" and shown["cnn_channels"] == "(4, 8)" and shown["gamma"] == "0.99"
-    assert not set(a2c.EVHUB_ONLY_ARGS) & set(shown), shown
+    assert not set(harness.EVHUB_ONLY_ARGS) & set(shown), shown
     text = tensorboard(out).Tensors("hyperparameters/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "|cnn_channels|(4, 8)|" in text and not any(f"|{k}|" in text for k in a2c.EVHUB_ONLY_ARGS), text
+    assert "|cnn_channels|(4, 8)|" in text and not any(f"|{k}|" in text for k in harness.EVHUB_ONLY_ARGS), text
     # EVHub-v0 runs show them all, with the EVHub-v0 values of the env-dependent fields
     evhub_shown = shown_args(trained[1].stdout)
-    assert set(a2c.EVHUB_ONLY_ARGS) <= set(evhub_shown)
+    assert set(harness.EVHUB_ONLY_ARGS) <= set(evhub_shown)
     assert (evhub_shown["gamma"], evhub_shown["ent_coef"], evhub_shown["norm_obs"], evhub_shown["norm_reward"]) == (
         "0.98", "0.0", "True", "True")  # fmt: skip
 
@@ -663,7 +679,7 @@ def test_resume_of_a_snake_run_reaches_the_full_step_count(snake_run, tmp_path, 
     assert result["global_step"] == 512
     assert list(pd.read_parquet(run / "metrics.parquet").global_step) == [128, 256, 384, 512]
     after = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert after["global_step"] == 512 and after["iteration"] == 16 and after["env_state"] is not None
+    assert after["global_step"] == 512 and after["iteration"] == 16 and after["env"]["env"] is not None
     assert not torch.equal(after["agent"]["network.0.weight"], before["agent"]["network.0.weight"])
     action = torch.export.load(run / "policy.pt2").module()(torch.rand(2, 3, 10, 10))
     assert action.dtype == torch.int64 and action.shape == (2,)
@@ -671,8 +687,8 @@ def test_resume_of_a_snake_run_reaches_the_full_step_count(snake_run, tmp_path, 
 
 def test_snake_defaults_come_from_env_defaults_and_every_flag_wins():
     a2c = load_a2c()
-    cpu = torch.device("cpu")
-    args = a2c.resolve_args(a2c.Args(env_id="Snake-v0"), cpu)
+    preset_args = functools.partial(harness.preset_args, a2c.Args, a2c.PRESETS, a2c.ENV_DEFAULTS, cuda=False)
+    args = preset_args(env_id="Snake-v0")
     snake = {**a2c.ENV_DEFAULTS["Snake-v0"], **a2c.ENV_DEFAULTS["Snake-v0/cpu"]}
     for key, value in snake.items():
         assert getattr(args, key) == value, key
@@ -680,16 +696,17 @@ def test_snake_defaults_come_from_env_defaults_and_every_flag_wins():
     assert args.log_every == a2c.PRESETS["cpu"]["log_every"]  # what the env leaves open comes from the preset
     flags = dict(gamma=0.9, ent_coef=0.0, norm_obs=True, norm_reward=True, cnn_channels=(2, 3), num_envs=3,
                  total_timesteps=96, hidden_size=8)  # fmt: skip
-    args = a2c.resolve_args(a2c.Args(env_id="Snake-v0", **flags), cpu)
+    args = preset_args(env_id="Snake-v0", **flags)
     assert {k: getattr(args, k) for k in flags} == flags
-    gpu = a2c.resolve_args(a2c.Args(env_id="envs:Snake-v0", preset="gpu"), cpu)  # a module prefix is fine
+    gpu = preset_args(env_id="envs:Snake-v0", preset="gpu")  # a module prefix is fine
     assert (gpu.num_envs, gpu.cnn_channels, gpu.gamma) == (512, (32, 64), 0.99)
-    # envs without an entry keep the EVHub-v0 values; norm_obs is decided from the observation space in main
+    # envs without an entry keep the EVHub-v0 values
     for env_id in ("EVHub-v0", "CartPole-v1"):
-        args = a2c.resolve_args(a2c.Args(env_id=env_id), cpu)
-        assert (args.gamma, args.ent_coef, args.norm_reward, args.norm_obs) == (0.98, 0.0, True, None)
+        args = preset_args(env_id=env_id)
+        assert (args.gamma, args.ent_coef, args.norm_reward, args.norm_obs) == (0.98, 0.0, True, True)
         assert args.num_envs == a2c.PRESETS["cpu"]["num_envs"] and args.cnn_channels == (32, 64)
-        assert "Snake" not in a2c.preset_table(args) and a2c.preset_table(args).startswith("|field|cpu*|gpu|used|")
+        table = harness.presets_table(a2c.PRESETS, a2c.ENV_DEFAULTS, args)
+        assert "Snake" not in table and table.startswith("|field|cpu*|gpu|used|")
 
 
 def test_cnn_agent_shares_its_torso_and_takes_box_actions_too():
@@ -707,7 +724,7 @@ def test_cnn_agent_shares_its_torso_and_takes_box_actions_too():
     # one update over a rollout of images; Box actions: a Gaussian head on the same torso
     T, N = 3, 2
     box = a2c.Agent(3 * 6 * 5, 2, 16, init_logstd=-0.5, obs_shape=(3, 6, 5), cnn_channels=(2, 4))
-    assert isinstance(box.obs_norm, a2c.RunningObsNorm) and box.obs_norm.mean.shape == (3, 6, 5)  # per pixel
+    assert isinstance(box.obs_norm, harness.RunningObsNorm) and box.obs_norm.mean.shape == (3, 6, 5)  # per pixel
     opt = a2c.make_optimizer(box.parameters(), "rmsprop", torch.tensor(1e-3))
     storage = a2c.make_storage(T, N, (3, 6, 5), 2, torch.device("cpu"))
     assert storage["obs"].shape == (T, N, 3, 6, 5)
@@ -738,25 +755,23 @@ class ToyImageEnv(gym.Env):
         return np.full((2, 4, 3), self.t / 10, np.float32), 1.0, False, self.t >= 3, {}
 
 
-def test_gym_adapter_keeps_image_observations_and_bootstraps_from_their_final_obs():
+def test_gym_image_env_keeps_its_observations_and_bootstraps_from_their_final_obs():
     a2c = load_a2c()
     vec = gym.vector.SyncVectorEnv([ToyImageEnv] * 2, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    env = a2c.GymVectorAdapter(vec, torch.device("cpu"))
-    assert a2c.network_obs_shape(env) == (2, 4, 3)
+    env = GymTorchVecEnv(vec, torch.device("cpu"), "sync")
+    assert env.obs_shape == (2, 4, 3)
     obs, _ = env.reset(seed=0)
     assert obs.shape == (2, 2, 4, 3) and obs.dtype == torch.float32
     torch.manual_seed(0)
     agent = a2c.Agent(24, 3, 8, norm_obs=False, discrete=True, obs_shape=(2, 4, 3), cnn_channels=(2, 2))
     storage = a2c.make_storage(4, 2, (2, 4, 3), 1, torch.device("cpu"), discrete=True)
-    stats = a2c.make_episode_stats(2, torch.device("cpu"), kpis=())
     finals = []
 
     def value_fn(final_obs):
         finals.append(final_obs)
         return torch.full((final_obs.shape[0],), 10.0)
 
-    a2c.rollout(env, functools.partial(a2c.policy_step, agent), obs, storage, stats, None, 0.9, True, value_fn,
-                discrete=True)  # fmt: skip
+    a2c.rollout(env, functools.partial(a2c.policy_step, agent), obs, storage, 0.9, True, value_fn)
     assert len(finals) == 1 and finals[0].shape == (2, 2, 4, 3)
     torch.testing.assert_close(finals[0], torch.full((2, 2, 4, 3), 0.3))  # the last image of each episode
     torch.testing.assert_close(storage["rewards"][2], torch.full((2,), 1.0 + 0.9 * 10.0))
