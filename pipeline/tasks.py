@@ -104,7 +104,7 @@ def algo_script(algo: str) -> Path:
     return PROJECT_ROOT / "algos" / f"{algo}.py"
 
 
-RESUMABLE_CODE = ("envs/site.py", "envs/evhub.py", "envs/kpis.py", "envs/schemas.py")
+RESUMABLE_CODE = ("envs/site.py", "envs/evhub.py", "envs/kpis.py", "envs/schemas.py", "envs/vector.py", "algos/harness.py")
 """Code a training run depends on besides its own script: a changed file here means a fresh run, not a resume."""
 
 

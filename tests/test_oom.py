@@ -116,7 +116,8 @@ MID_TRAINING = {
     "dqn-update": ("dqn", "update", 5, "at global_step 80 (iteration 10), in the gradient steps: batch_size 128 -> 64",
                    {"num_envs": 4, "batch_size": 64}),
     # stepping the envs: num_envs halves (the envs are rebuilt, the replay buffer kept)
-    "sac-envs": ("sac", "record_episode_stats", 30, "at global_step 116 (iteration 30), stepping the envs: num_envs 4 -> 2",
+    # (sample_action runs once per env step from learning_starts on: its 14th call is in iteration 30)
+    "sac-envs": ("sac", "sample_action", 14, "at global_step 116 (iteration 30), stepping the envs: num_envs 4 -> 2",
                  {"num_envs": 2, "batch_size": 128}),
     "dqn-envs": ("dqn", "rollout", 10, "at global_step 72 (iteration 10), stepping the envs: num_envs 4 -> 2",
                  {"num_envs": 2, "batch_size": 128}),

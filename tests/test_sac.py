@@ -1,6 +1,7 @@
 """``algos/sac.py``: a tiny CPU training run on a synthetic site, resume, ``--help``, the pure pieces
-(Polyak update, replay buffer, squashed-Gaussian log-prob), and gymnasium envs (Pendulum-v1 in sync and async
-vector modes, the fall-back from async to sync, a wrong action space, the vector-env adapter, ``gpu_stats``)."""
+(Polyak update, replay buffer, squashed-Gaussian log-prob, the out-of-memory shrink rule), and gymnasium envs
+(Pendulum-v1 in sync and async vector modes, the fall-back from async to sync, a wrong action space, the vector env's
+action rescaling and ``final_obs``, ``harness.gpu_stats``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo, tiny_run
 
 import envs.evhub
+from algos import harness
 from envs.kpis import load_policy
 
 SCRIPT = ROOT / "algos" / "sac.py"
@@ -58,6 +60,11 @@ from step 64, 200 iterations."""
 
 load_sac = partial(load_algo, "sac")
 run_sac = partial(run_algo, "sac")
+
+
+def parse(sac, argv: list[str]):
+    """``sac.Args`` from a command line, with the presets applied as in ``python algos/sac.py``."""
+    return harness.cli(sac.Args, sac.PRESETS, sac.ENV_DEFAULTS, argv=argv)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +149,7 @@ def test_help_documents_every_field():
     sac = load_sac()
     proc = run_sac("--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())
+    text = " ".join(proc.stdout.replace("│", " ").split())  # help text wrapped inside tyro's boxes, joined
     for f in dataclasses.fields(sac.Args):
         assert f"--{f.name.replace('_', '-')}" in text, f.name
     assert "target smoothing coefficient" in text
@@ -198,6 +205,21 @@ def test_replay_buffer_wraps_around_and_samples_only_filled_rows():
     torch.testing.assert_close(restored.data["obs"], rb.data["obs"])
     with pytest.raises(ValueError):
         rb.add(*batch(0, 6))
+
+
+def test_out_of_memory_shrink_halves_the_batch_in_the_updates_then_the_envs():
+    sac = load_sac()
+    sizes = sac.Sizes(num_envs=2, batch_size=256, buffer_size=1000)
+    sizes, change = sac.shrink(sizes, True, gradient_steps=4)
+    assert change == "batch_size 256 -> 128" and sizes == sac.Sizes(2, 128, 1000)
+    sizes, change = sac.shrink(sizes, False, gradient_steps=4)  # stepping the envs: always num_envs
+    assert change == "num_envs 2 -> 1 (update-to-data ratio 2 -> 4)" and sizes == sac.Sizes(1, 128, 1000)
+    sizes, _ = sac.shrink(sizes, True)
+    assert sizes.batch_size == sac.OOM_MIN_BATCH_SIZE == 64
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved and batch_size 64 would drop below 64"):
+        sac.shrink(sizes, True)  # the batch is at its floor, one env left
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved$"):
+        sac.shrink(sizes, False)
 
 
 def test_squashed_gaussian_log_prob_matches_the_change_of_variables():
@@ -324,7 +346,6 @@ def test_pendulum_trains_in_sync_and_async_vector_modes(mode, tmp_path):
 
 def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeypatch, capsys):
     import gymnasium as gym
-    import tyro
 
     sac = load_sac()
 
@@ -333,7 +354,7 @@ def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeyp
 
     monkeypatch.setattr(gym.vector, "AsyncVectorEnv", no_workers)
     argv = ["--output-dir", str(tmp_path), "--vector-mode", "async", *PENDULUM, "--total-timesteps", "200"]
-    result = sac.main(tyro.cli(sac.Args, args=argv))
+    result = sac.main(parse(sac, argv))
     assert result["global_step"] == 200
     captured = capsys.readouterr()
     assert "warning: --vector-mode async" in captured.err and "falling back to --vector-mode sync" in captured.err
@@ -346,10 +367,8 @@ def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeyp
 
 @pytest.mark.parametrize("env_id, space", [("CartPole-v1", "Discrete(2)"), ("Snake-v0", "Discrete(4)")])
 def test_a_discrete_action_space_stops_with_a_clear_error(env_id, space, tmp_path):
-    import tyro
-
     sac = load_sac()
-    args = tyro.cli(sac.Args, args=["--env-id", env_id, "--output-dir", str(tmp_path), "--no-cuda", "--num-envs", "2"])
+    args = parse(sac, ["--env-id", env_id, "--output-dir", str(tmp_path), "--no-cuda", "--num-envs", "2"])
     with pytest.raises(ValueError, match=re.escape(f"SAC needs a continuous (Box) action space, but {env_id} has {space}")):
         sac.main(args)
     assert not (tmp_path / "checkpoint.pt").exists()
@@ -367,15 +386,17 @@ def test_unbounded_actions_and_image_observations_are_refused():
         sac.check_observation_space("X-v0", gym.spaces.Box(0.0, 1.0, (3, 8, 8)))
 
 
-def test_gym_adapter_rescales_actions_and_returns_the_last_obs_on_truncation():
+def test_gym_vector_env_rescales_actions_and_returns_the_last_obs_on_truncation():
     import gymnasium as gym
 
-    sac = load_sac()
+    from envs.vector import GymTorchVecEnv
+
     vec = gym.make_vec("IOBound-v0", 2, vectorization_mode="sync", latency_s=0.0, max_steps=2,
                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})  # fmt: skip
-    env = sac.GymVectorAdapter(vec, torch.device("cpu"), "sync")
+    env = GymTorchVecEnv(vec, torch.device("cpu"), "sync")
     assert not env.overlap and env.state_dict() is None
-    np.testing.assert_array_equal(env._actions(torch.tensor([[-1.0, 1.0], [0.0, 0.5]])), [[-1.0, 1.0], [0.0, 0.5]])
+    a = [[-1.0, 1.0], [0.0, 0.5]]
+    np.testing.assert_array_equal(env.action_to_env(torch.tensor(a)), a)  # a [-1, 1] box: as they are
     obs, _ = env.reset(seed=3)
     assert obs.dtype == torch.float32 and obs.shape == (2, 2)
     step = torch.tensor([[1.0, -1.0], [-1.0, 0.0]])
@@ -389,16 +410,16 @@ def test_gym_adapter_rescales_actions_and_returns_the_last_obs_on_truncation():
     assert not torch.allclose(obs2, expected)  # the returned obs is the next episode's first
     env.close()
 
-    pendulum = sac.GymVectorAdapter(gym.make_vec("Pendulum-v1", 1, vectorization_mode="sync"), torch.device("cpu"), "sync")
-    np.testing.assert_allclose(pendulum._actions(torch.tensor([[-1.0], [0.25]])[:1]), [[-2.0]])
-    np.testing.assert_allclose(pendulum._actions(torch.tensor([[0.25]])), [[0.5]])
-    np.testing.assert_allclose(pendulum._actions(torch.tensor([[1.0]])), [[2.0]])
+    pendulum = GymTorchVecEnv(gym.make_vec("Pendulum-v1", 1, vectorization_mode="sync"), torch.device("cpu"), "sync")
+    np.testing.assert_allclose(pendulum.action_to_env(torch.tensor([[-1.0]])), [[-2.0]])
+    np.testing.assert_allclose(pendulum.action_to_env(torch.tensor([[0.25]])), [[0.5]])
+    np.testing.assert_allclose(pendulum.action_to_env(torch.tensor([[1.0]])), [[2.0]])
+    np.testing.assert_allclose(pendulum.action_to_env(torch.tensor([[3.0]])), [[2.0]])  # clipped to [-1, 1] first
     pendulum.close()
 
 
 def test_gpu_stats_on_the_cpu_are_nan_without_error():
-    sac = load_sac()
-    stats = sac.gpu_stats(torch.device("cpu"))
+    stats = harness.gpu_stats(torch.device("cpu"))
     assert set(stats) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb",
                           "perf/gpu_util_pct"}  # fmt: skip
     assert all(isinstance(v, float) and math.isnan(v) for v in stats.values())
@@ -406,8 +427,7 @@ def test_gpu_stats_on_the_cpu_are_nan_without_error():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_stats_on_cuda_reads_the_allocator():
-    sac = load_sac()
     x = torch.ones(1024, 1024, device="cuda")
-    stats = sac.gpu_stats(torch.device("cuda"))
+    stats = harness.gpu_stats(torch.device("cuda"))
     assert stats["perf/gpu_mem_allocated_gb"] >= x.numel() * 4 / 1e9
     assert stats["perf/gpu_mem_peak_gb"] >= stats["perf/gpu_mem_allocated_gb"]
