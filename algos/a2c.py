@@ -328,7 +328,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_value: torch.T
         terminals: 1 where step ``t``'s transition is terminal (no bootstrap from the next observation).
         dones: 1 where the episode ended at step ``t`` (the trace stops there). Where ``dones`` but not ``terminals``
             (a truncation bootstrapped through), step ``t`` bootstraps from ``gamma * V(s_{t+1})`` and nothing of
-            the following episode enters its return (unlike :func:`harness.compute_gae`, PPO's, which runs on).
+            the following episode enters its return (unlike PPO's ``compute_gae``, which runs on).
 
     Returns:
         ``(advantages, returns)``, float32 ``(num_steps, num_envs)``; ``returns = advantages + values``.

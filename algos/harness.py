@@ -361,32 +361,6 @@ def cnn_torso(obs_shape: tuple[int, ...], channels: tuple[int, int], hidden: int
     )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------- returns
-def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, gae_lambda: float):
-    """Generalised advantage estimation (Schulman et al. 2016) over a rollout, CleanRL's recursion; no host sync.
-
-    Args:
-        rewards, values, dones: float32 ``(num_steps, num_envs)``; ``dones[t]`` is 1 where the observation of step
-            ``t`` began a new episode after a terminal step (so step ``t-1`` does not bootstrap from it).
-        next_value, next_done: float32 ``(num_envs,)`` of the observation after the last step.
-
-    Returns:
-        ``(advantages, returns)``, float32 ``(num_steps, num_envs)``; ``returns = advantages + values``.
-    """
-    num_steps = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    lastgaelam = torch.zeros_like(next_value)
-    for t in reversed(range(num_steps)):
-        if t == num_steps - 1:
-            nextnonterminal, nextvalues = 1.0 - next_done, next_value
-        else:
-            nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
-        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
-        lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam
-        advantages[t] = lastgaelam
-    return advantages, advantages + values
-
-
 def explained_variance(y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``1 - Var[y - y_pred] / Var[y]`` of float ``(B,)`` tensors as a device scalar (NaN where ``Var[y] == 0``)."""
     var_y = y.var()

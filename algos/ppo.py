@@ -294,6 +294,31 @@ def make_storage(sizes: Sizes, obs_shape: tuple[int, ...], act_dim: int, discret
 
 
 # ---------------------------------------------------------------------------------------------- hot functions
+def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, gae_lambda: float):
+    """Generalised advantage estimation (Schulman et al. 2016) over a rollout, CleanRL's recursion; no host sync.
+
+    Args:
+        rewards, values, dones: float32 ``(num_steps, num_envs)``; ``dones[t]`` is 1 where the observation of step
+            ``t`` began a new episode after a terminal step (so step ``t-1`` does not bootstrap from it).
+        next_value, next_done: float32 ``(num_envs,)`` of the observation after the last step.
+
+    Returns:
+        ``(advantages, returns)``, float32 ``(num_steps, num_envs)``; ``returns = advantages + values``.
+    """
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = torch.zeros_like(next_value)
+    for t in reversed(range(num_steps)):
+        if t == num_steps - 1:
+            nextnonterminal, nextvalues = 1.0 - next_done, next_value
+        else:
+            nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
+        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
+        lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
 def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False):
     """Fold raw ``obs`` float32 ``(B, *obs_shape)`` into the running normaliser, normalise and sample; no host sync.
 
@@ -323,11 +348,11 @@ def bootstrap_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch
 
 def estimate_advantages(agent: Agent, next_obs, next_done, rewards, values, dones, *, gamma: float, gae_lambda: float,
                         amp: bool = False):
-    """Bootstrap value of the raw ``next_obs``, then :func:`harness.compute_gae`: ``(advantages, returns)``, float32
+    """Bootstrap value of the raw ``next_obs``, then :func:`compute_gae`: ``(advantages, returns)``, float32
     ``(num_steps, num_envs)``; no host sync."""
     with torch.no_grad():
         next_value = agent.get_value(agent.obs_norm(next_obs), amp)
-        return harness.compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda)
+        return compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda)
 
 
 def update_minibatch(agent: Agent, optimizer, obs, actions, logprobs, advantages, returns, values, *, clip_coef: float,

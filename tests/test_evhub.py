@@ -328,7 +328,8 @@ def test_surplus_bess_action_spans_the_rule_to_full_charge_monotonically(site):
 def test_policy_spec_round_trip_and_bad_specs(tmp_path):
     from envs.kpis import read_policy_spec, write_policy_spec
 
-    assert read_policy_spec(tmp_path) == {"action_mode": "hub", "bess_action": "setpoint"}  # no file: defaults
+    # no file: the scripts' defaults, the rule a policy without a record was trained under
+    assert read_policy_spec(tmp_path) == {"action_mode": "hub", "bess_action": "surplus"}
     write_policy_spec(tmp_path, "EVHub-v0", "socket", "surplus")
     assert read_policy_spec(tmp_path) == {"action_mode": "socket", "bess_action": "surplus"}
     (tmp_path / "policy.json").write_text('{"action_mode": "hub", "bess_action": "fancy"}')

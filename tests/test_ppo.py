@@ -149,6 +149,7 @@ def test_help_documents_every_field():
 
 
 def test_gae_matches_a_hand_computed_example():
+    ppo = load_algo("ppo")
     gamma, lam = 0.9, 0.8
     # env 0: a terminal step at t=1 (dones[2] = 1), bootstraps from next_value after t=2
     # env 1: no episode end inside, the observation after the rollout is terminal (next_done = 1)
@@ -157,7 +158,7 @@ def test_gae_matches_a_hand_computed_example():
     dones = torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]])
     next_value = torch.tensor([2.0, 1.0])
     next_done = torch.tensor([0.0, 1.0])
-    adv, ret = harness.compute_gae(rewards, values, dones, next_value, next_done, gamma, lam)
+    adv, ret = ppo.compute_gae(rewards, values, dones, next_value, next_done, gamma, lam)
     # env 0: d2 = 3 + 0.9*2 - 1.5 = 3.3; d1 = 2 - 1 = 1 (no bootstrap); d0 = 1 + 0.9*1 - 0.5 = 1.4
     #        A2 = 3.3, A1 = 1.0, A0 = 1.4 + 0.72 * 1.0 = 2.12
     # env 1: d2 = 1 (next obs terminal), d1 = d0 = 0: A2 = 1, A1 = 0.72, A0 = 0.72^2
