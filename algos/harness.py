@@ -406,20 +406,28 @@ class CudaGraphed:
         return self.static_out
 
 
-def bind(args, **fns: Callable | None) -> tuple:
+def bind(args, graphs: bool = True, **fns: Callable | None) -> tuple:
     """The hot functions (already bound to their networks with :func:`functools.partial`) as the speed switches
-    say: ``torch.compile`` with ``--compile`` (eager's random kernels, so a seed gives the same run), then
-    :class:`CudaGraphed` with ``--cudagraphs``. None stays None. Returns them in the order given."""
+    say: ``torch.compile`` with ``--compile`` (eager's random kernels, so a seed gives the same run), then, unless
+    ``graphs`` is False (a function replayed inside a larger graph, see :func:`capture`), :class:`CudaGraphed` with
+    ``--cudagraphs``. None stays None. Returns them in the order given."""
     out = []
     if args.compile:
         torch._inductor.config.fallback_random = True
     for fn in fns.values():
         if fn is not None and args.compile:
             fn = torch.compile(fn)
-        if fn is not None and args.cudagraphs:
+        if fn is not None and args.cudagraphs and graphs:
             fn = CudaGraphed(fn)
         out.append(fn)
     return tuple(out)
+
+
+def capture(args, fn: Callable) -> Callable:
+    """``fn`` (tensors in, tensors out, no host sync, every state it touches updated in place) replayed from one CUDA
+    graph with ``--cudagraphs``, e.g. a whole rollout of a torch-batched env: policy and env steps of ``num_steps``
+    steps in one launch. As it is otherwise."""
+    return CudaGraphed(fn) if args.cudagraphs else fn
 
 
 def device_lr(value: float, device: torch.device) -> torch.Tensor:

@@ -433,29 +433,38 @@ def update(learn, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_value
     return {**last, "clipfrac": clipfrac_sum / max(n_mb, 1), "explained_variance": explained_var, "bad": bad}
 
 
-def rollout(env, act, next_obs, next_done, storage: dict, gamma: float, bootstrap_truncation: bool, final_value=None):
-    """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``act`` (:func:`policy_step`, bound);
-    no host sync beyond what a host env's step needs.
+def act_and_step(act, env, obs: torch.Tensor):
+    """One step of the rollout: ``act`` (:func:`policy_step`, bound) on the raw ``obs``, then the env's answer.
+    Returns ``(obs_normalised, action, logprob, value, next_obs, reward, terminated, truncated, final_obs)``. For a
+    torch-batched env this is one function of tensors, so ``--compile`` traces policy and env as one graph."""
+    obs_n, action, logprob, value = act(obs)
+    next_obs, reward, terminated, truncated, info = env.step(action)
+    return obs_n, action, logprob, value, next_obs, reward, terminated, truncated, info["final_obs"]
+
+
+def rollout(step, next_obs, next_done, *, storage: dict, gamma: float, bootstrap_truncation: bool, final_value=None):
+    """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``step`` (:func:`act_and_step`,
+    bound); no host sync beyond what a host env's step needs, so for a torch-batched env ``--cudagraphs`` replays the
+    whole rollout as one CUDA graph.
 
     ``final_value`` (:func:`bootstrap_value`, bound; for an env with ``has_final_obs`` and ``bootstrap_truncation``):
     every episode end is a done, and a step that truncates without terminating gets ``gamma * V(final_obs)`` added to
     its (normalised) reward. Without it, ``bootstrap_truncation`` makes only ``terminated`` a done (EVHub-v0
     bootstraps through the autoreset into the next window). Returns ``(next_obs, next_done)`` after the last step.
     """
-    for step in range(storage["obs"].shape[0]):
-        obs_n, action, logprob, value = act(next_obs)
-        storage["obs"][step] = obs_n
-        storage["dones"][step] = next_done
-        storage["values"][step] = value
-        storage["actions"][step] = action
-        storage["logprobs"][step] = logprob
-        next_obs, reward, terminated, truncated, info = env.step(action)
+    for t in range(storage["obs"].shape[0]):
+        storage["dones"][t] = next_done
+        obs_n, action, logprob, value, next_obs, reward, terminated, truncated, final_obs = step(next_obs)
+        storage["obs"][t] = obs_n
+        storage["values"][t] = value
+        storage["actions"][t] = action
+        storage["logprobs"][t] = logprob
         cut_is_done = final_value is not None or not bootstrap_truncation
         next_done = (terminated | truncated if cut_is_done else terminated).to(torch.float32)
         if final_value is not None:  # a time limit is not terminal: bootstrap from the episode's last observation
             cut = (truncated & ~terminated).to(torch.float32)
-            reward = reward + gamma * cut * final_value(info["final_obs"])
-        storage["rewards"][step] = reward
+            reward = reward + gamma * cut * final_value(final_obs)
+        storage["rewards"][t] = reward
     return next_obs, next_done
 
 
@@ -499,7 +508,15 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         clip_vloss=args.clip_vloss, ent_coef=args.ent_coef, vf_coef=args.vf_coef, max_grad_norm=args.max_grad_norm,
         amp=args.amp,
     )  # fmt: skip
-    act, final_value, gae, learn = harness.bind(args, act=act, final_value=final_value, gae=gae, learn=learn)
+    gae, learn = harness.bind(args, gae=gae, learn=learn)
+    if env.torch_batched:  # policy and env step compiled as one graph, the whole rollout replayed as one CUDA graph
+        (step,) = harness.bind(args, graphs=False, step=functools.partial(act_and_step, act, env))
+    else:  # a host env steps between the device calls
+        act, final_value = harness.bind(args, act=act, final_value=final_value)
+        step = functools.partial(act_and_step, act, env)
+    collect = functools.partial(rollout, step, storage=storage, gamma=args.gamma,
+                                bootstrap_truncation=args.bootstrap_truncation, final_value=final_value)
+    collect = harness.capture(args, collect) if env.torch_batched else collect
 
     def live_state() -> dict:
         return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "env": env.state_dict(),
@@ -516,8 +533,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         if args.anneal_lr:
             lr.fill_((1.0 - run.global_step / end_step) * args.learning_rate)
         try:
-            next_obs, next_done = rollout(env, act, next_obs, next_done, storage, args.gamma,
-                                          args.bootstrap_truncation, final_value)
+            next_obs, next_done = collect(next_obs, next_done)
             advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
             out = update(
                 learn, storage["obs"].reshape(-1, *obs_shape),

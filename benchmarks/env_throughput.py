@@ -6,8 +6,8 @@ Implementations (``impl``):
 * ``ours``: :class:`envs.evhub.EVHubVectorEnv` with ``num_envs`` copies on ``device`` (float32, train split,
   hub actions, ``bess_action="surplus"``), stepped as one batch of tensor code.
 * ``ours_compile`` (opt-in, not in the default ``impls``): the same env with its ``step`` wrapped in
-  ``torch.compile`` (``fullgraph=True`` for Snake-v0, whose step traces as one graph; EVHub-v0's step draws
-  from a ``torch.Generator`` on episode starts, a graph break). Compilation happens in the untimed warm-up.
+  ``torch.compile(fullgraph=True)``: both envs' steps trace as one graph (counter-based random streams, no host
+  sync). Compilation happens in the untimed warm-up.
 * ``gym_sync``: ``gymnasium.vector.SyncVectorEnv`` of ``num_envs`` :class:`envs.evhub.EVHubEnv` (one copy
   each, CPU, float64), stepped in a Python loop in this process.
 * ``gym_async``: ``gymnasium.vector.AsyncVectorEnv`` of the same, one worker subprocess per env.
@@ -191,7 +191,7 @@ def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Ge
         env_step = env.step
         if impl == "ours_compile":
             torch._dynamo.reset()  # a fresh cache per configuration: no recompile limit across N
-            env_step = torch.compile(env.step, fullgraph=snake)
+            env_step = torch.compile(env.step, fullgraph=True)  # one graph: a break would fail here
 
         def step(k: int) -> int:
             for i in range(k):

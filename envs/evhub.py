@@ -53,6 +53,8 @@ import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode, VectorEnv
 
+from envs import rng
+from envs.rng import seeds_tensor, stream_keys
 from envs.site import Site, SplitData, load_site
 
 INFO_KEYS = (
@@ -161,6 +163,16 @@ class EVHubVectorEnv(VectorEnv):
         bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
             ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always stored;
             0 holds the battery at a deficit, -1 covers the deficit, +1 charges at full power (linear between).
+        edf: how the hub mode's earliest-deadline-first split is computed, both exact: ``"sort"`` (a sort of the
+            sockets by deadline; fastest eager on the CPU) or ``"pairwise"`` (each socket sums the flexible power of
+            the sockets due before it, ``(num_envs, n_sockets, n_sockets)`` comparisons: no sort kernel, and one fused
+            reduction under ``torch.compile``). Default: ``"pairwise"`` on CUDA, ``"sort"`` elsewhere.
+
+    Randomness (window starts, the session thinning of training windows) comes from one counter-based stream per
+    env (:mod:`envs.rng`): ``reset(seed=s)`` seeds env ``i`` with ``s + i``, a sequence seeds each env, and
+    ``reset()`` continues the streams; env ``i`` of a batch thus follows a single env seeded like it. The step is
+    pure tensor code with the state updated in place, so ``torch.compile(env.step, fullgraph=True)`` traces it as
+    one graph and a CUDA graph can replay it.
 
     ``step(actions)`` takes a tensor ``(num_envs, action_dim)`` (anything ``torch.as_tensor`` accepts)
     and returns ``obs (num_envs, obs_dim)``, ``reward``, ``terminated``, ``truncated`` (each
@@ -184,6 +196,7 @@ class EVHubVectorEnv(VectorEnv):
         episode_steps: int | None = None,
         dtype: torch.dtype = torch.float32,
         bess_action: str = "setpoint",
+        edf: str | None = None,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -271,9 +284,12 @@ class EVHubVectorEnv(VectorEnv):
         self.ev_need_kwh = z(B, N)  # energy each plugged EV still needs, kWh
         self.ev_steps_left = z(B, N, dt=torch.int64)  # steps until departure; 0 = socket free
         self.session_keep = torch.ones(B, dtype=dtype, device=self.device)  # per-window session keep probability
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(0)
-        self._arange = torch.arange(B, device=self.device)
+        self.rng = z(B, dt=torch.int64)  # per-env counter-based random streams (envs.rng), seeded from 0 ...
+        self.rng.copy_(stream_keys(seeds_tensor(0, B, self.device)))  # ... until reset(seed=...)
+        if edf not in (None, "sort", "pairwise"):
+            raise ValueError(f"unknown edf {edf!r}: expected 'sort' or 'pairwise'")
+        self.edf = edf or ("pairwise" if self.device.type == "cuda" else "sort")
+        self._socket_index = torch.arange(N, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ state helpers
     @property
@@ -324,10 +340,10 @@ class EVHubVectorEnv(VectorEnv):
         stay = self._arrival_stay.index_select(0, self.t)
         arrive = stay > 0
         if self._thinning:  # fixed at construction: no branching on tensor values
-            u = torch.rand(arrive.shape, generator=self._generator, device=self.device, dtype=self.dtype)
+            u = rng.unit(rng.draw(self.rng, self.n_sockets), self.dtype)
             arrive = arrive & (u < self.session_keep[:, None])
-        self.ev_need_kwh = torch.where(arrive, need, self.ev_need_kwh)
-        self.ev_steps_left = torch.where(arrive, stay, self.ev_steps_left)
+        self.ev_need_kwh.copy_(torch.where(arrive, need, self.ev_need_kwh))
+        self.ev_steps_left.copy_(torch.where(arrive, stay, self.ev_steps_left))
 
     def _observe(self) -> torch.Tensor:
         N = self.n_sockets
@@ -348,38 +364,29 @@ class EVHubVectorEnv(VectorEnv):
         obs = torch.cat([self._exo_obs.index_select(0, self.t), soc, agg, outlook, occupied, need, steps], dim=1)
         return obs.clamp(-OBS_BOUND, OBS_BOUND)
 
-    STATE_KEYS = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left", "session_keep")
-    """Tensors that make up the dynamic state of all envs (see :meth:`state_dict`)."""
+    STATE_KEYS = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left", "session_keep", "rng")
+    """Tensors that make up the dynamic state of all envs, the per-env random streams among them (:meth:`state_dict`)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the dynamic state tensors (:data:`STATE_KEYS`, each ``(num_envs, ...)``) and the window
-        generator's state (``"generator"``, uint8 CPU tensor): what a checkpoint needs to resume mid-episode."""
-        state = {k: getattr(self, k).clone() for k in self.STATE_KEYS}
-        state["generator"] = self._generator.get_state()
-        return state
+        """Copies of the dynamic state tensors (:data:`STATE_KEYS`, each ``(num_envs, ...)``): what a checkpoint needs
+        to resume mid-episode."""
+        return rng.state_tensors(self, self.STATE_KEYS)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore a :meth:`state_dict` (moved to this env's device).
+        """Restore a :meth:`state_dict` in place (moved to this env's device and dtype).
 
         Raises:
             ValueError: a missing key, or tensors shaped for another ``num_envs`` / ``n_sockets``.
         """
-        missing = [k for k in (*self.STATE_KEYS, "generator") if k not in state]
-        if missing:
-            raise ValueError(f"env state misses {missing}")
-        for k in self.STATE_KEYS:
-            value = state[k]
-            if tuple(value.shape) != tuple(getattr(self, k).shape):
-                raise ValueError(f"env state '{k}' has shape {tuple(value.shape)}, expected {tuple(getattr(self, k).shape)}")
-            setattr(self, k, value.to(device=self.device, dtype=getattr(self, k).dtype).clone())
-        self._generator.set_state(state["generator"])
+        rng.load_state_tensors(self, state, self.STATE_KEYS)
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """Start new episodes in every env.
 
         Args:
-            seed: seeds the env's torch generator (window starts).
+            seed: int ``s`` seeds env ``i``'s random stream with ``s + i``; a sequence of ``num_envs`` ints seeds
+                each env; None continues the streams.
             options: ``{"start_steps": sequence of num_envs ints}`` pins each env's first step.
 
         Returns:
@@ -389,7 +396,7 @@ class EVHubVectorEnv(VectorEnv):
             ValueError: a pinned start that leaves less than one episode before the split ends.
         """
         if seed is not None:
-            self._generator.manual_seed(int(seed))
+            self.rng.copy_(stream_keys(seeds_tensor(seed, self.num_envs, self.device)))
         starts = None if options is None else options.get("start_steps")
         if starts is not None:
             starts = torch.as_tensor(starts, dtype=torch.int64, device=self.device).reshape(self.num_envs)
@@ -402,20 +409,21 @@ class EVHubVectorEnv(VectorEnv):
         return self._observe(), {}
 
     def _reset_envs(self, mask: torch.Tensor, starts: torch.Tensor | None = None) -> None:
+        """Start new windows in the envs of ``mask`` (bool ``(num_envs,)``), in place. Every env draws two numbers
+        from its stream (window start, session keep probability), masked or not, so its stream never depends on
+        the others'."""
+        x = rng.draw(self.rng, 2)
         if starts is None:
-            if self.full_split:
-                starts = torch.zeros(self.num_envs, dtype=torch.int64, device=self.device)
-            else:
-                high = self._num_steps_total - self.episode_steps + 1
-                starts = torch.randint(0, high, (self.num_envs,), generator=self._generator, device=self.device)
-        self.t = torch.where(mask, starts, self.t)
-        self.elapsed = torch.where(mask, 0, self.elapsed)
-        self.energy_kwh = torch.where(mask, self._e_init, self.energy_kwh)
-        self.ev_need_kwh = torch.where(mask[:, None], 0.0, self.ev_need_kwh)
-        self.ev_steps_left = torch.where(mask[:, None], 0, self.ev_steps_left)
+            high = 1 if self.full_split else self._num_steps_total - self.episode_steps + 1
+            starts = rng.below(x[:, 0], high)
+        self.t.copy_(torch.where(mask, starts, self.t))
+        self.elapsed.masked_fill_(mask, 0)
+        self.energy_kwh.masked_fill_(mask, self._e_init)
+        self.ev_need_kwh.masked_fill_(mask[:, None], 0.0)
+        self.ev_steps_left.masked_fill_(mask[:, None], 0)
         if self._thinning:
-            u = torch.rand(self.num_envs, generator=self._generator, device=self.device, dtype=self.dtype)
-            self.session_keep = torch.where(mask, self._keep_min + (1.0 - self._keep_min) * u, self.session_keep)
+            keep = self._keep_min + (1.0 - self._keep_min) * rng.unit(x[:, 1], self.dtype)
+            self.session_keep.copy_(torch.where(mask, keep, self.session_keep))
 
     def _ev_power(self, a_ev: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """Per-socket EV power, kW, ``(num_envs, n_sockets)``, from the EV part of the action."""
@@ -425,6 +433,13 @@ class EVHubVectorEnv(VectorEnv):
         flex = cap - floor
         level = a_ev[:, 0].clamp(0.0, 1.0)
         budget = level * flex.sum(1)
+        if self.edf == "pairwise":  # a constructor setting, not a tensor value
+            # key: the deadline, then the socket index (the sort's stable order); sockets without flexible power add
+            # nothing to the sums, wherever they stand
+            key = self.ev_steps_left * self.n_sockets + self._socket_index
+            earlier = key[:, None, :] < key[:, :, None]  # [b, i, j]: socket j is served before socket i
+            before = (earlier.to(flex.dtype) * flex[:, None, :]).sum(-1)
+            return floor + torch.minimum((budget[:, None] - before).clamp(min=0.0), flex)
         deadline = torch.where(flex > 0, self.ev_steps_left, torch.iinfo(torch.int64).max)
         order = torch.sort(deadline, dim=1, stable=True).indices
         flex_sorted = torch.gather(flex, 1, order)
@@ -485,24 +500,24 @@ class EVHubVectorEnv(VectorEnv):
         grid_export = surplus if cfg.grid.export_allowed else zero
         curtailed = zero if cfg.grid.export_allowed else surplus
 
-        self.energy_kwh = (self.energy_kwh + b.eta_charge * charge * dt - discharge * dt / b.eta_discharge).clamp(
-            self._e_min, self._e_max
+        self.energy_kwh.copy_(
+            (self.energy_kwh + b.eta_charge * charge * dt - discharge * dt / b.eta_discharge).clamp(self._e_min, self._e_max)
         )
         co2 = grid_import * moer * dt
-        self.ev_need_kwh = (self.ev_need_kwh - ev * dt).clamp(min=0.0)
+        self.ev_need_kwh.copy_((self.ev_need_kwh - ev * dt).clamp(min=0.0))
 
         # time passes: departures, then the end of episodes, then arrivals
-        self.t = self.t + 1
-        self.elapsed = self.elapsed + 1
-        self.ev_steps_left = (self.ev_steps_left - 1).clamp(min=0)
+        self.t.add_(1)
+        self.elapsed.add_(1)
+        self.ev_steps_left.sub_(1).clamp_(min=0)
         departed = self.ev_steps_left == 0
         unserved = torch.where(departed, self.ev_need_kwh, 0.0).sum(1)
-        self.ev_need_kwh = torch.where(departed, 0.0, self.ev_need_kwh)
+        self.ev_need_kwh.masked_fill_(departed, 0.0)
         truncated = self.elapsed >= self.episode_steps
         # EVs still plugged in when a training window ends are not counted as unserved (their
         # departure lies beyond the window); in full-split runs every departure lies within the split.
         # The final step of the split has no successor: clamp before reading, then reset those envs.
-        self.t = self.t.clamp(max=self._num_steps_total - 1)
+        self.t.clamp_(max=self._num_steps_total - 1)
         self._reset_envs(truncated)
         self._plug_in()
 

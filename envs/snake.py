@@ -53,8 +53,6 @@ and one per ``reset``, whatever happens, so env ``i`` of a vector env follows ex
 :class:`SnakeEnv` (or a 1-env vector env) seeded with the same seed and given the same actions, on any
 device (integer arithmetic only). The streams of a new vector env start from seed 0: its first ``reset()``
 without a seed equals ``reset(seed=0)``. The per-env streams are part of :meth:`SnakeVectorEnv.state_dict`.
-Like ``EVHub-v0`` the env also holds a ``torch.Generator`` (``_generator``, seeded with the first env's seed
-on reset), which the training scripts checkpoint; the dynamics never draw from it.
 """
 
 from __future__ import annotations
@@ -66,6 +64,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode, VectorEnv
+
+from envs.rng import MASK32, WEYL, load_state_tensors, mix32, seeds_tensor, state_tensors, stream_keys
 
 INFO_KEYS = ("food", "length")
 """Keys of the per-step ``info`` dict; each value is float32 ``(num_envs,)``: 1.0 where food was eaten,
@@ -82,30 +82,7 @@ CHANNEL_NAMES = ("head", "body", "food")
 WALL = 2**62
 """``expiry`` value of the wall ring: never free."""
 
-_MASK32 = 0xFFFFFFFF
-_WEYL = 0x61C88647  # odd: the Weyl sequence visits all 2**32 values
-_SEED_SALT = 0x9E3779B9
 _START_DIRECTION = 1  # right
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """Integer hash of 32-bit values held in an int64 tensor (any shape), result in [0, 2**32).
-
-    Both multipliers are below 2**31, so no product leaves the int64 range: results are identical on
-    every device.
-    """
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _MASK32
-    return x ^ (x >> 15)
-
-
-def _stream_keys(seeds: torch.Tensor) -> torch.Tensor:
-    """Start values of the per-env random streams, int64 in [0, 2**32), from int64 seeds >= 0."""
-    lo = seeds & _MASK32
-    hi = (seeds >> 32) & _MASK32
-    return _mix32(lo ^ _mix32((hi + _SEED_SALT) & _MASK32))
 
 
 class SnakeVectorEnv(VectorEnv):
@@ -232,31 +209,14 @@ class SnakeVectorEnv(VectorEnv):
         self.elapsed = z(B)
         self.hunger = z(B)
         self.rng = z(B)
-        self._generator = torch.Generator(device=dev)
-        self._generator.manual_seed(0)
         self._seed_streams(0)
         self._reset_all()  # a valid state before the first reset ...
         self._seed_streams(0)  # ... whose draw the first reset() without a seed repeats
 
     # ------------------------------------------------------------------ state helpers
     def _seed_streams(self, seed: int | Sequence[int]) -> None:
-        """Set each env's random stream from ``seed`` (int: env i gets ``seed + i``; sequence: one per env)."""
-        if isinstance(seed, (int, np.integer)):
-            seed = int(seed)
-            if seed < 0 or seed + self.num_envs - 1 >= 2**63:
-                raise ValueError(f"seed must lie in [0, 2**63 - num_envs], got {seed}")
-            seeds = torch.arange(self.num_envs, dtype=torch.int64, device=self.device) + seed
-            first = seed
-        else:
-            values = [int(s) for s in seed]
-            if len(values) != self.num_envs:
-                raise ValueError(f"got {len(values)} seeds for {self.num_envs} envs")
-            if any(s < 0 or s >= 2**63 for s in values):
-                raise ValueError("seeds must lie in [0, 2**63)")
-            seeds = torch.tensor(values, dtype=torch.int64, device=self.device)
-            first = values[0]
-        self.rng.copy_(_stream_keys(seeds))
-        self._generator.manual_seed(first)
+        """Set each env's random stream from ``seed`` (:func:`envs.rng.seeds_tensor`: env i gets ``seed + i``)."""
+        self.rng.copy_(stream_keys(seeds_tensor(seed, self.num_envs, self.device)))
 
     def _reset_all(self) -> None:
         self.expiry.copy_(self._start_grid.expand_as(self.expiry))
@@ -271,8 +231,8 @@ class SnakeVectorEnv(VectorEnv):
     def _place_food(self, where: torch.Tensor) -> None:
         """Draw one number from every env's stream; move the food of the envs in ``where`` (bool
         ``(num_envs,)``) to a uniformly drawn free cell. At least one cell must be free in those envs."""
-        self.rng.add_(_WEYL).bitwise_and_(_MASK32)
-        u = _mix32(self.rng)
+        self.rng.add_(WEYL).bitwise_and_(MASK32)
+        u = mix32(self.rng)
         free = (self._board() <= self.tau[:, None, None]).view(self.num_envs, -1)
         count = free.cumsum(1, dtype=torch.int32)  # count[:, j]: free board cells among 0..j
         k = (u * count[:, -1]) >> 32  # uniform in [0, n_free)
@@ -296,29 +256,17 @@ class SnakeVectorEnv(VectorEnv):
         return self.expiry.view(self.num_envs, self.height + 2, self.width + 2)[:, 1:-1, 1:-1]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the dynamic state tensors (:data:`STATE_KEYS`, each ``(num_envs, ...)`` int64, including
-        the per-env random streams) and the generator's state (``"generator"``, uint8 CPU tensor): what a
-        checkpoint needs to resume mid-episode."""
-        state = {k: getattr(self, k).clone() for k in self.STATE_KEYS}
-        state["generator"] = self._generator.get_state()
-        return state
+        """Copies of the dynamic state tensors (:data:`STATE_KEYS`, each ``(num_envs, ...)`` int64, including the
+        per-env random streams ``rng``): what a checkpoint needs to resume mid-episode."""
+        return state_tensors(self, self.STATE_KEYS)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore a :meth:`state_dict` (moved to this env's device).
+        """Restore a :meth:`state_dict` in place (:func:`envs.rng.load_state_tensors`).
 
         Raises:
             ValueError: a missing key, or tensors shaped for another ``num_envs`` or board size.
         """
-        missing = [k for k in (*self.STATE_KEYS, "generator") if k not in state]
-        if missing:
-            raise ValueError(f"env state misses {missing}")
-        for k in self.STATE_KEYS:
-            value, own = state[k], getattr(self, k)
-            if tuple(value.shape) != tuple(own.shape):
-                raise ValueError(f"env state '{k}' has shape {tuple(value.shape)}, expected {tuple(own.shape)}")
-        for k in self.STATE_KEYS:
-            getattr(self, k).copy_(state[k].to(device=self.device, dtype=torch.int64))
-        self._generator.set_state(state["generator"])
+        load_state_tensors(self, state, self.STATE_KEYS)
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: int | Sequence[int] | None = None, options: dict[str, Any] | None = None):

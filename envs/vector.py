@@ -378,11 +378,13 @@ class NormalizeReward(_Wrapper):
         super().__init__(env)
         self.gamma, self.reset_on_truncation, self.eps = float(gamma), bool(reset_on_truncation), eps
         dev = env.device
+        # the statistics as 1-element tensors, not 0-d ones: torch.compile drops in-place updates of 0-d CPU tensors
+        # held in a dict (they are taken for constants), and the reward normaliser runs inside the compiled rollout
         self.rn = {
             "ret": torch.zeros(env.num_envs, device=dev, dtype=torch.float64),
-            "mean": torch.zeros((), device=dev, dtype=torch.float64),
-            "var": torch.ones((), device=dev, dtype=torch.float64),
-            "count": torch.full((), 1e-4, device=dev, dtype=torch.float64),
+            "mean": torch.zeros(1, device=dev, dtype=torch.float64),
+            "var": torch.ones(1, device=dev, dtype=torch.float64),
+            "count": torch.full((1,), 1e-4, device=dev, dtype=torch.float64),
         }
 
     def _on_step(self, obs, reward, terminated, truncated, info):
@@ -409,6 +411,6 @@ class NormalizeReward(_Wrapper):
         or a gymnasium env that starts new episodes) and the wrapped env's state."""
         for key, value in state["reward_norm"].items():
             if not (statistics_only and key == "ret"):
-                self.rn[key].copy_(value)
+                self.rn[key].copy_(value.reshape(self.rn[key].shape))
         if not statistics_only or isinstance(self.env, _Wrapper):
             self.env.load_state_dict(state["env"], **({"statistics_only": True} if statistics_only else {}))
