@@ -1,4 +1,4 @@
-"""The study's CO2 comparison report: one table, three figures and a Markdown page.
+"""The study's CO2 comparison report: one table, three figures, a Markdown page and the same as an HTML page.
 
 :func:`write_report` gathers the KPI rows of every controller x split (baselines, oracle, evaluated
 agents; each a Parquet written by :func:`envs.kpis.kpi_row`), their hourly traces and the agents' training
@@ -10,7 +10,10 @@ agents; each a Parquet written by :func:`envs.kpis.kpi_row`), their hourly trace
   beside it;
 - ``test_week_traces.png``: one test-split week of hourly traces (the week with the most EV energy);
 - ``learning_curves.png``: episodic CO2 and unserved energy vs ``global_step`` per agent (when metrics exist);
-- ``report.md``: title, site summary, KPI tables per split, a generated summary and the figures.
+- ``report.md``: title, site summary, KPI tables per split, a generated summary and the figures;
+- ``report.html``: the same content as one self-contained page (inline CSS, figures embedded as ``data:``
+  URIs, nothing fetched). Both pages are rendered from one list of blocks (:func:`report_blocks`), so their
+  tables and sentences cannot drift apart.
 
 Every file is written atomically (temporary name in the output folder, then :func:`os.replace`), so a
 reader never sees half a report. Figures use matplotlib's Agg canvas through :class:`matplotlib.figure.Figure`
@@ -19,8 +22,12 @@ reader never sees half a report. Figures use matplotlib's Agg canvas through :cl
 
 from __future__ import annotations
 
+import base64
+import html
 import math
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -349,16 +356,61 @@ def plot_learning_curves(metrics_files: Mapping[str, Path], path: Path) -> Path 
     return _atomic_savefig(fig, path)
 
 
-# ------------------------------------------------------------------------------------------- markdown
-def kpi_markdown_table(rows: pd.DataFrame) -> str:
-    """Markdown table of the main KPIs of one split's rows (headers carry units; NaN shows as –).
+# ------------------------------------------------------------------------------ content: Markdown and HTML
+# The report is built once as a list of blocks (:func:`report_blocks`) whose text is inline Markdown (``**bold**``,
+# ``*italic*``, backticks); :func:`render_markdown` and :func:`render_html` turn the same blocks into report.md and
+# report.html, so the two pages always carry the same tables and sentences.
+@dataclass(frozen=True)
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Paragraph:
+    text: str
+
+
+@dataclass(frozen=True)
+class Note:
+    """A quoted remark (Markdown ``>``; an HTML ``<blockquote>``)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Bullets:
+    items: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows of formatted cells; ``align`` is ``"left"`` or ``"right"`` per column."""
+
+    header: tuple[str, ...]
+    align: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class FigureRef:
+    """A PNG in the report folder: a link in report.md, embedded as a ``data:`` URI in report.html."""
+
+    file: str
+    alt: str
+    caption: str
+
+
+Block = Heading | Paragraph | Note | Bullets | Table | FigureRef
+
+
+def kpi_table(rows: pd.DataFrame) -> Table:
+    """The main KPIs of one split's rows as a :class:`Table` (headers carry units; NaN shows as –).
 
     An agent averaged over several seeds shows ``mean ± std`` and its number of seeds; an agent trained with
     one seed is marked ``1 (single seed)``; baselines are deterministic and show –.
     """
-    header = "| Controller | Seeds | " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |"
-    sep = "|---|---:|" + "|".join("---:" for _ in TABLE_COLUMNS) + "|"
-    lines = [header, sep]
+    body = []
     for _, r in rows.iterrows():
         n = int(r.get("n_seeds", 1))
         seeds = "–" if not _is_agent(r.controller) else (str(n) if n > 1 else "1 (single seed)")
@@ -367,8 +419,209 @@ def kpi_markdown_table(rows: pd.DataFrame) -> str:
             std = r.get(f"{c}_std", math.nan)
             return _fmt(r[c], d) + (f" ± {_fmt(std, d)}" if n > 1 and not math.isnan(std) else "")
 
-        lines.append(f"| {r.controller} | {seeds} | " + " | ".join(cell(c, d) for c, _, d in TABLE_COLUMNS) + " |")
+        body.append((str(r.controller), seeds, *(cell(c, d) for c, _, d in TABLE_COLUMNS)))
+    return Table(
+        header=("Controller", "Seeds", *(h for _, h, _ in TABLE_COLUMNS)),
+        align=("left", *("right" for _ in range(len(TABLE_COLUMNS) + 1))),
+        rows=tuple(body),
+    )
+
+
+def kpi_markdown_table(rows: pd.DataFrame) -> str:
+    """Markdown table of the main KPIs of one split's rows (:func:`kpi_table`)."""
+    return _markdown_table(kpi_table(rows))
+
+
+def _sizing_cell(value: object) -> str:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+    if isinstance(value, (int, np.integer)):
+        return f"{int(value):,}"
+    return _fmt(value, 3).rstrip("0").rstrip(".") if not math.isnan(float(value)) else "–"
+
+
+def sizing_table(sizing: pd.DataFrame) -> Table:
+    """A sizing study's results as a :class:`Table`: one column per DataFrame column (a named index becomes
+    the first columns), numbers right-aligned with thousands separators and at most 3 decimals."""
+    df = sizing.reset_index() if any(n is not None for n in sizing.index.names) else sizing
+    numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
+    return Table(
+        header=tuple(str(c) for c in df.columns),
+        align=tuple("right" if n else "left" for n in numeric),
+        rows=tuple(tuple(_sizing_cell(v) for v in row) for row in df.itertuples(index=False, name=None)),
+    )
+
+
+def site_data_sources(readme: Path) -> list[str]:
+    """The bullet items of the first ``## Sources...`` section of a site's data README (continuation lines
+    joined), as inline Markdown for ``write_report(data_sources=...)``; ``[]`` when the file or section is absent."""
+    path = Path(readme)
+    if not path.is_file():
+        return []
+    items: list[str] = []
+    inside = in_item = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            if inside:
+                break
+            inside = line[3:].strip().lower().startswith("sources")
+        elif inside and line.startswith("- "):
+            items.append(line[2:].strip())
+            in_item = True
+        elif inside and in_item and line.startswith("  ") and line.strip():
+            items[-1] += " " + line.strip()
+        else:
+            in_item = False
+    return items
+
+
+def _markdown_table(table: Table) -> str:
+    sep = "|" + "|".join("---:" if a == "right" else "---" for a in table.align) + "|"
+    lines = ["| " + " | ".join(table.header) + " |", sep]
+    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
     return "\n".join(lines)
+
+
+def render_markdown(blocks: Iterable[Block]) -> str:
+    """report.md from the report's blocks (each followed by a blank line)."""
+    md: list[str] = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            md += [f"{'#' * b.level} {b.text}"]
+        elif isinstance(b, Paragraph):
+            md += [b.text]
+        elif isinstance(b, Note):
+            md += [f"> {b.text}"]
+        elif isinstance(b, Bullets):
+            md += [f"- {item}" for item in b.items]
+        elif isinstance(b, Table):
+            md += [_markdown_table(b)]
+        elif isinstance(b, FigureRef):
+            md += [f"![{b.alt}]({b.file})", "", f"*{b.caption}*"]
+        else:
+            raise TypeError(f"unknown report block {b!r}")
+        md.append("")
+    return "\n".join(md)
+
+
+_CODE = re.compile(r"(`[^`]+`)")
+_STRONG = re.compile(r"\*\*(.+?)\*\*")
+_EM = re.compile(r"(?<![\w*])\*(?=\S)([^*]+?)(?<=\S)\*(?![\w*])")
+_URL = re.compile(r"https?://[^\s<>\"')]+[^\s<>\"').,;:]")
+
+
+def inline_html(text: str) -> str:
+    """Inline Markdown of the report's sentences to HTML: escaped text, ``**strong**``, ``*em*``, backtick
+    code and bare http(s) URLs as links."""
+    out = []
+    for part in _CODE.split(text):
+        if part.startswith("`") and part.endswith("`") and len(part) > 1:
+            out.append(f"<code>{html.escape(part[1:-1], quote=False)}</code>")
+            continue
+        part = html.escape(part, quote=False)
+        part = _STRONG.sub(r"<strong>\1</strong>", part)
+        part = _EM.sub(r"<em>\1</em>", part)
+        part = _URL.sub(lambda m: f'<a href="{html.escape(m.group(0))}">{m.group(0)}</a>', part)
+        out.append(part)
+    return "".join(out)
+
+
+def _html_table(table: Table) -> str:
+    def cells(tag: str, row: tuple[str, ...]) -> str:
+        return "".join(
+            f'<{tag} class="{"num" if a == "right" else "txt"}">{inline_html(c)}</{tag}>' for c, a in zip(row, table.align)
+        )
+
+    body = "\n".join(f"<tr>{cells('td', r)}</tr>" for r in table.rows)
+    head = f"<thead><tr>{cells('th', table.header)}</tr></thead>"
+    return f'<div class="table-wrap"><table>\n{head}\n<tbody>\n{body}\n</tbody>\n</table></div>'
+
+
+_HTML_STYLE = """
+  body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
+         color: #1f2328; background: #ffffff; margin: 0; line-height: 1.5; }
+  main { max-width: 1180px; margin: 0 auto; padding: 1.5rem 2rem 3rem; }
+  h1 { font-size: 1.7rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3rem; }
+  h2 { font-size: 1.35rem; margin-top: 2.2rem; border-bottom: 1px solid #d8dee4; padding-bottom: 0.2rem; }
+  h3 { font-size: 1.1rem; margin-top: 1.6rem; }
+  blockquote { margin: 1rem 0; padding: 0.6rem 1rem; background: #fff8e6; border-left: 4px solid #d4a72c; }
+  ul { padding-left: 1.4rem; }
+  code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 0.9em;
+         background: #f0f2f4; padding: 0.05rem 0.3rem; border-radius: 4px; }
+  .table-wrap { overflow-x: auto; margin: 0.8rem 0; }
+  table { border-collapse: collapse; font-size: 0.86rem; }
+  th, td { border: 1px solid #d0d7de; padding: 0.3rem 0.55rem; }
+  th { background: #f3f5f7; vertical-align: bottom; }
+  td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+  th.num { text-align: right; }
+  td.txt, th.txt { text-align: left; white-space: nowrap; }
+  tbody tr:nth-child(even) { background: #fafbfc; }
+  figure { margin: 1.5rem 0; }
+  figure img { max-width: 100%; height: auto; border: 1px solid #e1e4e8; }
+  figcaption { color: #57606a; font-style: italic; margin-top: 0.3rem; }
+"""
+
+_HTML_IMAGE_CHECK = """
+  window.addEventListener("load", function () {
+    var imgs = Array.prototype.slice.call(document.images);
+    var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
+    document.documentElement.setAttribute("data-figures-loaded", ok + "/" + imgs.length);
+  });
+"""
+
+
+def render_html(blocks: Iterable[Block], title: str, figure_dir: Path) -> str:
+    """report.html from the same blocks as :func:`render_markdown`: one self-contained page.
+
+    Figures are read from ``figure_dir`` and embedded as base64 ``data:`` URIs (their alt text on the
+    ``<img>``); the style is inline and a Content-Security-Policy forbids any fetch. A few lines of inline
+    script set ``data-figures-loaded="<decoded>/<images>"`` on ``<html>`` once the page has loaded, so a
+    headless browser can check that every figure decoded.
+    """
+    body: list[str] = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            body.append(f"<h{b.level}>{inline_html(b.text)}</h{b.level}>")
+        elif isinstance(b, Paragraph):
+            body.append(f"<p>{inline_html(b.text)}</p>")
+        elif isinstance(b, Note):
+            body.append(f"<blockquote><p>{inline_html(b.text)}</p></blockquote>")
+        elif isinstance(b, Bullets):
+            body.append("<ul>\n" + "\n".join(f"<li>{inline_html(i)}</li>" for i in b.items) + "\n</ul>")
+        elif isinstance(b, Table):
+            body.append(_html_table(b))
+        elif isinstance(b, FigureRef):
+            data = base64.b64encode((Path(figure_dir) / b.file).read_bytes()).decode("ascii")
+            body.append(
+                f'<figure id="{html.escape(Path(b.file).stem)}">\n'
+                f'<img src="data:image/png;base64,{data}" alt="{html.escape(b.alt)}">\n'
+                f"<figcaption>{inline_html(b.caption)}</figcaption>\n</figure>"
+            )
+        else:
+            raise TypeError(f"unknown report block {b!r}")
+    plain_title = _STRONG.sub(r"\1", title)
+    csp = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            "<head>",
+            '<meta charset="utf-8">',
+            f'<meta http-equiv="Content-Security-Policy" content="{csp}">',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{html.escape(plain_title)}</title>",
+            f"<style>{_HTML_STYLE}</style>",
+            f"<script>{_HTML_IMAGE_CHECK}</script>",
+            "</head>",
+            "<body>",
+            "<main>",
+            *body,
+            "</main>",
+            "</body>",
+            "</html>",
+            "",
+        ]
+    )
 
 
 def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
@@ -427,8 +680,10 @@ def write_report(
     title: str,
     site_summary: dict[str, str],
     notes: Iterable[str] = (),
+    data_sources: Sequence[str] = (),
+    sizing: pd.DataFrame | None = None,
 ) -> Path:
-    """Write the CO2 comparison report (table, figures, Markdown) into ``out_dir``.
+    """Write the CO2 comparison report (table, figures, Markdown and HTML pages) into ``out_dir``.
 
     Args:
         kpi_files: KPI Parquet files, one or a few rows each, as from :func:`envs.kpis.kpi_row` (columns
@@ -444,10 +699,15 @@ def write_report(
             (IANA name) sets the local time of the week figure (default UTC).
         notes: Markdown sentences shown as a quoted block right under the title (e.g. that the site's EV
             sessions are synthetic); none by default.
+        data_sources: inline-Markdown lines listed under "Data sources" in the site section (e.g.
+            :func:`site_data_sources` of the site's data README); the section is left out when empty.
+        sizing: results of a sizing study, one row per sized variant; shown as a "Sizing results" table
+            when given (:func:`sizing_table`), left out when ``None``.
 
     Returns:
-        Path of ``report.md``. Beside it: ``co2_comparison.parquet``, ``co2_by_controller.png``, and when
-        their inputs exist ``test_week_traces.png`` and ``learning_curves.png``.
+        Path of ``report.md``. Beside it: ``report.html`` (the same content as one self-contained page, figures
+        embedded), ``co2_comparison.parquet``, ``co2_by_controller.png``, and when their inputs exist
+        ``test_week_traces.png`` and ``learning_curves.png``.
 
     Raises:
         ValueError: no KPI file; a KPI file lacks required columns, or a trace file lacks plotted columns
@@ -459,17 +719,21 @@ def write_report(
 
     table = read_kpi_files(kpi_files)
     write_parquet(table, out_dir / "co2_comparison.parquet")
-    figures: list[tuple[str, str, str]] = []  # (file, alt text, caption)
+    figures: list[FigureRef] = []
 
     plot_co2_by_controller(table, out_dir / "co2_by_controller.png")
-    figures.append(("co2_by_controller.png", "CO2 by controller", "Grid CO2 (kg) and unserved EV energy (kWh) per controller and split."))
+    figures.append(
+        FigureRef(
+            "co2_by_controller.png", "CO2 by controller", "Grid CO2 (kg) and unserved EV energy (kWh) per controller and split."
+        )
+    )
 
     test_traces = {c: _read_traces(Path(p)) for (c, s), p in sorted(trace_files.items()) if s == "test"}
     week = plot_test_week(test_traces, table, out_dir / "test_week_traces.png", timezone) if test_traces else None
     if week is not None:
         start = week[1][0].tz_convert(timezone)
         figures.append(
-            (
+            FigureRef(
                 "test_week_traces.png",
                 "Test week traces",
                 f"Hourly traces of the test-split week from {start:%Y-%m-%d} ({timezone}), the week with the most EV energy.",
@@ -477,34 +741,57 @@ def write_report(
         )
 
     if plot_learning_curves(metrics_files, out_dir / "learning_curves.png") is not None:
-        figures.append(("learning_curves.png", "Learning curves", "Episodic CO2 and unserved energy during training, per agent."))
+        caption = "Episodic CO2 and unserved energy during training, per agent."
+        figures.append(FigureRef("learning_curves.png", "Learning curves", caption))
 
-    for stale in ({"test_week_traces.png", "learning_curves.png"} - {f for f, _, _ in figures}):
+    for stale in ({"test_week_traces.png", "learning_curves.png"} - {f.file for f in figures}):
         (out_dir / stale).unlink(missing_ok=True)  # left by an earlier run; this report does not show it
 
-    md = [f"# {title}", ""]
-    for note in notes:
-        md += [f"> {note}", ""]
-    md += ["## Site", ""]
-    md += [f"- **{k}**: {v}" for k, v in site_summary.items()] or ["- (no site summary given)"]
-    md += ["", "## Results", ""]
+    blocks = report_blocks(title, site_summary, table, figures, notes=notes, data_sources=data_sources, sizing=sizing)
+    write_text(out_dir / "report.html", render_html(blocks, title, out_dir))  # before report.md, the task's target
+    return write_text(out_dir / "report.md", render_markdown(blocks))
+
+
+def report_blocks(
+    title: str,
+    site_summary: Mapping[str, str],
+    table: pd.DataFrame,
+    figures: Sequence[FigureRef],
+    notes: Iterable[str] = (),
+    data_sources: Sequence[str] = (),
+    sizing: pd.DataFrame | None = None,
+) -> list[Block]:
+    """The report's content, once, for both report.md and report.html (see :func:`write_report`).
+
+    ``figures`` are the figures written (the week figure is ``test_week_traces.png``, the learning curves
+    ``learning_curves.png``); a sentence says which of those two is omitted.
+    """
+    blocks: list[Block] = [Heading(1, title)]
+    blocks += [Note(n) for n in notes]
+    site = tuple(f"**{k}**: {v}" for k, v in site_summary.items()) or ("(no site summary given)",)
+    blocks += [Heading(2, "Site"), Bullets(site)]
+    if data_sources:
+        blocks += [Heading(3, "Data sources"), Bullets(tuple(data_sources))]
+    blocks.append(Heading(2, "Results"))
     for split in sorted(table.split.unique(), key=split_sort_key):
         rows = table[table.split == split]
-        md += [f"### {split} split", "", kpi_markdown_table(rows), "", summary_paragraph(split, rows), ""]
-    md += [
-        "> **Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; "
-        "the unserved energy (kWh still needed at departure) and the share of EV energy served show whether a "
-        "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` is the "
-        "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound).",
-        "",
-        "## Figures",
-        "",
-    ]
-    for file, alt, caption in figures:
-        md += [f"![{alt}]({file})", "", f"*{caption}*", ""]
-    if not any(f == "learning_curves.png" for f, _, _ in figures):
-        md += ["No training metrics were found, so the learning curves are omitted.", ""]
-    if week is None:
-        md += ["No test-split traces were given, so the test-week figure is omitted.", ""]
-    md += ["The full table is in `co2_comparison.parquet`.", ""]
-    return write_text(out_dir / "report.md", "\n".join(md))
+        blocks += [Heading(3, f"{split} split"), kpi_table(rows), Paragraph(summary_paragraph(split, rows))]
+    blocks.append(
+        Note(
+            "**Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; "
+            "the unserved energy (kWh still needed at departure) and the share of EV energy served show whether a "
+            "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` is the "
+            "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound)."
+        )
+    )
+    if sizing is not None:
+        blocks += [Heading(2, "Sizing results"), sizing_table(sizing)]
+    blocks.append(Heading(2, "Figures"))
+    blocks += list(figures)
+    files = {f.file for f in figures}
+    if "learning_curves.png" not in files:
+        blocks.append(Paragraph("No training metrics were found, so the learning curves are omitted."))
+    if "test_week_traces.png" not in files:
+        blocks.append(Paragraph("No test-split traces were given, so the test-week figure is omitted."))
+    blocks.append(Paragraph("The full table is in `co2_comparison.parquet`."))
+    return blocks

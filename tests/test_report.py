@@ -1,9 +1,13 @@
-"""The CO2 comparison report: table layout, relative KPIs, figures and Markdown, from real env rollouts."""
+"""The CO2 comparison report: table layout, relative KPIs, figures, Markdown and the HTML page, from real env rollouts."""
 
 from __future__ import annotations
 
+import base64
 import math
+import re
 import shutil
+import subprocess
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +17,14 @@ import torch
 from conftest import make_site
 
 from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, evaluate_policy, write_parquet
-from pipeline.report import SEED_COLUMNS, kpi_markdown_table, read_kpi_files, summary_paragraph, write_report
+from pipeline.report import (
+    SEED_COLUMNS,
+    kpi_markdown_table,
+    read_kpi_files,
+    site_data_sources,
+    summary_paragraph,
+    write_report,
+)
 
 CONTROLLERS = ("ppo", "uncontrolled", "a2c", "oracle")  # deliberately not in report order
 SPLITS = ("test", "train")
@@ -220,3 +231,170 @@ def test_report_shows_a_shipped_site_config_relative_to_the_project(tmp_path):
 
     assert shown_path(PROJECT_ROOT / "envs" / "sites" / "caltech.toml") == "envs/sites/caltech.toml"
     assert shown_path(tmp_path / "site.toml") == str(tmp_path / "site.toml")  # a user's own file: as given
+
+
+# ------------------------------------------------------------------------------------------- report.html
+class _Page(HTMLParser):
+    """What a reader sees in report.html: headings, list items, table rows, paragraphs and captions (text
+    without tags, in document order), and the attributes of every <img>."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.headings: list[str] = []
+        self.items: list[str] = []
+        self.rows: list[list[str]] = []
+        self.texts: list[str] = []  # <p> and <figcaption>
+        self.imgs: list[dict] = []
+        self.tags: set[str] = set()
+        self._buf: list[str] | None = None
+        self._cell: list[str] | None = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        if tag in ("h1", "h2", "h3", "li", "p", "figcaption"):
+            self._buf = []
+        elif tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag == "img":
+            self.imgs.append(dict(attrs))
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self.rows[-1].append("".join(self._cell).strip())
+            self._cell = None
+        elif tag in ("h1", "h2", "h3", "li", "p", "figcaption") and self._buf is not None:
+            text = "".join(self._buf).strip()
+            {"li": self.items, "p": self.texts, "figcaption": self.texts}.get(tag, self.headings).append(text)
+            self._buf = None
+
+    def handle_data(self, data):
+        for buf in (self._buf, self._cell):
+            if buf is not None:
+                buf.append(data)
+
+
+def _markdown_view(md: str) -> dict[str, list]:
+    """The same parts of report.md, inline Markdown removed."""
+    plain = lambda s: s.replace("**", "").replace("`", "")  # noqa: E731
+    out: dict[str, list] = {"headings": [], "items": [], "rows": [], "texts": [], "images": []}
+    for line in md.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("#"):
+            out["headings"].append(line.lstrip("#").strip())
+        elif line.startswith("- "):
+            out["items"].append(plain(line[2:]))
+        elif line.startswith("|"):
+            if not set(line) <= set("|-: "):
+                out["rows"].append([c.strip() for c in line.strip("|").split("|")])
+        elif line.startswith("!["):
+            out["images"].append(re.fullmatch(r"!\[(.*)\]\((.*)\)", line).groups())
+        else:
+            text = line[2:] if line.startswith("> ") else line
+            caption = text.startswith("*") and text.endswith("*") and not text.startswith("**")
+            out["texts"].append(plain(text[1:-1] if caption else text))
+    return out
+
+
+def test_html_page_has_the_markdown_content_and_embedded_figures(report: Path):
+    out = report.parent
+    page_path = out / "report.html"
+    assert page_path.is_file()
+    text = page_path.read_text(encoding="utf-8")
+    page, md = _Page(text), _markdown_view(report.read_text())
+    assert page.headings == md["headings"] and page.headings[0] == "Synthetic site: CO2 comparison"
+    assert page.items == md["items"] and "PV: 10 kWp" in page.items
+    assert page.rows == md["rows"] and len(page.rows) == 2 * (1 + len(CONTROLLERS))
+    assert page.texts == md["texts"]
+    assert any("lowest CO2 apart from the oracle is a2c's" in t for t in page.texts)
+    # every figure is embedded, byte for byte, with its alt text
+    assert [(i["alt"], i["src"].split(",")[0]) for i in page.imgs] == [(alt, "data:image/png;base64") for alt, _ in md["images"]]
+    for img, (_, file) in zip(page.imgs, md["images"]):
+        assert base64.b64decode(img["src"].split(",", 1)[1]) == (out / file).read_bytes(), file
+    # self-contained: nothing to fetch, no library
+    assert not ({"link", "iframe", "object", "embed"} & page.tags)
+    assert not re.search(r"""(src|href)\s*=\s*(?!["']?data:)""", text), "a resource outside the page"
+    assert "default-src 'none'" in text and "<script src" not in text
+    assert "Sizing results" not in text and "Data sources" not in text  # optional sections, not given here
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_html_sizing_results_data_sources_and_escaping(inputs, tmp_path: Path):
+    sizing = pd.DataFrame(
+        {"pv_kwp": [20.0, 50.0], "bess_kwh": [40, 80], "co2_kg": [1234.5678, 987.0], "note": ["as built", "<larger>"]}
+    ).set_index("pv_kwp")
+    md_path = write_report(
+        inputs["kpi_files"], {}, {}, tmp_path / "out", "T", {"site": "x & y"},
+        notes=["A <b>raw</b> tag stays text."],
+        data_sources=["**EV sessions**: made up, see https://example.org/data."],
+        sizing=sizing,
+    )
+    md = md_path.read_text()
+    text = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    page = _Page(text)
+    assert "## Sizing results" in md and "| pv_kwp | bess_kwh | co2_kg | note |" in md
+    assert "| 20 | 40 | 1,234.568 | as built |" in md and "| 50 | 80 | 987 | <larger> |" in md
+    assert "Sizing results" in page.headings and "Data sources" in page.headings
+    assert ["pv_kwp", "bess_kwh", "co2_kg", "note"] in page.rows and ["50", "80", "987", "<larger>"] in page.rows
+    assert page.rows == _markdown_view(md)["rows"]
+    assert "&lt;larger&gt;" in text and "A &lt;b&gt;raw&lt;/b&gt; tag" in text and "x &amp; y" in text
+    assert '<strong>EV sessions</strong>: made up, see <a href="https://example.org/data">https://example.org/data</a>.' in text
+    assert len(page.imgs) == 1 and page.imgs[0]["alt"] == "CO2 by controller"  # no traces, no metrics given
+
+
+def test_site_data_sources_from_the_shipped_readmes(tmp_path: Path):
+    from pipeline.config import PROJECT_ROOT
+
+    caltech = site_data_sources(PROJECT_ROOT / "envs" / "sites" / "caltech" / "README.md")
+    assert len(caltech) == 4 and caltech[0].startswith("**EV charging sessions**: ACN-Data")
+    assert "https://ev.caltech.edu/dataset" in caltech[0] and not any("sha256" in s for s in caltech)
+    iquitos = site_data_sources(PROJECT_ROOT / "envs" / "sites" / "iquitos" / "README.md")
+    assert len(iquitos) == 2 and "pvlib" in iquitos[1] and "\n" not in iquitos[1]
+    assert site_data_sources(tmp_path / "missing.md") == []
+
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def _headless(browser: str, profile: Path, page: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+           f"--user-data-dir={profile}", "--window-size=1280,4200", "--virtual-time-budget=5000", *args, page.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}"
+    return proc
+
+
+def test_html_renders_in_headless_chromium(report: Path, tmp_path: Path):
+    browser = next((b for b in BROWSERS if shutil.which(b)), None)
+    if browser is None:
+        pytest.skip(f"no headless browser on PATH (looked for {', '.join(BROWSERS)}); `apt-get install chromium` runs this test")
+    page = report.parent / "report.html"
+    n_figures = len(_Page(page.read_text(encoding="utf-8")).imgs)
+    assert n_figures == 3
+
+    # the page's own check, written into the DOM on load: every <img> complete with a natural width
+    dom = _headless(browser, tmp_path / "profile", page, "--dump-dom").stdout
+    assert f'data-figures-loaded="{n_figures}/{n_figures}"' in dom, dom[:500]
+
+    shot = tmp_path / "report.png"
+    _headless(browser, tmp_path / "profile", page, f"--screenshot={shot}")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib import image as mimage
+
+    pixels = mimage.imread(shot)
+    assert pixels.shape[:2] == (4200, 1280)
+    rgb = np.round(pixels[..., :3] * 255).astype(np.uint32)
+    colours = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # one int per pixel
+    assert len(np.unique(colours)) > 100, "the screenshot is (nearly) one colour"
+    assert len(np.unique(colours[2000:])) > 50, "nothing drawn where the figures are (below the tables)"
+
+    # and the check does fail on a figure that does not decode
+    broken = tmp_path / "broken.html"
+    text = page.read_text(encoding="utf-8")
+    truncated = re.sub(r"data:image/png;base64,[^\"]+", "data:image/png;base64,iVBORw0KGgoAAAAA", text, count=1)
+    broken.write_text(truncated, encoding="utf-8")
+    dom = _headless(browser, tmp_path / "profile", broken, "--dump-dom").stdout
+    assert f'data-figures-loaded="{n_figures - 1}/{n_figures}"' in dom, dom[:500]
