@@ -3,6 +3,10 @@
 doit decides what is out of date (file dependencies, targets, the study's settings); each task then
 computes its stage of the Dask graph of ``pipeline.graph``, which fans the work out over the cluster.
 
+doit's state (what is up to date) is kept per experiment, in ``<output_dir>/<experiment>/.doit.sqlite3``, and
+a command that runs tasks holds ``<output_dir>/<experiment>/.doit.lock`` until it exits, so different
+experiments run side by side and a second run of one experiment stops at once (see ``pipeline.runstate``).
+
 Settings, as doit variables after the command or as environment variables::
 
     doit run pipeline site=path/to/site.toml      # EVHUB_SITE          (default: caltech)
@@ -23,14 +27,33 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from doit.exceptions import InvalidDodoFile
+
 from pipeline.config import PROJECT_ROOT, from_environment
 from pipeline.graph import outputs, run
-
-DOIT_CONFIG = {"default_tasks": ["pipeline"], "verbosity": 2, "action_string_formatting": "new"}
+from pipeline.runstate import DamagedState, ExperimentBusy, current_doit_command, doit_config
 
 CFG = from_environment()
 OUT = outputs(CFG)
 SITE_TOML = CFG.site_toml
+COMMAND = current_doit_command()
+
+
+def _state_folder() -> Path:
+    """The experiment folder whose doit state and lock this command uses (``doit bench``: ``outputs/bench``)."""
+    if COMMAND and COMMAND.tasks and all(t.split(":")[0] == "bench" for t in COMMAND.tasks):
+        return PROJECT_ROOT / "outputs" / "bench"
+    return CFG.root
+
+
+# doit's state lives in each experiment folder (doit's sqlite3 backend), so experiments run side by side; a
+# command that runs tasks holds the folder's lock until it exits, so a second run of one experiment stops here
+try:
+    _STATE = doit_config(_state_folder(), COMMAND)
+except (ExperimentBusy, DamagedState) as exc:
+    raise InvalidDodoFile(str(exc)) from None
+
+DOIT_CONFIG = {"default_tasks": ["pipeline"], "verbosity": 2, "action_string_formatting": "new", **_STATE}
 
 
 def _site_files() -> list[str]:
