@@ -169,17 +169,24 @@ def task_bench():
             raise ValueError("part=gpu needs CUDA, which is not available")
         cpu = part in ("auto", "cpu", "all")
         gpu = part in ("gpu", "all") or (part == "auto" and torch.cuda.is_available())
+        ours = ("ours", "ours_compile")  # the env step eager and compiled as one graph, side by side
         if cpu:
-            env_throughput.run(device="cpu")
+            env_throughput.run(device="cpu", impls=(*env_throughput.DEFAULT_IMPLS, "ours_compile"))
             env_throughput.run(device="cpu", env_id="Snake-v0")
+            profile.run(("env_eager", "env_compile"), device="cpu", num_envs=4096)
             vector_io.run()
             training.run(device="cpu")
         if gpu:
+            env_throughput.run(device="cuda", num_envs=(1, 256, 4096, 65536), impls=(*ours, "ours_cudagraph"),
+                               out_name="env_throughput_graphs_cuda")
             env_throughput.run(device="cuda")
             env_throughput.run(device="cuda", env_id="Snake-v0")
             switches.run(device="cuda")
             training.run(device="cuda")
-            profile.run(("env", "ppo", "sac"), device="cuda", num_envs=16384)
+            for n in (4096, 65536):
+                profile.run(("env_eager", "env_compile", "env_cudagraph"), device="cuda", num_envs=n,
+                            name=f"profile_env_cuda_{n}")
+            profile.run(("ppo", "sac"), device="cuda", num_envs=16384)
         report.write()
 
     return {"actions": [action], "uptodate": [False], "verbosity": 2}

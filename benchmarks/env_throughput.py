@@ -8,6 +8,8 @@ Implementations (``impl``):
 * ``ours_compile`` (opt-in, not in the default ``impls``): the same env with its ``step`` wrapped in
   ``torch.compile(fullgraph=True)``: both envs' steps trace as one graph (counter-based random streams, no host
   sync). Compilation happens in the untimed warm-up.
+* ``ours_cudagraph`` (opt-in, CUDA only): that compiled step captured once and replayed from a CUDA graph
+  (``algos.harness.CudaGraphed``), one graph launch per vector step.
 * ``gym_sync``: ``gymnasium.vector.SyncVectorEnv`` of ``num_envs`` :class:`envs.evhub.EVHubEnv` (one copy
   each, CPU, float64), stepped in a Python loop in this process.
 * ``gym_async``: ``gymnasium.vector.AsyncVectorEnv`` of the same, one worker subprocess per env.
@@ -65,11 +67,11 @@ from benchmarks.common import (
     synced,
 )
 
-ALL_IMPLS: tuple[str, ...] = ("ours", "ours_compile", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
+ALL_IMPLS: tuple[str, ...] = ("ours", "ours_compile", "ours_cudagraph", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
 """Every implementation this benchmark knows (see the module docstring)."""
 DEFAULT_IMPLS: tuple[str, ...] = ("ours", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
 """Implementations measured unless ``impls`` says otherwise (``ours_compile`` is opt-in: it compiles per N)."""
-OURS_IMPLS = ("ours", "ours_compile")
+OURS_IMPLS = ("ours", "ours_compile", "ours_cudagraph")
 """Implementations that run the torch-batched env on ``device``."""
 INPROCESS_IMPLS = ("gym_sync", "sb3_dummy")
 """Baselines that hold one Python env object per copy in this process (limited by ``max_inprocess_envs``)."""
@@ -189,9 +191,13 @@ def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Ge
             pool = list((torch.rand((ACTION_POOL, n, 2), generator=gen, device=device) * 2.0 - 1.0).unbind(0))
         env.reset(seed=0)
         env_step = env.step
-        if impl == "ours_compile":
+        if impl in ("ours_compile", "ours_cudagraph"):
             torch._dynamo.reset()  # a fresh cache per configuration: no recompile limit across N
             env_step = torch.compile(env.step, fullgraph=True)  # one graph: a break would fail here
+        if impl == "ours_cudagraph":  # the compiled step replayed from a CUDA graph: one launch per step
+            from algos.harness import CudaGraphed
+
+            env_step = CudaGraphed(env_step)
 
         def step(k: int) -> int:
             for i in range(k):
@@ -266,7 +272,10 @@ def _free_memory() -> None:
         pass
 
 
-def _skip_reason(impl: str, n: int, max_inprocess_envs: int, max_subprocess_envs: int, sb3: bool) -> str | None:
+def _skip_reason(impl: str, n: int, max_inprocess_envs: int, max_subprocess_envs: int, sb3: bool,
+                 device: torch.device | None = None) -> str | None:
+    if impl == "ours_cudagraph" and (device is None or device.type != "cuda"):
+        return "a CUDA graph needs a CUDA device"
     if impl in SB3_IMPLS and not sb3:
         return "stable-baselines3 not installed"
     if impl in INPROCESS_IMPLS and n > max_inprocess_envs:
@@ -305,6 +314,7 @@ def run(
     out_dir: str | None = None,
     site: str = "caltech",
     env_id: str = "EVHub-v0",
+    out_name: str | None = None,
 ) -> pd.DataFrame:
     """Measure env steps per second of each implementation at each number of envs, side by side.
 
@@ -321,6 +331,7 @@ def run(
         out_dir: folder of ``env_throughput.parquet`` (default ``outputs/bench/``).
         site: shipped site name or site TOML path; loaded once and shared by every env (EVHub-v0 only).
         env_id: one of :data:`ENV_IDS`.
+        out_name: the table's name (default ``env_throughput[_snake][_<device>]``).
 
     Returns:
         One row per (impl, N), columns :data:`COLUMNS` (rates in env steps/s, memory in MiB); skipped
@@ -382,7 +393,7 @@ def run(
                 "cuda_peak_mb": math.nan,
                 "status": "ok",
             }
-            reason = _skip_reason(impl, n, max_inprocess_envs, max_subprocess_envs, sb3)
+            reason = _skip_reason(impl, n, max_inprocess_envs, max_subprocess_envs, sb3, row_dev)
             if reason is not None:
                 row["status"] = f"skipped: {reason}"
                 rows.append(row)
@@ -440,7 +451,8 @@ def run(
     }
     df["machine"] = json.dumps(info)
     name = "env_throughput" + ("_snake" if env_id == "Snake-v0" else "")
-    path = save_table(df, name if torch.device(device).type == "cpu" else f"{name}_{torch.device(device).type}", out_dir)
+    name = out_name or (name if torch.device(device).type == "cpu" else f"{name}_{torch.device(device).type}")
+    path = save_table(df, name, out_dir)
     print(f"env_throughput: {time.perf_counter() - t_start:.0f} s; wrote {path}\n{markdown(df)}", flush=True)
     return df
 
@@ -457,9 +469,9 @@ class Args:
     """numbers of parallel envs N (None: 1 16 256 4096 on cpu, plus 16384 on cuda)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """device of the batched env ('auto': cuda when available); the baselines always run on the cpu"""
-    impls: tuple[Literal["ours", "ours_compile", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc"], ...] = DEFAULT_IMPLS  # type: ignore[assignment]
+    impls: tuple[Literal["ours", "ours_compile", "ours_cudagraph", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc"], ...] = DEFAULT_IMPLS  # type: ignore[assignment]
     """implementations to measure ('ours' is needed for the speed-up column; 'ours_compile', the batched env's step
-    under torch.compile, is opt-in)"""
+    under torch.compile, and 'ours_cudagraph', that step replayed from a CUDA graph (CUDA only), are opt-in)"""
     repeats: int = 5
     """timed repeats per configuration (the table reports median, min and max)"""
     min_seconds: float = 1.0

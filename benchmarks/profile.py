@@ -11,7 +11,9 @@ operators by self time) and one row of ``profile[_cuda].parquet``:
   training iteration);
 - ``top_ops``: the five operators with the most self time (CUDA time on a GPU, CPU time otherwise).
 
-Targets: ``env`` (``steps`` vector steps of ``EVHubVectorEnv`` at ``num_envs``) and ``ppo``, ``a2c``,
+Targets: ``env`` or ``env_eager``, ``env_compile``, ``env_cudagraph`` (``steps`` vector steps of ``EVHubVectorEnv`` at
+``num_envs``, its step eager, compiled as one graph, or that graph replayed by CUDA; see :func:`profile_env`) and
+``ppo``, ``a2c``,
 ``sac``, ``dqn`` (the script, eager, with its device preset and a budget of a few iterations; set-up,
 compilation and export are included in the wall time, so read the per-op table rather than the total).
 Run: ``python -m benchmarks.profile --help``.
@@ -58,24 +60,37 @@ def _summarise(prof, wall: float, steps: int, device: torch.device) -> dict:
     }
 
 
-def profile_env(num_envs: int, device: torch.device, steps: int = 50) -> dict:
-    """Profile ``steps`` vector steps of the batched env at ``num_envs`` (random actions pre-generated)."""
+def profile_env(num_envs: int, device: torch.device, steps: int = 50, mode: str = "eager") -> dict:
+    """Profile ``steps`` vector steps of the batched env at ``num_envs`` (random actions pre-generated), its step
+    run ``mode``: ``"eager"``, ``"compile"`` (``torch.compile(fullgraph=True)``) or ``"cudagraph"`` (that compiled
+    step replayed from a CUDA graph; CUDA only). ``ops_per_step``: the torch operators (eager) or compiled regions the
+    profiler records per step on the host."""
     from envs.evhub import EVHubVectorEnv
 
     env = EVHubVectorEnv(num_envs, device=device, bess_action="surplus")
     env.reset(seed=0)
+    step = env.step
+    if mode in ("compile", "cudagraph"):
+        torch._dynamo.reset()
+        step = torch.compile(env.step, fullgraph=True)
+    if mode == "cudagraph":
+        if device.type != "cuda":
+            raise ValueError("mode 'cudagraph' needs a CUDA device")
+        step = harness.CudaGraphed(step)
     actions = torch.rand(16, num_envs, 2, device=device) * 2 - 1
-    for i in range(10):  # warm-up
-        env.step(actions[i % 16])
+    for i in range(10):  # warm-up: compilation and graph capture happen here
+        step(actions[i % 16])
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for i in range(steps):
-            env.step(actions[i % 16])
+            step(actions[i % 16])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
-    return {"target": "env", "num_envs": num_envs, "steps": steps, **_summarise(prof, wall, steps, device)}
+    ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::") or "Compiled" in e.key)
+    return {"target": f"env_{mode}", "num_envs": num_envs, "steps": steps, "ops_per_step": ops / steps,
+            **_summarise(prof, wall, steps, device)}
 
 
 def profile_algo(algo: str, device: torch.device, iterations: int = 2, out_dir: Path = BENCH_DIR) -> dict:
@@ -103,8 +118,9 @@ def run(
     device: str = "cpu",
     num_envs: int = 4096,
     out_dir: str | Path | None = None,
+    name: str | None = None,
 ) -> pd.DataFrame:
-    """Profile each target and write its table and the summary ``profile[_cuda].parquet``.
+    """Profile each target and write its table and the summary ``profile[_cuda].parquet`` (or ``<name>.parquet``).
 
     Raises:
         ValueError: unknown target, or CUDA requested without it.
@@ -115,19 +131,22 @@ def run(
     out = Path(out_dir or BENCH_DIR)
     rows = []
     for t in targets:
-        if t == "env":
-            r = profile_env(num_envs, dev)
+        if t in ("env", "env_eager", "env_compile", "env_cudagraph"):
+            r = profile_env(num_envs, dev, mode=t.removeprefix("env").removeprefix("_") or "eager")
         elif t in ("ppo", "a2c", "sac", "dqn"):
             r = profile_algo(t, dev, out_dir=out)
         else:
-            raise ValueError(f"unknown profile target {t!r}: env, ppo, a2c, sac or dqn")
+            raise ValueError(f"unknown profile target {t!r}: env (env_eager), env_compile, env_cudagraph, ppo, a2c, sac "
+                             f"or dqn")
         write_text(out / f"profile_{t}_{device}.txt", r.pop("table") + "\n")
         rows.append({"device": device, **r})
         print(f"[profile {t} {device}] wall {r['wall_s']:.2f} s, kernels {r['cuda_kernel_s']:.2f} s, "
-              f"launches per step {r['launches_per_step']:.0f}; top: {r['top_ops']}", flush=True)
+              f"launches per step {r['launches_per_step']:.0f}"
+              + (f", host ops per step {r['ops_per_step']:.0f}" if "ops_per_step" in r else "")
+              + f"; top: {r['top_ops']}", flush=True)
     df = pd.DataFrame(rows)
     df["machine"] = json.dumps(machine_info(dev))
-    save_table(df, "profile" if device == "cpu" else f"profile_{device}", out)
+    save_table(df, name or ("profile" if device == "cpu" else f"profile_{device}"), out)
     return df
 
 
@@ -136,7 +155,7 @@ class Args:
     """torch.profiler summaries: what bounds the env step and each training loop."""
 
     targets: tuple[str, ...] = ("env",)
-    """what to profile: env, ppo, a2c, sac, dqn"""
+    """what to profile: env (= env_eager), env_compile, env_cudagraph (CUDA only), ppo, a2c, sac, dqn"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """device ('auto': cuda when available)"""
     num_envs: int = 4096

@@ -41,11 +41,24 @@ def targets(out: Path) -> pd.DataFrame:
         r = tr[(tr.config == "ours_ppo_preset") & (tr.status == "ok")]
         v = float(r.sps_vs_sb3.iloc[0]) if len(r) else None
         add("CPU: our PPO >= 10x SB3 PPO's SPS", v, v is not None and v >= 10, "x")
-    env_gpu = _read(out, "env_throughput_cuda")
-    if env_gpu is not None:
-        r = env_gpu[(env_gpu.impl == "ours") & (env_gpu.num_envs >= 4096) & (env_gpu.status == "ok")]
-        v = float(r.steps_per_s.max()) if len(r) else None
-        add("GPU: env >= 5e7 steps/s at >= 4096 envs", v, v is not None and v >= 5e7, " steps/s")
+    if env is not None:  # the env step as one graph: compiled vs eager, side by side in one run
+        rate = env[env.status == "ok"].set_index(["impl", "num_envs"])["steps_per_s"]
+        v = rate.get(("ours_compile", 4096), math.nan) / rate.get(("ours", 4096), math.nan)
+        add("CPU: compiled env step at 4,096 envs >= 2x the eager step", v, bool(v >= 2), "x")
+    graphs = _read(out, "env_throughput_graphs_cuda")
+    if graphs is not None:
+        best = graphs[graphs.status == "ok"].groupby("num_envs")["steps_per_s"].max()
+        for n, goal in ((65536, 1e8), (4096, 2e7)):
+            v = float(best.get(n, math.nan))
+            add(f"GPU: env >= {goal:.0e} steps/s at {n:,} envs (best of eager, compiled, CUDA-graphed)", v, bool(v >= goal),
+                " steps/s")
+    prof_gpu = [_read(out, f"profile_env_cuda_{n}") for n in (4096, 65536)]
+    for n, p in zip((4096, 65536), prof_gpu):
+        if p is None:
+            continue
+        r = p[p.target == "env_cudagraph"]
+        v = float(r.launches_per_step.iloc[0]) if len(r) else None
+        add(f"GPU: <= 10 kernel launches per env step once graphed ({n:,} envs)", v, v is not None and v <= 10)
     tr_gpu = _read(out, "training_cuda")
     if tr_gpu is not None:
         for algo, goal in (("ppo", 5e6), ("sac", 5e5)):
@@ -73,6 +86,7 @@ def write(out_dir: str | Path | None = None) -> Path:
     sections = (
         ("Environment throughput", "env_throughput", env_throughput.markdown),
         ("Environment throughput, Snake-v0", "env_throughput_snake", env_throughput.markdown),
+        ("The env step eager, compiled and CUDA-graphed", "env_throughput_graphs", env_throughput.markdown),
         ("I/O-bound env (IOBound-v0): sync vs async vector envs", "vector_io", vector_io.markdown),
         ("Training throughput and time to quality", "training", training.markdown),
         ("Speed switches", "switches", switches.markdown),
@@ -88,15 +102,17 @@ def write(out_dir: str | Path | None = None) -> Path:
                 m = json.loads(machine) if isinstance(machine, str) else machine
                 parts += ["Machine: " + ", ".join(f"{k} {v}" for k, v in m.items() if v != ""), ""]
             parts += [fmt(df), ""]
-    prof = [p for p in (_read(out, "profile"), _read(out, "profile_cuda")) if p is not None]
+    names = ("profile", "profile_cuda", "profile_env_cuda_4096", "profile_env_cuda_65536")
+    prof = [p for p in (_read(out, n) for n in names) if p is not None]
     if prof:
-        parts += ["## Profiles", "", "| target | device | envs | wall s | CUDA kernels s | GPU busy % | launches per step | top ops |",
-                  "|---|---|---|---|---|---|---|---|"]
+        parts += ["## Profiles", "", "| target | device | envs | wall s | CUDA kernels s | GPU busy % | launches per step | "
+                  "host ops per step | top ops |", "|---|---|---|---|---|---|---|---|---|"]
         for p in prof:
             for r in p.itertuples():
                 busy = "" if not math.isfinite(r.gpu_busy_pct) else f"{r.gpu_busy_pct:.0f}"
+                ops = getattr(r, "ops_per_step", math.nan)
                 parts.append(f"| {r.target} | {r.device} | {r.num_envs} | {r.wall_s:.2f} | {r.cuda_kernel_s:.2f} | {busy} | "
-                             f"{r.launches_per_step:.0f} | {r.top_ops} |")
+                             f"{r.launches_per_step:.0f} | {'' if not math.isfinite(ops) else f'{ops:.0f}'} | {r.top_ops} |")
         parts.append("")
     path = write_text(out / "benchmarks.md", "\n".join(parts) + "\n")
     print(f"benchmark report: {path}")

@@ -76,7 +76,7 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
         "baselines": [root / "baselines" / f"{c}_{s}{x}.parquet" for c in controllers for s in SPLITS for x in ("", "_traces")],
         "train": [root / "runs" / r / f for r in runs for f in ("metrics.parquet", "policy.pt2")],
         "evaluate": [root / "eval" / f"{r}_{s}{x}.parquet" for r in runs for s in SPLITS for x in ("", "_traces")],
-        "report": [root / "report" / f for f in ("report.md", "co2_comparison.parquet")],
+        "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
     }
 
 

@@ -7,7 +7,7 @@ previous file or none. Output layout under ``<output_dir>/<experiment>/``::
     baselines/<controller>_<split>.parquet      one KPI row   (+ ``_traces.parquet``: hourly traces)
     runs/<algo>_seed<seed>/                     TensorBoard events, metrics.parquet, checkpoint, policy
     eval/<algo>_seed<seed>_<split>.parquet      one KPI row   (+ ``_traces.parquet``)
-    report/                                     report.md, co2_comparison.parquet, figures
+    report/                                     report.md, report.html, co2_comparison.parquet, figures
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     under it; a ``data_note`` is shown in the site section; a site whose hourly MOER is one constant gets a
     note that its CO2 follows grid import, to be read beside unserved energy.
     """
-    from pipeline.report import write_report
+    from pipeline.report import site_data_sources, write_report
 
     c, toml = load_config(cfg_dict["site_toml"])
     summary = {
@@ -284,5 +284,6 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         title=f"CO2 comparison: {c.name}" + (" (synthetic EV sessions)" if c.synthetic_sessions else ""),
         site_summary=summary,
         notes=notes,
+        data_sources=site_data_sources(toml.parent / c.data_dir / "README.md"),
     )
     return str(path)
