@@ -16,7 +16,7 @@ Physics per step of ``dt`` hours (units: kW, kWh, kg CO2/kWh; see the project's 
   [SOC_min, SOC_max]; discharge is also limited to the site's deficit (the battery never exports).
   ``E' = E + eta_c * P_ch * dt - P_dis * dt / eta_d``.
 * Grid: ``G_imp - G_exp - P_curt = L + sum_i P_i + P_ch - P_pv - P_dis``; a surplus is exported if
-  allowed, else curtailed. Import above the limit cuts EV power first, then battery charging.
+  allowed, else curtailed. Import above the limit cuts battery charging first, then EV power above the deadline floors, then the floors (a battery never takes energy that a waiting car needs).
 * Emissions ``CO2 = G_imp * MOER * dt``; reward
   ``-scale * (w_co2 * CO2 + w_unserved * unserved + w_peak * max(0, G_imp - peak_threshold))``.
 
@@ -479,12 +479,20 @@ class EVHubVectorEnv(VectorEnv):
         charge = torch.minimum(p_bess.clamp(min=0.0), charge_max)
         discharge = torch.minimum(torch.minimum((-p_bess).clamp(min=0.0), discharge_max), deficit)
 
-        # grid import limit: cut EV power first, then battery charging
+        # grid import limit: a battery never takes energy that a waiting car needs. Cut BESS charging first, then
+        # EV power above the deadline floors, then the floors (each EV in proportion to its share)
         excess = (load + ev_total + charge - pv - discharge - cfg.grid.import_limit_kw).clamp(min=0.0)
-        ev_cut = torch.minimum(excess, ev_total)
-        ev = ev * torch.where(ev_total > 0, (ev_total - ev_cut) / ev_total.clamp(min=1e-12), 0.0)[:, None]
+        charge_cut = torch.minimum(excess, charge)
+        charge = charge - charge_cut
+        excess = excess - charge_cut
+        above = ev - floor  # >= 0: the allocation starts at the floors
+        above_total = above.sum(1)
+        above_cut = torch.minimum(excess, above_total)
+        above = above * (1.0 - above_cut / above_total.clamp(min=1e-12))[:, None]
+        floor_total = floor.sum(1)
+        floor_cut = torch.minimum(excess - above_cut, floor_total)
+        ev = floor * (1.0 - floor_cut / floor_total.clamp(min=1e-12))[:, None] + above
         ev_total = ev.sum(1)
-        charge = charge - torch.minimum(excess - ev_cut, charge)
 
         net = load + ev_total + charge - pv - discharge
         if cfg.ev.surplus_to_ev:  # a config flag, not a tensor value

@@ -338,3 +338,29 @@ def test_policy_spec_round_trip_and_bad_specs(tmp_path):
     (tmp_path / "policy.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="policy.json.*JSON object"):
         read_policy_spec(tmp_path)
+
+
+def test_a_binding_import_limit_cuts_battery_charging_before_any_car():
+    # no PV, a large battery told to charge at full power, every car asking for full power, a tight service limit
+    site = make_site(days=7, n_sockets=6, pv={"kwp": 0.0}, bess={"capacity_kwh": 400.0, "power_kw": 50.0},
+                     grid={"import_limit_kw": 14.0})
+    env = EVHubVectorEnv(1, site=site, split="train", full_split=True, dtype=torch.float64, bess_action="setpoint")
+    env.reset(seed=0)
+    limit, binding, starved = 14.0, 0, 0
+    for _ in range(env.data.num_steps):
+        floor, cap = (x.sum(1).item() for x in env._ev_bounds())
+        _, _, _, _, info = env.step(torch.tensor([[1.0, 1.0]], dtype=torch.float64))
+        grid, charge, ev = (info[k].item() for k in ("grid_import_kw", "bess_charge_kw", "ev_charge_kw"))
+        assert grid <= limit + 1e-9
+        if charge > 1e-9:  # the battery charges only with every car served as asked
+            assert ev == pytest.approx(cap, abs=1e-9)
+        if ev < cap - 1e-9:  # a car gets less than asked only with the battery idle and the limit binding
+            binding += 1
+            assert charge <= 1e-9 and grid == pytest.approx(limit, abs=1e-9)
+            assert ev >= min(floor, limit) - 1e-9  # the deadline floors go last
+        starved += ev < floor - 1e-9
+    assert binding > 10  # the limit did bind, often
+    k, _ = evaluate_policy(lambda obs, e: torch.tensor([[1.0, 1.0]], dtype=obs.dtype), site, "train", "full",
+                           bess_action="setpoint")
+    # what is left unserved comes from floors above the limit alone: without any floor cut, nothing is unserved
+    assert (k.unserved_kwh.item() > 0) == (starved > 0)
