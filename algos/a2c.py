@@ -22,8 +22,11 @@ reward normaliser's discounted return restarts at every episode end as well.
 
 The hot functions are plain module-level functions bound to the agent once: :func:`policy_step` (normalise and act)
 and :func:`update` (bootstrap value, returns, one gradient step); ``--compile`` / ``--cudagraphs`` rebind them
-(:func:`harness.bind`), ``--amp`` runs the forward passes under bf16 autocast. No host sync in the loop on the
-torch-batched envs: the host reads numbers once per ``log_every`` iterations.
+(:func:`harness.bind`), ``--amp`` runs the forward passes under bf16 autocast. On a torch-batched env the policy and
+the env step are one function (:func:`act_and_step`) that ``--compile`` traces as one graph, and ``--cudagraphs``
+replays the whole rollout of ``num_steps`` steps as one CUDA graph and the update as another (a gymnasium env steps
+on the host: there only the policy is compiled or graphed). No host sync in the loop on the torch-batched envs: the
+host reads numbers once per ``log_every`` iterations.
 
 Run::
 
@@ -372,29 +375,38 @@ def state_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch.Ten
         return agent.dist_and_value(agent.obs_norm(obs), amp)[1]
 
 
-def rollout(env, act, next_obs: torch.Tensor, storage: dict, gamma: float, bootstrap_truncation: bool,
+def act_and_step(act, env, obs: torch.Tensor):
+    """One step of the rollout: ``act`` (:func:`policy_step`, bound) on the raw ``obs``, then the env's answer.
+    Returns ``(obs_normalised, action, value, next_obs, reward, terminated, truncated, final_obs)``. For a
+    torch-batched env this is one function of tensors, so ``--compile`` traces policy and env step as one graph."""
+    obs_n, action, value = act(obs)
+    next_obs, reward, terminated, truncated, info = env.step(action)
+    return obs_n, action, value, next_obs, reward, terminated, truncated, info["final_obs"]
+
+
+def rollout(step, next_obs: torch.Tensor, *, storage: dict, gamma: float, bootstrap_truncation: bool,
             value_fn=None) -> torch.Tensor:  # fmt: skip
-    """Step ``env`` ``num_steps`` times with ``act`` (:func:`policy_step` bound to the agent), filling ``storage`` in
-    place; returns the raw observation after the last step. No host sync on torch-batched envs.
+    """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``step`` (:func:`act_and_step`,
+    bound); returns the raw observation after the last step. No host sync on torch-batched envs, so there
+    ``--cudagraphs`` replays the whole rollout as one CUDA graph (:func:`harness.capture`).
 
     The env gets the raw actions (it clips and rescales Box ones) and returns the rewards to learn from (normalised by
-    :class:`envs.vector.NormalizeReward` where wrapped). Where it gives real final observations (``has_final_obs``) and
-    ``value_fn`` (:func:`state_value` bound to the agent) is given, a truncated step gets ``gamma * V(final_obs)`` added
-    to its reward and is stored as terminal, as Stable-Baselines3 does; otherwise truncations bootstrap from the next
-    stored value (``bootstrap_truncation``) or are terminal.
+    :class:`envs.vector.NormalizeReward` where wrapped). ``value_fn`` (:func:`state_value` bound to the agent; only
+    for an env that gives real final observations, ``has_final_obs``): with ``bootstrap_truncation`` a truncated step
+    gets ``gamma * V(final_obs)`` added to its reward and is stored as terminal, as Stable-Baselines3 does; otherwise
+    truncations bootstrap from the next stored value (``bootstrap_truncation``) or are terminal.
     """
-    from_final = value_fn is not None and bootstrap_truncation and env.has_final_obs
-    for step in range(storage["obs"].shape[0]):
-        obs_n, action, value = act(next_obs)
-        storage["obs"][step], storage["actions"][step], storage["values"][step] = obs_n, action, value
-        next_obs, reward, terminated, truncated, info = env.step(action)
+    from_final = value_fn is not None and bootstrap_truncation
+    for t in range(storage["obs"].shape[0]):
+        obs_n, action, value, next_obs, reward, terminated, truncated, final_obs = step(next_obs)
+        storage["obs"][t], storage["actions"][t], storage["values"][t] = obs_n, action, value
         episode_end = terminated | truncated
         cut = truncated & ~terminated
         if from_final and bool(cut.any()):  # gymnasium envs only: their steps sync with the host anyway
-            reward = reward + gamma * cut.to(reward.dtype) * value_fn(info["final_obs"]).to(reward.dtype)
-        storage["terminals"][step] = episode_end if from_final or not bootstrap_truncation else terminated
-        storage["rewards"][step] = reward
-        storage["dones"][step] = episode_end
+            reward = reward + gamma * cut.to(reward.dtype) * value_fn(final_obs).to(reward.dtype)
+        storage["terminals"][t] = episode_end if from_final or not bootstrap_truncation else terminated
+        storage["rewards"][t] = reward
+        storage["dones"][t] = episode_end
     return next_obs
 
 
@@ -471,10 +483,20 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         left = (args.total_timesteps - run.global_step) // sizes.batch_size
         num_iterations = run.iteration + max(int(run.global_step == 0), left)
         end_step = run.global_step + (num_iterations - run.iteration) * sizes.batch_size
-        act, learn = harness.bind(args, act=functools.partial(policy_step, agent, amp=args.amp), learn=functools.partial(
+        (learn,) = harness.bind(args, learn=functools.partial(
             update, agent, optimizer, gamma=args.gamma, gae_lambda=args.gae_lambda, vf_coef=args.vf_coef,
             ent_coef=args.ent_coef, max_grad_norm=args.max_grad_norm, norm_adv=args.norm_adv, amp=args.amp))
-        value_fn = functools.partial(state_value, agent, amp=args.amp)  # eager: only at gymnasium envs' truncations
+        act = functools.partial(policy_step, agent, amp=args.amp)
+        if env.torch_batched:  # policy and env step compiled as one graph, the whole rollout replayed as one CUDA graph
+            (step,) = harness.bind(args, graphs=False, step=functools.partial(act_and_step, act, env))
+        else:  # a host env steps between the device calls
+            (act,) = harness.bind(args, act=act)
+            step = functools.partial(act_and_step, act, env)
+        # eager: only at gymnasium envs' truncations
+        value_fn = functools.partial(state_value, agent, amp=args.amp) if env.has_final_obs else None
+        collect = functools.partial(rollout, step, storage=storage, gamma=args.gamma,
+                                    bootstrap_truncation=args.bootstrap_truncation, value_fn=value_fn)
+        collect = harness.capture(args, collect) if env.torch_batched else collect
         actor, guard = GreedyActor(agent), run.new_guard()
         net = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]}" if image else "MLP"
         run.announce(f"obs {obs_shape} ({net}), {sizes.num_envs} envs x {args.num_steps} steps, {num_iterations} "
@@ -488,7 +510,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             if args.anneal_lr:
                 lr.fill_((1.0 - run.global_step / end_step) * args.learning_rate)
             try:
-                next_obs = rollout(env, act, next_obs, storage, args.gamma, args.bootstrap_truncation, value_fn)
+                next_obs = collect(next_obs)
                 out = learn(storage["obs"], storage["actions"], storage["rewards"], storage["values"],
                             storage["terminals"], storage["dones"], next_obs)  # fmt: skip
             except RuntimeError as exc:  # TRY NOT TO MODIFY: CUDA out of memory: restart smaller from the live state

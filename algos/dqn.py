@@ -7,6 +7,11 @@ schedule computed on the device), writes the transitions into a replay buffer pr
 ``gradient_steps`` gradient steps of Huber TD loss with gradient-norm clipping against a target network (hard copy
 every ``target_network_frequency`` env steps, or a Polyak blend with ``tau < 1``), double-DQN target by default.
 
+Speed switches (``harness.bind``): ``--compile`` compiles the hot functions, ``--cudagraphs`` replays them from CUDA
+graphs. On a torch-batched env one env step is one function (:func:`act_step_store`: epsilon-greedy action, env step,
+buffer write; ``epsilon`` a device tensor), compiled as one graph and replayed as one CUDA graph, and each gradient
+step is another; a gymnasium env steps on the host, so there only the action choice is compiled or graphed.
+
 Run (defaults: ``caltech`` site, a preset sized to the device)::
 
     python algos/dqn.py
@@ -269,7 +274,9 @@ def make_replay_buffer(size: int, obs_dim: int | tuple[int, ...], device: torch.
     Tensors ``obs``, ``next_obs`` ``(size, *obs_shape)`` (``obs_dim``: an int or a shape), ``actions`` int64,
     ``rewards``, ``dones`` float32 ``(size,)``; ``pos`` (next row written) and ``count`` (rows filled) are host ints
     that only the writer changes, ``count_t`` is ``count`` as a device tensor, which the sampler reads (so sampling
-    never syncs and a captured update sees the buffer grow).
+    never syncs and a captured update sees the buffer grow), and ``pos_t`` is ``pos`` as an int64 ``(1,)`` device
+    tensor, which the write reads and advances in place (so a compiled or captured env step writes at the right
+    rows on every call; one element, not 0-d: torch.compile drops in-place updates of 0-d CPU tensors in a dict).
     """
     shape = (obs_dim,) if isinstance(obs_dim, int) else tuple(obs_dim)
     return {
@@ -279,6 +286,7 @@ def make_replay_buffer(size: int, obs_dim: int | tuple[int, ...], device: torch.
         "rewards": torch.zeros(size, device=device),
         "dones": torch.zeros(size, device=device),
         "pos": 0, "count": 0, "count_t": torch.zeros((), device=device), "size": size,
+        "pos_t": torch.zeros(1, device=device, dtype=torch.int64),
     }  # fmt: skip
 
 
@@ -287,12 +295,27 @@ def buffer_add(rb: dict, obs, actions, rewards, next_obs, dones) -> None:
     n, size = obs.shape[0], rb["size"]
     if n > size:
         raise ValueError(f"buffer_size {size} is smaller than one batch of {n} transitions")
-    idx = (torch.arange(n, device=rb["obs"].device) + rb["pos"]) % size
+    buffer_write(rb, obs, actions, rewards, next_obs, dones)
+    buffer_advance(rb, n)
+
+
+def buffer_write(rb: dict, obs, actions, rewards, next_obs, dones) -> None:
+    """The tensor half of :func:`buffer_add`: the ``n`` transitions written at ``pos_t``, which advances in place.
+    Reads no host counter and never syncs: it runs inside a compiled or captured env step."""
+    n, size = obs.shape[0], rb["size"]
+    idx = (rb["pos_t"] + torch.arange(n, device=rb["obs"].device)) % size
     rb["obs"].index_copy_(0, idx, obs.to(rb["obs"].dtype))
     rb["next_obs"].index_copy_(0, idx, next_obs.to(rb["obs"].dtype))
     rb["actions"].index_copy_(0, idx, actions.to(torch.int64))
     rb["rewards"].index_copy_(0, idx, rewards.to(torch.float32))
     rb["dones"].index_copy_(0, idx, dones.to(torch.float32))
+    rb["pos_t"].add_(n).remainder_(size)
+
+
+def buffer_advance(rb: dict, n: int) -> None:
+    """The host half of :func:`buffer_add`: ``pos``, ``count`` and ``count_t`` after a :func:`buffer_write` of ``n``
+    transitions (known amounts, nothing read back from the device)."""
+    size = rb["size"]
     rb["pos"] = (rb["pos"] + n) % size
     rb["count"] = min(rb["count"] + n, size)
     rb["count_t"].fill_(rb["count"])
@@ -337,6 +360,7 @@ def load_buffer_state(rb: dict, state: dict) -> None:
             rb[key][: len(keep)].copy_(state[key].index_select(0, keep.to(state[key].device)))
         rb["pos"], rb["count"] = len(keep) % rb["size"], len(keep)
     rb["count_t"].fill_(rb["count"])
+    rb["pos_t"].fill_(rb["pos"])
 
 
 # ---------------------------------------------------------------------------------------------- hot paths
@@ -396,14 +420,34 @@ def record_step(rb: dict, obs: torch.Tensor, action: torch.Tensor, result: tuple
     return obs2
 
 
+def act_step_store(act_fn, qnet: QNetwork, env, rb: dict, obs: torch.Tensor, epsilon: torch.Tensor, *,
+                   update_norm: bool, bootstrap_truncation: bool, reward_scale: float) -> torch.Tensor:  # fmt: skip
+    """One epsilon-greedy step of every env of a torch-batched ``env``: :func:`choose_actions` (``act_fn``:
+    :func:`act`, bound), the env step and :func:`buffer_write` of the transitions (the caller then calls
+    :func:`buffer_advance`); returns the next observation. ``epsilon`` a device scalar, ``update_norm`` a host flag
+    fixed per compiled or captured copy. Tensors only, every state updated in place, no host sync: ``--compile``
+    traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
+    action = choose_actions(act_fn, qnet, obs, epsilon, update_norm)
+    obs2, reward, terminated, truncated, info = env.step(action)
+    done = terminated if bootstrap_truncation else terminated | truncated
+    buffer_write(rb, obs, action, reward * reward_scale, info["final_obs"], done)
+    return obs2
+
+
 def rollout(env, act_fn, qnet: QNetwork, next_obs: torch.Tensor, rb: dict, epsilon: torch.Tensor, num_steps: int,
-            update_norm: bool, args: Args) -> tuple[torch.Tensor, tuple | None]:  # fmt: skip
+            update_norm: bool, args: Args, step=None) -> tuple[torch.Tensor, tuple | None]:  # fmt: skip
     """Step every env ``num_steps`` times epsilon-greedily, storing the transitions; returns ``(last obs, pending)``.
 
-    With ``env.overlap`` (an async gymnasium env) the last step is only sent (``env.step_async``): ``pending`` is its
-    ``(obs, actions)``, for :func:`record_step` of ``env.step_wait()`` after the gradient steps; else None. No host
-    sync on the torch-batched envs.
+    ``step`` (:func:`act_step_store` bound, for a torch-batched env; ``act_fn`` and ``update_norm`` are then unused)
+    makes each step one call. With ``env.overlap`` (an async gymnasium env) the last step is only sent
+    (``env.step_async``): ``pending`` is its ``(obs, actions)``, for :func:`record_step` of ``env.step_wait()`` after
+    the gradient steps; else None. No host sync on the torch-batched envs.
     """
+    if step is not None:
+        for _ in range(num_steps):
+            next_obs = step(next_obs, epsilon)
+            buffer_advance(rb, next_obs.shape[0])
+        return next_obs, None
     for _ in range(num_steps - 1 if env.overlap else num_steps):
         action = choose_actions(act_fn, qnet, next_obs, epsilon, update_norm)
         next_obs = record_step(rb, next_obs, action, env.step(action), args.bootstrap_truncation, args.reward_scale)
@@ -477,10 +521,20 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
         num_iterations = run.iteration + max(0, args.total_timesteps - run.global_step) // iteration_steps
         num_iterations = max(num_iterations, 1)
 
-        act_fn, update_fn = harness.bind(
-            args, act=partial(act, qnet, amp=args.amp),
-            update=partial(update, qnet, target, optimizer, rb, sizes.batch_size, args.gamma, args.double_q,
-                           args.max_grad_norm, args.amp))  # fmt: skip
+        act_fn = partial(act, qnet, amp=args.amp)
+        (update_fn,) = harness.bind(
+            args, update=partial(update, qnet, target, optimizer, rb, sizes.batch_size, args.gamma, args.double_q,
+                                 args.max_grad_norm, args.amp))  # fmt: skip
+        steps = None  # a torch-batched env: act, env step and buffer write as one graph, one per update_norm
+        if env.torch_batched:
+            steps = {}
+            for update_norm in (True, False):  # compiled and captured at its first call
+                (fn,) = harness.bind(args, graphs=False, step=partial(
+                    act_step_store, act_fn, qnet, env, rb, update_norm=update_norm,
+                    bootstrap_truncation=args.bootstrap_truncation, reward_scale=args.reward_scale))
+                steps[update_norm] = harness.capture(args, fn)
+        else:  # a host env steps between the device calls
+            (act_fn,) = harness.bind(args, act=act_fn)
         actor = GreedyHubPolicy(qnet, discrete_action_table()).to(device) if run.evhub else GreedyPolicy(qnet)
         step_t = torch.full((), float(run.global_step), device=device)
         duration = args.exploration_fraction * args.total_timesteps
@@ -506,7 +560,7 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
             epsilon.copy_(linear_schedule(args.start_e, args.end_e, duration, step_t))
             try:
                 next_obs, pending = rollout(env, act_fn, qnet, next_obs, rb, epsilon, args.num_steps, not norm_frozen,
-                                            args)  # fmt: skip
+                                            args, None if steps is None else steps[not norm_frozen])  # fmt: skip
             except RuntimeError as exc:  # TRY NOT TO MODIFY: out of memory: the iteration is repeated with fewer envs
                 run.iteration -= 1
                 where = f"at global_step {run.global_step} (iteration {iteration}), stepping the envs"

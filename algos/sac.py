@@ -9,7 +9,9 @@ transitions into a replay buffer preallocated on the training device (circular t
 
 The hot functions (:func:`sample_action`, :func:`update_critic`, :func:`update_actor`, :func:`soft_update`) are plain
 functions bound to the networks once; ``--compile`` and ``--cudagraphs`` rebind them (``harness.bind``), ``--amp``
-runs the network forward passes under bf16 autocast.
+runs the network forward passes under bf16 autocast. On a torch-batched env the action, the env step and the buffer
+write of an iteration are one function (:func:`act_step_store`, from ``learning_starts`` on: the random actions before
+it step eagerly), compiled as one graph and replayed as one CUDA graph; the gradient steps stay graphs of their own.
 
 Truncations. EVHub-v0 never terminates (episodes end by time limit, the env resets in the same step): by default
 (``--bootstrap-truncation``) the target bootstraps through the autoreset into the next window. A gymnasium env
@@ -196,7 +198,9 @@ class ReplayBuffer:
 
     :meth:`add` writes ``n`` rows at the write position (wrapping past the end over the oldest rows); :meth:`sample`
     draws rows uniformly with replacement among the filled ones. ``pos`` and ``size`` are host ints that advance by
-    known amounts, so neither reads anything back from the device.
+    known amounts, so neither reads anything back from the device. The write itself (:meth:`write`) reads only
+    ``pos_t``, the write position as an int64 ``(1,)`` device tensor advanced in place, so a compiled or captured
+    step writes at the right rows on every call; :meth:`advance` then moves the host counters.
     """
 
     FIELDS = ("obs", "actions", "rewards", "next_obs", "dones")
@@ -206,6 +210,8 @@ class ReplayBuffer:
         z = lambda *s: torch.zeros(self.capacity, *s, device=device, dtype=dtype)  # noqa: E731
         self.data = {"obs": z(obs_dim), "actions": z(act_dim), "rewards": z(), "next_obs": z(obs_dim), "dones": z()}
         self.pos, self.size = 0, 0
+        # one element, not 0-d: torch.compile drops in-place updates of 0-d CPU tensors it takes for constants
+        self.pos_t = torch.zeros(1, dtype=torch.int64, device=device)
 
     def add(self, obs, actions, rewards, next_obs, dones) -> None:
         """Write ``n`` transitions (first dimension ``n <= capacity``; ``dones`` may be bool). Raises ValueError if
@@ -213,9 +219,20 @@ class ReplayBuffer:
         n = obs.shape[0]
         if n > self.capacity:
             raise ValueError(f"cannot add {n} transitions to a buffer of {self.capacity}")
-        idx = torch.arange(self.pos, self.pos + n, device=self.device) % self.capacity
+        self.write(obs, actions, rewards, next_obs, dones)
+        self.advance(n)
+
+    def write(self, obs, actions, rewards, next_obs, dones) -> None:
+        """The tensor half of :meth:`add`: the ``n`` rows written at ``pos_t``, which advances in place. No host
+        state read or changed, no host sync: it runs inside a compiled or captured step."""
+        n = obs.shape[0]
+        idx = (self.pos_t + torch.arange(n, device=self.device)) % self.capacity
         for key, value in zip(self.FIELDS, (obs, actions, rewards, next_obs, dones)):
             self.data[key].index_copy_(0, idx, value.to(self.data[key].dtype))
+        self.pos_t.add_(n).remainder_(self.capacity)
+
+    def advance(self, n: int) -> None:
+        """The host half of :meth:`add`: ``pos`` and ``size`` after a :meth:`write` of ``n`` rows."""
         self.pos = (self.pos + n) % self.capacity
         self.size = min(self.size + n, self.capacity)
 
@@ -240,6 +257,7 @@ class ReplayBuffer:
             self.data[key][:n].copy_(state[key][:n])
         self.size = n
         self.pos = int(state["pos"]) % self.capacity if n == int(state["size"]) else 0
+        self.pos_t.fill_(self.pos)
 
 
 # ---------------------------------------------------------------------------------------------- networks
@@ -371,6 +389,19 @@ def update_actor(obs, *, actor: Actor, qf1: SoftQNetwork, qf2: SoftQNetwork, log
             "bad": ~torch.isfinite(torch.stack([actor_loss.detach(), alpha_loss.detach()]))}
 
 
+def act_step_store(policy, env, rb: ReplayBuffer, obs: torch.Tensor, *, reward_scale: float,
+                   bootstrap_truncation: bool) -> torch.Tensor:  # fmt: skip
+    """One iteration's env step on a torch-batched env: ``policy`` (:func:`sample_action`, bound) acts on ``obs``, the
+    env steps, and the transitions go into ``rb`` (:meth:`ReplayBuffer.write`; the caller then calls
+    :meth:`ReplayBuffer.advance`). Returns the next observation. Tensors only, every state updated in place, no host
+    sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
+    actions = policy(obs)
+    next_obs, rewards, terminations, truncations, infos = env.step(actions)
+    dones = terminations if bootstrap_truncation else terminations | truncations
+    rb.write(obs, actions, rewards * reward_scale, infos["final_obs"], dones)
+    return next_obs
+
+
 @torch.no_grad()
 def soft_update(target: list[torch.Tensor], source: list[torch.Tensor], tau: float) -> None:
     """Polyak averaging in place: ``target <- (1 - tau) * target + tau * source`` for each pair of tensors."""
@@ -444,8 +475,15 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         target_entropy=-float(act_dim), amp=args.amp)
     target_step = functools.partial(soft_update, [*qf1_target.parameters(), *qf2_target.parameters()],
                                     [*qf1.parameters(), *qf2.parameters()], args.tau)
-    policy, critic_step, actor_step, target_step = harness.bind(
-        args, policy=policy, critic=critic_step, actor=actor_step, target=target_step)
+    critic_step, actor_step, target_step = harness.bind(args, critic=critic_step, actor=actor_step, target=target_step)
+    step = None  # a torch-batched env: act, env step and buffer write as one graph (from learning_starts on)
+    if env.torch_batched:
+        (step,) = harness.bind(args, graphs=False, step=functools.partial(
+            act_step_store, policy, env, rb, reward_scale=args.reward_scale,
+            bootstrap_truncation=args.bootstrap_truncation))
+        step = harness.capture(args, step)
+    else:  # a host env steps between the device calls
+        (policy,) = harness.bind(args, policy=policy)
 
     def live_state(buffer: bool = True) -> dict:
         return {**{name: net.state_dict() for name, net in nets.items()}, "log_alpha": log_alpha.detach(),
@@ -484,26 +522,32 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         stepped = in_update = False
         try:
             # ALGO LOGIC: put action logic here
-            if run.global_step < args.learning_starts:
-                actions = torch.rand(sizes.num_envs, act_dim, device=device) * 2.0 - 1.0
+            if step is not None and run.global_step >= args.learning_starts:
+                # a torch-batched env: act, step the envs and store the transitions in one (compiled, graphed) call
+                obs = step(obs)
+                rb.advance(sizes.num_envs)
             else:
-                actions = policy(obs)
+                if run.global_step < args.learning_starts:
+                    actions = torch.rand(sizes.num_envs, act_dim, device=device) * 2.0 - 1.0
+                else:
+                    actions = policy(obs)
 
-            # TRY NOT TO MODIFY: execute the game (an async gymnasium env steps while the gradient steps run)
-            if env.overlap:
-                env.step_async(actions)
-                if run.global_step >= max(updates_from, 1):  # before this step's transitions are stored
-                    in_update = True
-                    learn()
-                    in_update = False
-                next_obs, rewards, terminations, truncations, infos = env.step_wait()
-            else:
-                next_obs, rewards, terminations, truncations, infos = env.step(actions)
+                # TRY NOT TO MODIFY: execute the game (an async gymnasium env steps while the gradient steps run)
+                if env.overlap:
+                    env.step_async(actions)
+                    if run.global_step >= max(updates_from, 1):  # before this step's transitions are stored
+                        in_update = True
+                        learn()
+                        in_update = False
+                    next_obs, rewards, terminations, truncations, infos = env.step_wait()
+                else:
+                    next_obs, rewards, terminations, truncations, infos = env.step(actions)
 
-            # TRY NOT TO MODIFY: save data to the replay buffer; `final_obs` is the real next obs of an ended episode
-            dones = terminations if args.bootstrap_truncation else terminations | truncations
-            rb.add(obs, actions, rewards * args.reward_scale, infos["final_obs"], dones)
-            obs = next_obs
+                # TRY NOT TO MODIFY: save data to the replay buffer; `final_obs` is the real next obs of an ended
+                # episode
+                dones = terminations if args.bootstrap_truncation else terminations | truncations
+                rb.add(obs, actions, rewards * args.reward_scale, infos["final_obs"], dones)
+                obs = next_obs
             run.global_step += sizes.num_envs
             stepped = True
 

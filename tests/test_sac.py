@@ -16,11 +16,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo, tiny_run
+from conftest import ROOT, assert_compile_reproduces_eager, load_algo, make_site, run_algo, tiny_run
 
 import envs.evhub
 from algos import harness
 from envs.kpis import load_policy
+from envs.vector import RecordEpisodeStatistics, make_vec
 
 SCRIPT = ROOT / "algos" / "sac.py"
 
@@ -194,6 +195,7 @@ def test_replay_buffer_wraps_around_and_samples_only_filled_rows():
 
     rb.add(*batch(4, 3))  # rows 4, 5 fill the end, 6 wraps to the front over 1
     assert (rb.pos, rb.size) == (1, 5)
+    assert rb.pos_t.tolist() == [1]  # the write position on the device follows the host's
     assert rb.data["rewards"].tolist() == [6.0, 2.0, 3.0, 4.0, 5.0]
     rb.add(*batch(7, 5))  # a whole capacity at once, starting at pos 1
     assert rb.data["rewards"].tolist() == [11.0, 7.0, 8.0, 9.0, 10.0]
@@ -201,10 +203,46 @@ def test_replay_buffer_wraps_around_and_samples_only_filled_rows():
 
     restored = sac.ReplayBuffer(5, obs_dim=2, act_dim=1, device=torch.device("cpu"))
     restored.load_state_dict(rb.state_dict())
-    assert (restored.pos, restored.size) == (rb.pos, rb.size)
+    assert (restored.pos, restored.size) == (rb.pos, rb.size) and restored.pos_t.tolist() == [rb.pos]
     torch.testing.assert_close(restored.data["obs"], rb.data["obs"])
+    # the tensor half alone (a compiled or captured step) moves pos_t; advance() then moves the host counters
+    rb.write(*batch(12, 3))  # rows 1, 2, 3
+    assert (rb.pos, rb.size) == (1, 5) and rb.pos_t.tolist() == [4]
+    assert rb.data["rewards"].tolist() == [11.0, 12.0, 13.0, 14.0, 10.0]
+    rb.advance(3)
+    assert (rb.pos, rb.size) == (4, 5) and rb.pos_t.tolist() == [4]
     with pytest.raises(ValueError):
         rb.add(*batch(0, 6))
+
+
+@pytest.mark.slow
+def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
+    """Action, EVHub-v0 step and buffer write trace as one graph (``fullgraph=True``: a graph break fails) and write
+    the rows the eager function writes, the write position wrapping on the device."""
+    sac = load_sac()
+    site = make_site(days=3, n_sockets=4)
+    torch.manual_seed(0)
+    actor = sac.Actor(envs.evhub.EVHubVectorEnv(1, site=site).single_observation_space.shape[0], 2, 16, None)
+    runs = []
+    for compiled in (False, True):
+        env = RecordEpisodeStatistics(make_vec("EVHub-v0", 4, "cpu", site=site, split="train", action_mode="hub"))
+        obs, _ = env.reset(seed=3)
+        rb = sac.ReplayBuffer(10, obs.shape[1], 2, torch.device("cpu"))
+        step = partial(sac.act_step_store, partial(sac.sample_action, actor), env, rb, reward_scale=2.0,
+                       bootstrap_truncation=True)
+        if compiled:
+            torch._inductor.config.fallback_random = True  # eager's random numbers, as harness.bind sets
+            step = torch.compile(step, fullgraph=True)
+        torch.manual_seed(1)
+        for _ in range(7):  # 28 rows into 10: the write position wraps twice
+            obs = step(obs)
+            rb.advance(4)
+        runs.append((obs, rb))
+    (obs_e, rb_e), (obs_c, rb_c) = runs
+    assert rb_c.pos_t.tolist() == rb_e.pos_t.tolist() == [rb_e.pos] == [8] and rb_c.size == 10
+    torch.testing.assert_close(obs_c, obs_e, rtol=1e-5, atol=1e-6)
+    for key in sac.ReplayBuffer.FIELDS:
+        torch.testing.assert_close(rb_c.data[key], rb_e.data[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_out_of_memory_shrink_halves_the_batch_in_the_updates_then_the_envs():
