@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+import functools
 import math
 import subprocess
 from pathlib import Path
@@ -543,7 +544,9 @@ def test_rollout_bootstraps_truncations_from_final_obs():
         seen.append(obs)
         return torch.full((2,), 10.0)
 
-    _, next_done = ppo.rollout(env, act, torch.zeros(2, 3), torch.zeros(2), storage, 0.5, True, final_value=final_value)
+    step = functools.partial(ppo.act_and_step, act, env)
+    _, next_done = ppo.rollout(step, torch.zeros(2, 3), torch.zeros(2), storage=storage, gamma=0.5,
+                               bootstrap_truncation=True, final_value=final_value)
     torch.testing.assert_close(storage["rewards"][0], torch.tensor([1.0 + 0.5 * 10.0, 1.0]))
     torch.testing.assert_close(next_done, torch.ones(2))
     assert float(seen[0][0, 0]) == 7.0
