@@ -68,7 +68,7 @@ def _code(*names: str) -> list[str]:
     return [str(PROJECT_ROOT / n) for n in names]
 
 
-ENV_CODE = _code("envs/site.py", "envs/evhub.py", "envs/kpis.py")
+ENV_CODE = _code("envs/site.py", "envs/evhub.py", "envs/kpis.py", "envs/rng.py", "envs/vector.py")
 SETTINGS = CFG.as_dict()
 
 
@@ -95,10 +95,12 @@ def task_validate():
 
 
 def task_baselines():
-    """Simulate uncontrolled and rule-based control and solve the perfect-foresight oracle on each split."""
+    """Simulate uncontrolled and rule-based control, model predictive control (mpc, mpc_perfect) and solve the
+    perfect-foresight oracle on each split."""
     return {
         "actions": [_stage("baselines")],
-        "file_dep": _targets("validate") + _site_files() + ENV_CODE + _code("pipeline/baselines.py", "pipeline/oracle.py"),
+        "file_dep": _targets("validate") + _site_files() + ENV_CODE
+        + _code("pipeline/baselines.py", "pipeline/oracle.py", "pipeline/mpc.py"),
         "targets": _targets("baselines"),
         "uptodate": [_config_changed()],
         "clean": True,
@@ -113,7 +115,7 @@ def task_train():
             "name": algo,
             "doc": f"train {algo} (algos/{algo}.py) for seeds {list(CFG.seeds)}",
             "actions": [_stage("train", cfg)],
-            "file_dep": _targets("validate") + _site_files() + ENV_CODE + _code(f"algos/{algo}.py"),
+            "file_dep": _targets("validate") + _site_files() + ENV_CODE + _code(f"algos/{algo}.py", "algos/harness.py"),
             "targets": [str(p) for p in outputs(cfg)["train"]],
             "uptodate": [_config_changed()],
             "clean": True,

@@ -109,6 +109,14 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class MPCConfig:
+    enabled: bool = True
+    """Run the model-predictive controllers (``mpc`` and ``mpc_perfect``, ``pipeline/mpc.py``) in the pipeline."""
+    horizon_h: int = 24
+    """Look-ahead of each MPC solve, hours (clipped at the split's end)."""
+
+
+@dataclass(frozen=True)
 class SiteConfig:
     """A site's configuration, as read from its TOML file (one table per nested dataclass)."""
 
@@ -127,6 +135,7 @@ class SiteConfig:
     splits: SplitsConfig = field(default_factory=SplitsConfig)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    mpc: MPCConfig = field(default_factory=MPCConfig)
 
     def replace(self, **sections: dict[str, Any] | Any) -> "SiteConfig":
         """Return a copy with some values changed, e.g. ``cfg.replace(pv={"kwp": 0.0}, dt_h=1.0)``.
@@ -218,6 +227,7 @@ _SECTIONS = {
     "splits": SplitsConfig,
     "episode": EpisodeConfig,
     "reward": RewardConfig,
+    "mpc": MPCConfig,
 }
 
 
@@ -270,6 +280,8 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
     for k in ("w_co2", "w_unserved", "w_peak", "scale"):
         if getattr(cfg.reward, k) < 0:
             raise bad(f"reward.{k}", f"must be >= 0, got {getattr(cfg.reward, k)}")
+    if cfg.mpc.horizon_h < 1:
+        raise bad("mpc.horizon_h", f"must be >= 1 hour, got {cfg.mpc.horizon_h}")
     try:
         import zoneinfo
 

@@ -1,7 +1,7 @@
 """The study as one Dask graph, and the one place where the Dask cluster is chosen.
 
 ``run(cfg)`` submits the whole study (validation fanned out per input, baselines per controller x split,
-the oracle per split, training per agent x seed, evaluation per agent x seed x split, the report) and
+the MPC controllers and the oracle per split, training per agent x seed, evaluation per agent x seed x split, the report) and
 waits for the report. ``run(cfg, stages={"baselines"})`` computes only some stages; the outputs of the
 stages left out are taken from disk (this is how ``dodo.py`` runs one stage per doit task, so doit decides
 what is out of date and Dask fans out the work inside a stage).
@@ -12,7 +12,7 @@ resource ``GPU=1`` whenever some worker declares it (``dask worker ... --resourc
 they run on any worker. Workers must see the same file system paths as the client (outputs and site data
 are passed as paths).
 
-Tasks that are safe to repeat carry Dask retries: baselines, the oracle, evaluation, and training (a repeated
+Tasks that are safe to repeat carry Dask retries: baselines, the MPC controllers, the oracle, evaluation, and training (a repeated
 training task resumes from its run's checkpoint, see :func:`pipeline.tasks.train_agent`). Tasks of a worker
 that dies are rescheduled by the scheduler.
 """
@@ -22,8 +22,10 @@ from __future__ import annotations
 import atexit
 from pathlib import Path
 
+from envs.site import load_config
 from pipeline.baselines import CONTROLLERS
 from pipeline.config import SPLITS, PipelineConfig
+from pipeline.mpc import CONTROLLERS as MPC_CONTROLLERS
 from pipeline import tasks
 
 STAGES = ("validate", "baselines", "train", "evaluate", "report")
@@ -66,11 +68,16 @@ def gpu_workers(client) -> int:
     return sum(1 for w in info["workers"].values() if w.get("resources", {}).get("GPU", 0) >= 1)
 
 
+def mpc_controllers(cfg: PipelineConfig) -> list[str]:
+    """The MPC controllers the study runs: ``mpc`` and ``mpc_perfect`` unless the site sets ``[mpc] enabled = false``."""
+    return list(MPC_CONTROLLERS) if load_config(cfg.site_toml)[0].mpc.enabled else []
+
+
 def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
     """Every file each stage writes, by stage (doit's targets and the stand-ins for skipped stages)."""
     root = cfg.root
     runs = [f"{a}_seed{s}" for a in cfg.algos for s in cfg.seeds]
-    controllers = [*CONTROLLERS, "oracle"]
+    controllers = [*CONTROLLERS, *mpc_controllers(cfg), "oracle"]
     return {
         "validate": [root / "validate" / f"{i}.json" for i in tasks.INPUTS],
         "baselines": [root / "baselines" / f"{c}_{s}{x}.parquet" for c in controllers for s in SPLITS for x in ("", "_traces")],
@@ -125,6 +132,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     if "baselines" in stages:
         out = str(root / "baselines")
         jobs = [submit(tasks.run_baseline, site, c, s, out, validated, retries=2, pure=False) for c in CONTROLLERS for s in SPLITS]
+        jobs += [submit(tasks.run_mpc, site, c, s, out, validated, retries=1, pure=False) for c in mpc_controllers(cfg) for s in SPLITS]
         jobs += [submit(tasks.run_oracle, site, s, out, validated, retries=1, pure=False) for s in SPLITS]
         futures["baselines"] = client.submit(_flatten, jobs, pure=False)
         baseline_files = futures["baselines"]

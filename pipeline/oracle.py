@@ -45,7 +45,7 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from envs.kpis import TRACE_COLUMNS, check_balance, kpi_row
-from envs.site import Site, SplitData, load_site
+from envs.site import Site, SiteConfig, SplitData, load_site
 
 UNSERVED_PENALTY = 1e3
 """Objective weight per kWh of EV energy not delivered, kg-CO2-equivalent (MOER is below ~2 kg/kWh)."""
@@ -77,13 +77,47 @@ def build_lp(data: SplitData) -> dict:
     Raises:
         ValueError: a session whose steps lie outside ``[0, T]`` or whose stay is empty.
     """
-    cfg = data.config
-    b, dt = cfg.bess, cfg.dt_h
     T = data.num_steps
     arr, dep, need = _session_arrays(data)
-    S = len(arr)
-    if S and ((arr < 0).any() or (dep > T).any() or (dep <= arr).any()):
+    if len(arr) and ((arr < 0).any() or (dep > T).any() or (dep <= arr).any()):
         raise ValueError(f"split '{data.split}': sessions with steps outside [0, {T}] or an empty stay")
+    b = data.config.bess
+    return assemble_lp(data.config, data.pv_kw, data.load_kw, data.moer, b.soc_initial * b.capacity_kwh, arr, dep, need)
+
+
+def assemble_lp(
+    cfg: SiteConfig,
+    pv_kw: np.ndarray,
+    load_kw: np.ndarray,
+    moer: np.ndarray,
+    energy_init_kwh: float,
+    arr: np.ndarray,
+    dep: np.ndarray,
+    need: np.ndarray,
+    p_max: np.ndarray | None = None,
+    defer_kwh: np.ndarray | None = None,
+) -> dict:
+    """The LP of the module docstring over ``T = len(pv_kw)`` steps from explicit arrays (shared by the
+    oracle, over a whole split, and by :mod:`pipeline.mpc`, over a receding window).
+
+    Args:
+        cfg: the site config (BESS, EV socket power, grid limits, ``dt_h``).
+        pv_kw, load_kw, moer: the exogenous series over the ``T`` steps, ``(T,)`` each (kW, kW, kg/kWh).
+        energy_init_kwh: BESS energy before step 0, kWh.
+        arr, dep, need: sessions' first step, end step (exclusive; ``0 <= arr < dep <= T``) and energy to
+            deliver, kWh, ``(S,)`` each.
+        p_max: each session's power limit, kW, ``(S,)`` (default ``cfg.ev.socket_kw`` for all).
+        defer_kwh: energy of each session that may be left for after step ``T`` (kWh, ``(S,)``): adds the
+            block ``defer`` (``sum_t p*dt + slack + defer = need``, ``0 <= defer <= defer_kwh``) with zero cost;
+            None: no such block (the oracle).
+
+    Returns:
+        the dict described in :func:`build_lp`; with ``defer_kwh`` the columns end with ``defer (S)``.
+    """
+    b, dt = cfg.bess, cfg.dt_h
+    T = len(pv_kw)
+    S = len(arr)
+    p_max = np.full(S, cfg.ev.socket_kw) if p_max is None else np.asarray(p_max, dtype=np.float64)
 
     # EV power variables: one per (session, step of its stay), vectorised
     stay = dep - arr
@@ -94,7 +128,10 @@ def build_lp(data: SplitData) -> dict:
 
     off = {}
     col = n_p
-    for name, size in (("ch", T), ("dis", T), ("E", T), ("g", T), ("u", T), ("x", T), ("slack", S)):
+    blocks = [("ch", T), ("dis", T), ("E", T), ("g", T), ("u", T), ("x", T), ("slack", S)]
+    if defer_kwh is not None:
+        blocks.append(("defer", S))
+    for name, size in blocks:
         off[name] = col
         col += size
     off["p"] = 0
@@ -121,34 +158,38 @@ def build_lp(data: SplitData) -> dict:
     add(T + steps[1:], off["E"] + steps[:-1], -1.0)
     add(T + steps, off["ch"] + steps, -b.eta_charge * dt)
     add(T + steps, off["dis"] + steps, dt / b.eta_discharge)
-    # EV energy: sum_t p*dt + slack = need
+    # EV energy: sum_t p*dt + slack (+ defer) = need
     add(2 * T + p_sess, off["p"] + np.arange(n_p), dt)
     add(2 * T + np.arange(S), off["slack"] + np.arange(S), 1.0)
+    if defer_kwh is not None:
+        add(2 * T + np.arange(S), off["defer"] + np.arange(S), 1.0)
 
     A_eq = sp.csr_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(2 * T + S, n)
     )
     b_eq = np.zeros(2 * T + S)
-    b_eq[:T] = data.load_kw - data.pv_kw
-    b_eq[T] = b.soc_initial * b.capacity_kwh
+    b_eq[:T] = load_kw - pv_kw
+    b_eq[T] = energy_init_kwh
     b_eq[2 * T :] = need
 
     # ---- bounds
     lo = np.zeros(n)
     hi = np.full(n, np.inf)
-    hi[:n_p] = cfg.ev.socket_kw
+    hi[:n_p] = p_max[p_sess]
     hi[off["ch"] : off["ch"] + T] = b.power_kw
     hi[off["dis"] : off["dis"] + T] = b.power_kw
     lo[off["E"] : off["E"] + T] = b.soc_min * b.capacity_kwh
     hi[off["E"] : off["E"] + T] = b.soc_max * b.capacity_kwh
-    hi[off["g"] : off["g"] + T] = np.maximum(cfg.grid.import_limit_kw, data.load_kw - data.pv_kw)
-    hi[off["u"] : off["u"] + T] = data.pv_kw
+    hi[off["g"] : off["g"] + T] = np.maximum(cfg.grid.import_limit_kw, load_kw - pv_kw)
+    hi[off["u"] : off["u"] + T] = pv_kw
     if not cfg.grid.export_allowed:
         hi[off["x"] : off["x"] + T] = 0.0
+    if defer_kwh is not None:
+        hi[off["defer"] : off["defer"] + S] = defer_kwh
 
     # ---- objective: kg CO2 of import + penalty on unserved EV energy
     c = np.zeros(n)
-    c[off["g"] : off["g"] + T] = data.moer * dt
+    c[off["g"] : off["g"] + T] = moer * dt
     c[off["slack"] : off["slack"] + S] = UNSERVED_PENALTY
 
     return {

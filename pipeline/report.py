@@ -38,8 +38,9 @@ from matplotlib.figure import Figure
 from envs.files import atomic_write, write_parquet, write_text
 from envs.kpis import KPI_COLUMNS, add_relative_kpis
 
-BASELINES = ("uncontrolled", "rule_based", "oracle")
-"""Non-learning controllers, in report order; every other controller name is an agent (sorted by name)."""
+BASELINES = ("uncontrolled", "rule_based", "mpc", "mpc_perfect", "oracle")
+"""Non-learning controllers (the model-predictive ``mpc`` and ``mpc_perfect`` among them), in report order; every
+other controller name is an agent (sorted by name)."""
 
 SPLIT_ORDER = ("train", "test")
 """Splits in report order; other split names follow alphabetically."""
@@ -80,7 +81,7 @@ FIGURE_DPI = 110
 
 # --------------------------------------------------------------------------------------------- helpers
 def controller_sort_key(name: str) -> tuple[int, str]:
-    """Sort key: ``uncontrolled``, ``rule_based``, ``oracle``, then agents alphabetically."""
+    """Sort key: ``uncontrolled``, ``rule_based``, ``mpc``, ``mpc_perfect``, ``oracle``, then agents alphabetically."""
     return (BASELINES.index(name), "") if name in BASELINES else (len(BASELINES), name)
 
 
@@ -239,7 +240,7 @@ def choose_week(traces: pd.DataFrame, timezone: str = "UTC") -> tuple[pd.Timesta
 
 def _week_columns(available: Iterable[str], table: pd.DataFrame) -> list[str]:
     """Controllers shown in the week figure: uncontrolled, one agent (``ppo``, else the test split's
-    lowest-CO2 agent, else the first by name), oracle; those that exist; else up to three of any."""
+    lowest-CO2 agent, else the first by name), mpc, oracle; those that exist; else up to three of any."""
     available = sorted(set(available), key=controller_sort_key)
     agents = [c for c in available if _is_agent(c)]
     agent: list[str] = []
@@ -248,7 +249,7 @@ def _week_columns(available: Iterable[str], table: pd.DataFrame) -> list[str]:
     elif agents:
         test = table[(table.split == "test") & table.controller.isin(agents)].sort_values("co2_kg")
         agent = [str(test.controller.iloc[0])] if len(test) else agents[:1]
-    cols = [c for c in ("uncontrolled",) if c in available] + agent + [c for c in ("oracle",) if c in available]
+    cols = [c for c in ("uncontrolled",) if c in available] + agent + [c for c in ("mpc", "oracle") if c in available]
     return cols or available[:3]
 
 
@@ -624,9 +625,23 @@ def render_html(blocks: Iterable[Block], title: str, figure_dir: Path) -> str:
     )
 
 
+def ordering_sentence(split: str, rows: pd.DataFrame) -> str:
+    """The controllers of one split from the lowest CO2 to the highest, each with its share of the oracle's
+    saving (``oracle_gap_closed_pct``) where known; "" without rows."""
+    ranked = rows.dropna(subset=["co2_kg"]).sort_values(["co2_kg", "controller"], kind="mergesort")
+    if ranked.empty:
+        return ""
+    parts = []
+    for _, r in ranked.iterrows():
+        share = "" if math.isnan(r.oracle_gap_closed_pct) else f", {r.oracle_gap_closed_pct:.1f}% of the oracle's saving"
+        parts.append(f"{r.controller} ({r.co2_kg:,.1f} kg{share})")
+    return f"Ordering by CO2 on the {split} split, lowest first: " + " < ".join(parts) + "."
+
+
 def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
     """Generated sentences for one split: the lowest-CO2 controller apart from the oracle (with its
-    unserved energy), and whether every agent delivers >= 99% of the uncontrolled EV energy."""
+    unserved energy), and whether every agent delivers >= 99% of the uncontrolled EV energy (the ordering of all
+    controllers by CO2 follows in its own paragraph, :func:`ordering_sentence`)."""
     out = []
     others = rows[rows.controller != "oracle"].dropna(subset=["co2_kg"])
     if len(others):
@@ -776,12 +791,16 @@ def report_blocks(
     for split in sorted(table.split.unique(), key=split_sort_key):
         rows = table[table.split == split]
         blocks += [Heading(3, f"{split} split"), kpi_table(rows), Paragraph(summary_paragraph(split, rows))]
+        if order := ordering_sentence(split, rows):
+            blocks.append(Paragraph(order))
     blocks.append(
         Note(
             "**Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; "
             "the unserved energy (kWh still needed at departure) and the share of EV energy served show whether a "
             "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` is the "
-            "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound)."
+            "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound). "
+            "`mpc` re-solves a linear program over the next hours every hour from what is known then (forecasts, plugged EVs); "
+            "`mpc_perfect` is the same controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is worth."
         )
     )
     if sizing is not None:

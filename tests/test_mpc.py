@@ -1,0 +1,179 @@
+"""The model-predictive controllers (pipeline/mpc.py): equal to the oracle with perfect information over the whole
+window, causal, consistent with the env's physics, sensible tie-breaks, and their place in the pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import make_site, write_site
+
+from envs.kpis import balance_residual, evaluate_policy
+from envs.site import ConfigError, Site
+from pipeline.baselines import uncontrolled
+from pipeline.mpc import MPCController, run_mpc
+from pipeline.oracle import solve_oracle
+
+
+def _run(site: Site, split: str, perfect: bool, horizon_h: int = 24):
+    """``(kpi_row, traces, controller)`` of an MPC run that keeps every plan."""
+    mpc = MPCController(site.split(split), horizon_h, perfect=perfect, keep_plans=True)
+    kpi, traces = evaluate_policy(mpc, site, split, "mpc", action_mode="socket", bess_action="setpoint")
+    return kpi, traces, mpc
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Site:
+    return make_site(days=4, n_sockets=4)
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_perfect_mpc_over_the_whole_split_equals_the_oracle(tiny, split):
+    oracle, _ = solve_oracle(tiny, split)
+    T = tiny.split(split).num_steps
+    kpi, traces, mpc = _run(tiny, split, perfect=True, horizon_h=T)
+    assert mpc.solves == T
+    assert float(kpi.unserved_kwh.iloc[0]) < 1e-6
+    assert float(kpi.co2_kg.iloc[0]) == pytest.approx(float(oracle.co2_kg.iloc[0]), rel=1e-4, abs=1e-3)
+
+
+@pytest.mark.parametrize("perfect", [False, True], ids=["mpc", "mpc_perfect"])
+def test_bounded_by_the_oracle_balanced_and_serving(tiny, perfect):
+    for split in ("train", "test"):
+        oracle, _ = solve_oracle(tiny, split)
+        base, _ = evaluate_policy(uncontrolled, tiny, split, "uncontrolled")
+        kpi, traces, _ = _run(tiny, split, perfect)
+        assert float(oracle.co2_kg.iloc[0]) <= float(kpi.co2_kg.iloc[0]) + 1e-6
+        assert float(kpi.co2_kg.iloc[0]) < float(base.co2_kg.iloc[0])
+        assert balance_residual(traces).max() < 1e-4
+        assert float(kpi.ev_energy_delivered_kwh.iloc[0]) >= 0.99 * float(base.ev_energy_delivered_kwh.iloc[0])
+
+
+def test_perfect_with_a_day_ahead_is_close_to_the_oracle(tiny):
+    oracle, _ = solve_oracle(tiny, "train")
+    causal, _, _ = _run(tiny, "train", perfect=False)
+    perfect, _, _ = _run(tiny, "train", perfect=True)
+    assert float(oracle.co2_kg.iloc[0]) <= float(perfect.co2_kg.iloc[0]) + 1e-6
+    assert float(perfect.co2_kg.iloc[0]) <= float(causal.co2_kg.iloc[0]) + 1e-6
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"grid": {"import_limit_kw": 9.0}, "bess": {"power_kw": 5.0}}, {"grid": {"export_allowed": True}, "pv": {"kwp": 25.0}}],
+    ids=["default", "binding_import_limit", "export"],
+)
+@pytest.mark.parametrize("perfect", [False, True], ids=["mpc", "mpc_perfect"])
+def test_planned_first_step_is_what_the_env_does(perfect, overrides):
+    """Every solve's first step, applied through the env, gives the LP's flows (same physics)."""
+    site = make_site(days=3, n_sockets=4, **overrides)
+    _, traces, mpc = _run(site, "train", perfect)
+    assert len(mpc.plans) == len(traces)
+    planned = pd.DataFrame(
+        {
+            "grid_import_kw": [p.grid_import_kw for p in mpc.plans],
+            "grid_export_kw": [p.grid_export_kw for p in mpc.plans],
+            "pv_curtailed_kw": [p.pv_curtailed_kw for p in mpc.plans],
+            "bess_charge_kw": [p.bess_charge_kw for p in mpc.plans],
+            "bess_discharge_kw": [p.bess_discharge_kw for p in mpc.plans],
+            "ev_charge_kw": [p.ev_kw.sum() for p in mpc.plans],
+        }
+    )
+    for col in planned.columns:
+        np.testing.assert_allclose(traces[col].to_numpy(), planned[col].to_numpy(), atol=1e-5, err_msg=col)
+    # tie-breaks: never charge and discharge at once, never import while curtailing
+    assert (np.minimum(planned.bess_charge_kw, planned.bess_discharge_kw) < 1e-7).all()
+    assert (np.minimum(traces.grid_import_kw, traces.pv_curtailed_kw) < 1e-7).all()
+
+
+def _changed_future(site: Site, split: str, cut: int) -> Site:
+    """A copy of ``site`` whose MOER (and MOER forecasts) from step ``cut`` of ``split`` on are scrambled and whose
+    sessions arriving from that step on are replaced by others."""
+    start, _ = site.split_bounds(split)
+    t_cut = start + pd.Timedelta(hours=cut)
+    hourly = site.hourly.copy()
+    later = hourly.time >= t_cut
+    rng = np.random.default_rng(7)
+    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"):
+        hourly.loc[later, c] = rng.uniform(0.0, 0.7, later.sum()).astype(np.float32)
+    s = site.sessions
+    keep = s[s.arrival < t_cut]
+    moved = s[s.arrival >= t_cut].copy()
+    moved["arrival"] += pd.Timedelta(hours=2)
+    moved["departure"] += pd.Timedelta(hours=5)
+    moved["energy_kwh"] = (moved.energy_kwh * 0.5).astype(np.float32)
+    sessions = pd.concat([keep, moved], ignore_index=True)
+    return Site(site.config, hourly, sessions, dict(site.source))
+
+
+@pytest.mark.parametrize("perfect", [False, True], ids=["mpc", "mpc_perfect"])
+def test_never_uses_data_past_its_horizon_or_future_arrivals(perfect):
+    site = make_site(days=4, n_sockets=4)
+    H, last = 12, 40  # actions at steps 0..last are compared
+    cut = last + H if perfect else last + 1  # the first step whose data the controller may not see by step `last`
+    _, _, a = _run(site, "train", perfect, horizon_h=H)
+    _, _, b = _run(_changed_future(site, "train", cut), "train", perfect, horizon_h=H)
+    for pa, pb in zip(a.plans[: last + 1], b.plans[: last + 1]):
+        np.testing.assert_array_equal(pa.action, pb.action, err_msg=f"step {pa.t}")
+    # ... and the change does matter afterwards
+    assert any(not np.array_equal(pa.action, pb.action) for pa, pb in zip(a.plans[last + 1 :], b.plans[last + 1 :]))
+
+
+def test_stores_pv_surplus_now_rather_than_curtailing():
+    """No EV plugged, a PV surplus, an empty battery: the first step charges at the most it can (tie-breaks)."""
+    site = make_site(days=3, n_sockets=4)
+    data = site.split("test")
+    b = site.config.bess
+    t = int(np.argmax(data.pv_kw[:24]))
+    for perfect in (False, True):
+        mpc = MPCController(data, 24, perfect=perfect)
+        plan = mpc.plan(t, b.soc_min * b.capacity_kwh, np.zeros(4), np.zeros(4, dtype=np.int64))
+        surplus = data.pv_kw[t] - data.load_kw[t]
+        assert surplus > 1.0
+        expected = min(surplus, b.power_kw)
+        assert plan.bess_charge_kw == pytest.approx(expected, abs=1e-6)
+        assert plan.bess_discharge_kw == pytest.approx(0.0, abs=1e-9)
+        assert plan.grid_import_kw == pytest.approx(0.0, abs=1e-9)
+        assert plan.action[0] == pytest.approx(expected / b.power_kw)
+
+
+def test_run_mpc_row_and_site_options(tiny, capsys):
+    kpi, traces, mpc = run_mpc(tiny, "test", "mpc_perfect", horizon_h=6)
+    assert kpi.controller.iloc[0] == "mpc_perfect" and float(kpi.train_wall_s.iloc[0]) == 0.0
+    assert mpc.solves == len(traces) and "solves" in capsys.readouterr().out
+    with pytest.raises(KeyError):
+        run_mpc(tiny, "test", "mpc_oracle")
+    with pytest.raises(ConfigError, match="mpc.horizon_h"):
+        tiny.config.replace(mpc={"horizon_h": 0})
+
+
+def test_pipeline_outputs_follow_the_site_option(tmp_path):
+    from pipeline.config import PipelineConfig
+    from pipeline.graph import outputs
+
+    on = write_site(make_site(days=2), tmp_path / "on")
+    off_site = make_site(days=2, mpc={"enabled": False})
+    off = write_site(off_site, tmp_path / "off")
+    names_on = {p.name for p in outputs(PipelineConfig(site=str(on), algos=("ppo",)))["baselines"]}
+    names_off = {p.name for p in outputs(PipelineConfig(site=str(off), algos=("ppo",)))["baselines"]}
+    assert {"mpc_test.parquet", "mpc_perfect_train_traces.parquet"} <= names_on
+    assert not any(n.startswith("mpc") for n in names_off)
+
+
+def test_report_states_the_ordering():
+    from pipeline.report import ordering_sentence, summary_paragraph
+
+    rows = pd.DataFrame(
+        {
+            "controller": ["uncontrolled", "rule_based", "mpc", "mpc_perfect", "oracle"],
+            "co2_kg": [100.0, 70.0, 60.0, 45.0, 40.0],
+            "co2_reduction_pct": [0.0, 30.0, 40.0, 55.0, 60.0],
+            "oracle_gap_closed_pct": [0.0, 50.0, 66.7, 91.7, 100.0],
+            "unserved_kwh": [0.0] * 5,
+            "ev_energy_delivered_kwh": [10.0] * 5,
+        }
+    )
+    text = ordering_sentence("test", rows)
+    assert text.startswith("Ordering by CO2 on the test split, lowest first: oracle")
+    assert "oracle (40.0 kg, 100.0% of the oracle's saving) < mpc_perfect (45.0 kg, 91.7%" in text
+    assert "rule_based (70.0 kg, 50.0% of the oracle's saving) < uncontrolled" in text
+    assert "No agent was evaluated" in summary_paragraph("test", rows)  # mpc is a baseline, not an agent
