@@ -51,7 +51,7 @@ except ModuleNotFoundError:  # run as `python algos/<algo>.py` from a checkout t
 from envs.evhub import DEFAULT_BESS_ACTION
 from envs.files import atomic_write
 from envs.kpis import evaluate_policy, write_parquet, write_policy_spec
-from envs.vector import EVHUB_ID, RecordEpisodeStatistics, env_name, is_evhub, make_vec
+from envs.vector import EVHUB_ID, BoxScaling, RecordEpisodeStatistics, env_name, fold_moments, is_evhub, make_vec
 
 CHECKPOINT_FORMAT = 2
 """Version of the checkpoint layout written by :meth:`Run.save`; a checkpoint of another version is refused."""
@@ -296,7 +296,7 @@ class RunningObsNorm(nn.Module):
     """Running mean/variance of the observations (CleanRL's ``NormalizeObservation``, as buffers on the device).
 
     ``forward`` standardises and clips to ``[-clip, clip]``; :meth:`update` folds a batch into the statistics in
-    place (Chan et al.'s parallel update, no host sync). Part of the networks, it travels with the checkpoint and the
+    place (no host sync). Part of the networks, it travels with the checkpoint and the
     exported policy. ``dim``: the size of flat observations, or the shape of one (``(C, H, W)``: per pixel).
     """
 
@@ -309,15 +309,8 @@ class RunningObsNorm(nn.Module):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
-        """Fold a batch ``x`` float32 ``(B, *dim)`` into the running mean/variance."""
-        n = x.shape[0]
-        b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
-        delta = b_mean - self.mean
-        tot = self.count + n
-        m2 = self.var * self.count + b_var * n + delta.square() * self.count * n / tot
-        self.mean.copy_(self.mean + delta * n / tot)
-        self.var.copy_(m2 / tot)
-        self.count.copy_(tot)
+        """Fold a batch ``x`` float32 ``(B, *dim)`` into the running mean/variance (:func:`envs.vector.fold_moments`)."""
+        fold_moments(self.mean, self.var, self.count, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Standardised and clipped ``x``: float32 ``(B, *dim)`` -> ``(B, *dim)``."""
@@ -488,11 +481,9 @@ class EnvUnitsPolicy(nn.Module):
         if self.discrete:
             self.register_buffer("start", torch.tensor(int(space.start), dtype=torch.int64))
         else:
-            low = np.asarray(space.low, np.float64).reshape(-1)
-            high = np.asarray(space.high, np.float64).reshape(-1)
-            finite = np.isfinite(low) & np.isfinite(high)
-            self.register_buffer("center", torch.as_tensor(np.where(finite, (high + low) / 2, 0.0), dtype=torch.float32))
-            self.register_buffer("scale", torch.as_tensor(np.where(finite, (high - low) / 2, 1.0), dtype=torch.float32))
+            scaling = BoxScaling(space)
+            self.register_buffer("center", torch.as_tensor(scaling.mid, dtype=torch.float32))
+            self.register_buffer("scale", torch.as_tensor(scaling.half, dtype=torch.float32))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         """Raw observations -> actions in the env's units (class docstring)."""

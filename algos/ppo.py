@@ -452,6 +452,7 @@ def rollout(step, next_obs, next_done, *, storage: dict, gamma: float, bootstrap
     its (normalised) reward. Without it, ``bootstrap_truncation`` makes only ``terminated`` a done (EVHub-v0
     bootstraps through the autoreset into the next window). Returns ``(next_obs, next_done)`` after the last step.
     """
+    cut_is_done = final_value is not None or not bootstrap_truncation
     for t in range(storage["obs"].shape[0]):
         storage["dones"][t] = next_done
         obs_n, action, logprob, value, next_obs, reward, terminated, truncated, final_obs = step(next_obs)
@@ -459,7 +460,6 @@ def rollout(step, next_obs, next_done, *, storage: dict, gamma: float, bootstrap
         storage["values"][t] = value
         storage["actions"][t] = action
         storage["logprobs"][t] = logprob
-        cut_is_done = final_value is not None or not bootstrap_truncation
         next_done = (terminated | truncated if cut_is_done else terminated).to(torch.float32)
         if final_value is not None:  # a time limit is not terminal: bootstrap from the episode's last observation
             cut = (truncated & ~terminated).to(torch.float32)

@@ -72,16 +72,21 @@ def obs_shape_of(space: gym.Space) -> tuple[int, ...]:
     return shape if len(shape) == 3 else (int(np.prod(shape)),)
 
 
-class _BoxScaling:
-    """The affine map of Box actions from [-1, 1] to ``[low, high]`` (finite bounds only), in float64."""
+class BoxScaling:
+    """The affine map of Box actions from [-1, 1] to ``[low, high]`` (finite bounds only; an infinite bound passes the
+    value unscaled): ``mid + half * a``, with ``mid`` and ``half`` float64 ``(act_dim,)`` arrays. With a ``device``,
+    float32 copies of them live there too (:meth:`torch`), made once."""
 
-    def __init__(self, space: gym.spaces.Box):
+    def __init__(self, space: gym.spaces.Box, device: torch.device | None = None):
         low = np.asarray(space.low, np.float64).reshape(-1)
         high = np.asarray(space.high, np.float64).reshape(-1)
         finite = np.isfinite(low) & np.isfinite(high)
         self.identity = bool(np.all(finite & (low == -1.0) & (high == 1.0)))
         self.mid = np.where(finite, (high + low) / 2.0, 0.0)
         self.half = np.where(finite, (high - low) / 2.0, 1.0)
+        if device is not None:
+            self.mid_t = torch.as_tensor(self.mid, dtype=torch.float32, device=device)
+            self.half_t = torch.as_tensor(self.half, dtype=torch.float32, device=device)
 
     def numpy(self, a: np.ndarray) -> np.ndarray:
         """``(N, act_dim)`` float64 in [-1, 1] -> in ``[low, high]``."""
@@ -89,13 +94,23 @@ class _BoxScaling:
 
     def torch(self, a: torch.Tensor) -> torch.Tensor:
         """The same map on the device (identity for a [-1, 1] Box: no extra kernel)."""
-        if self.identity:
-            return a
-        mid = torch.as_tensor(self.mid, dtype=a.dtype, device=a.device)
-        return mid + torch.as_tensor(self.half, dtype=a.dtype, device=a.device) * a
+        return a if self.identity else self.mid_t + self.half_t * a
 
 
-class TorchVecEnv:
+class _VectorEnv:
+    """What both vector envs below hold: the wrapped env, the device, the spaces and the observation shape."""
+
+    def __init__(self, env, device: torch.device):
+        self.env = env
+        self.device = torch.device(device)
+        self.num_envs = int(env.num_envs)
+        self.single_observation_space = env.single_observation_space
+        self.single_action_space = env.single_action_space
+        self.obs_shape = obs_shape_of(env.single_observation_space)
+        self.discrete = isinstance(env.single_action_space, gym.spaces.Discrete)
+
+
+class TorchVecEnv(_VectorEnv):
     """A torch-batched env (``EVHub-v0``, ``Snake-v0``, or a user's own with a ``device`` vector entry point) with the
     contract of the module docstring. The wrapped env is :attr:`env`; attributes it has and this class has not (e.g.
     ``n_sockets``, ``observation_layout``, ``data``) are read through.
@@ -109,17 +124,11 @@ class TorchVecEnv:
     vector_mode = None
 
     def __init__(self, env, device: torch.device):
-        self.env = env
-        self.device = torch.device(device)
-        self.num_envs = int(env.num_envs)
-        self.single_observation_space = env.single_observation_space
-        self.single_action_space = env.single_action_space
-        self.obs_shape = obs_shape_of(env.single_observation_space)
+        super().__init__(env, device)
         space = env.single_action_space
-        self.discrete = isinstance(space, gym.spaces.Discrete)
         if self.discrete and int(space.start) != 0:
             raise ValueError(f"a torch-batched env takes the action indices 0..n-1, but its space is {space}")
-        self._scale = None if self.discrete or not isinstance(space, gym.spaces.Box) else _BoxScaling(space)
+        self._scale = BoxScaling(space, self.device) if isinstance(space, gym.spaces.Box) else None
 
     def __getattr__(self, name: str):
         if name == "env":  # not set yet (during unpickling): no recursion
@@ -159,7 +168,7 @@ class TorchVecEnv:
         getattr(self.env, "close", lambda: None)()
 
 
-class GymTorchVecEnv:
+class GymTorchVecEnv(_VectorEnv):
     """A gymnasium vector env (``SyncVectorEnv`` / ``AsyncVectorEnv``, same-step autoreset) behind the contract of the
     module docstring. ``overlap`` is True for an async env: :meth:`step_async` returns at once and the workers step
     while the caller computes (SAC's and DQN's gradient steps); :meth:`step_wait` collects the step.
@@ -169,20 +178,14 @@ class GymTorchVecEnv:
     torch_batched = False
 
     def __init__(self, env: gym.vector.VectorEnv, device: torch.device, vector_mode: str):
-        self.env = env
-        self.device = torch.device(device)
+        super().__init__(env, device)
         self.vector_mode = vector_mode
         self.overlap = vector_mode == "async"
-        self.num_envs = int(env.num_envs)
-        self.single_observation_space = env.single_observation_space
-        self.single_action_space = env.single_action_space
-        self.obs_shape = obs_shape_of(env.single_observation_space)
         space = env.single_action_space
-        self.discrete = isinstance(space, gym.spaces.Discrete)
         if self.discrete:
             self._start = np.int64(space.start)
         elif isinstance(space, gym.spaces.Box):
-            self._scale = _BoxScaling(space)
+            self._scale = BoxScaling(space)
         self._pending = None
 
     def _obs(self, obs) -> torch.Tensor:
@@ -284,6 +287,19 @@ def make_vec(
     env = GymTorchVecEnv(gym.make_vec(env_id, num_envs, vectorization_mode="sync", **kwargs), device, "sync")
     env.warning = warning
     return env
+
+
+def fold_moments(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor, x: torch.Tensor) -> None:
+    """Fold a batch ``x`` ``(B, *shape)`` into running moments ``mean``/``var`` ``shape`` and ``count``, in place, by
+    Chan et al.'s parallel update (Chan, Golub & LeVeque 1979), as CleanRL's running normalisers do; no host sync."""
+    n = x.shape[0]
+    b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
+    delta = b_mean - mean
+    tot = count + n
+    m2 = var * count + b_var * n + delta.square() * count * n / tot
+    mean.copy_(mean + delta * n / tot)
+    var.copy_(m2 / tot)
+    count.copy_(tot)
 
 
 class _Wrapper:
@@ -392,14 +408,7 @@ class NormalizeReward(_Wrapper):
         rn = self.rn
         ret = rn["ret"] * self.gamma * (1.0 - done.to(torch.float32)) + reward.to(torch.float64)
         rn["ret"].copy_(ret)
-        n = ret.numel()
-        b_mean, b_var = ret.mean(), ret.var(unbiased=False)
-        delta = b_mean - rn["mean"]
-        tot = rn["count"] + n
-        m2 = rn["var"] * rn["count"] + b_var * n + delta.square() * rn["count"] * n / tot
-        rn["mean"].copy_(rn["mean"] + delta * n / tot)
-        rn["var"].copy_(m2 / tot)
-        rn["count"].copy_(tot)
+        fold_moments(rn["mean"], rn["var"], rn["count"], ret)
         return obs, (reward / torch.sqrt(rn["var"] + self.eps)).to(reward.dtype), terminated, truncated, info
 
     def state_dict(self) -> dict:
