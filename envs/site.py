@@ -136,6 +136,12 @@ class SiteConfig:
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     mpc: MPCConfig = field(default_factory=MPCConfig)
+    sources: dict[str, Any] = field(default_factory=dict)
+    """The ``[sources]`` table as written (raw files the processed data are ingested from); read and checked by
+    ``pipeline.sources``, not by the env."""
+    sizing: dict[str, Any] = field(default_factory=dict)
+    """The ``[sizing]`` table as written (grid and unit costs of ``doit run sizing``); read and checked by
+    ``pipeline.sizing``, not by the env."""
 
     def replace(self, **sections: dict[str, Any] | Any) -> "SiteConfig":
         """Return a copy with some values changed, e.g. ``cfg.replace(pv={"kwp": 0.0}, dt_h=1.0)``.
@@ -168,6 +174,11 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> SiteConfig:
                 f"{source}: unknown key '{key}'{_did_you_mean(key, fields)} (known: {', '.join(fields)})"
             )
         sub = _SECTIONS.get(key)
+        if key in _RAW_TABLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{key}' must be a table, got {value!r}")
+            kwargs[key] = value
+            continue
         if sub is None:
             kwargs[key] = _coerce(value, fields[key].type, f"{source}: key '{key}'")
             continue
@@ -218,6 +229,9 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
         return tuple(value)
     return value
 
+
+_RAW_TABLES = ("sources", "sizing")
+"""Tables kept as written: the pipeline reads them (``pipeline.sources``, ``pipeline.sizing``)."""
 
 _SECTIONS = {
     "pv": PVConfig,
