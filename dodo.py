@@ -16,6 +16,18 @@ Settings, as doit variables after the command or as environment variables::
     doit run pipeline scheduler=tcp://host:8786   # DASK_SCHEDULER_ADDRESS (default: a LocalCluster)
     doit run pipeline algo_args="--compile --cudagraphs"   # EVHUB_ALGO_ARGS (extra flags of every agent script)
 
+``doit run ingest`` (the first task of ``pipeline``) builds the site's processed data from the raw sources its
+TOML names in ``[sources]`` (``pipeline.ingest``); a shipped site whose raw files are not here uses its shipped
+processed data as they are.
+
+``doit run sizing`` (not part of ``pipeline``) runs the controllers over a grid of PV kWp x BESS kWh into
+``outputs/<experiment>/sizing/`` (``pipeline.sizing``); its grid and unit costs are the site TOML's ``[sizing]``::
+
+    doit run sizing kwp=0,20,40,80 bess_kwh=0,40,80,160   # EVHUB_SIZING_KWP, EVHUB_SIZING_BESS_KWH
+    doit run sizing bess_kw_per_kwh=0.5                   # EVHUB_SIZING_BESS_KW_PER_KWH (BESS kW per kWh)
+    doit run sizing controllers=rule_based,oracle         # EVHUB_SIZING_CONTROLLERS (uncontrolled always runs)
+    doit run sizing workers=2                             # EVHUB_WORKERS (LocalCluster worker processes)
+
 ``doit bench`` runs the speed benchmarks (``benchmarks/``) into ``outputs/bench``::
 
     doit bench                 # part=auto: the CPU part, and the GPU part too where CUDA is available
@@ -83,10 +95,43 @@ def _targets(stage: str) -> list[str]:
     return [str(p) for p in OUT[stage]]
 
 
+def task_ingest():
+    """Build the site's processed data from the raw sources its TOML names in [sources] (pipeline.ingest).
+
+    Re-runs when a raw file (globs expanded), the ingestion code or what it reads of the TOML (name, timezone,
+    splits, [pv], [sources]) changes, or a processed file is missing. Without the raw files of a shipped site
+    (a fresh clone) there is nothing to do: its shipped processed data are the inputs, and the task's line
+    says so; likewise for a site TOML without [sources]. A bad [sources] table fails this task, so nothing
+    after it runs.
+    """
+    from doit.exceptions import TaskFailed
+    from doit.tools import config_changed
+
+    from pipeline.ingest import ingest, task_plan
+
+    plan = task_plan(SITE_TOML)
+    if plan["state"] in ("none", "shipped"):
+        return {"actions": None, "uptodate": [True], "title": lambda task: plan["line"]}
+    if plan["state"] == "error":
+        return {"actions": [lambda: TaskFailed(plan["line"])], "uptodate": [False], "verbosity": 2}
+
+    def action():
+        ingest(SITE_TOML)
+
+    return {
+        "actions": [action],
+        "file_dep": plan["file_dep"],
+        "targets": plan["targets"],
+        "uptodate": [config_changed(plan["settings"])],
+        "verbosity": 2,
+    }
+
+
 def task_validate():
     """Check the site config and its data (pandera schemas, physical bounds), one Dask task per input."""
     return {
         "actions": [_stage("validate")],
+        "task_dep": ["ingest"],
         "file_dep": _site_files() + _code("envs/schemas.py", "envs/site.py", "pipeline/tasks.py"),
         "targets": _targets("validate"),
         "uptodate": [_config_changed()],
@@ -138,16 +183,66 @@ def task_report():
         "actions": [_stage("report")],
         "file_dep": _targets("baselines") + _targets("evaluate") + _code("pipeline/report.py", "pipeline/tasks.py"),
         "targets": _targets("report"),
+        "uptodate": [_sizing_results_changed()],  # the report shows a sizing study's headline once one has run
         "clean": True,
     }
 
 
+def _sizing_results_changed():
+    """``uptodate`` of the report on ``<experiment>/sizing/sizing.parquet`` (its mtime and size; "" when absent).
+    Not a file_dep: that would make the report depend on the ``sizing`` task, which is not part of the pipeline."""
+    from doit.tools import config_changed
+
+    p = CFG.root / "sizing" / "sizing.parquet"
+    return config_changed({"sizing_results": f"{p.stat().st_mtime_ns}:{p.stat().st_size}" if p.is_file() else ""})
+
+
 def task_pipeline():
-    """The whole study: validate -> baselines -> train -> evaluate -> report (the default task)."""
+    """The whole study: ingest -> validate -> baselines -> train -> evaluate -> report (the default task)."""
     return {
         "actions": [lambda: print(f"report: {Path(_targets('report')[0])}")],
         "task_dep": ["report"],
         "uptodate": [False],
+        "verbosity": 2,
+    }
+
+
+def task_sizing():
+    """Size PV and battery: controllers on both splits over a PV kWp x BESS kWh grid, cost per t CO2 avoided (not in pipeline).
+
+    ``doit run sizing`` runs ``uncontrolled``, ``rule_based``, ``mpc`` and the ``oracle`` on both splits at every
+    point of the grid, one Dask task per point (``pipeline.sizing``), and writes ``<experiment>/sizing/``:
+    ``sizing.parquet``, ``co2_saved.png``, ``pareto.png``, ``sizing.md`` and ``sizing.html`` (cost per tonne of CO2
+    avoided, the cost-CO2 Pareto front). Grid and unit costs come from the site TOML's ``[sizing]`` table; the doit
+    variables ``kwp=0,20,40,80 bess_kwh=0,40,80,160 bess_kw_per_kwh=0.5 controllers=...`` override the grid and
+    ``workers=N`` sizes the LocalCluster. A bad ``[sizing]`` table or variable stops ``doit run sizing`` while doit
+    loads this file (other tasks are not affected).
+    """
+    from doit.exceptions import TaskFailed
+    from doit.tools import config_changed
+
+    from pipeline.sizing import outputs as sizing_outputs
+    from pipeline.sizing import run_sizing, sizing_spec, workers_setting
+
+    try:
+        spec, workers = sizing_spec(SITE_TOML), workers_setting()
+    except (ValueError, FileNotFoundError) as exc:
+        if COMMAND and any(t.split(":")[0] == "sizing" for t in COMMAND.tasks):
+            raise InvalidDodoFile(str(exc)) from None
+        error = str(exc)
+        return {"actions": [lambda: TaskFailed(error)], "uptodate": [False], "verbosity": 2}
+    targets = [str(p) for p in sizing_outputs(CFG.root)]
+
+    def action():
+        run_sizing(SITE_TOML, CFG.root / "sizing", spec=spec, workers=workers, scheduler_address=CFG.scheduler_address)
+
+    return {
+        "actions": [action],
+        "file_dep": _site_files() + ENV_CODE
+        + _code("pipeline/sizing.py", "pipeline/baselines.py", "pipeline/oracle.py", "pipeline/mpc.py", "pipeline/report.py"),
+        "targets": targets,
+        "uptodate": [config_changed(spec.as_dict())],
+        "clean": True,
         "verbosity": 2,
     }
 

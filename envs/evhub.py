@@ -7,8 +7,10 @@ plain ``gymnasium.Env`` with NumPy spaces for tools that expect one (``check_env
 Physics per step of ``dt`` hours (units: kW, kWh, kg CO2/kWh; see the project's design notes):
 
 * EV sockets: an EV plugged into socket i still needs ``e_i`` kWh and leaves after ``n_i`` steps. Its
-  power lies between the least-laxity floor ``f_i = clip((e_i - Pmax*dt*(n_i-1))/dt, 0, c_i)`` (only when
-  ``ev.deadline_floor``, else 0) and the cap ``c_i = min(Pmax, e_i/dt)``; the action picks a point between.
+  power lies between the least-laxity floor ``f_i = clip((e_i - Pmax_i*dt*(n_i-1))/dt, 0, c_i)`` (only when
+  ``ev.deadline_floor``, else 0) and the cap ``c_i = min(Pmax_i, e_i/dt)``; the action picks a point between.
+  ``Pmax_i`` is socket i's own power (``SplitData.socket_kw``: the ``[[ev.sockets]]`` groups of the config,
+  e.g. 6.6 kW Level-2 and 50 kW DC sockets side by side).
   At departure what is still needed is *unserved energy*. With ``ev.surplus_to_ev``, PV that the load and
   the BESS leave over is given to the plugged EVs (each up to its cap, in proportion to its headroom)
   before any is curtailed or exported: the agent chooses the EV power when the grid would supply it.
@@ -17,7 +19,8 @@ Physics per step of ``dt`` hours (units: kW, kWh, kg CO2/kWh; see the project's 
   ``E' = E + eta_c * P_ch * dt - P_dis * dt / eta_d``.
 * Grid: ``G_imp - G_exp - P_curt = L + sum_i P_i + P_ch - P_pv - P_dis``; a surplus is exported if
   allowed, else curtailed. Import above the limit cuts battery charging first, then EV power above the deadline floors, then the floors (a battery never takes energy that a waiting car needs).
-* Emissions ``CO2 = G_imp * MOER * dt``; reward
+* Emissions ``CO2 = G_imp * MOER * dt``, or ``(G_imp - G_exp) * MOER * dt`` with ``grid.export_credit = "moer"``
+  (exported energy credited at its hour's MOER; CO2 may then be negative); reward
   ``-scale * (w_co2 * CO2 + w_unserved * unserved + w_peak * max(0, G_imp - peak_threshold))``.
 
 Action modes: ``"socket"``: ``1 + n_sockets`` numbers ``[a_bess, a_1..a_N]``; ``"hub"``: two numbers
@@ -30,9 +33,13 @@ Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per 
 ahead (4), MOER of the last step and its forecasts for this and the next two steps (4), SOC (1),
 aggregates (occupied fraction, energy needed, floor and cap power; 4), outlook (PV energy of the next
 24 h per kWp, and the EV energy requested per day over the past 7 days; 2), then per socket (occupied,
-energy needed, steps to departure; 3 * n_sockets). The PV look-ahead reads the modelled PV series
-itself (a perfect forecast, as the PV comes from a typical year); the demand feature is causal (sessions
-that already arrived; since the split start when that is less than 7 days back).
+energy needed, steps to departure; 3 * n_sockets). Energy needed is scaled per socket by its own power,
+``e_i / (8 h * Pmax_i)`` (hours of full-power charging left / 8: the same range for a 3.3 kW and a 50 kW
+socket); the floor and cap aggregates by the site's total socket power ``sum_i Pmax_i``, the demand outlook
+by ``24 h * sum_i Pmax_i / 8`` (with one kind of socket, ``sum_i Pmax_i = n_sockets * socket_kw`` exactly).
+The PV look-ahead reads the modelled PV series itself (a perfect forecast, as the PV comes from a
+typical year); the demand feature is causal (sessions that already arrived; since the split start when
+that is less than 7 days back).
 
 Episodes: training draws a random window of ``episode.train_steps`` steps of the split per env;
 ``full_split=True`` runs the whole split once from its first step (evaluation). With
@@ -45,6 +52,7 @@ is already the first of the next episode.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +77,8 @@ INFO_KEYS = (
     "co2_kg",
     "unserved_kwh",
 )
-"""Keys of the per-step ``info`` dict; each value has shape ``(num_envs,)`` (kW, kg or kWh)."""
+"""Keys of the per-step ``info`` dict; each value has shape ``(num_envs,)`` (kW, kg or kWh). ``co2_kg`` is the step's
+CO2 under the site's ``grid.export_credit`` accounting (net of credited export with ``"moer"``)."""
 
 MOER_CENTER = 0.25  # kg/kWh; typical CAISO marginal rate, used only to centre the observation
 MOER_SCALE = 0.25
@@ -263,7 +272,11 @@ class EVHubVectorEnv(VectorEnv):
         first = np.maximum(steps - 7 * H, 0)
         demand_per_day = (c[steps] - c[first]) / np.maximum(steps - first, H) * H  # kWh/day, causal
         self._pv_day_obs = t(pv_next_day_kwh / kwp / 8.0)  # ~8 kWh/kWp on a clear summer day
-        self._demand_obs = t(demand_per_day / (self.n_sockets * cfg.ev.socket_kw * 24.0 * cfg.dt_h) * 8.0)
+        socket_kw = d.socket_kw  # (n_sockets,) kW, each socket's own power
+        self._socket_kw = t(socket_kw)
+        total_kw = math.fsum(socket_kw)  # kW, all sockets at full power (one kind: exactly n_sockets * socket_kw)
+        self._total_socket_kw = total_kw
+        self._demand_obs = t(demand_per_day / (total_kw * 24.0 * cfg.dt_h) * 8.0)
         self._keep_min = 1.0 if full_split else float(cfg.episode.session_keep_min)
         self._thinning = self._keep_min < 1.0
         self._arrival_need = t(d.arrival_need_kwh)
@@ -273,8 +286,9 @@ class EVHubVectorEnv(VectorEnv):
         self._e_min = b.soc_min * b.capacity_kwh
         self._e_max = b.soc_max * b.capacity_kwh
         self._e_init = b.soc_initial * b.capacity_kwh
-        self._need_scale = cfg.ev.socket_kw * cfg.dt_h * 8.0  # kWh; an 8-hour full-power charge
+        self._need_scale = self._socket_kw * (cfg.dt_h * 8.0)  # (n_sockets,) kWh; an 8-hour full-power charge
         self._num_steps_total = T
+        self._export_credit = 1.0 if cfg.grid.export_credit == "moer" else 0.0  # exported kWh credited at MOER
 
         B, N = num_envs, self.n_sockets
         z = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=self.device)  # noqa: E731
@@ -305,9 +319,9 @@ class EVHubVectorEnv(VectorEnv):
     def _ev_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-socket (floor, cap) charging power, kW, shape ``(num_envs, n_sockets)`` each."""
         dt = self.cfg.dt_h
-        pmax = self.cfg.ev.socket_kw
+        pmax = self._socket_kw  # (n_sockets,) kW
         occupied = self.ev_steps_left > 0
-        cap = torch.where(occupied, torch.clamp(self.ev_need_kwh / dt, max=pmax), 0.0)
+        cap = torch.where(occupied, torch.minimum(self.ev_need_kwh / dt, pmax), 0.0)
         if self.cfg.ev.deadline_floor:
             later = pmax * dt * (self.ev_steps_left - 1).clamp(min=0).to(self.dtype)
             floor = torch.minimum(((self.ev_need_kwh - later) / dt).clamp(min=0.0), cap)
@@ -347,13 +361,13 @@ class EVHubVectorEnv(VectorEnv):
 
     def _observe(self) -> torch.Tensor:
         N = self.n_sockets
-        pmax = self.cfg.ev.socket_kw
+        total_kw = self._total_socket_kw
         occupied = (self.ev_steps_left > 0).to(self.dtype)
         floor, cap = self._ev_bounds()
         need = self.ev_need_kwh / self._need_scale
         steps = self.ev_steps_left.to(self.dtype) / 24.0
         agg = torch.stack(
-            [occupied.mean(1), need.sum(1) / N * 4.0, floor.sum(1) / (N * pmax) * 4.0, cap.sum(1) / (N * pmax)],
+            [occupied.mean(1), need.sum(1) / N * 4.0, floor.sum(1) / total_kw * 4.0, cap.sum(1) / total_kw],
             dim=1,
         )
         soc = (2.0 * self.soc - 1.0)[:, None]
@@ -511,7 +525,7 @@ class EVHubVectorEnv(VectorEnv):
         self.energy_kwh.copy_(
             (self.energy_kwh + b.eta_charge * charge * dt - discharge * dt / b.eta_discharge).clamp(self._e_min, self._e_max)
         )
-        co2 = grid_import * moer * dt
+        co2 = (grid_import - grid_export * self._export_credit) * moer * dt  # credit: 0 or 1, a config value
         self.ev_need_kwh.copy_((self.ev_need_kwh - ev * dt).clamp(min=0.0))
 
         # time passes: departures, then the end of episodes, then arrivals

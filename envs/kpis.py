@@ -23,11 +23,13 @@ from envs.site import Site, SplitData
 
 TRACE_COLUMNS = ("time", *INFO_KEYS, "soc", "moer_kg_per_kwh")
 """Columns of a traces table: UTC step start, the flows of :data:`envs.evhub.INFO_KEYS` (kW over the
-step, ``co2_kg`` kg, ``unserved_kwh`` kWh), the BESS SOC at the end of the step (fraction) and the
-carbon intensity of the step (kg/kWh)."""
+step, ``co2_kg`` kg: import x MOER, minus export x MOER with ``grid.export_credit = "moer"``;
+``unserved_kwh`` kWh), the BESS SOC at the end of the step (fraction) and the carbon intensity of the step
+(kg/kWh)."""
 
 KPI_COLUMNS = (
     "co2_kg",
+    "co2_export_credit_kg",
     "co2_reduction_pct",
     "oracle_gap_closed_pct",
     "grid_import_kwh",
@@ -46,7 +48,10 @@ KPI_COLUMNS = (
     "steps_per_s",
 )
 """KPI columns of ``co2_comparison.parquet`` (design notes). ``co2_reduction_pct`` and
-``oracle_gap_closed_pct`` need the uncontrolled and oracle rows: :func:`add_relative_kpis` fills them."""
+``oracle_gap_closed_pct`` need the uncontrolled and oracle rows: :func:`add_relative_kpis` fills them.
+``co2_kg`` is the site's CO2 under its ``grid.export_credit`` accounting (import x MOER, minus export x MOER
+with ``"moer"``); ``co2_export_credit_kg`` is the credit taken off it (0 without one), so the import-only
+figure is ``co2_kg + co2_export_credit_kg``."""
 
 BALANCE_TOL = 1e-4
 """Largest allowed energy-balance residual, relative to the step's largest flow (at least 1 kW)."""
@@ -131,7 +136,9 @@ def kpis_from_traces(traces: pd.DataFrame, data: SplitData) -> dict[str, float]:
         data: the split the run covered (for the EV energy asked and the rejected sessions).
 
     Returns:
-        dict of floats: energies in kWh, CO2 in kg, percentages in %, peak in kW.
+        dict of floats: energies in kWh, CO2 in kg (``co2_kg`` as the traces count it, net of the export
+        credit where ``grid.export_credit = "moer"``; ``co2_export_credit_kg`` the credit: export x MOER, or 0),
+        percentages in %, peak in kW.
     """
     dt = data.config.dt_h
     accepted = data.sessions[~data.sessions.rejected]
@@ -141,8 +148,12 @@ def kpis_from_traces(traces: pd.DataFrame, data: SplitData) -> dict[str, float]:
     pv = float(traces.pv_kw.sum() * dt)
     pv_used = float((traces.pv_kw - traces.pv_curtailed_kw - traces.grid_export_kw).sum() * dt)
     co2 = float(traces.co2_kg.sum())
+    credit = 0.0
+    if data.config.grid.export_credit == "moer":
+        credit = float((traces.grid_export_kw * traces.moer_kg_per_kwh).sum() * dt)
     return {
         "co2_kg": co2,
+        "co2_export_credit_kg": credit,
         "grid_import_kwh": float(traces.grid_import_kw.sum() * dt),
         "grid_export_kwh": float(traces.grid_export_kw.sum() * dt),
         "pv_generation_kwh": pv,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -31,8 +32,34 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PVConfig:
+    """The PV array. The env uses only ``kwp``; the other keys describe the array for ingestion
+    (``pipeline.sources``), which models its output per kWp with pvlib's PVWatts chain."""
+
     kwp: float = 20.0
     """DC nameplate of the PV array, kWp."""
+    tilt_deg: float = 20.0
+    """Module tilt from horizontal, degrees, in [0, 90]."""
+    azimuth_deg: float = 180.0
+    """Module azimuth, degrees east of north, in [0, 360) (180 = south; 0 = north, the equator side south of it)."""
+    latitude: float | None = None
+    """Site latitude, degrees north, in [-90, 90]: needed by the clear-sky weather source (an EPW file carries
+    its own location)."""
+    longitude: float | None = None
+    """Site longitude, degrees east, in [-180, 180]: needed by the clear-sky weather source."""
+    altitude_m: float | None = None
+    """Site altitude above sea level, m (clear-sky model; None: pvlib looks it up from its elevation map)."""
+    transposition: str = "haydavies"
+    """Sky-diffuse model of ``pvlib.irradiance.get_total_irradiance``: "haydavies" or "isotropic"."""
+    temperature_model: str = "open_rack_glass_polymer"
+    """SAPM cell-temperature parameter set (``pvlib.temperature.TEMPERATURE_MODEL_PARAMETERS['sapm']``)."""
+    gamma_pdc: float = -0.0035
+    """DC power temperature coefficient, 1/K."""
+    dc_ac_ratio: float = 1.2
+    """DC nameplate over inverter DC input rating, > 0."""
+    eta_inv_nom: float = 0.96
+    """Nominal inverter efficiency (PVWatts), in (0, 1]."""
+    system_losses_pct: float | None = None
+    """DC system losses, percent, in [0, 100) (None: ``pvlib.pvsystem.pvwatts_losses()`` defaults, 14.08%)."""
 
 
 @dataclass(frozen=True)
@@ -54,24 +81,83 @@ class BESSConfig:
 
 
 @dataclass(frozen=True)
+class SocketGroup:
+    """One group of identical charging sockets: a ``[[ev.sockets]]`` table of the site TOML.
+
+    A session goes to a socket of the first group (in the file's order) one of whose ``stations`` patterns
+    matches its ``station_id`` (:func:`fnmatch.fnmatchcase` globs: ``*``, ``?``, ``[seq]``; case-sensitive).
+    """
+
+    count: int
+    """Number of sockets in the group, >= 1."""
+    kw: float
+    """Maximum charging power of each socket of the group, kW, > 0."""
+    stations: tuple[str, ...] = ("*",)
+    """Station-id patterns of the sessions the group serves (TOML: one string or a list of strings; default
+    ``"*"``, every station)."""
+
+    def matches(self, station_id: str) -> bool:
+        """Whether ``station_id`` matches one of the group's ``stations`` patterns."""
+        return any(fnmatch.fnmatchcase(station_id, p) for p in self.stations)
+
+
+@dataclass(frozen=True)
 class EVConfig:
+    """The EV sockets and how the env dispatches them.
+
+    Sockets are given either as one kind, ``n_sockets`` x ``socket_kw`` (every station's sessions go to
+    them), or as groups, ``[[ev.sockets]]`` tables (:class:`SocketGroup`: ``count``, ``kw``, ``stations``),
+    e.g. 54 Level-2 sockets of 6.6 kW for ``CA-*`` and one 50 kW DC socket for another station. Sockets are
+    numbered group after group in the file's order. With groups, ``n_sockets`` and ``socket_kw`` are derived
+    (the sum of the counts and the largest ``kw``): leave them out of the TOML, or give the same values.
+    """
+
     n_sockets: int = 55
-    """Number of charging sockets."""
+    """Number of charging sockets (with ``[[ev.sockets]]``: the sum of the groups' counts)."""
     socket_kw: float = 6.6
-    """Maximum charging power of one socket, kW."""
+    """Maximum charging power of one socket, kW (with ``[[ev.sockets]]``: the largest group's ``kw``; the env,
+    the oracle and the MPC use each socket's own power, :meth:`socket_kw_array`)."""
+    sockets: tuple[SocketGroup, ...] = ()
+    """The ``[[ev.sockets]]`` groups as written; empty for the one-kind form."""
     deadline_floor: bool = True
     """Raise each socket to the least-laxity power that still meets its departure."""
     surplus_to_ev: bool = True
     """Send PV that neither the load nor the BESS takes to the plugged EVs (up to their caps) before it is
     curtailed or exported: such energy is free of CO2, so using it never costs the drivers or the grid."""
 
+    @property
+    def groups(self) -> tuple[SocketGroup, ...]:
+        """The socket groups in effect: ``sockets``, or one group of ``n_sockets`` x ``socket_kw`` for every
+        station."""
+        return self.sockets or (SocketGroup(self.n_sockets, self.socket_kw, ("*",)),)
+
+    def socket_kw_array(self) -> np.ndarray:
+        """Maximum charging power of each socket, kW: shape ``(n_sockets,)`` float64, groups in order."""
+        return np.concatenate([np.full(g.count, g.kw, dtype=np.float64) for g in self.groups])
+
+
+EXPORT_CREDITS = ("none", "moer")
+"""Values of ``grid.export_credit``."""
+
 
 @dataclass(frozen=True)
 class GridConfig:
+    """The grid connection and how its emissions are counted.
+
+    CO2 of a step (kg): ``G_imp * MOER * dt`` with ``export_credit = "none"``; with ``"moer"`` (only with
+    ``export_allowed``) ``(G_imp - G_exp) * MOER * dt``: exported energy displaces marginal generation of its
+    hour, so it is credited at that hour's MOER (avoided emissions, the usual marginal accounting). The
+    credit is applied alike by the env (emissions and reward), the KPIs, the oracle and the MPC.
+    """
+
     import_limit_kw: float = 300.0
     """Grid import limit of the service connection, kW."""
     export_allowed: bool = False
     """Whether surplus PV may be exported; curtailed otherwise."""
+    export_credit: str = "none"
+    """How exported energy counts in CO2: ``"none"`` (not at all: CO2 is import x MOER) or ``"moer"`` (credited
+    at the MOER of its hour: CO2 is (import - export) x MOER, which may be negative). ``"moer"`` requires
+    ``export_allowed = true`` (a ConfigError otherwise: there is nothing to credit)."""
     base_load_kw: float = 0.0
     """Constant non-EV site load, kW."""
 
@@ -146,10 +232,18 @@ class SiteConfig:
     def replace(self, **sections: dict[str, Any] | Any) -> "SiteConfig":
         """Return a copy with some values changed, e.g. ``cfg.replace(pv={"kwp": 0.0}, dt_h=1.0)``.
 
+        ``ev={"sockets": [...]}`` (a non-empty list of groups) replaces the sockets; ``ev.n_sockets`` and
+        ``ev.socket_kw`` then follow from the new groups unless given too.
+
         Raises:
             ConfigError: unknown key or inconsistent values (see :func:`check_config`).
         """
         raw = dataclasses.asdict(self)
+        ev = sections.get("ev")
+        if isinstance(ev, dict) and ev.get("sockets"):  # new groups: the one-kind keys are derived from them again
+            for k in ("n_sockets", "socket_kw"):
+                if k not in ev:
+                    raw["ev"].pop(k)
         for key, value in sections.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
                 raw[key] = {**raw[key], **value}
@@ -192,11 +286,60 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> SiteConfig:
                     f"{source}: unknown key '{key}.{k}'{_did_you_mean(k, sub_fields, prefix=f'{key}.')}"
                     f" (known in [{key}]: {', '.join(sub_fields)})"
                 )
+            if (key, k) == ("ev", "sockets"):
+                sub_kwargs[k] = _socket_groups(v, source)
+                continue
             sub_kwargs[k] = _coerce(v, sub_fields[k].type, f"{source}: key '{key}.{k}'")
+        if key == "ev" and sub_kwargs.get("sockets"):  # with groups, the one-kind keys are derived
+            sub_kwargs.setdefault("n_sockets", sum(g.count for g in sub_kwargs["sockets"]))
+            sub_kwargs.setdefault("socket_kw", max(g.kw for g in sub_kwargs["sockets"]))
         kwargs[key] = sub(**sub_kwargs)
     cfg = SiteConfig(**kwargs)
     check_config(cfg, source)
     return cfg
+
+
+def _socket_groups(value: Any, source: str) -> tuple[SocketGroup, ...]:
+    """Parse ``ev.sockets`` (a TOML array of tables ``[[ev.sockets]]``, or a list of dicts) into groups.
+
+    Raises:
+        ConfigError: not a list of tables, an unknown or missing key, a wrong type, ``count < 1``, ``kw <= 0``,
+            or an empty or non-string ``stations`` pattern; the message names ``source`` and the dotted key
+            with the group's index, e.g. ``ev.sockets[1].kw``.
+    """
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(
+            f"{source}: key 'ev.sockets' must be an array of tables ([[ev.sockets]] with count, kw and stations), "
+            f"got {value!r}"
+        )
+    known = ("count", "kw", "stations")
+    groups = []
+    for i, table in enumerate(value):
+        where = f"ev.sockets[{i}]"
+        for k in table:
+            if k not in known:
+                raise ConfigError(
+                    f"{source}: unknown key '{where}.{k}'{_did_you_mean(k, known, prefix=f'{where}.')}"
+                    f" (known in [[ev.sockets]]: {', '.join(known)})"
+                )
+        for k in ("count", "kw"):
+            if k not in table:
+                raise ConfigError(f"{source}: key '{where}.{k}' is missing (each [[ev.sockets]] needs count and kw)")
+        count = _coerce(table["count"], "int", f"{source}: key '{where}.count'")
+        kw = _coerce(table["kw"], "float", f"{source}: key '{where}.kw'")
+        if count < 1:
+            raise ConfigError(f"{source}: key '{where}.count' must be >= 1, got {count}")
+        if not kw > 0:
+            raise ConfigError(f"{source}: key '{where}.kw' must be > 0 kW, got {kw}")
+        pats = table.get("stations", "*")
+        pats = [pats] if isinstance(pats, str) else pats
+        if not isinstance(pats, (list, tuple)) or not pats or not all(isinstance(x, str) and x for x in pats):
+            raise ConfigError(
+                f"{source}: key '{where}.stations' must be a station-id pattern (a glob such as \"CA-*\") or a "
+                f"non-empty list of them, got {table.get('stations')!r}"
+            )
+        groups.append(SocketGroup(count, kw, tuple(pats)))
+    return tuple(groups)
 
 
 def _did_you_mean(key: str, known, prefix: str = "") -> str:
@@ -250,8 +393,9 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
 
     Raises:
         ConfigError: naming ``source`` and the offending key, e.g. ``bess.soc_min >= bess.soc_max``,
-            a negative size, zero sockets, an efficiency outside (0, 1], unparsable or empty or
-            overlapping split dates, an unknown time zone.
+            a negative size, zero sockets, an efficiency outside (0, 1], ``ev.n_sockets`` or ``ev.socket_kw``
+            contradicting the ``[[ev.sockets]]`` groups, an unknown ``grid.export_credit`` or a credit without
+            export, unparsable or empty or overlapping split dates, an unknown time zone.
     """
 
     def bad(key: str, msg: str) -> ConfigError:
@@ -263,6 +407,30 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
         raise bad("dt_h", f"must be 1.0: the processed data is hourly, got {cfg.dt_h}")
     if cfg.pv.kwp < 0:
         raise bad("pv.kwp", f"must be >= 0 kWp, got {cfg.pv.kwp}")
+    pv_checks = {  # key: (test, the allowed values as the message states them); optional keys left None are skipped
+        "tilt_deg": (lambda v: 0 <= v <= 90, "[0, 90] degrees"),
+        "azimuth_deg": (lambda v: 0 <= v < 360, "[0, 360) degrees east of north"),
+        "latitude": (lambda v: -90 <= v <= 90, "[-90, 90] degrees"),
+        "longitude": (lambda v: -180 <= v <= 180, "[-180, 180] degrees"),
+        "altitude_m": (lambda v: -500 <= v <= 9000, "[-500, 9000] m"),
+        "dc_ac_ratio": (lambda v: v > 0, "> 0"),
+        "eta_inv_nom": (lambda v: 0 < v <= 1, "(0, 1]"),
+        "system_losses_pct": (lambda v: 0 <= v < 100, "[0, 100) percent"),
+        "gamma_pdc": (lambda v: -0.1 <= v <= 0, "[-0.1, 0] per K"),
+    }
+    for k, (ok, allowed) in pv_checks.items():
+        v = getattr(cfg.pv, k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(f"pv.{k}", f"must be a number, got {v!r}")
+        if not ok(v):
+            raise bad(f"pv.{k}", f"must be in {allowed}, got {v}")
+    if cfg.pv.transposition not in ("haydavies", "isotropic"):
+        raise bad("pv.transposition", f"must be 'haydavies' or 'isotropic', got {cfg.pv.transposition!r}")
+    sapm = ("open_rack_glass_glass", "close_mount_glass_glass", "open_rack_glass_polymer", "insulated_back_glass_polymer")
+    if cfg.pv.temperature_model not in sapm:
+        raise bad("pv.temperature_model", f"must be one of {', '.join(sapm)}, got {cfg.pv.temperature_model!r}")
     b = cfg.bess
     for k in ("capacity_kwh", "power_kw"):
         if getattr(b, k) < 0:
@@ -281,6 +449,28 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
         raise bad("ev.n_sockets", f"must be >= 1, got {cfg.ev.n_sockets}")
     if cfg.ev.socket_kw <= 0:
         raise bad("ev.socket_kw", f"must be > 0 kW, got {cfg.ev.socket_kw}")
+    if cfg.ev.sockets:
+        total = sum(g.count for g in cfg.ev.sockets)
+        largest = max(g.kw for g in cfg.ev.sockets)
+        if cfg.ev.n_sockets != total:
+            raise bad(
+                "ev.n_sockets",
+                f"({cfg.ev.n_sockets}) must equal the sum of the ev.sockets counts ({total}); leave it out "
+                "when [[ev.sockets]] groups are given",
+            )
+        if cfg.ev.socket_kw != largest:
+            raise bad(
+                "ev.socket_kw",
+                f"({cfg.ev.socket_kw:g}) must equal the largest ev.sockets kw ({largest:g}); leave it out when "
+                "[[ev.sockets]] groups are given (each group sets its own kw)",
+            )
+    if cfg.grid.export_credit not in EXPORT_CREDITS:
+        raise bad("grid.export_credit", f"must be one of {', '.join(map(repr, EXPORT_CREDITS))}, got {cfg.grid.export_credit!r}")
+    if cfg.grid.export_credit != "none" and not cfg.grid.export_allowed:
+        raise bad(
+            "grid.export_credit",
+            f"= {cfg.grid.export_credit!r} needs grid.export_allowed = true (nothing is exported to credit)",
+        )
     if cfg.grid.import_limit_kw <= 0:
         raise bad("grid.import_limit_kw", f"must be > 0 kW, got {cfg.grid.import_limit_kw}")
     if cfg.grid.base_load_kw < 0:
@@ -366,6 +556,10 @@ class SplitData:
     Per-step arrival tables, shape ``(T, n_sockets)``:
         arrival_need_kwh: energy need of the session plugging into socket i at step t (0 if none).
         arrival_stay_steps: its number of steps until departure (int64; 0 if none).
+
+    Sockets:
+        socket_kw: ``(n_sockets,)`` float64, each socket's maximum charging power, kW
+            (:meth:`EVConfig.socket_kw_array`): what the env, the oracle and the MPC cap each socket at.
     """
 
     config: SiteConfig
@@ -379,6 +573,7 @@ class SplitData:
     sessions: pd.DataFrame
     arrival_need_kwh: np.ndarray
     arrival_stay_steps: np.ndarray
+    socket_kw: np.ndarray
 
     @property
     def num_steps(self) -> int:
@@ -403,6 +598,10 @@ class Site:
         sessions: DataFrame, one row per EV session: ``session_id``, ``station_id``, ``arrival`` and
             ``departure`` (UTC), ``energy_kwh``.
         source: where each piece came from (``{"config": path, "hourly": path, "sessions": path}``).
+
+    Raises:
+        ConfigError: on construction, a session's station matches no ``[[ev.sockets]]`` group (see
+            :meth:`station_groups`).
     """
 
     config: SiteConfig
@@ -410,6 +609,37 @@ class Site:
     sessions: pd.DataFrame
     source: dict[str, str] = field(default_factory=dict)
     _splits: dict[str, SplitData] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.station_groups()  # a station without a socket group is an error before anything runs
+
+    def station_groups(self) -> dict[str, int]:
+        """Index into ``config.ev.groups`` of the group serving each station of the sessions (the first group,
+        in the file's order, with a matching ``stations`` pattern).
+
+        Returns:
+            ``{station_id: group index}`` over the stations of ``sessions``, sorted by station id.
+
+        Raises:
+            ConfigError: a station matches no group; the message names the site TOML, the key ``ev.sockets``,
+                the station id, the sessions file, the first row (0-based) and session id with that station, and
+                how many sessions it has.
+        """
+        groups = self.config.ev.groups
+        out = {}
+        for st in sorted(self.sessions.station_id.unique()):
+            k = next((i for i, g in enumerate(groups) if g.matches(st)), None)
+            if k is None:
+                rows = np.flatnonzero((self.sessions.station_id == st).to_numpy())
+                patterns = ", ".join(repr(p) for g in groups for p in g.stations)
+                raise ConfigError(
+                    f"{self.source.get('config', 'the site config')}: key 'ev.sockets': station {st!r} of "
+                    f"{self.source.get('sessions', 'the sessions data')} matches no group's stations pattern "
+                    f"({patterns}): first at row {rows[0]} (session {self.sessions.session_id.iloc[rows[0]]}), "
+                    f"{len(rows)} session(s) in all; add a [[ev.sockets]] group for it or widen a pattern"
+                )
+            out[st] = k
+        return out
 
     def split_bounds(self, split: str) -> tuple[pd.Timestamp, pd.Timestamp]:
         """UTC ``[start, end)`` of a split: local midnight of its first date to local midnight after its last.
@@ -475,6 +705,7 @@ class Site:
         )
         sessions = self._discretise_sessions(split, start, end, T)
         need, stay = _arrival_tables(sessions, T, cfg.ev.n_sockets)
+        socket_kw = cfg.ev.socket_kw_array()
         return SplitData(
             config=cfg,
             split=split,
@@ -487,6 +718,7 @@ class Site:
             sessions=sessions,
             arrival_need_kwh=need,
             arrival_stay_steps=stay,
+            socket_kw=socket_kw,
         )
 
     def _discretise_sessions(self, split: str, start: pd.Timestamp, end: pd.Timestamp, T: int) -> pd.DataFrame:
@@ -498,11 +730,20 @@ class Site:
         dep = np.rint((s.departure - start) / dt).to_numpy().astype(np.int64)
         arr = np.minimum(arr, T - 1)
         dep = np.clip(np.maximum(dep, arr + 1), None, T)
-        # sockets: one per station (sorted ids over the whole dataset, so a station keeps its socket in
-        # every split), wrapped if the config has fewer sockets than the data has stations
-        stations = sorted(self.sessions.station_id.unique())
-        station_socket = {st: i % cfg.ev.n_sockets for i, st in enumerate(stations)}
-        preferred = s.station_id.map(station_socket).to_numpy()
+        # sockets: each station belongs to the first socket group whose pattern matches it; within its group
+        # one socket per station (the group's sorted station ids over the whole dataset, so a station keeps
+        # its socket in every split), wrapped if the group has fewer sockets than stations. A session whose
+        # socket is taken goes to the group's first free socket, else it is rejected.
+        groups = cfg.ev.groups
+        first = np.cumsum([0] + [g.count for g in groups])  # first socket of each group
+        group_of = self.station_groups()
+        seen = [0] * len(groups)
+        station_socket = {}
+        for st, gi in group_of.items():  # sorted by station id
+            station_socket[st] = first[gi] + seen[gi] % groups[gi].count
+            seen[gi] += 1
+        preferred = s.station_id.map(station_socket).to_numpy(np.int64)
+        group = s.station_id.map(group_of).to_numpy(np.int64)
         socket = np.full(len(s), -1, dtype=np.int64)
         free_at = np.zeros(cfg.ev.n_sockets, dtype=np.int64)  # first step each socket is free again
         for j in range(len(s)):  # once per split, not per env step
@@ -510,14 +751,17 @@ class Site:
             if free_at[p] <= arr[j]:
                 k = p
             else:
-                free = np.flatnonzero(free_at <= arr[j])
+                lo = first[group[j]]
+                free = np.flatnonzero(free_at[lo : first[group[j] + 1]] <= arr[j])
                 if len(free) == 0:
                     continue
-                k = free[0]
+                k = lo + free[0]
             socket[j] = k
             free_at[k] = dep[j]
         energy = s.energy_kwh.to_numpy(np.float64)
-        need = np.minimum(energy, cfg.ev.socket_kw * cfg.dt_h * (dep - arr))
+        # each session's need is capped at what a socket of its group (its own socket) delivers over the stay
+        group_kw = np.array([g.kw for g in groups], dtype=np.float64)
+        need = np.minimum(energy, group_kw[group] * cfg.dt_h * (dep - arr))
         return pd.DataFrame(
             {
                 "session_id": s.session_id.to_numpy(),

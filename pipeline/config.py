@@ -121,9 +121,15 @@ VARIABLES = {
     "algo_args": "EVHUB_ALGO_ARGS",
     "scheduler": "DASK_SCHEDULER_ADDRESS",
     "part": "EVHUB_BENCH_PART",
+    "kwp": "EVHUB_SIZING_KWP",
+    "bess_kwh": "EVHUB_SIZING_BESS_KWH",
+    "bess_kw_per_kwh": "EVHUB_SIZING_BESS_KW_PER_KWH",
+    "controllers": "EVHUB_SIZING_CONTROLLERS",
+    "workers": "EVHUB_WORKERS",
 }
 """Every doit variable of ``dodo.py`` and the environment variable standing in for it (``part`` belongs
-to ``doit bench``; the others to the study)."""
+to ``doit bench``; ``kwp``, ``bess_kwh``, ``bess_kw_per_kwh``, ``controllers`` and ``workers`` to ``doit run
+sizing``, see :mod:`pipeline.sizing`; the others to the study)."""
 
 
 def _doit_variables() -> dict[str, str]:
@@ -138,6 +144,23 @@ def _doit_variables() -> dict[str, str]:
         return {}
     names = set(getattr(doit_cmd, "_CMDLINE_VARS", None) or ()) | set(VARIABLES)
     return {n: v for n in sorted(names) if (v := get_var(n, None)) is not None}
+
+
+def variable(name: str) -> tuple[str, str] | None:
+    """A setting of :data:`VARIABLES` as given: ``(value, origin)`` from doit's command line, else from its
+    environment variable, else ``None``. ``origin`` names where the value came from for error messages
+    (``"doit variable kwp='0,20'"`` or ``"environment variable EVHUB_SIZING_KWP='0,20'"``).
+
+    Raises:
+        KeyError: ``name`` is not in :data:`VARIABLES`.
+    """
+    env = VARIABLES[name]
+    cmdline = _doit_variables()
+    if name in cmdline:
+        return cmdline[name], f"doit variable {name}={cmdline[name]!r}"
+    if env in os.environ:
+        return os.environ[env], f"environment variable {env}={os.environ[env]!r}"
+    return None
 
 
 def from_environment(**overrides) -> PipelineConfig:

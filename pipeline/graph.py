@@ -33,16 +33,22 @@ STAGES = ("validate", "baselines", "train", "evaluate", "report")
 _CLIENTS: dict[str | None, object] = {}
 
 
-def get_client(scheduler_address: str | None = None):
+def get_client(scheduler_address: str | None = None, n_workers: int | None = None):
     """A ``distributed.Client`` for the study: the given scheduler, else an embedded LocalCluster (cached).
+
+    Args:
+        scheduler_address: an existing Dask scheduler; None starts a LocalCluster.
+        n_workers: worker processes of the LocalCluster (one thread each; default ``min(4, cores)``); ignored
+            with a scheduler address. A LocalCluster is cached per size.
 
     Raises:
         OSError / TimeoutError: the scheduler cannot be reached (message names the address).
     """
     from distributed import Client, LocalCluster
 
-    if scheduler_address in _CLIENTS:
-        return _CLIENTS[scheduler_address]
+    key = scheduler_address if scheduler_address or not n_workers else f"local:{n_workers}"
+    if key in _CLIENTS:
+        return _CLIENTS[key]
     if scheduler_address:
         try:
             client = Client(scheduler_address, timeout="20s")
@@ -51,11 +57,11 @@ def get_client(scheduler_address: str | None = None):
     else:
         import os
 
-        n = max(1, min(4, os.cpu_count() or 1))
+        n = n_workers or max(1, min(4, os.cpu_count() or 1))
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
         client = Client(cluster)
         atexit.register(lambda: (client.close(), cluster.close()))
-    _CLIENTS[scheduler_address] = client
+    _CLIENTS[key] = client
     return client
 
 

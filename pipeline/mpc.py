@@ -27,9 +27,15 @@ The LP is :func:`pipeline.oracle.assemble_lp` over the window (the oracle's vari
 balance, storage, EV energy with an unserved slack at the oracle's penalty) with these additions:
 
 * Step-0 bounds that make the first step exactly what the env does with the mapped action: each plugged EV's
-  power lies in ``[floor_i, cap_i]`` (the env's least-laxity floor and ``min(socket_kw, need/dt)``; floors
+  power lies in ``[floor_i, cap_i]`` (the env's least-laxity floor and ``min(socket_kw_i, need/dt)``, with each
+  socket's own power ``SplitData.socket_kw``, as every session's power limit in the window; floors
   scaled down together, like the env's import-limit cut, if they cannot all be met within the import limit).
-* Sessions leaving after the window: the energy they could still get after it (``socket_kw * dt`` per step
+* With ``grid.export_credit = "moer"``: exported energy earns its step's MOER outlook (the oracle's objective), and
+  step 0 keeps two dispatch rules of the env that the LP relaxes and the credit would otherwise tempt it to break
+  (the battery discharges only into the site's deficit; with ``ev.surplus_to_ev`` PV left over goes to the plugged
+  EVs before it is exported): where the plan breaks one, step 0 is solved both ways and the cheaper plan is kept
+  (``MPCController._env_rules_at_step0``).
+* Sessions leaving after the window: the energy they could still get after it (``socket_kw_i * dt`` per step
   beyond the window) may be deferred (column ``defer``), at a cost of the mean MOER forecast of the window per
   kWh (what charging later is expected to cost); the rest must be served within it.
 * Terminal value: when the window ends before the split does, each kWh left in the BESS at its end is worth
@@ -40,7 +46,9 @@ balance, storage, EV energy with an unserved slack at the oracle's penalty) with
 * Tie-breaks, each far below any MOER difference (a few 1e-4 kg/kWh at most) so that they only choose between
   plans of equal CO2: ``EPS_CYCLE`` per kWh charged and per kWh discharged (no charge and discharge in one step,
   no battery energy burnt into curtailment, no cycling without a CO2 gain); ``EPS_CURTAIL`` per kWh curtailed or exported
-  (the CO2 objective gives export no value), falling linearly to half of it at the window's end (PV is used
+  (with ``grid.export_credit = "none"`` the CO2 objective gives export no value; with ``"moer"`` export earns its
+  step's MOER forecast, as in the oracle, and the tie-break only orders plans of equal CO2), falling linearly to
+  half of it at the window's end (PV is used
   rather than curtailed, and used now rather than later: a PV surplus goes into the battery or the plugged EVs
   when it occurs, even where the window's later PV would fill them anyway, as the env's ``surplus_to_ev`` does); the import cost is discounted by ``IMPORT_DISCOUNT`` (relative)
   linearly over the window (equal-MOER import happens as late as possible, keeping room for PV and new cars).
@@ -102,7 +110,7 @@ class Plan:
     ev_kw: np.ndarray
     """Per-socket EV power, ``(N,)``."""
     co2_planned_kg: float
-    """LP objective's CO2 part over the window (forecast MOER)."""
+    """LP objective's CO2 part over the window (forecast MOER; net of the export credit where there is one)."""
 
 
 @dataclass
@@ -168,7 +176,8 @@ class MPCController:
 
         Returns:
             ``(arr, end, need, socket)``: first step in the window, departure step relative to ``t`` (may lie
-            past ``H``), energy kWh, and socket (-1 for future arrivals), ``(S,)`` each.
+            past ``H``), energy kWh, and socket (the socket of a plugged EV; ``-1 - i`` for a future arrival at
+            socket ``i``), ``(S,)`` each.
         """
         plugged = np.flatnonzero((steps_left > 0) & (need > 1e-9))
         arr = [np.zeros(len(plugged), np.int64)]
@@ -181,7 +190,7 @@ class MPCController:
             arr.append(k + 1)
             end.append(k + 1 + stay[k, i])
             e.append(self.data.arrival_need_kwh[t + 1 : t + H][k, i])
-            sock.append(np.full(len(k), -1, np.int64))
+            sock.append(-1 - i.astype(np.int64))
         return (np.concatenate(arr), np.concatenate(end), np.concatenate(e).astype(np.float64), np.concatenate(sock))
 
     # ---------------------------------------------------------------- one solve
@@ -190,7 +199,7 @@ class MPCController:
         t0 = time.perf_counter()
         d = self.data
         cfg = d.config
-        b, dt, pmax = cfg.bess, cfg.dt_h, cfg.ev.socket_kw
+        b, dt, pmax = cfg.bess, cfg.dt_h, d.socket_kw  # pmax: (N,) kW, each socket's own power
         N = cfg.ev.n_sockets
         H = min(self.H, d.num_steps - t)
         need_all = np.asarray(ev_need_kwh, dtype=np.float64)
@@ -209,8 +218,9 @@ class MPCController:
 
         arr, end, need, sock = self.sessions(t, H, need_all, left_all)
         dep = np.minimum(end, H)
-        defer = np.minimum(need, pmax * dt * np.maximum(end - H, 0))
-        lp = assemble_lp(cfg, pv, load, moer, energy_kwh, arr, dep, need, defer_kwh=defer)
+        p_max = pmax[np.where(sock >= 0, sock, -1 - sock)]  # (S,) kW, the power of each session's socket
+        defer = np.minimum(need, p_max * dt * np.maximum(end - H, 0))
+        lp = assemble_lp(cfg, pv, load, moer, energy_kwh, arr, dep, need, p_max=p_max, defer_kwh=defer)
         off, c, bounds = lp["off"], lp["c"], lp["bounds"]
         S = lp["S"]
         ramp = np.arange(H) / H
@@ -219,6 +229,7 @@ class MPCController:
         c[off["dis"] : off["dis"] + H] += EPS_CYCLE * dt
         c[off["u"] : off["u"] + H] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)
         c[off["x"] : off["x"] + H] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)  # export: a surplus, like curtailment
+        # (the export credit, -MOER per kWh with grid.export_credit = "moer", is already in assemble_lp's cost)
         c[off["defer"] : off["defer"] + S] = float(moer.mean())
         if t + H < d.num_steps:  # energy left in the battery when the window ends is worth what it displaces later
             c[off["E"] + H - 1] -= TERMINAL_VALUE * b.eta_discharge * float(moer.mean())
@@ -234,6 +245,8 @@ class MPCController:
         bounds[col0, 1] = cap_all[s0]
 
         z = self._solve(c, lp["A_eq"], lp["b_eq"], bounds, t)
+        if cfg.grid.export_credit == "moer":
+            z = self._env_rules_at_step0(c, lp, bounds, z, t, col0, cap_all[s0])
         step0 = lambda name: float(np.clip(z[off[name]], bounds[off[name], 0], bounds[off[name], 1]))  # noqa: E731
         ch, dis = step0("ch"), step0("dis")
         ev = np.zeros(N)
@@ -243,7 +256,7 @@ class MPCController:
         span = cap_all - floor_all
         ok = span > 1e-12
         action[1:][ok] = np.clip((ev[ok] - floor_all[ok]) / span[ok], 0.0, 1.0)
-        g = z[off["g"] : off["g"] + H]
+        g = z[off["g"] : off["g"] + H] - z[off["x"] : off["x"] + H] * (cfg.grid.export_credit == "moer")
         plan = Plan(
             t=t, action=action, grid_import_kw=step0("g"), grid_export_kw=step0("x"), pv_curtailed_kw=step0("u"),
             bess_charge_kw=ch, bess_discharge_kw=dis, ev_kw=ev, co2_planned_kg=float((g * moer).sum() * dt),
@@ -254,7 +267,50 @@ class MPCController:
             self.plans.append(plan)
         return plan
 
-    def _solve(self, c, A_eq, b_eq, bounds, t: int) -> np.ndarray:
+    def _env_rules_at_step0(self, c, lp: dict, bounds: np.ndarray, z: np.ndarray, t: int, col0, cap0) -> np.ndarray:
+        """Make step 0 of a plan what the env does with it when exported energy is credited.
+
+        Two dispatch rules of the env are not in the LP: the battery discharges only into the site's deficit (in a
+        step where it discharges nothing is exported or curtailed), and with ``ev.surplus_to_ev`` PV left over goes
+        to the plugged EVs, up to their caps, before any is exported or curtailed. Without a credit the LP keeps
+        both of its own accord (export earns nothing, and the tie-breaks prefer using PV now); with one it may plan
+        to export while discharging or while holding EVs below their caps (and charge them later), which the env
+        would not carry out. Where step 0 of the plan breaks a rule, it is solved both ways: (a) no discharge and,
+        with ``surplus_to_ev``, every plugged EV at its cap; (b) no export and no curtailment; the cheaper plan is
+        kept. Later steps of the window keep the LP's relaxation.
+
+        Args:
+            col0, cap0: LP column and env cap (kW) of each plugged EV's step-0 power.
+
+        Raises:
+            RuntimeError: neither way has an optimum.
+        """
+        off, tol = lp["off"], 1e-7
+        surplus = z[off["x"]] + z[off["u"]]
+        below_cap = len(col0) > 0 and float((cap0 - z[col0]).max()) > tol
+        to_ev = self.data.config.ev.surplus_to_ev
+        if not ((z[off["dis"]] > tol and surplus + z[off["ch"]] > tol) or (to_ev and surplus > tol and below_cap)):
+            return z
+        a, b = bounds.copy(), bounds.copy()
+        a[off["dis"], 1] = 0.0
+        if to_ev:
+            a[col0, 0] = cap0
+        b[off["x"], 1] = b[off["u"], 1] = 0.0
+        best = None
+        for bnd in (a, b):
+            zz = self._solve(c, lp["A_eq"], lp["b_eq"], bnd, t, strict=False)
+            if zz is not None and (best is None or c @ zz < c @ best):
+                best = zz
+        if best is None:
+            raise RuntimeError(f"MPC LP at step {t} of split '{self.data.split}' not solved under the env's dispatch rules")
+        return best
+
+    def _solve(self, c, A_eq, b_eq, bounds, t: int, strict: bool = True) -> np.ndarray | None:
+        """Solve the LP with HiGHS; the solution, or None when it has no optimum and ``strict`` is False.
+
+        Raises:
+            RuntimeError: no optimum and ``strict``.
+        """
         A = A_eq.tocsc()
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = A.shape[1], A.shape[0]
@@ -271,6 +327,8 @@ class MPCController:
         h.passModel(lp)
         h.run()
         status = h.getModelStatus()
+        if status != highspy.HighsModelStatus.kOptimal and not strict:
+            return None
         if status != highspy.HighsModelStatus.kOptimal:
             raise RuntimeError(
                 f"MPC LP at step {t} of split '{self.data.split}' not solved: HiGHS {h.modelStatusToString(status)}"

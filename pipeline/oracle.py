@@ -8,8 +8,8 @@ physical limit every controller is reported against (``oracle_gap_closed_pct``).
 Formulation (``T`` steps of ``dt`` hours, accepted sessions ``s`` with steps ``[a_s, d_s)``):
 
 Variables, all continuous:
-    ``p[s, t]``  EV power of session ``s`` in step ``t``, kW, ``0 <= p <= socket_kw``, only for
-                 ``a_s <= t < d_s``.
+    ``p[s, t]``  EV power of session ``s`` in step ``t``, kW, ``0 <= p <= socket_kw[socket_s]`` (the power of
+                 the session's own socket, ``SplitData.socket_kw``), only for ``a_s <= t < d_s``.
     ``ch[t]``    BESS charge power, kW, ``0 <= ch <= power_kw``.
     ``dis[t]``   BESS discharge power, kW, ``0 <= dis <= power_kw``.
     ``E[t]``     BESS energy at the END of step ``t``, kWh, ``soc_min*cap <= E <= soc_max*cap``.
@@ -24,9 +24,18 @@ Constraints:
     storage      ``E[t] = E[t-1] + eta_c*ch[t]*dt - dis[t]*dt/eta_d``, ``E[-1] = soc_initial*cap`` (T rows)
     EV energy    ``sum_t p[s, t]*dt + slack[s] = need_kwh[s]``                               (S rows)
 
-Objective: ``min sum_t moer[t]*g[t]*dt + UNSERVED_PENALTY * sum_s slack[s]`` (kg CO2 + penalty). The
-penalty (per kWh) is far above any MOER, so all EV energy is served wherever physically possible. There is
-no terminal SOC constraint (the env has none either).
+Objective: ``min sum_t moer[t]*g[t]*dt + UNSERVED_PENALTY * sum_s slack[s]`` (kg CO2 + penalty); with
+``grid.export_credit = "moer"`` the CO2 term is ``sum_t moer[t]*(g[t] - x[t])*dt`` (export credited at its
+hour's MOER). The penalty (per kWh) is far above any MOER, so all EV energy is served wherever physically
+possible. There is no terminal SOC constraint (the env has none either).
+
+With the export credit the LP has no arbitrage within a step: importing and exporting in the same step cost
+and earn the same MOER (a wash; the traces net such pairs out) and both are bounded (import by the limit,
+export by the balance). Across steps it may store energy (from PV or from the grid at a low MOER) and later
+release it while exporting at a higher MOER, paying the round-trip losses: physically allowed and intended
+under marginal accounting (a kWh exported in a high-MOER hour displaces that hour's marginal generation).
+The env's battery only discharges into the site's deficit, so a controller reaches this only where stored
+energy covers the load and EVs while PV is exported; the oracle's bound is the looser for it.
 
 Why it is a relaxation of the env: the env's EV power is additionally bounded below by the least-laxity
 floor and above by ``need/dt`` per step and is shared earliest-deadline-first in hub mode; its battery
@@ -60,6 +69,11 @@ def _session_arrays(data: SplitData) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return arr, dep, need
 
 
+def _session_sockets(data: SplitData) -> np.ndarray:
+    """Accepted sessions' socket index, ``(S,)`` int64 (same order as :func:`_session_arrays`)."""
+    return data.sessions.socket.to_numpy(np.int64)[~data.sessions.rejected.to_numpy(bool)]
+
+
 def build_lp(data: SplitData) -> dict:
     """Build the oracle's LP for one split (see the module docstring for the formulation).
 
@@ -82,7 +96,10 @@ def build_lp(data: SplitData) -> dict:
     if len(arr) and ((arr < 0).any() or (dep > T).any() or (dep <= arr).any()):
         raise ValueError(f"split '{data.split}': sessions with steps outside [0, {T}] or an empty stay")
     b = data.config.bess
-    return assemble_lp(data.config, data.pv_kw, data.load_kw, data.moer, b.soc_initial * b.capacity_kwh, arr, dep, need)
+    p_max = data.socket_kw[_session_sockets(data)]  # each session's own socket power, kW
+    return assemble_lp(
+        data.config, data.pv_kw, data.load_kw, data.moer, b.soc_initial * b.capacity_kwh, arr, dep, need, p_max=p_max
+    )
 
 
 def assemble_lp(
@@ -101,12 +118,13 @@ def assemble_lp(
     oracle, over a whole split, and by :mod:`pipeline.mpc`, over a receding window).
 
     Args:
-        cfg: the site config (BESS, EV socket power, grid limits, ``dt_h``).
+        cfg: the site config (BESS, EV socket power, grid limits and export credit, ``dt_h``).
         pv_kw, load_kw, moer: the exogenous series over the ``T`` steps, ``(T,)`` each (kW, kW, kg/kWh).
         energy_init_kwh: BESS energy before step 0, kWh.
         arr, dep, need: sessions' first step, end step (exclusive; ``0 <= arr < dep <= T``) and energy to
             deliver, kWh, ``(S,)`` each.
-        p_max: each session's power limit, kW, ``(S,)`` (default ``cfg.ev.socket_kw`` for all).
+        p_max: each session's power limit, kW, ``(S,)``: the power of its socket (default ``cfg.ev.socket_kw``
+            for all, right only for a site with one kind of socket).
         defer_kwh: energy of each session that may be left for after step ``T`` (kWh, ``(S,)``): adds the
             block ``defer`` (``sum_t p*dt + slack + defer = need``, ``0 <= defer <= defer_kwh``) with zero cost;
             None: no such block (the oracle).
@@ -187,9 +205,11 @@ def assemble_lp(
     if defer_kwh is not None:
         hi[off["defer"] : off["defer"] + S] = defer_kwh
 
-    # ---- objective: kg CO2 of import + penalty on unserved EV energy
+    # ---- objective: kg CO2 of import (minus the export credit) + penalty on unserved EV energy
     c = np.zeros(n)
     c[off["g"] : off["g"] + T] = moer * dt
+    if cfg.grid.export_credit == "moer":
+        c[off["x"] : off["x"] + T] = -moer * dt
     c[off["slack"] : off["slack"] + S] = UNSERVED_PENALTY
 
     return {
@@ -221,7 +241,8 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
         as for the other baselines: no wall-clock figure goes into the row, so the same inputs give the same
         bytes; the build and HiGHS seconds are printed instead); and a ``(T,)``-row DataFrame with
         :data:`envs.kpis.TRACE_COLUMNS`: UTC step start ``time``, flows in kW over the step, ``co2_kg``
-        (kg), ``unserved_kwh`` (kWh, a session's undelivered energy on its last step ``departure_step-1``),
+        (kg; import minus credited export with ``grid.export_credit = "moer"``), ``unserved_kwh`` (kWh, a
+        session's undelivered energy on its last step ``departure_step-1``),
         ``soc`` at the END of the step (fraction of capacity) and ``moer_kg_per_kwh``. In steps with
         ``MOER >= 0`` the traces never import while curtailing or exporting (the LP's ties are netted out).
 
@@ -260,7 +281,7 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
         hi_b = lp["bounds"][off[name] : off[name] + size, 1]
         return np.clip(z[off[name] : off[name] + size], lo_b, hi_b)  # drop solver-tolerance excursions
 
-    p = np.clip(z[: lp["n_p"]], 0.0, cfg.ev.socket_kw)
+    p = np.clip(z[: lp["n_p"]], 0.0, lp["bounds"][: lp["n_p"], 1])  # each session's socket power
     ev_kw = np.bincount(lp["p_step"], weights=p, minlength=T)
     slack = block("slack", S)
     unserved = np.bincount(lp["dep"] - 1, weights=slack, minlength=T) if S else np.zeros(T)
@@ -284,7 +305,7 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
             "bess_discharge_kw": block("dis", T),
             "ev_charge_kw": ev_kw,
             "load_kw": data.load_kw,
-            "co2_kg": g * data.moer * dt,
+            "co2_kg": (g - x * (cfg.grid.export_credit == "moer")) * data.moer * dt,
             "unserved_kwh": unserved,
             "soc": energy / max(b.capacity_kwh, 1e-9),
             "moer_kg_per_kwh": data.moer,

@@ -805,6 +805,7 @@ def report_blocks(
     )
     if sizing is not None:
         blocks += [Heading(2, "Sizing results"), sizing_table(sizing)]
+        blocks.append(Paragraph("From `doit run sizing`: its own page, `../sizing/sizing.html` (and `sizing.md`), has the whole grid, the definitions and the figures."))
     blocks.append(Heading(2, "Figures"))
     blocks += list(figures)
     files = {f.file for f in figures}

@@ -256,7 +256,9 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
 
     A site whose config sets ``synthetic_sessions`` gets "(synthetic EV sessions)" in the title and a note
     under it; a ``data_note`` is shown in the site section; a site whose hourly MOER is one constant gets a
-    note that its CO2 follows grid import, to be read beside unserved energy.
+    note that its CO2 follows grid import, to be read beside unserved energy. When a sizing study of the experiment
+    has run (``<experiment>/sizing/sizing.parquet``, ``doit run sizing``), its headline is shown too
+    (:func:`pipeline.sizing.report_summary`).
     """
     from pipeline.report import site_data_sources, write_report
 
@@ -266,8 +268,12 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         "timezone": c.timezone,
         "PV": f"{c.pv.kwp:g} kWp",
         "BESS": f"{c.bess.capacity_kwh:g} kWh / {c.bess.power_kw:g} kW, SOC {c.bess.soc_min:g}..{c.bess.soc_max:g}",
-        "EV sockets": f"{c.ev.n_sockets} x {c.ev.socket_kw:g} kW (deadline floor: {c.ev.deadline_floor})",
+        "EV sockets": " + ".join(
+            f"{g.count} x {g.kw:g} kW" + (f" ({', '.join(g.stations)})" if c.ev.sockets else "") for g in c.ev.groups
+        ) + f" (deadline floor: {c.ev.deadline_floor})",
         "grid": f"import limit {c.grid.import_limit_kw:g} kW, export {'allowed' if c.grid.export_allowed else 'not allowed'}",
+        "CO2 accounting": "grid import x MOER of its hour, minus exported energy x MOER of its hour (avoided emissions)"
+        if c.grid.export_credit == "moer" else "grid import x MOER of its hour; exported energy is not credited",
         "splits": f"train {c.splits.train[0]}..{c.splits.train[1]}, test {c.splits.test[0]}..{c.splits.test[1]}",
         "agents": ", ".join(cfg_dict["algos"]),
     }
@@ -286,6 +292,12 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
             f"**Constant grid factor** ({float(moer.iloc[0]):.4g} kg CO2/kWh): CO2 is proportional to grid import, "
             "so a controller can only cut it by importing less; read it beside the unserved energy."
         )
+    sizing_file = Path(out_dir).parent / "sizing" / "sizing.parquet"  # a sizing study of this experiment, if run
+    sizing = None
+    if sizing_file.is_file():
+        from pipeline.sizing import report_summary
+
+        sizing = report_summary(pd.read_parquet(sizing_file))
     path = write_report(
         [Path(p) for p in kpi_paths],
         {tuple(k.split("|")): Path(v) for k, v in trace_paths.items()},
@@ -295,5 +307,6 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         site_summary=summary,
         notes=notes,
         data_sources=site_data_sources(toml.parent / c.data_dir / "README.md"),
+        sizing=sizing,
     )
     return str(path)

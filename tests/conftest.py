@@ -84,6 +84,8 @@ def _toml_value(v) -> str:
         return f'"{v}"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table, e.g. one of the [[ev.sockets]] groups
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(type(v))
 
 
@@ -98,7 +100,7 @@ def write_site(site: Site, folder):
     lines = [f"{k} = {_toml_value(v)}" for k, v in raw.items() if not isinstance(v, dict)]
     for k, v in raw.items():
         if isinstance(v, dict):
-            lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+            lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items() if vv is not None]
     data = folder / raw["name"]
     data.mkdir(parents=True, exist_ok=True)
     site.hourly.to_parquet(data / "hourly.parquet", index=False)

@@ -1,6 +1,7 @@
 """The Iquitos site: its config and shipped data, the generator behind them, the PV model, the baselines, the report.
 
-The shipped data (``envs/sites/iquitos/``) must be exactly what ``python -m pipeline.synthetic`` writes.
+The shipped data (``envs/sites/iquitos/``) must be exactly what ``python -m pipeline.ingest --site iquitos`` writes
+from the TOML's ``[sources]`` (fleet generator, constant grid factor, clear-sky PV).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import pytest
 from envs.kpis import balance_residual, evaluate_policy
 from envs.schemas import read_table, validate_site_data
 from envs.site import Site, load_config, load_site
-from pipeline import synthetic
+from pipeline import sources, synthetic
 from pipeline.baselines import CONTROLLERS
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "envs" / "sites" / "iquitos"
 TZ = "America/Lima"
-FLEET = {f.kind: f for f in synthetic.FLEETS}
+SRC = sources.load_sources("iquitos")
+FLEETS = SRC.sessions.fleets
+FLEET = {f.kind: f for f in FLEETS}
 CLEAR_SKY_KWH_PER_KWP = 1798.0
 """Clear-sky AC yield of the shipped PV profile, kWh per kWp per year (stated in the README and the TOML)."""
 
@@ -42,14 +45,16 @@ def test_config_states_the_study_sizes():
     cfg, path = load_config("iquitos")
     assert path.name == "iquitos.toml"
     assert cfg.name == "iquitos" and cfg.timezone == TZ
-    assert cfg.ev.n_sockets == 128 == sum(f.n_sockets for f in synthetic.FLEETS)
+    assert cfg.ev.n_sockets == 128 == sum(f.n_sockets for f in FLEETS)
     assert (FLEET["motorbike"].n_sockets, FLEET["moto-taxi"].n_sockets) == (112, 16)
-    assert cfg.ev.socket_kw == synthetic.SOCKET_KW == 3.3
+    assert cfg.ev.socket_kw == 3.3
     assert cfg.pv.kwp == 4050.0
     assert cfg.bess.capacity_kwh == 4520.0
     assert cfg.bess.power_kw == pytest.approx(0.25 * 4520.0)
     assert cfg.synthetic_sessions is True and "synthetic" in cfg.data_note
-    assert tuple(cfg.splits.train) == synthetic.SPLITS["train"] and tuple(cfg.splits.test) == synthetic.SPLITS["test"]
+    assert sources.period(cfg) == ("2023-01-01", "2024-01-01")  # the one generated year, from the splits
+    assert SRC.sessions.format == "fleet" and SRC.carbon.kg_per_kwh == 0.4521 and SRC.weather.format == "clear-sky"
+    assert (cfg.pv.latitude, cfg.pv.longitude, cfg.pv.tilt_deg, cfg.pv.azimuth_deg) == (-3.75, -73.25, 10.0, 0.0)
     caltech = load_config("caltech")[0]
     assert caltech.synthetic_sessions is False and caltech.data_note == ""
 
@@ -79,16 +84,16 @@ def test_splits_map_each_socket_id_to_its_own_socket(site):
 
 
 def test_generator_is_reproducible():
-    a, sa = synthetic.generate_sessions(seed=7, start_local="2023-03-01", end_local="2023-03-15")
-    b, sb = synthetic.generate_sessions(seed=7, start_local="2023-03-01", end_local="2023-03-15")
+    a, sa = synthetic.generate_sessions(FLEETS, 7, "2023-03-01", "2023-03-15", TZ, "IQ")
+    b, sb = synthetic.generate_sessions(FLEETS, 7, "2023-03-01", "2023-03-15", TZ, "IQ")
     pd.testing.assert_frame_equal(a, b)
     assert sa == sb
-    c, _ = synthetic.generate_sessions(seed=8, start_local="2023-03-01", end_local="2023-03-15")
+    c, _ = synthetic.generate_sessions(FLEETS, 8, "2023-03-01", "2023-03-15", TZ, "IQ")
     assert not a[["arrival", "energy_kwh"]].equals(c[["arrival", "energy_kwh"]])
 
 
 def test_shipped_sessions_are_the_generator_output(sessions):
-    regenerated, _ = synthetic.generate_sessions(synthetic.SEED)
+    regenerated, _ = sources.read_sessions(SRC)
     pd.testing.assert_frame_equal(sessions, regenerated)
 
 
@@ -96,7 +101,7 @@ def test_sessions_respect_fleet_parameters(sessions):
     days = 365
     for kind, f in FLEET.items():
         s = sessions[sessions.kind == kind]
-        assert s.station_id.str.startswith(f.prefix + "-").all()
+        assert s.station_id.str.startswith(f.station_prefix + "-").all()
         assert set(s.station_id) == set(f.station_ids())
         # Poisson mean per day, less the few dropped when every socket of the kind is busy (< 3%)
         expected = f.sessions_per_socket_day * f.n_sockets * days
@@ -121,7 +126,7 @@ def test_no_two_sessions_overlap_on_a_socket(sessions):
 
 def test_most_requests_fit_dwell_at_socket_power(sessions):
     dwell_h = (sessions.departure - sessions.arrival).dt.total_seconds() / 3600.0
-    over = sessions.energy_kwh > dwell_h * synthetic.SOCKET_KW
+    over = sessions.energy_kwh > dwell_h * load_config("iquitos")[0].ev.socket_kw
     assert not over[sessions.kind == "motorbike"].any()
     assert over.mean() < 0.02  # 842 moto-taxi sessions of 72,845 (1.2%), stated in the README
 
@@ -143,8 +148,12 @@ def test_pv_zero_at_night_peaks_near_solar_noon(site):
 
 
 def test_pv_is_the_pvlib_clear_sky_model(site):
-    week = synthetic.hourly_index("2023-06-01", "2023-06-08")
-    pv, info = synthetic.clear_sky_pv_kw_per_kwp(week)
+    week = sources.hourly_index("2023-06-01", "2023-06-08", TZ)
+    pv_cfg, w = SRC.config.pv, SRC.weather
+    pv, info = sources.clear_sky_pv_kw_per_kwp(
+        week, pv_cfg.latitude, pv_cfg.longitude, pv_cfg.altitude_m, TZ, SRC.pv, air_temp_c=w.air_temp_c,
+        wind_speed_m_s=w.wind_speed_m_s, albedo=w.albedo, substeps_per_hour=w.substeps_per_hour,
+    )
     stored = site.hourly.set_index("time").loc[week, "pv_kw_per_kwp"].to_numpy()
     np.testing.assert_allclose(pv.to_numpy(np.float32), stored, rtol=0, atol=1e-7)
     lo, hi = info["linke_turbidity_range"]

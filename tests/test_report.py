@@ -352,7 +352,7 @@ def test_site_data_sources_from_the_shipped_readmes(tmp_path: Path):
     assert len(caltech) == 4 and caltech[0].startswith("**EV charging sessions**: ACN-Data")
     assert "https://ev.caltech.edu/dataset" in caltech[0] and not any("sha256" in s for s in caltech)
     iquitos = site_data_sources(PROJECT_ROOT / "envs" / "sites" / "iquitos" / "README.md")
-    assert len(iquitos) == 2 and "pvlib" in iquitos[1] and "\n" not in iquitos[1]
+    assert len(iquitos) == 3 and "pvlib" in iquitos[1] and "\n" not in iquitos[1]
     assert site_data_sources(tmp_path / "missing.md") == []
 
 

@@ -1,0 +1,826 @@
+"""How much PV and battery to build: ``doit run sizing`` runs the controllers over a grid of PV kWp x BESS kWh.
+
+At every point of the grid (PV ``kwp`` x BESS ``bess_kwh``, the BESS power being ``bess_kw = bess_kw_per_kwh *
+bess_kwh``, the C-rate) the site's config is changed in memory (:meth:`envs.site.SiteConfig.replace`, the
+loaded data reused: no TOML is written per point) and the controllers run on both splits: ``uncontrolled``,
+``rule_based`` (:mod:`pipeline.baselines`), ``mpc`` (the causal receding-horizon LP, :mod:`pipeline.mpc`) and
+the perfect-foresight ``oracle`` (:mod:`pipeline.oracle`, the lower bound of CO2); ``mpc_perfect`` on request.
+Each point is one Dask task (:func:`size_point`, given the site TOML's path and three numbers, returning a few
+small dicts); the cluster is :func:`pipeline.graph.get_client`'s: a scheduler address if given, else an embedded
+``LocalCluster`` of ``workers`` processes.
+
+Definitions (per controller ``c``, split ``s`` and point ``(kwp, kwh)``; ``H_s`` = hours of split ``s``):
+
+- ``co2_t_per_year = co2_kg * 8760 / H_s / 1000``: the split's CO2 scaled to a 365-day year (t/yr). A split
+  of some months carries their season: the caltech test split is May-August, sunnier than a year's mean.
+- ``co2_avoided_t_per_year = (CO2[uncontrolled, s, (0, 0)] - CO2[c, s, (kwp, kwh)]) * 8760 / H_s / 1000``:
+  against the site with neither PV nor battery and no control, so for ``mpc`` and ``oracle`` it includes what
+  shifting the EV charging alone avoids (their value at the ``(0, 0)`` point, which costs nothing);
+  ``co2_avoided_pct`` is the same as a share of the reference's CO2.
+- ``capex = capex_per_kwp * kwp + capex_per_kwh * kwh + capex_per_kw * bess_kw`` (currency of ``[sizing]``),
+  which is also the extra capex over the ``(0, 0)`` point.
+- ``annualised_cost = capex_pv * CRF(r, n_pv) + capex_bess * CRF(r, n_bess)`` per year, with the capital
+  recovery factor ``CRF(r, n) = r (1 + r)^n / ((1 + r)^n - 1)`` (``= 1 / n`` when ``r = 0``: plain
+  ``capex / lifetime``), ``r = discount_rate``, ``n_pv = lifetime_years``, ``n_bess = bess_lifetime_years``
+  (default ``lifetime_years``). No operating cost, no replacement, no tariff: CO2 only.
+- ``cost_per_t_avoided = annualised_cost / co2_avoided_t_per_year`` (currency per tonne of CO2); NaN where
+  nothing is avoided (``co2_avoided_t_per_year <= 0``), 0 at a point without capex that avoids CO2.
+- ``pareto``: the point is on the cost-CO2 Pareto front of its controller and split (no other point of the grid
+  has ``annualised_cost`` and ``co2_t_per_year`` both lower or equal and one of them lower).
+- The headline (:func:`headline`): per controller and split, the point with capex that has the lowest
+  ``cost_per_t_avoided``.
+
+The grid and the costs come from the site TOML's ``[sizing]`` table (:func:`parse_sizing`, keys in
+:data:`SIZING_KEYS`); the doit variables ``kwp=0,20,40,80``, ``bess_kwh=0,40,80,160``, ``bess_kw_per_kwh=0.5``
+and ``controllers=rule_based,oracle`` (environment variables ``EVHUB_SIZING_KWP``, ``EVHUB_SIZING_BESS_KWH``,
+``EVHUB_SIZING_BESS_KW_PER_KWH``, ``EVHUB_SIZING_CONTROLLERS``) override its grid, and ``workers=N``
+(``EVHUB_WORKERS``) sizes the LocalCluster. The point ``(0, 0)`` is the reference: a 0 is added to an axis that
+lacks one.
+
+Outputs, in ``<output_dir>/<experiment>/sizing/`` (:func:`outputs`): ``sizing.parquet`` (one row per point x
+controller x split, columns :data:`COLUMNS`), ``co2_saved.png``, ``pareto.png``, ``sizing.md`` and
+``sizing.html`` (self-contained, the figures embedded; rendered from one list of blocks with
+:mod:`pipeline.report`'s renderers). Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from envs.files import write_parquet, write_text
+from envs.site import ConfigError, Site, load_config, load_site
+from pipeline.config import SPLITS, shown_path
+
+HOURS_PER_YEAR = 8760.0
+"""Hours of the year a split's CO2 is scaled to (365 days)."""
+
+KNOWN_CONTROLLERS = ("uncontrolled", "rule_based", "mpc", "mpc_perfect", "oracle")
+"""Controllers a sizing study can run, in report order (``uncontrolled`` always runs: it is the reference)."""
+
+DEFAULT_CONTROLLERS = ("uncontrolled", "rule_based", "mpc", "oracle")
+"""Controllers run when neither ``[sizing] controllers`` nor the doit variable ``controllers`` says otherwise."""
+
+GRID_KEYS = ("kwp", "bess_kwh", "bess_kw_per_kwh", "controllers")
+COST_KEYS = (
+    "capex_per_kwp", "capex_per_kwh", "capex_per_kw", "lifetime_years", "bess_lifetime_years", "discount_rate", "currency",
+)  # fmt: skip
+SIZING_KEYS = GRID_KEYS + COST_KEYS
+"""Keys of the ``[sizing]`` table of a site TOML:
+
+- ``kwp``: PV sizes, kWp (a list of numbers >= 0, or one number);
+- ``bess_kwh``: BESS energy sizes, kWh (likewise);
+- ``bess_kw_per_kwh``: BESS power per kWh of energy (C-rate), kW/kWh, > 0 (default 0.5);
+- ``controllers``: list of :data:`KNOWN_CONTROLLERS` (default :data:`DEFAULT_CONTROLLERS`);
+- ``capex_per_kwp``, ``capex_per_kwh``, ``capex_per_kw``: installed cost per kWp of PV, per kWh and per kW of
+  BESS, >= 0 (currency units; ``capex_per_kw`` defaults to 0);
+- ``lifetime_years`` (> 0) and ``bess_lifetime_years`` (> 0, default ``lifetime_years``);
+- ``discount_rate``: real discount rate per year in [0, 1) (default 0: capex / lifetime);
+- ``currency``: a label (default ``"USD"``).
+
+Without ``capex_per_kwp``, ``capex_per_kwh`` and ``lifetime_years`` the study runs but its cost columns are NaN;
+giving some of them requires all three."""
+
+COLUMNS = (
+    "kwp", "bess_kwh", "bess_kw", "controller", "split", "hours",
+    "co2_kg", "co2_t_per_year", "unserved_kwh", "ev_energy_requested_kwh", "ev_energy_delivered_kwh",
+    "ev_energy_served_pct", "grid_import_kwh", "grid_export_kwh", "pv_generation_kwh", "pv_self_consumption_pct",
+    "peak_import_kw", "capex", "annualised_cost", "co2_avoided_kg", "co2_avoided_t_per_year", "co2_avoided_pct",
+    "cost_per_t_avoided", "currency", "pareto", "wall_s", "task_wall_s",
+)  # fmt: skip
+"""Columns of ``sizing.parquet``: sizes (kWp, kWh, kW; float64), ``controller`` and ``split`` (str), ``hours``
+(the split's length, h), the KPIs of :mod:`envs.kpis` (kg, kWh, %, kW), the yearly and cost columns of the module
+docstring (t/yr, currency, currency/yr, currency/t), ``currency`` (its label, str), ``pareto`` (bool), ``wall_s``
+(seconds of this controller on this split) and ``task_wall_s`` (seconds of the whole point's Dask task)."""
+
+
+# ------------------------------------------------------------------------------------------------ settings
+@dataclass(frozen=True)
+class SizingCosts:
+    """Unit costs of PV and battery and how capex is annualised (module docstring).
+
+    Attributes:
+        capex_per_kwp: installed PV cost per kWp (DC), currency/kWp.
+        capex_per_kwh: installed BESS cost per kWh of energy, currency/kWh.
+        capex_per_kw: installed BESS cost per kW of power, currency/kW.
+        lifetime_years: PV lifetime, years.
+        bess_lifetime_years: BESS lifetime, years.
+        discount_rate: real discount rate per year (0: capex / lifetime).
+        currency: label of the currency.
+    """
+
+    capex_per_kwp: float
+    capex_per_kwh: float
+    capex_per_kw: float
+    lifetime_years: float
+    bess_lifetime_years: float
+    discount_rate: float = 0.0
+    currency: str = "USD"
+
+    @staticmethod
+    def crf(rate: float, years: float) -> float:
+        """Capital recovery factor ``r (1 + r)^n / ((1 + r)^n - 1)``, per year; ``1 / n`` when ``r = 0``."""
+        if rate == 0:
+            return 1.0 / years
+        g = (1.0 + rate) ** years
+        return rate * g / (g - 1.0)
+
+    def capex(self, kwp: float, bess_kwh: float, bess_kw: float) -> float:
+        """Installed cost of ``kwp`` of PV and a ``bess_kwh`` / ``bess_kw`` battery (currency)."""
+        return self.capex_per_kwp * kwp + self.capex_per_kwh * bess_kwh + self.capex_per_kw * bess_kw
+
+    def annualised(self, kwp: float, bess_kwh: float, bess_kw: float) -> float:
+        """Annualised capex (currency per year): each part times its capital recovery factor."""
+        pv = self.capex_per_kwp * kwp * self.crf(self.discount_rate, self.lifetime_years)
+        bess = self.capex_per_kwh * bess_kwh + self.capex_per_kw * bess_kw
+        bess *= self.crf(self.discount_rate, self.bess_lifetime_years)
+        return pv + bess
+
+
+@dataclass(frozen=True)
+class SizingSpec:
+    """What ``doit run sizing`` runs: the grid, the controllers and the costs.
+
+    Attributes:
+        kwp: PV sizes, kWp, sorted, with 0.
+        bess_kwh: BESS energy sizes, kWh, sorted, with 0.
+        bess_kw_per_kwh: BESS power per kWh (C-rate), kW/kWh.
+        controllers: controllers run at every point (``uncontrolled`` first).
+        costs: the unit costs, or ``None`` when ``[sizing]`` gives none.
+        source: the site TOML (for messages).
+        notes: what was changed on the way (a 0 added to an axis).
+    """
+
+    kwp: tuple[float, ...]
+    bess_kwh: tuple[float, ...]
+    bess_kw_per_kwh: float = 0.5
+    controllers: tuple[str, ...] = DEFAULT_CONTROLLERS
+    costs: SizingCosts | None = None
+    source: str = "<sizing>"
+    notes: tuple[str, ...] = ()
+
+    def points(self) -> list[tuple[float, float, float]]:
+        """Every grid point as ``(kwp, bess_kwh, bess_kw)``, PV outer, BESS inner."""
+        return [(p, e, e * self.bess_kw_per_kwh) for p in self.kwp for e in self.bess_kwh]
+
+    def as_dict(self) -> dict:
+        """Plain dict of the settings that decide the results (for doit's ``config_changed``)."""
+        d = asdict(self)
+        d.pop("notes")
+        return d
+
+
+def _did_you_mean(key: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f": did you mean 'sizing.{close[0]}'?" if close else ""
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _sizes(value: Any, where: str, unit: str) -> tuple[float, ...]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if len(values) == 0:
+        raise ConfigError(f"{where} is an empty grid: give at least one size in {unit}, e.g. [0, 20, 40]")
+    out = []
+    for v in values:
+        x = _number(v, where)
+        if x < 0:
+            raise ConfigError(f"{where} must be >= 0 {unit}, got {v!r}")
+        out.append(x)
+    return tuple(sorted(set(out)))
+
+
+def _controllers(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value) or not value:
+        raise ConfigError(f"{where} must be a non-empty list of controller names, got {value!r}")
+    for c in value:
+        if c not in KNOWN_CONTROLLERS:
+            close = difflib.get_close_matches(c, KNOWN_CONTROLLERS, n=1, cutoff=0.6)
+            hint = f": did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"{where}: unknown controller {c!r}{hint} (known: {', '.join(KNOWN_CONTROLLERS)})")
+    return tuple(c for c in KNOWN_CONTROLLERS if c in value or c == "uncontrolled")
+
+
+def parse_sizing(
+    table: Mapping[str, Any], source: str = "<sizing>", overrides: Mapping[str, tuple[Any, str]] | None = None
+) -> SizingSpec:
+    """Check a ``[sizing]`` table (:data:`SIZING_KEYS`) and build the study's :class:`SizingSpec`.
+
+    Args:
+        table: the raw ``[sizing]`` table (``SiteConfig.sizing``).
+        source: the site TOML's path, named in every message.
+        overrides: grid settings from doit or environment variables: ``key -> (value, origin)`` for keys of
+            :data:`GRID_KEYS`, the value already parsed (a list of numbers, a number, a list of names) and
+            ``origin`` naming where it came from (``"doit variable kwp='0,20'"``).
+
+    Returns:
+        the spec; a 0 is added to the ``kwp`` and ``bess_kwh`` axes that lack it (the reference point), with a
+        note in ``notes``.
+
+    Raises:
+        ConfigError: an unknown key (the message names ``source``, ``sizing.<key>`` and the closest known key),
+            a value of the wrong type, a negative size or cost, an empty grid (no ``kwp`` or ``bess_kwh`` given
+            anywhere, or an empty list), ``bess_kw_per_kwh <= 0``, a lifetime <= 0, a discount rate outside
+            [0, 1), an unknown controller, or some but not all of the required cost keys; the message names the
+            TOML and the dotted key, or the doit / environment variable the value came from.
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{source}: '[sizing]' must be a table, got {table!r}")
+    for key in table:
+        if key not in SIZING_KEYS:
+            raise ConfigError(
+                f"{source}: unknown key 'sizing.{key}'{_did_you_mean(key, SIZING_KEYS)} "
+                f"(known in [sizing]: {', '.join(SIZING_KEYS)})"
+            )
+    overrides = dict(overrides or {})
+
+    def where(key: str) -> str:
+        return overrides[key][1] if key in overrides else f"{source}: key 'sizing.{key}'"
+
+    def get(key: str, default: Any = None) -> Any:
+        return overrides[key][0] if key in overrides else table.get(key, default)
+
+    notes = []
+    axes = {}
+    for key, unit in (("kwp", "kWp"), ("bess_kwh", "kWh")):
+        value = get(key)
+        if value is None:
+            raise ConfigError(
+                f"{source}: key 'sizing.{key}' is missing: the sizing grid is empty (give it in [sizing], e.g. "
+                f"{key} = [0, 20, 40], or as the doit variable {key}=0,20,40)"
+            )
+        sizes = _sizes(value, where(key), unit)
+        if 0.0 not in sizes:
+            sizes = (0.0, *sizes)
+            notes.append(f"0 {unit} added to the {key} axis: the point (0 kWp, 0 kWh) is the reference of CO2 avoided")
+        axes[key] = sizes
+    ratio = _number(get("bess_kw_per_kwh", 0.5), where("bess_kw_per_kwh"))
+    if ratio <= 0:
+        raise ConfigError(f"{where('bess_kw_per_kwh')} must be > 0 kW per kWh (the battery's C-rate), got {ratio!r}")
+    controllers = _controllers(get("controllers", list(DEFAULT_CONTROLLERS)), where("controllers"))
+
+    costs = None
+    given = [k for k in COST_KEYS if k in table]
+    if given:
+        required = ("capex_per_kwp", "capex_per_kwh", "lifetime_years")
+        for k in required:
+            if k not in table:
+                need = ", ".join("sizing." + r for r in required)
+                raise ConfigError(f"{source}: key 'sizing.{k}' is missing: unit costs need all of {need}")
+        values = {}
+        for k in ("capex_per_kwp", "capex_per_kwh", "capex_per_kw"):
+            values[k] = _number(table.get(k, 0.0), where(k))
+            if values[k] < 0:
+                raise ConfigError(f"{where(k)} must be >= 0 (a cost), got {table[k]!r}")
+        for k in ("lifetime_years", "bess_lifetime_years"):
+            values[k] = _number(table.get(k, table["lifetime_years"]), where(k))
+            if values[k] <= 0:
+                raise ConfigError(f"{where(k)} must be > 0 years, got {table.get(k)!r}")
+        rate = _number(table.get("discount_rate", 0.0), where("discount_rate"))
+        if not 0.0 <= rate < 1.0:
+            raise ConfigError(f"{where('discount_rate')} must be a yearly rate in [0, 1), got {rate!r}")
+        currency = table.get("currency", "USD")
+        if not isinstance(currency, str) or not currency.strip():
+            raise ConfigError(f"{where('currency')} must be a non-empty string, got {currency!r}")
+        costs = SizingCosts(**values, discount_rate=rate, currency=currency)
+    return SizingSpec(axes["kwp"], axes["bess_kwh"], ratio, controllers, costs, source, tuple(notes))
+
+
+def _parse_variable(name: str, text: str, origin: str) -> Any:
+    """A doit / environment variable's text as the value :func:`parse_sizing` expects (raises ValueError naming it)."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if name == "controllers":
+        return items
+    try:
+        numbers = [float(t) for t in items]
+    except ValueError:
+        raise ConfigError(f"{origin}: {name} must be comma-separated numbers") from None
+    if name == "bess_kw_per_kwh":
+        if len(numbers) != 1:
+            raise ConfigError(f"{origin}: bess_kw_per_kwh must be one number (kW per kWh)")
+        return numbers[0]
+    return numbers
+
+
+def sizing_spec(site: str | Path, variables: Callable[[str], tuple[str, str] | None] | None = None) -> SizingSpec:
+    """The sizing study of a site: its TOML's ``[sizing]`` table with the grid settings of doit / environment
+    variables (``kwp``, ``bess_kwh``, ``bess_kw_per_kwh``, ``controllers``) on top.
+
+    Args:
+        site: a shipped site name or a site TOML path.
+        variables: ``name -> (text, origin) | None`` (default :func:`pipeline.config.variable`: doit's
+            command line, then ``EVHUB_SIZING_*``).
+
+    Raises:
+        FileNotFoundError, ConfigError: see :func:`envs.site.load_config` and :func:`parse_sizing`.
+    """
+    from pipeline.config import variable
+
+    variables = variables or variable
+    cfg, path = load_config(site)
+    overrides = {}
+    for name in GRID_KEYS:
+        if (given := variables(name)) is not None:
+            text, origin = given
+            overrides[name] = (_parse_variable(name, text, origin), origin)
+    return parse_sizing(cfg.sizing, shown_path(path), overrides)
+
+
+def workers_setting(variables: Callable[[str], tuple[str, str] | None] | None = None) -> int | None:
+    """The ``workers`` doit variable (``EVHUB_WORKERS``): the LocalCluster's number of worker processes, or None.
+
+    Raises:
+        ValueError: not a positive integer (names the variable and the value).
+    """
+    from pipeline.config import variable
+
+    given = (variables or variable)("workers")
+    if given is None or not given[0].strip():
+        return None
+    text, origin = given
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"{origin}: workers must be a positive integer (Dask worker processes)") from None
+    if n < 1:
+        raise ValueError(f"{origin}: workers must be a positive integer (Dask worker processes)")
+    return n
+
+
+# ------------------------------------------------------------------------------------------------ one point
+_BASE_SITES: dict[tuple[str, float], Site] = {}
+
+
+def _base_site(site_toml: str) -> Site:
+    """The site as loaded from ``site_toml`` (data not re-validated), cached per worker process and file mtime."""
+    cfg, path = load_config(site_toml)
+    data = path.parent / cfg.data_dir
+    key = (str(path), max(p.stat().st_mtime for p in (path, data / "hourly.parquet", data / "sessions.parquet")))
+    if key not in _BASE_SITES:
+        _BASE_SITES.clear()
+        _BASE_SITES[key] = load_site(path, validate=False)
+    return _BASE_SITES[key]
+
+
+def site_at(site: Site, kwp: float, bess_kwh: float, bess_kw: float) -> Site:
+    """``site`` with ``kwp`` of PV and a ``bess_kwh`` / ``bess_kw`` battery: a new :class:`~envs.site.Site` with the
+    changed config and the same data frames (nothing is copied or written).
+
+    Raises:
+        ConfigError: a negative size (see :func:`envs.site.check_config`).
+    """
+    cfg = site.config.replace(pv={"kwp": float(kwp)}, bess={"capacity_kwh": float(bess_kwh), "power_kw": float(bess_kw)})
+    return Site(cfg, site.hourly, site.sessions, dict(site.source))
+
+
+def run_controller(site: Site, controller: str, split: str) -> pd.DataFrame:
+    """One controller over one split of ``site``: its one-row KPI table (:func:`envs.kpis.kpi_row`).
+
+    Raises:
+        KeyError: unknown controller or split.
+        RuntimeError: an LP not solved, or an energy-balance violation.
+    """
+    if controller == "oracle":
+        from pipeline.oracle import solve_oracle
+
+        return solve_oracle(site, split)[0]
+    if controller in ("mpc", "mpc_perfect"):
+        from pipeline.mpc import run_mpc
+
+        return run_mpc(site, split, controller)[0]
+    from envs.kpis import evaluate_policy
+    from pipeline.baselines import CONTROLLERS
+
+    if controller not in CONTROLLERS:
+        raise KeyError(f"unknown controller {controller!r}: known are {', '.join(KNOWN_CONTROLLERS)}")
+    return evaluate_policy(CONTROLLERS[controller], site, split, controller)[0]
+
+
+KPI_KEYS = (
+    "co2_kg", "unserved_kwh", "ev_energy_requested_kwh", "ev_energy_delivered_kwh", "ev_energy_served_pct",
+    "grid_import_kwh", "grid_export_kwh", "pv_generation_kwh", "pv_self_consumption_pct", "peak_import_kw",
+)  # fmt: skip
+
+
+def size_point(site_toml: str, kwp: float, bess_kwh: float, bess_kw: float, controllers: Sequence[str]) -> list[dict]:
+    """One grid point (a Dask task): every controller on both splits of the site sized ``kwp`` / ``bess_kwh`` /
+    ``bess_kw``.
+
+    Args:
+        site_toml: path of the site config (its data is read once per worker process).
+        kwp: PV size, kWp; bess_kwh: BESS energy, kWh; bess_kw: BESS power, kW.
+        controllers: names from :data:`KNOWN_CONTROLLERS`.
+
+    Returns:
+        one dict per controller x split: ``kwp``, ``bess_kwh``, ``bess_kw``, ``controller``, ``split``, ``hours``
+        (float), the KPIs of :data:`KPI_KEYS`, ``wall_s`` (that run's seconds) and ``task_wall_s`` (the whole
+        point's seconds). The controllers' own progress lines are not printed.
+
+    Raises:
+        KeyError, RuntimeError, ConfigError: see :func:`run_controller` and :func:`site_at`.
+    """
+    t0 = time.perf_counter()
+    site = site_at(_base_site(site_toml), kwp, bess_kwh, bess_kw)
+    rows = []
+    for split in SPLITS:
+        hours = site.split(split).num_steps * site.config.dt_h
+        for controller in controllers:
+            t = time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()):  # the MPC and the oracle print a line per run
+                kpi = run_controller(site, controller, split)
+            row = {"kwp": float(kwp), "bess_kwh": float(bess_kwh), "bess_kw": float(bess_kw), "controller": controller,
+                   "split": split, "hours": float(hours)}  # fmt: skip
+            row.update({k: float(kpi[k].iloc[0]) for k in KPI_KEYS})
+            row["wall_s"] = time.perf_counter() - t
+            rows.append(row)
+    wall = time.perf_counter() - t0
+    for row in rows:
+        row["task_wall_s"] = wall
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ the table
+def pareto_mask(cost: np.ndarray, co2: np.ndarray) -> np.ndarray:
+    """Which points are Pareto-optimal for (cost, CO2), both to be minimised: no other point is lower or equal in
+    both and lower in one. Shapes ``(n,)`` float; returns ``(n,)`` bool (False where either is NaN)."""
+    cost, co2 = np.asarray(cost, np.float64), np.asarray(co2, np.float64)
+    ok = ~(np.isnan(cost) | np.isnan(co2))
+    out = np.zeros(len(cost), bool)
+    for i in np.flatnonzero(ok):
+        le = ok & (cost <= cost[i]) & (co2 <= co2[i])
+        lt = (cost < cost[i]) | (co2 < co2[i])
+        out[i] = not (le & lt).any()
+    return out
+
+
+def build_table(rows: Sequence[Mapping[str, Any]], spec: SizingSpec) -> pd.DataFrame:
+    """The ``sizing.parquet`` table (:data:`COLUMNS`) from the rows of :func:`size_point`: yearly CO2, CO2 avoided
+    against uncontrolled at (0 kWp, 0 kWh) of the same split, costs and the Pareto flag (module docstring).
+
+    Raises:
+        ValueError: no uncontrolled row at (0, 0) for a split (the reference is missing).
+    """
+    df = pd.DataFrame(list(rows))
+    year = HOURS_PER_YEAR / df.hours
+    df["co2_t_per_year"] = df.co2_kg * year / 1000.0
+    ref = df[(df.controller == "uncontrolled") & (df.kwp == 0) & (df.bess_kwh == 0)].set_index("split").co2_kg
+    missing = [s for s in df.split.unique() if s not in ref.index]
+    if missing:
+        raise ValueError(f"no uncontrolled run at 0 kWp / 0 kWh on split(s) {missing}: the reference of CO2 avoided")
+    base = df.split.map(ref)
+    df["co2_avoided_kg"] = base - df.co2_kg
+    df["co2_avoided_t_per_year"] = df.co2_avoided_kg * year / 1000.0
+    df["co2_avoided_pct"] = np.where(base.abs() > 0, 100.0 * df.co2_avoided_kg / base.where(base.abs() > 0, 1.0), math.nan)
+    c = spec.costs
+    if c is None:
+        df["capex"] = math.nan
+        df["annualised_cost"] = math.nan
+    else:
+        df["capex"] = [c.capex(p, e, w) for p, e, w in zip(df.kwp, df.bess_kwh, df.bess_kw)]
+        df["annualised_cost"] = [c.annualised(p, e, w) for p, e, w in zip(df.kwp, df.bess_kwh, df.bess_kw)]
+    df["currency"] = c.currency if c is not None else ""
+    avoided = df.co2_avoided_t_per_year
+    df["cost_per_t_avoided"] = np.where(avoided > 0, df.annualised_cost / avoided.where(avoided > 0, 1.0), math.nan)
+    df["pareto"] = False
+    for _, idx in df.groupby(["controller", "split"]).groups.items():
+        sub = df.loc[idx]
+        df.loc[idx, "pareto"] = pareto_mask(sub.annualised_cost.to_numpy(), sub.co2_t_per_year.to_numpy())
+    df["pareto"] = df.pareto.astype(bool)
+    order = {c: i for i, c in enumerate(KNOWN_CONTROLLERS)}
+    df = df.assign(_s=df.split.map({s: i for i, s in enumerate(SPLITS)}), _c=df.controller.map(order))
+    df = df.sort_values(["_s", "_c", "kwp", "bess_kwh"], kind="mergesort").drop(columns=["_s", "_c"])
+    return df[list(COLUMNS)].reset_index(drop=True)
+
+
+def headline(table: pd.DataFrame) -> pd.DataFrame:
+    """Per split and controller, the point with capex whose cost per tonne of CO2 avoided is lowest.
+
+    Args:
+        table: the ``sizing.parquet`` table (:func:`build_table`).
+
+    Returns:
+        one row per split x controller that has such a point (none without costs), columns ``split``,
+        ``controller``, ``kwp``, ``bess_kwh``, ``bess_kw``, ``cost_per_t_avoided``, ``co2_avoided_t_per_year``,
+        ``co2_avoided_pct``, ``annualised_cost``, ``capex``, ``unserved_kwh``; and ``free_avoided_pct``, what the
+        controller avoids at (0, 0) without any capex (%).
+    """
+    out = []
+    cols = ["split", "controller", "kwp", "bess_kwh", "bess_kw", "cost_per_t_avoided", "co2_avoided_t_per_year",
+            "co2_avoided_pct", "annualised_cost", "capex", "unserved_kwh"]  # fmt: skip
+    for (split, controller), rows in table.groupby(["split", "controller"], sort=False):
+        ok = rows[(rows.capex > 0) & rows.cost_per_t_avoided.notna()]
+        if ok.empty:
+            continue
+        best = ok.loc[ok.cost_per_t_avoided.idxmin(), cols].to_dict()
+        free = rows[(rows.kwp == 0) & (rows.bess_kwh == 0)].co2_avoided_pct
+        best["free_avoided_pct"] = float(free.iloc[0]) if len(free) else math.nan
+        out.append(best)
+    return pd.DataFrame(out, columns=[*cols, "free_avoided_pct"])
+
+
+def report_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """The headline of a sizing study as the main report shows it (``write_report(sizing=...)``): one row per split x
+    controller (:func:`headline`) with readable column names and units, rounded."""
+    head = headline(table)
+    cur = str(table.currency.iloc[0]) if "currency" in table and len(table) and table.currency.iloc[0] else "currency"
+    return pd.DataFrame({
+        "split": head.split,
+        "controller": head.controller,
+        "PV (kWp)": head.kwp,
+        "BESS (kWh)": head.bess_kwh,
+        "BESS (kW)": head.bess_kw,
+        f"cost per t CO2 avoided ({cur}/t)": head.cost_per_t_avoided.round(0),
+        "CO2 avoided (t/yr)": head.co2_avoided_t_per_year.round(2),
+        "CO2 avoided (%)": head.co2_avoided_pct.round(1),
+        "CO2 avoided at 0 kWp / 0 kWh (%)": head.free_avoided_pct.round(1),
+    })  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def _controllers_in(table: pd.DataFrame) -> list[str]:
+    return [c for c in KNOWN_CONTROLLERS if c in set(table.controller)]
+
+
+def _splits_in(table: pd.DataFrame) -> list[str]:
+    return [s for s in SPLITS if s in set(table.split)]
+
+
+def plot_co2_saved(table: pd.DataFrame, path: Path) -> Path:
+    """Heatmaps of CO2 avoided (% of uncontrolled at 0 kWp / 0 kWh), one per controller (rows) and split (columns),
+    PV kWp on x, BESS kWh on y, each cell labelled; one colour scale for all."""
+    from pipeline.report import _atomic_savefig
+
+    controllers, splits = _controllers_in(table), _splits_in(table)
+    kwp, kwh = sorted(table.kwp.unique()), sorted(table.bess_kwh.unique())
+    size = (1.2 + (0.75 * len(kwp) + 1.2) * len(splits), 0.6 + (0.55 * len(kwh) + 0.9) * len(controllers))
+    fig = Figure(figsize=size, layout="constrained")
+    axes = fig.subplots(len(controllers), len(splits), squeeze=False)
+    vals = table.co2_avoided_pct.to_numpy(np.float64)
+    lo = min(0.0, float(np.nanmin(vals))) if np.isfinite(vals).any() else 0.0
+    hi = max(1.0, float(np.nanmax(vals))) if np.isfinite(vals).any() else 100.0
+    image = None
+    for i, c in enumerate(controllers):
+        for j, s in enumerate(splits):
+            ax = axes[i, j]
+            rows = table[(table.controller == c) & (table.split == s)]
+            grid = rows.pivot_table(index="bess_kwh", columns="kwp", values="co2_avoided_pct", aggfunc="first")
+            grid = grid.reindex(index=kwh, columns=kwp)
+            z = grid.to_numpy(np.float64)
+            image = ax.imshow(z, origin="lower", cmap="viridis", vmin=lo, vmax=hi, aspect="auto")
+            for (y, x), v in np.ndenumerate(z):
+                if np.isfinite(v):
+                    dark = v < lo + 0.6 * (hi - lo)
+                    ax.text(x, y, f"{v:.0f}", ha="center", va="center", fontsize=8, color="white" if dark else "black")
+            ax.set_xticks(range(len(kwp)), [f"{v:g}" for v in kwp], fontsize=8)
+            ax.set_yticks(range(len(kwh)), [f"{v:g}" for v in kwh], fontsize=8)
+            ax.set_title(f"{c}, {s} split", fontsize=10)
+            if i == len(controllers) - 1:
+                ax.set_xlabel("PV (kWp)")
+            if j == 0:
+                ax.set_ylabel("BESS (kWh)")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="CO2 avoided vs uncontrolled at 0 kWp / 0 kWh (%)")
+    fig.suptitle("CO2 avoided over the sizing grid")
+    return _atomic_savefig(fig, path)
+
+
+def plot_pareto(table: pd.DataFrame, path: Path, currency: str = "USD") -> Path:
+    """Annualised capex (x, thousand ``currency``/yr) vs CO2 (y, t/yr) of every point, one panel per split, one
+    colour per controller; Pareto-optimal points filled and joined, the others hollow; the Pareto points of the
+    controller with the lowest CO2 labelled ``kWp/kWh``. Without costs, x is PV kWp + BESS kWh instead."""
+    from pipeline.report import _atomic_savefig
+
+    controllers, splits = _controllers_in(table), _splits_in(table)
+    fig = Figure(figsize=(6.2 * len(splits), 5.0), layout="constrained")
+    axes = fig.subplots(1, len(splits), squeeze=False)[0]
+    costs = table.annualised_cost.notna().any()
+    for ax, s in zip(axes, splits):
+        for k, c in enumerate(controllers):
+            rows = table[(table.controller == c) & (table.split == s)]
+            x = rows.annualised_cost / 1000.0 if costs else rows.kwp + rows.bess_kwh
+            color = f"C{k % 10}"
+            ax.scatter(x[~rows.pareto], rows.co2_t_per_year[~rows.pareto], s=22, facecolors="none", edgecolors=color, alpha=0.7)
+            front = rows[rows.pareto].assign(x=x[rows.pareto]).sort_values("x")
+            ax.plot(front.x, front.co2_t_per_year, "-o", color=color, ms=5, lw=1.4, label=f"{c} (Pareto front)")
+            if c == "oracle" or (c == controllers[-1] and "oracle" not in controllers):
+                for _, r in front.iterrows():
+                    ax.annotate(f"{r.kwp:g}/{r.bess_kwh:g}", (r.x, r.co2_t_per_year), textcoords="offset points",
+                                xytext=(4, 4), fontsize=7, color=color)  # fmt: skip
+        ax.set_xlabel(f"annualised capex (thousand {currency}/yr)" if costs else "PV kWp + BESS kWh (no unit costs given)")
+        ax.set_ylabel("grid CO2 (t/yr, split scaled to a year)")
+        ax.set_title(f"{s} split: cost vs CO2 (filled: Pareto-optimal; labels kWp/kWh)", fontsize=10)
+        ax.set_ylim(bottom=min(0.0, float(table.co2_t_per_year.min())))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    return _atomic_savefig(fig, path)
+
+
+# ------------------------------------------------------------------------------------------------ the page
+def _money(v: float, currency: str) -> str:
+    return "–" if v is None or not math.isfinite(v) else f"{v:,.0f} {currency}"
+
+
+def page_blocks(table: pd.DataFrame, spec: SizingSpec, site_name: str, info: Mapping[str, str]) -> list:
+    """The sizing page's content (for sizing.md and sizing.html): headline, definitions, settings, the table and
+    the figures (``co2_saved.png``, ``pareto.png``)."""
+    from pipeline.report import Bullets, FigureRef, Heading, Note, Paragraph
+    from pipeline.report import sizing_table as report_table
+
+    cur = spec.costs.currency if spec.costs else "USD"
+    blocks: list = [Heading(1, f"Sizing study: {site_name}")]
+    if spec.costs is None:
+        blocks.append(Note(
+            "No unit costs in `[sizing]` (`capex_per_kwp`, `capex_per_kwh`, `lifetime_years`): costs and cost per tonne are left out."
+        ))
+    else:
+        blocks.append(Note(
+            f"**Unit costs are assumptions** from the site config (`{spec.source}`, `[sizing]`), not quotes: PV "
+            f"{spec.costs.capex_per_kwp:,.0f} {cur}/kWp, BESS {spec.costs.capex_per_kwh:,.0f} {cur}/kWh + "
+            f"{spec.costs.capex_per_kw:,.0f} {cur}/kW, lifetime {spec.costs.lifetime_years:g} years (BESS "
+            f"{spec.costs.bess_lifetime_years:g}), discount rate {100 * spec.costs.discount_rate:g}%/yr. Results scale with them."
+        ))
+    blocks.append(Heading(2, "Headline"))
+    head = headline(table)
+    if head.empty:
+        blocks.append(Paragraph("No point with capex avoids CO2 at a known cost (no unit costs, or nothing avoided)."))
+    for split in _splits_in(table):
+        rows = head[head.split == split]
+        if rows.empty:
+            continue
+        parts = []
+        for _, r in rows.iterrows():
+            shifts = r.controller != "uncontrolled" and math.isfinite(r.free_avoided_pct)
+            free = f"; {r.free_avoided_pct:.1f}% at no capex" if shifts else ""
+            parts.append(
+                f"**{r.controller}** at {r.kwp:g} kWp + {r.bess_kwh:g} kWh / {r.bess_kw:g} kW: "
+                f"**{_money(r.cost_per_t_avoided, cur)}/t**, {r.co2_avoided_t_per_year:,.2f} t/yr avoided "
+                f"({r.co2_avoided_pct:.1f}%{free})"
+            )
+        blocks.append(Paragraph(f"Cheapest point per tonne of CO2 avoided on the **{split}** split: " + "; ".join(parts) + "."))
+    oracle_note = ""
+    if "oracle" in set(table.controller):
+        oracle_note = " The `oracle` is the perfect-foresight bound, not a controller one can buy."
+    blocks.append(Paragraph(
+        "Cost per tonne = annualised capex / CO2 avoided per year, both against the site with no PV, no battery and "
+        "uncontrolled charging; the headline is over the points with capex (at 0 kWp / 0 kWh a controller that shifts "
+        f"charging avoids CO2 for nothing).{oracle_note}"
+    ))
+    blocks.append(Heading(2, "Definitions"))
+    blocks.append(Bullets((
+        "`co2_t_per_year` = split CO2 (kg) x 8,760 / split hours / 1,000: each split scaled to a 365-day year (a split of a few months keeps their season).",
+        "`co2_avoided_t_per_year` = (CO2 of `uncontrolled` at 0 kWp / 0 kWh - CO2 of the controller at the point) on the same split, scaled likewise; `co2_avoided_pct` relative to that reference.",
+        f"`capex` = capex_per_kwp x kWp + capex_per_kwh x kWh + capex_per_kw x kW ({cur}): the extra capex over the 0 / 0 point.",
+        "`annualised_cost` = PV capex x CRF(r, lifetime_years) + BESS capex x CRF(r, bess_lifetime_years), CRF(r, n) = r(1+r)^n / ((1+r)^n - 1), = 1/n at r = 0 (capex / lifetime). No operating cost, replacement or tariff.",
+        f"`cost_per_t_avoided` = annualised_cost / co2_avoided_t_per_year ({cur}/t); empty where nothing is avoided.",
+        "`pareto`: no other point of the same controller and split has both lower-or-equal annualised cost and CO2, one of them lower.",
+    )))
+    blocks.append(Heading(2, "Settings"))
+    settings = [
+        f"**site**: {site_name} (`{spec.source}`)",
+        f"**PV (kWp)**: {', '.join(f'{v:g}' for v in spec.kwp)}",
+        f"**BESS (kWh)**: {', '.join(f'{v:g}' for v in spec.bess_kwh)}, power {spec.bess_kw_per_kwh:g} kW per kWh",
+        f"**controllers**: {', '.join(spec.controllers)}; splits {', '.join(_splits_in(table))}",
+        *(f"**{k}**: {v}" for k, v in info.items()),
+        *(f"**note**: {n}" for n in spec.notes),
+    ]
+    blocks.append(Bullets(tuple(settings)))
+    blocks.append(Heading(2, "Results"))
+    shown = table.assign(
+        controller=table.controller, pareto=np.where(table.pareto, "yes", ""),
+        co2_t_per_year=table.co2_t_per_year.round(3), co2_avoided_pct=table.co2_avoided_pct.round(1),
+        cost_per_t_avoided=table.cost_per_t_avoided.round(0), annualised_cost=table.annualised_cost.round(0),
+        unserved_kwh=table.unserved_kwh.round(2), ev_energy_served_pct=table.ev_energy_served_pct.round(2),
+        wall_s=table.wall_s.round(1),
+    )
+    columns = {
+        "split": "split", "controller": "controller", "kwp": "PV (kWp)", "bess_kwh": "BESS (kWh)", "bess_kw": "BESS (kW)",
+        "co2_t_per_year": "CO2 (t/yr)", "co2_avoided_pct": "CO2 avoided (%)", "unserved_kwh": "unserved (kWh)",
+        "ev_energy_served_pct": "EV energy served (%)", "annualised_cost": f"annualised capex ({cur}/yr)",
+        "cost_per_t_avoided": f"cost per t avoided ({cur}/t)", "pareto": "Pareto", "wall_s": "wall (s)",
+    }  # fmt: skip
+    blocks.append(report_table(shown[list(columns)].rename(columns=columns)))
+    blocks.append(Paragraph("Every column (grid import, PV generation, EV energy, peak import, wall seconds) is in `sizing.parquet`."))
+    blocks.append(Heading(2, "Figures"))
+    blocks.append(FigureRef("co2_saved.png", "CO2 avoided over the grid", "CO2 avoided (% of uncontrolled at 0 kWp / 0 kWh) per controller and split."))
+    blocks.append(FigureRef("pareto.png", "Cost vs CO2 Pareto front", "Annualised capex vs yearly CO2 per point; filled points joined by lines are Pareto-optimal."))
+    return blocks
+
+
+def write_outputs(
+    table: pd.DataFrame, spec: SizingSpec, out_dir: Path, site_name: str, info: Mapping[str, str] | None = None
+) -> dict[str, Path]:
+    """Write ``sizing.parquet``, the two figures, ``sizing.html`` and ``sizing.md`` (the last, the doit target) into
+    ``out_dir``, atomically; returns their paths by name."""
+    from pipeline.report import render_html, render_markdown
+
+    out_dir = Path(out_dir)
+    paths = {"parquet": write_parquet(table, out_dir / "sizing.parquet")}
+    paths["co2_saved"] = plot_co2_saved(table, out_dir / "co2_saved.png")
+    paths["pareto"] = plot_pareto(table, out_dir / "pareto.png", spec.costs.currency if spec.costs else "USD")
+    blocks = page_blocks(table, spec, site_name, info or {})
+    title = f"Sizing study: {site_name}"
+    paths["html"] = write_text(out_dir / "sizing.html", render_html(blocks, title, out_dir))
+    paths["md"] = write_text(out_dir / "sizing.md", render_markdown(blocks))
+    return paths
+
+
+def outputs(root: Path) -> list[Path]:
+    """The files ``doit run sizing`` writes under the experiment folder ``root`` (its doit targets)."""
+    folder = Path(root) / "sizing"
+    return [folder / f for f in ("sizing.parquet", "co2_saved.png", "pareto.png", "sizing.html", "sizing.md")]
+
+
+# ------------------------------------------------------------------------------------------------ the study
+def run_sizing(
+    site_toml: str | Path,
+    out_dir: str | Path,
+    spec: SizingSpec | None = None,
+    workers: int | None = None,
+    scheduler_address: str | None = None,
+    client=None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Path]:
+    """Run the sizing study: validate the site's data, submit one Dask task per grid point (:func:`size_point`),
+    print a line per finished point, then write the outputs (:func:`write_outputs`).
+
+    Args:
+        site_toml: the site config (shipped name or path).
+        out_dir: the output folder (``<experiment>/sizing``).
+        spec: the study (default :func:`sizing_spec` of the site, with doit / environment variables).
+        workers: worker processes of the embedded LocalCluster (default :func:`pipeline.graph.get_client`'s);
+            ignored with a scheduler.
+        scheduler_address: an existing Dask scheduler; None starts a LocalCluster.
+        client: a Dask client to use instead of either.
+        log: where progress lines go.
+
+    Returns:
+        the written paths by name (``parquet``, ``co2_saved``, ``pareto``, ``html``, ``md``).
+
+    Raises:
+        ConfigError, envs.schemas.DataValidationError: a bad config, ``[sizing]`` table or data (before any task
+            runs; nothing is written). Whatever a point raises (the message names the point); nothing is written.
+    """
+    from distributed import as_completed
+
+    from pipeline.graph import get_client
+
+    t0 = time.perf_counter()
+    cfg, path = load_config(site_toml)
+    spec = spec or sizing_spec(path)
+    load_site(path, validate=True)  # bad data stops the study before any task
+    if scheduler_address and workers and client is None:
+        log(f"sizing: workers={workers} is ignored: the points run on the workers of the scheduler {scheduler_address}")
+    client = client or get_client(scheduler_address, n_workers=workers)
+    n_workers = len(client.scheduler_info().get("workers", {}))
+    points = spec.points()
+    where = f"scheduler {scheduler_address}" if scheduler_address else "LocalCluster"
+    log(f"sizing {cfg.name}: {len(points)} points ({len(spec.kwp)} PV x {len(spec.bess_kwh)} BESS) x "
+        f"{len(spec.controllers)} controllers ({', '.join(spec.controllers)}) x {len(SPLITS)} splits, "
+        f"{n_workers} Dask worker(s) ({where})")  # fmt: skip
+    futures = {
+        client.submit(size_point, str(path), p, e, w, spec.controllers, key=f"sizing-{cfg.name}-{p:g}kWp-{e:g}kWh-{w:g}kW",
+                      retries=1, pure=False): (p, e, w)  # fmt: skip
+        for p, e, w in points
+    }
+    rows: list[dict] = []
+    done = 0
+    for fut in as_completed(futures):
+        p, e, w = futures[fut]
+        try:
+            result = fut.result()
+        except Exception as exc:
+            for other in futures:
+                other.cancel()
+            raise RuntimeError(f"sizing point {p:g} kWp / {e:g} kWh / {w:g} kW failed: {type(exc).__name__}: {exc}") from exc
+        done += 1
+        rows += result
+        co2 = "; ".join(
+            f"{s} " + ", ".join(f"{r['controller']} {r['co2_kg']:,.0f}" for r in result if r["split"] == s) for s in SPLITS
+        )
+        log(f"[{done:>{len(str(len(points)))}}/{len(points)}] {p:g} kWp, {e:g} kWh / {w:g} kW in {result[0]['task_wall_s']:.1f} s "
+            f"({time.perf_counter() - t0:.0f} s elapsed); CO2 kg: {co2}")  # fmt: skip
+    table = build_table(rows, spec)
+    wall = time.perf_counter() - t0
+    info = {"Dask workers": f"{n_workers} ({where})", "wall time": f"{wall:.1f} s for {len(points)} points"}
+    paths = write_outputs(table, spec, Path(out_dir), cfg.name, info)
+    log(f"sizing {cfg.name}: {len(points)} points in {wall:.1f} s wall on {n_workers} worker(s); wrote {paths['html']}")
+    for _, r in headline(table).iterrows():
+        log(f"  cheapest per tonne avoided, {r.split} split, {r.controller}: {r.kwp:g} kWp + {r.bess_kwh:g} kWh / "
+            f"{r.bess_kw:g} kW, {_money(r.cost_per_t_avoided, spec.costs.currency if spec.costs else '')}/t, "
+            f"{r.co2_avoided_t_per_year:,.2f} t/yr avoided ({r.co2_avoided_pct:.1f}%)")  # fmt: skip
+    return paths
