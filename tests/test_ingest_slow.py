@@ -11,20 +11,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import doit, files_under
-from test_sources import _make_raw, write_garage
+from test_sources import template, write_garage  # noqa: F401  (template: the garage's raw files, a fixture)
 
 from envs.site import SITES_DIR
 from pipeline.ingest import ingest
 from pipeline.sources import load_sources
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("garage_raw")
-    _make_raw(folder / "raw")
-    return folder
 
 
 def _sha256(path: Path) -> str:
