@@ -11,7 +11,7 @@ from conftest import make_site, write_site
 from envs.kpis import balance_residual, evaluate_policy
 from envs.site import ConfigError, Site
 from pipeline.baselines import uncontrolled
-from pipeline.mpc import MPCController, run_mpc
+from pipeline.mpc import REGRESSION_WARMUP_DAYS, MPCController, run_mpc
 from pipeline.oracle import solve_oracle
 
 
@@ -107,8 +107,9 @@ def _changed_future(site: Site, split: str, cut: int) -> Site:
 
 @pytest.mark.parametrize("perfect", [False, True], ids=["mpc", "mpc_perfect"])
 def test_never_uses_data_past_its_horizon_or_future_arrivals(perfect):
-    site = make_site(days=4, n_sockets=4)
-    H, last = 12, 40  # actions at steps 0..last are compared
+    site = make_site(days=10, n_sockets=4)
+    H, last = 12, (REGRESSION_WARMUP_DAYS + 1) * 24 + 5  # actions at steps 0..last are compared: the causal MOER
+    # regression is in use from day REGRESSION_WARMUP_DAYS on and refit once more by `last`
     cut = last + H if perfect else last + 1  # the first step whose data the controller may not see by step `last`
     _, _, a = _run(site, "train", perfect, horizon_h=H)
     _, _, b = _run(_changed_future(site, "train", cut), "train", perfect, horizon_h=H)
@@ -116,6 +117,42 @@ def test_never_uses_data_past_its_horizon_or_future_arrivals(perfect):
         np.testing.assert_array_equal(pa.action, pb.action, err_msg=f"step {pa.t}")
     # ... and the change does matter afterwards
     assert any(not np.array_equal(pa.action, pb.action) for pa, pb in zip(a.plans[last + 1 :], b.plans[last + 1 :]))
+
+
+def _ar_moer_site(days: int = 14, seed: int = 3) -> Site:
+    """A site whose MOER is a daily cycle plus AR(1) noise (persistence 0.9 per hour) and whose data forecasts
+    carry the cycle only: what the last hours' MOER says about the next ones is left for the regression."""
+    site = make_site(days=days, n_sockets=4)
+    hourly = site.hourly.copy()
+    hour = hourly.time.dt.tz_convert(site.config.timezone).dt.hour.to_numpy()
+    cycle = 0.25 + 0.1 * np.cos((hour - 19) / 24 * 2 * np.pi)
+    rng = np.random.default_rng(seed)
+    x = np.zeros(len(hourly))
+    for i in range(1, len(x)):
+        x[i] = 0.9 * x[i - 1] + rng.normal(0, 0.03)
+    hourly["moer_kg_per_kwh"] = np.clip(cycle + x, 0.0, None).astype(np.float32)
+    for h in range(3):
+        hourly[f"moer_fc_h{h}"] = np.roll(cycle, -h).astype(np.float32)
+    return Site(site.config, hourly, site.sessions, dict(site.source))
+
+
+def test_moer_regression_is_causal_and_learns_what_the_data_forecasts_miss():
+    site = _ar_moer_site()
+    data = site.split("train")
+    days = range(REGRESSION_WARMUP_DAYS * 24, data.num_steps - 24)
+    mpc = MPCController(data, 24)
+    fc = np.array([mpc.moer_outlook(t, 24) for t in days])
+    profile = np.array([mpc.profile_outlook(t, 24) for t in days])
+    truth = np.array([data.moer[t : t + 24] for t in days])
+    err, err_profile = np.abs(fc - truth).mean(0), np.abs(profile - truth).mean(0)
+    # the last hours' MOER predicts the next few: the regression beats the data's forecasts and the profile there
+    assert (err[:4] < 0.8 * err_profile[:4]).all(), (err[:4], err_profile[:4])
+    # causal: scrambling the MOER and its forecasts from step `cut` on leaves every forecast issued before it unchanged
+    cut = REGRESSION_WARMUP_DAYS * 24 + 30
+    other = MPCController(_changed_future(site, "train", cut).split("train"), 24)
+    for t in range(cut):
+        np.testing.assert_array_equal(mpc.moer_outlook(t, 24), other.moer_outlook(t, 24), err_msg=f"step {t}")
+    assert not np.array_equal(mpc.moer_outlook(cut, 24), other.moer_outlook(cut, 24))
 
 
 def test_stores_pv_surplus_now_rather_than_curtailing():
