@@ -799,7 +799,7 @@ def report_blocks(
             "the unserved energy (kWh still needed at departure) and the share of EV energy served show whether a "
             "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` is the "
             "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound). "
-            "`mpc` re-solves a linear program over the next hours every hour from what is known then (forecasts, plugged EVs); "
+            "`mpc` re-solves a linear program over the next hours every hour from what is known then (MOER forecasts, the plugged EVs, the demand of the same hours of the past week); "
             "`mpc_perfect` is the same controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is worth."
         )
     )

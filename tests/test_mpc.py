@@ -3,6 +3,8 @@ window, causal, consistent with the env's physics, sensible tie-breaks, and thei
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -155,6 +157,40 @@ def test_moer_regression_is_causal_and_learns_what_the_data_forecasts_miss():
     assert not np.array_equal(mpc.moer_outlook(cut, 24), other.moer_outlook(cut, 24))
 
 
+def _by_arrival(sessions) -> dict:
+    """``{(arrival, departure, socket): (energy kWh, weight)}`` summed over the sessions of a window."""
+    arr, end, need, sock, weight = sessions
+    out: dict = {}
+    for key, e, w in zip(zip(arr.tolist(), end.tolist(), np.where(sock >= 0, sock, -1 - sock).tolist()), need, weight):
+        out[key] = [out.get(key, [0.0, 0.0])[0] + e, out.get(key, [0.0, 0.0])[1] + w]
+    return out
+
+
+def test_expected_demand_is_the_past_days_sessions():
+    """On a split whose arrivals repeat every day, the causal controller's expected arrivals are the true ones
+    (weight 1), or that share of them; with weight 0 or 0 days it plans for the plugged EVs only."""
+    data = make_site(days=6, n_sockets=4).split("train")
+    day = 24
+    periodic = dataclasses.replace(
+        data,
+        arrival_need_kwh=np.tile(data.arrival_need_kwh[:day], (data.num_steps // day, 1)),
+        arrival_stay_steps=np.tile(data.arrival_stay_steps[:day], (data.num_steps // day, 1)),
+    )
+    N, t, H = 4, 3 * day + 2, 24
+    plugged = (np.array([0.0, 5.0, 0.0, 2.0]), np.array([0, 3, 0, 30], dtype=np.int64))
+    truth = _by_arrival(MPCController(periodic, H, perfect=True).sessions(t, H, *plugged))
+    for weight in (1.0, 0.5):
+        mpc = MPCController(periodic, H, expected_demand_days=3, expected_demand_weight=weight)
+        got = _by_arrival(mpc.sessions(t, H, *plugged))
+        assert got.keys() == truth.keys()
+        for key, (e, w) in truth.items():
+            share = 1.0 if key[0] == 0 else weight  # the plugged EVs are real
+            assert got[key][0] == pytest.approx(share * e) and got[key][1] == pytest.approx(share * w), key
+    for days, weight in ((0, 1.0), (3, 0.0)):
+        arr, *_ = MPCController(periodic, H, expected_demand_days=days, expected_demand_weight=weight).sessions(t, H, *plugged)
+        assert (arr == 0).all() and len(arr) == 2
+
+
 def test_stores_pv_surplus_now_rather_than_curtailing():
     """No EV plugged, a PV surplus, an empty battery: the first step charges at the most it can (tie-breaks)."""
     site = make_site(days=3, n_sockets=4)
@@ -181,6 +217,10 @@ def test_run_mpc_row_and_site_options(tiny, capsys):
         run_mpc(tiny, "test", "mpc_oracle")
     with pytest.raises(ConfigError, match="mpc.horizon_h"):
         tiny.config.replace(mpc={"horizon_h": 0})
+    with pytest.raises(ConfigError, match="mpc.expected_demand_weight"):
+        tiny.config.replace(mpc={"expected_demand_weight": 1.5})
+    with pytest.raises(ConfigError, match="mpc.expected_demand_days"):
+        tiny.config.replace(mpc={"expected_demand_days": -1})
 
 
 def test_pipeline_outputs_follow_the_site_option(tmp_path):
