@@ -30,10 +30,10 @@ shared earliest-deadline-first. EV actions are clipped to [0, 1] (negative means
 (:func:`discrete_action_table`), for value-based agents such as DQN.
 
 Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per kWp now and 3 steps
-ahead (4), MOER of the last step and its forecasts for this and the next two steps (4), SOC (1),
-aggregates (occupied fraction, energy needed, floor and cap power; 4), outlook (PV energy of the next
-24 h per kWp, and the EV energy requested per day over the past 7 days; 2), then per socket (occupied,
-energy needed, steps to departure; 3 * n_sockets). Energy needed is scaled per socket by its own power,
+ahead (4), MOER of the last step (at the split's first step: the data's forecast for it) and its forecasts for
+this and the next two steps (4), SOC (1), aggregates (occupied fraction, energy needed, floor and cap power;
+4), outlook (PV energy of the next 24 h per kWp, and the EV energy requested per day over the past 7 days; 2),
+then per socket (occupied, energy needed, steps to departure; 3 * n_sockets). Energy needed is scaled per socket by its own power,
 ``e_i / (8 h * Pmax_i)`` (hours of full-power charging left / 8: the same range for a 3.3 kW and a 50 kW
 socket); the floor and cap aggregates by the site's total socket power ``sum_i Pmax_i``, the demand outlook
 by ``24 h * sum_i Pmax_i / 8`` (with one kind of socket, ``sum_i Pmax_i = n_sockets * socket_kw`` exactly).
@@ -250,7 +250,9 @@ class EVHubVectorEnv(VectorEnv):
         self._pv_kw = t(pv)
         self._load_kw = t(np.concatenate([d.load_kw, np.repeat(d.load_kw[-1:], pad)]))
         self._moer = t(d.moer)
-        moer_prev = np.concatenate([d.moer[:1], d.moer[:-1]])
+        # the last hour's realised MOER; at the split's first step, the data's forecast for that step (its own
+        # realised MOER is not known yet)
+        moer_prev = np.concatenate([d.moer_fc[:1, 0], d.moer[:-1]])
         exo = np.concatenate(
             [
                 d.time_features,

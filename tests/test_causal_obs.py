@@ -78,6 +78,17 @@ def test_future_changes_no_observation_up_to_then(action_mode):
     assert not torch.equal(a[CUT + 1 :], b[CUT + 1 :]), "the perturbation must reach the observation afterwards"
 
 
+def test_the_first_step_sees_no_realised_moer_of_its_own():
+    """At a split's first step the last hour's MOER is not in the split: the observation reads the data's forecast
+    for that step, not the MOER realised during it."""
+    site = make_site(days=3)
+    kw = dict(num_envs=1, full_split=True, action_mode="hub", bess_action="surplus")
+    a = _observations(site, "test", 2, **kw)
+    b = _observations(_perturbed(site, "test", 0), "test", 2, **kw)
+    torch.testing.assert_close(a[:1], b[:1], rtol=0, atol=0)
+    assert not torch.equal(a[1:], b[1:])
+
+
 def test_training_windows_with_session_thinning_are_causal():
     """Training windows (random session thinning, pinned starts) see no more of the future than evaluation."""
     site = make_site(days=10, episode={"train_steps": CUT + 24, "session_keep_min": 0.5})
