@@ -33,9 +33,9 @@ Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per 
 ahead (4), MOER of the last step (at the split's first step: the data's forecast for it) and its forecasts for
 this and the next two steps (4), SOC (1), aggregates (occupied fraction, energy needed, floor and cap power;
 4), outlook (PV energy of the next 24 h per kWp, and the EV energy requested per day over the past 7 days; 2),
-then per socket (occupied, energy needed, steps to departure; 3 * n_sockets). Energy needed is scaled per socket by its own power,
-``e_i / (8 h * Pmax_i)`` (hours of full-power charging left / 8: the same range for a 3.3 kW and a 50 kW
-socket); the floor and cap aggregates by the site's total socket power ``sum_i Pmax_i``, the demand outlook
+then per socket (occupied, energy needed, steps to departure; 3 * n_sockets). Energy needed is scaled per
+socket by its own power, ``e_i / (8 h * Pmax_i)`` (hours of full-power charging left / 8: the same range for a
+3.3 kW and a 50 kW socket); the floor and cap aggregates by the site's total socket power ``sum_i Pmax_i``, the demand outlook
 by ``24 h * sum_i Pmax_i / 8`` (with one kind of socket, ``sum_i Pmax_i = n_sockets * socket_kw`` exactly).
 The PV look-ahead reads the modelled PV series itself (a perfect forecast, as the PV comes from a
 typical year); the demand feature is causal (sessions that already arrived; since the split start when

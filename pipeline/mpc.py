@@ -249,6 +249,7 @@ class MPCController:
         self._highs.setOptionValue("threads", 1)
         cfg = self.data.config
         self.H = max(1, int(round(self.horizon_h / cfg.dt_h)))
+        self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
         self._regression = None if self.perfect else MOERRegression(self.data, self.H)
         if self.expected_demand_days is None:
             self.expected_demand_days = cfg.mpc.expected_demand_days
@@ -282,8 +283,7 @@ class MPCController:
 
     def _same_hour_mean(self, t: int, k: np.ndarray) -> np.ndarray:
         """:func:`same_hour_mean` at steps ``t + k`` (NaN where no past day lies in the split)."""
-        day = max(1, int(round(DAY / self.data.config.dt_h)))
-        return same_hour_mean(self.data.moer, np.array([t]), k, day)[0]
+        return same_hour_mean(self.data.moer, np.array([t]), k, self._day)[0]
 
     def sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray):
         """The window's sessions: the plugged EVs (one per socket) and those expected to arrive in ``(t, t+H)``.
@@ -300,16 +300,13 @@ class MPCController:
         """
         d = self.data
         plugged = np.flatnonzero((steps_left > 0) & (need > 1e-9))
-        arr, end, e, sock = [np.zeros(len(plugged), np.int64)], [steps_left[plugged].astype(np.int64)], [need[plugged]], [plugged]
-        w = [np.ones(len(plugged))]
-        if self.perfect and H > 1:
+        arr, end = [np.zeros(len(plugged), np.int64)], [steps_left[plugged].astype(np.int64)]
+        e, sock, w = [need[plugged]], [plugged], [np.ones(len(plugged))]
+        if self.perfect:
             sources = [(t, 1.0)]
-        elif not self.perfect and self.expected_demand_days > 0 and self.expected_demand_weight > 0:
-            day = max(1, int(round(DAY / d.config.dt_h)))
-            days = self.expected_demand_days
-            sources = [(t - j * day, self.expected_demand_weight / days) for j in range(1, days + 1)]
-        else:
-            sources = []
+        else:  # no days (or no weight): the plugged EVs only
+            days, weight = self.expected_demand_days, self.expected_demand_weight
+            sources = [(t - j * self._day, weight / days) for j in range(1, days + 1) if weight > 0]
         for shift, weight in sources:  # arrivals at steps shift + k, k in 1..H-1, that are known at t
             s = np.arange(max(shift + 1, 0), min(shift + H, t + 1 if shift < t else d.num_steps))
             r, i = np.nonzero(d.arrival_stay_steps[s] > 0)

@@ -176,7 +176,7 @@ def test_expected_demand_is_the_past_days_sessions():
         arrival_need_kwh=np.tile(data.arrival_need_kwh[:day], (data.num_steps // day, 1)),
         arrival_stay_steps=np.tile(data.arrival_stay_steps[:day], (data.num_steps // day, 1)),
     )
-    N, t, H = 4, 3 * day + 2, 24
+    t, H = 3 * day + 2, 24
     plugged = (np.array([0.0, 5.0, 0.0, 2.0]), np.array([0, 3, 0, 30], dtype=np.int64))
     truth = _by_arrival(MPCController(periodic, H, perfect=True).sessions(t, H, *plugged))
     for weight in (1.0, 0.5):
