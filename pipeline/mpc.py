@@ -305,17 +305,17 @@ class MPCController:
         if self.perfect:
             sources = [(t, 1.0)]
         else:  # no days (or no weight): the plugged EVs only
-            days, weight = self.expected_demand_days, self.expected_demand_weight
-            sources = [(t - j * self._day, weight / days) for j in range(1, days + 1) if weight > 0]
-        for shift, weight in sources:  # arrivals at steps shift + k, k in 1..H-1, that are known at t
+            days, total = self.expected_demand_days, self.expected_demand_weight
+            sources = [(t - j * self._day, total / days) for j in range(1, days + 1) if total > 0]
+        for shift, share in sources:  # arrivals at steps shift + k, k in 1..H-1, that are known at t
             s = np.arange(max(shift + 1, 0), min(shift + H, t + 1 if shift < t else d.num_steps))
             r, i = np.nonzero(d.arrival_stay_steps[s] > 0)
             k = s[r] - shift
             arr.append(k)
             end.append(k + d.arrival_stay_steps[s[r], i])
-            e.append(d.arrival_need_kwh[s[r], i] * weight)
+            e.append(d.arrival_need_kwh[s[r], i] * share)
             sock.append(-1 - i.astype(np.int64))
-            w.append(np.full(len(k), weight))
+            w.append(np.full(len(k), share))
         cat = np.concatenate
         return cat(arr), cat(end), cat(e).astype(np.float64), cat(sock), cat(w)
 

@@ -162,7 +162,8 @@ def _by_arrival(sessions) -> dict:
     arr, end, need, sock, weight = sessions
     out: dict = {}
     for key, e, w in zip(zip(arr.tolist(), end.tolist(), np.where(sock >= 0, sock, -1 - sock).tolist()), need, weight):
-        out[key] = [out.get(key, [0.0, 0.0])[0] + e, out.get(key, [0.0, 0.0])[1] + w]
+        e0, w0 = out.get(key, (0.0, 0.0))
+        out[key] = (e0 + e, w0 + w)
     return out
 
 
