@@ -1,11 +1,11 @@
 """The study as doit tasks: ``doit run pipeline`` runs it end to end; ``doit list`` explains each task.
 
 doit decides what is out of date (file dependencies, targets, the study's settings); each task then
-computes its stage of the Dask graph of ``pipeline.graph``, which fans the work out over the cluster.
+computes its stage of the Dask graph of ``pipeline.study.graph``, which fans the work out over the cluster.
 
 doit's state (what is up to date) is kept per experiment, in ``<output_dir>/<experiment>/.doit.sqlite3``, and
 a command that runs tasks holds ``<output_dir>/<experiment>/.doit.lock`` until it exits, so different
-experiments run side by side and a second run of one experiment stops at once (see ``pipeline.runstate``).
+experiments run side by side and a second run of one experiment stops at once (see ``pipeline.study.runstate``).
 
 Settings, as doit variables after the command or as environment variables::
 
@@ -17,11 +17,11 @@ Settings, as doit variables after the command or as environment variables::
     doit run pipeline algo_args="--compile --cudagraphs"   # EVHUB_ALGO_ARGS (extra flags of every agent script)
 
 ``doit run ingest`` (the first task of ``pipeline``) builds the site's processed data from the raw sources its
-TOML names in ``[sources]`` (``pipeline.ingest``); a shipped site whose raw files are not here uses its shipped
+TOML names in ``[sources]`` (``pipeline.data.ingest``); a shipped site whose raw files are not here uses its shipped
 processed data as they are.
 
 ``doit run sizing`` (not part of ``pipeline``) runs the controllers over a grid of PV kWp x BESS kWh into
-``outputs/<experiment>/sizing/`` (``pipeline.sizing``); its grid and unit costs are the site TOML's ``[sizing]``::
+``outputs/<experiment>/sizing/`` (``pipeline.study.sizing``); its grid and unit costs are the site TOML's ``[sizing]``::
 
     doit run sizing kwp=0,20,40,80 bess_kwh=0,40,80,160   # EVHUB_SIZING_KWP, EVHUB_SIZING_BESS_KWH
     doit run sizing bess_kw_per_kwh=0.5                   # EVHUB_SIZING_BESS_KW_PER_KWH (BESS kW per kWh)
@@ -41,9 +41,10 @@ from pathlib import Path
 
 from doit.exceptions import InvalidDodoFile
 
-from pipeline.config import PROJECT_ROOT, from_environment
-from pipeline.graph import outputs, run
-from pipeline.runstate import DamagedState, ExperimentBusy, current_doit_command, doit_config
+from pipeline.study.config import PROJECT_ROOT, from_environment
+from pipeline.study import depends
+from pipeline.study.graph import outputs, run
+from pipeline.study.runstate import DamagedState, ExperimentBusy, current_doit_command, doit_config
 
 CFG = from_environment()
 OUT = outputs(CFG)
@@ -76,11 +77,7 @@ def _site_files() -> list[str]:
     return [str(path), str(data / "hourly.parquet"), str(data / "sessions.parquet")]
 
 
-def _code(*names: str) -> list[str]:
-    return [str(PROJECT_ROOT / n) for n in names]
-
-
-ENV_CODE = _code("envs/site.py", "envs/evhub.py", "envs/kpis.py", "envs/rng.py", "envs/vector.py")
+CONTROLLER_CODE = depends.as_strings(depends.controllers())
 SETTINGS = CFG.as_dict()
 
 
@@ -96,7 +93,7 @@ def _targets(stage: str) -> list[str]:
 
 
 def task_ingest():
-    """Build the site's processed data from the raw sources its TOML names in [sources] (pipeline.ingest).
+    """Build the site's processed data from the raw sources its TOML names in [sources] (pipeline.data.ingest).
 
     Re-runs when a raw file (globs expanded), the ingestion code or what it reads of the TOML (name, timezone,
     splits, [pv], [sources]) changes, or a processed file is missing. Without the raw files of a shipped site
@@ -107,7 +104,7 @@ def task_ingest():
     from doit.exceptions import TaskFailed
     from doit.tools import config_changed
 
-    from pipeline.ingest import ingest, task_plan
+    from pipeline.data.ingest import ingest, task_plan
 
     plan = task_plan(SITE_TOML)
     if plan["state"] in ("none", "shipped"):
@@ -132,7 +129,7 @@ def task_validate():
     return {
         "actions": [_stage("validate")],
         "task_dep": ["ingest"],
-        "file_dep": _site_files() + _code("envs/schemas.py", "envs/site.py", "pipeline/tasks.py"),
+        "file_dep": _site_files() + depends.as_strings(depends.files(*depends.ENV, "pipeline/study/tasks.py")),
         "targets": _targets("validate"),
         "uptodate": [_config_changed()],
         "clean": True,
@@ -144,8 +141,7 @@ def task_baselines():
     perfect-foresight oracle on each split."""
     return {
         "actions": [_stage("baselines")],
-        "file_dep": _targets("validate") + _site_files() + ENV_CODE
-        + _code("pipeline/baselines.py", "pipeline/oracle.py", "pipeline/mpc.py"),
+        "file_dep": _targets("validate") + _site_files() + CONTROLLER_CODE,
         "targets": _targets("baselines"),
         "uptodate": [_config_changed()],
         "clean": True,
@@ -160,7 +156,7 @@ def task_train():
             "name": algo,
             "doc": f"train {algo} (algos/{algo}.py) for seeds {list(CFG.seeds)}",
             "actions": [_stage("train", cfg)],
-            "file_dep": _targets("validate") + _site_files() + ENV_CODE + _code(f"algos/{algo}.py", "algos/harness.py"),
+            "file_dep": _targets("validate") + _site_files() + depends.as_strings(depends.training(algo)),
             "targets": [str(p) for p in outputs(cfg)["train"]],
             "uptodate": [_config_changed()],
             "clean": True,
@@ -171,7 +167,7 @@ def task_evaluate():
     """Evaluate every trained policy deterministically over the train and the test split."""
     return {
         "actions": [_stage("evaluate")],
-        "file_dep": _targets("train") + _site_files() + ENV_CODE,
+        "file_dep": _targets("train") + _site_files() + depends.as_strings(depends.files(*depends.ENV)),
         "targets": _targets("evaluate"),
         "clean": True,
     }
@@ -181,7 +177,7 @@ def task_report():
     """Write the CO2 comparison report: report.md, co2_comparison.parquet and figures."""
     return {
         "actions": [_stage("report")],
-        "file_dep": _targets("baselines") + _targets("evaluate") + _code("pipeline/report.py", "pipeline/tasks.py"),
+        "file_dep": _targets("baselines") + _targets("evaluate") + depends.as_strings(depends.files(*depends.REPORT)),
         "targets": _targets("report"),
         "uptodate": [_sizing_results_changed()],  # the report shows a sizing study's headline once one has run
         "clean": True,
@@ -211,7 +207,7 @@ def task_sizing():
     """Size PV and battery: controllers on both splits over a PV kWp x BESS kWh grid, cost per t CO2 avoided (not in pipeline).
 
     ``doit run sizing`` runs ``uncontrolled``, ``rule_based``, ``mpc`` and the ``oracle`` on both splits at every
-    point of the grid, one Dask task per point (``pipeline.sizing``), and writes ``<experiment>/sizing/``:
+    point of the grid, one Dask task per point (``pipeline.study.sizing``), and writes ``<experiment>/sizing/``:
     ``sizing.parquet``, ``co2_saved.png``, ``pareto.png``, ``sizing.md`` and ``sizing.html`` (cost per tonne of CO2
     avoided, the cost-CO2 Pareto front). Grid and unit costs come from the site TOML's ``[sizing]`` table; the doit
     variables ``kwp=0,20,40,80 bess_kwh=0,40,80,160 bess_kw_per_kwh=0.5 controllers=...`` override the grid and
@@ -221,8 +217,8 @@ def task_sizing():
     from doit.exceptions import TaskFailed
     from doit.tools import config_changed
 
-    from pipeline.sizing import outputs as sizing_outputs
-    from pipeline.sizing import run_sizing, sizing_spec, workers_setting
+    from pipeline.study.sizing import outputs as sizing_outputs
+    from pipeline.study.sizing import run_sizing, sizing_spec, workers_setting
 
     try:
         spec, workers = sizing_spec(SITE_TOML), workers_setting()
@@ -238,8 +234,8 @@ def task_sizing():
 
     return {
         "actions": [action],
-        "file_dep": _site_files() + ENV_CODE
-        + _code("pipeline/sizing.py", "pipeline/baselines.py", "pipeline/oracle.py", "pipeline/mpc.py", "pipeline/report.py"),
+        "file_dep": _site_files() + CONTROLLER_CODE
+        + depends.as_strings(depends.files("pipeline/study/sizing.py", "pipeline/study/document.py")),
         "targets": targets,
         "uptodate": [config_changed(spec.as_dict())],
         "clean": True,

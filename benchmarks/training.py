@@ -92,8 +92,8 @@ def reference_co2(site: str = "caltech", split: str = "test") -> dict[str, float
     """
     from envs import load_site
     from envs.kpis import evaluate_policy
-    from pipeline.baselines import uncontrolled
-    from pipeline.oracle import solve_oracle
+    from pipeline.control.baselines import uncontrolled
+    from pipeline.control.oracle import solve_oracle
 
     s = load_site(site)
     unc, _ = evaluate_policy(uncontrolled, s, split, "uncontrolled")

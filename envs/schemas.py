@@ -1,6 +1,6 @@
 """Pandera schemas of a site's processed data, their validation, and the table reader.
 
-A site's processed data are two tables (written by ``python -m pipeline.ingest``; columns, units and
+A site's processed data are two tables (written by ``python -m pipeline.data.ingest``; columns, units and
 provenance in ``envs/sites/<site>/README.md``):
 
 ``hourly`` (:data:`HOURLY_SCHEMA`), one row per UTC hour, strictly hourly without gaps:

@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class PVConfig:
     """The PV array. The env uses only ``kwp``; the other keys describe the array for ingestion
-    (``pipeline.sources``), which models its output per kWp with pvlib's PVWatts chain."""
+    (``pipeline.data.sources``), which models its output per kWp with pvlib's PVWatts chain."""
 
     kwp: float = 20.0
     """DC nameplate of the PV array, kWp."""
@@ -197,14 +197,14 @@ class RewardConfig:
 @dataclass(frozen=True)
 class MPCConfig:
     enabled: bool = True
-    """Run the model-predictive controllers (``mpc`` and ``mpc_perfect``, ``pipeline/mpc.py``) in the pipeline."""
+    """Run the model-predictive controllers (``mpc`` and ``mpc_perfect``, ``pipeline/control/mpc.py``) in the pipeline."""
     horizon_h: int = 24
     """Look-ahead of each MPC solve, hours (clipped at the split's end)."""
     expected_demand_days: int = 7
     """``mpc``'s demand forecast: the sessions that arrived at the same hours of the last this many days (0: plan
     for the plugged EVs only)."""
     expected_demand_weight: float = 0.75
-    """Share of that mean demand the plan counts on, in [0, 1] (``pipeline.mpc``: the expected-value plan
+    """Share of that mean demand the plan counts on, in [0, 1] (``pipeline.control.mpc``: the expected-value plan
     overrates how much PV uncertain cars will absorb; 0.75 is the best of 0.25/0.5/0.75/1 on caltech's train
     split)."""
 
@@ -231,10 +231,24 @@ class SiteConfig:
     mpc: MPCConfig = field(default_factory=MPCConfig)
     sources: dict[str, Any] = field(default_factory=dict)
     """The ``[sources]`` table as written (raw files the processed data are ingested from); read and checked by
-    ``pipeline.sources``, not by the env."""
+    ``pipeline.data.sources``, not by the env."""
     sizing: dict[str, Any] = field(default_factory=dict)
     """The ``[sizing]`` table as written (grid and unit costs of ``doit run sizing``); read and checked by
-    ``pipeline.sizing``, not by the env."""
+    ``pipeline.study.sizing``, not by the env."""
+
+    def split_bounds(self, split: str) -> tuple[pd.Timestamp, pd.Timestamp]:
+        """UTC ``[start, end)`` of a split: local midnight of its first date to local midnight after its last, in
+        ``timezone``.
+
+        Raises:
+            KeyError: unknown split name.
+        """
+        if split not in ("train", "test"):
+            raise KeyError(f"unknown split {split!r}: expected 'train' or 'test'")
+        first, last = getattr(self.splits, split)
+        start = pd.Timestamp(first).tz_localize(self.timezone).tz_convert("UTC")
+        end = (pd.Timestamp(last) + pd.Timedelta(days=1)).tz_localize(self.timezone).tz_convert("UTC")
+        return start, end
 
     def replace(self, **sections: dict[str, Any] | Any) -> "SiteConfig":
         """Return a copy with some values changed, e.g. ``cfg.replace(pv={"kwp": 0.0}, dt_h=1.0)``.
@@ -381,7 +395,7 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
 
 
 _RAW_TABLES = ("sources", "sizing")
-"""Tables kept as written: the pipeline reads them (``pipeline.sources``, ``pipeline.sizing``)."""
+"""Tables kept as written: the pipeline reads them (``pipeline.data.sources``, ``pipeline.study.sizing``)."""
 
 _SECTIONS = {
     "pv": PVConfig,
@@ -652,20 +666,6 @@ class Site:
             out[st] = k
         return out
 
-    def split_bounds(self, split: str) -> tuple[pd.Timestamp, pd.Timestamp]:
-        """UTC ``[start, end)`` of a split: local midnight of its first date to local midnight after its last.
-
-        Raises:
-            KeyError: unknown split name.
-        """
-        if split not in ("train", "test"):
-            raise KeyError(f"unknown split {split!r}: expected 'train' or 'test'")
-        first, last = getattr(self.config.splits, split)
-        tz = self.config.timezone
-        start = pd.Timestamp(first).tz_localize(tz).tz_convert("UTC")
-        end = (pd.Timestamp(last) + pd.Timedelta(days=1)).tz_localize(tz).tz_convert("UTC")
-        return start, end
-
     def split(self, split: str) -> SplitData:
         """Cut and discretise one split (cached).
 
@@ -681,7 +681,7 @@ class Site:
 
     def _make_split(self, split: str) -> SplitData:
         cfg = self.config
-        start, end = self.split_bounds(split)
+        start, end = cfg.split_bounds(split)
         expected = pd.date_range(start, end, freq="h", inclusive="left")
         hourly = self.hourly.set_index("time")
         hourly = hourly[(hourly.index >= start) & (hourly.index < end)]
@@ -826,7 +826,7 @@ def load_site(site: str | Path | Site, validate: bool = True) -> Site:
         if not f.is_file():
             others = sorted(p.name for p in data_dir.glob(f"{f.stem}.*")) if data_dir.is_dir() else []
             found = f" (found {', '.join(others)}: the data must be Parquet)" if others else ""
-            raise FileNotFoundError(f"{path}: data file {f} is missing{found} (run `python -m pipeline.ingest`)")
+            raise FileNotFoundError(f"{path}: data file {f} is missing{found} (run `python -m pipeline.data.ingest`)")
     hourly = read_table(files["hourly"])
     sessions = read_table(files["sessions"])
     source = {"config": str(path), **{k: str(v) for k, v in files.items()}}

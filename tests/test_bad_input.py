@@ -183,7 +183,7 @@ def test_bad_input_stops_before_training_and_output(tmp_path, kind):
 def test_algos_from_the_environment_and_a_typo_in_a_doit_variable(monkeypatch):
     from doit import doit_cmd
 
-    from pipeline.config import from_environment
+    from pipeline.study.config import from_environment
 
     monkeypatch.setenv("EVHUB_ALGOS", "ppo,sacc")
     with pytest.raises(ValueError, match=r"environment variable EVHUB_ALGOS='ppo,sacc'.*'sacc': did you mean 'sac'"):
@@ -199,7 +199,7 @@ def test_algos_from_the_environment_and_a_typo_in_a_doit_variable(monkeypatch):
 
 def test_reversed_split_dates_and_a_split_without_sessions(tmp_path):
     from envs.site import ConfigError, load_config
-    from pipeline.tasks import validate_input
+    from pipeline.study.tasks import validate_input
 
     toml = write_site(make_site(days=7), tmp_path)
     text = toml.read_text()

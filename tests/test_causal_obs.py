@@ -25,7 +25,7 @@ def _perturbed(site: Site, split: str, cut: int, seed: int = 1) -> Site:
     the forecast rows issued after it (the row issued at ``cut`` is known at ``cut``), sessions arriving after
     ``cut`` dropped, and new sessions arriving after it."""
     rng = np.random.default_rng(seed)
-    start, _ = site.split_bounds(split)
+    start, _ = site.config.split_bounds(split)
     t_cut = start + pd.Timedelta(hours=cut)
     hourly = site.hourly.copy()
     realised = hourly.time >= t_cut

@@ -1,4 +1,4 @@
-"""Runs side by side: each experiment keeps its own doit state and lock (``pipeline.runstate``).
+"""Runs side by side: each experiment keeps its own doit state and lock (``pipeline.study.runstate``).
 
 Two experiments run at once to completion, a second run of one of them is refused at once (naming the folder and
 the holder's pid), a SIGKILLed run leaves no stale lock, and a damaged state database stops doit with a message
@@ -19,7 +19,7 @@ import time
 import pytest
 from conftest import ROOT, make_site, tiny_ppo_pipeline_env, write_site
 
-from pipeline.runstate import LOCK_FILE, STATE_FILE, DamagedState, ExperimentBusy, ExperimentLock, check_state
+from pipeline.study.runstate import LOCK_FILE, STATE_FILE, DamagedState, ExperimentBusy, ExperimentLock, check_state
 
 DOIT = [sys.executable, "-m", "doit"]
 TOTAL = 4 * 48 * 4  # 4 PPO iterations of TINY_PPO_ARGS

@@ -18,8 +18,8 @@ from test_dqn import TINY as DQN_TINY
 from test_ppo import TINY as PPO_TINY
 from test_sac import TINY as SAC_TINY
 
-from pipeline import tasks
-from pipeline.baselines import CONTROLLERS
+from pipeline.study import tasks
+from pipeline.control.baselines import POLICIES
 
 TIMING = ["wall_s", "sps"]
 """Metrics columns that measure the machine, not the run."""
@@ -27,9 +27,8 @@ TIMING = ["wall_s", "sps"]
 
 def _baselines_in_a_subprocess(site_toml, out) -> None:
     code = (
-        "import sys; from pipeline import tasks; from pipeline.baselines import CONTROLLERS\n"
-        "for c in CONTROLLERS: tasks.run_baseline(sys.argv[1], c, 'test', sys.argv[2])\n"
-        "tasks.run_oracle(sys.argv[1], 'test', sys.argv[2])\n"
+        "import sys; from pipeline.study import tasks; from pipeline.control.baselines import POLICIES\n"
+        "for c in (*POLICIES, 'oracle'): tasks.run_controller(sys.argv[1], c, 'test', sys.argv[2])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(site_toml), str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
@@ -38,12 +37,11 @@ def _baselines_in_a_subprocess(site_toml, out) -> None:
 
 def test_baseline_kpi_files_are_byte_identical_across_processes(site_toml, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    for c in CONTROLLERS:
-        tasks.run_baseline(str(site_toml), c, "test", str(first))
-    tasks.run_oracle(str(site_toml), "test", str(first))
+    for c in (*POLICIES, "oracle"):
+        tasks.run_controller(str(site_toml), c, "test", str(first))
     _baselines_in_a_subprocess(site_toml, second)
     names = sorted(p.name for p in first.glob("*.parquet"))
-    assert len(names) == 2 * (len(CONTROLLERS) + 1)  # KPI row + traces per controller, oracle included
+    assert len(names) == 2 * (len(POLICIES) + 1)  # KPI row + traces per controller, oracle included
     assert names == sorted(p.name for p in second.glob("*.parquet"))
     for name in names:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name

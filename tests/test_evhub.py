@@ -277,7 +277,7 @@ def test_state_dict_round_trip_resumes_the_same_trajectory(site):
 def test_surplus_bess_action_expresses_the_rule_based_controller(site):
     """In ``bess_action="surplus"`` mode, -1 reproduces the self-consumption rule exactly, and 0 stores the
     surplus but never discharges."""
-    from pipeline.baselines import rule_based
+    from pipeline.control.baselines import rule_based
 
     cover = lambda obs, env: torch.tensor([[-1.0, 1.0]], dtype=obs.dtype)  # noqa: E731
     hold = lambda obs, env: torch.tensor([[0.0, 1.0]], dtype=obs.dtype)  # noqa: E731

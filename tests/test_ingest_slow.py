@@ -14,8 +14,8 @@ from conftest import doit, files_under
 from test_sources import template, write_garage  # noqa: F401  (template: the garage's raw files, a fixture)
 
 from envs.site import SITES_DIR
-from pipeline.ingest import ingest
-from pipeline.sources import load_sources
+from pipeline.data.ingest import ingest
+from pipeline.data.sources import load_sources
 
 pytestmark = pytest.mark.slow
 

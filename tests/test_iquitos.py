@@ -1,6 +1,6 @@
 """The Iquitos site: its config and shipped data, the generator behind them, the PV model, the baselines, the report.
 
-The shipped data (``envs/sites/iquitos/``) must be exactly what ``python -m pipeline.ingest --site iquitos`` writes
+The shipped data (``envs/sites/iquitos/``) must be exactly what ``python -m pipeline.data.ingest --site iquitos`` writes
 from the TOML's ``[sources]`` (fleet generator, constant grid factor, clear-sky PV).
 """
 
@@ -15,8 +15,9 @@ import pytest
 from envs.kpis import balance_residual, evaluate_policy
 from envs.schemas import read_table, validate_site_data
 from envs.site import Site, load_config, load_site
-from pipeline import sources, synthetic
-from pipeline.baselines import CONTROLLERS
+from pipeline.data import pv as pv_model
+from pipeline.data import readers, sources, synthetic
+from pipeline.control.baselines import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "envs" / "sites" / "iquitos"
@@ -93,7 +94,7 @@ def test_generator_is_reproducible():
 
 
 def test_shipped_sessions_are_the_generator_output(sessions):
-    regenerated, _ = sources.read_sessions(SRC)
+    regenerated, _ = readers.read_sessions(SRC)
     pd.testing.assert_frame_equal(sessions, regenerated)
 
 
@@ -150,7 +151,7 @@ def test_pv_zero_at_night_peaks_near_solar_noon(site):
 def test_pv_is_the_pvlib_clear_sky_model(site):
     week = sources.hourly_index("2023-06-01", "2023-06-08", TZ)
     pv_cfg, w = SRC.config.pv, SRC.weather
-    pv, info = sources.clear_sky_pv_kw_per_kwp(
+    pv, info = pv_model.clear_sky_pv_kw_per_kwp(
         week, pv_cfg.latitude, pv_cfg.longitude, pv_cfg.altitude_m, TZ, SRC.pv, air_temp_c=w.air_temp_c,
         wind_speed_m_s=w.wind_speed_m_s, albedo=w.albedo, substeps_per_hour=w.substeps_per_hour,
     )
@@ -175,7 +176,7 @@ def baseline_runs(short_site, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("iquitos_baselines")
     runs = {}
     for name in ("uncontrolled", "rule_based"):
-        kpis, traces = evaluate_policy(CONTROLLERS[name], short_site, "test", name, train_wall_s=0.0)
+        kpis, traces = evaluate_policy(POLICIES[name], short_site, "test", name, train_wall_s=0.0)
         kpis.to_parquet(out / f"{name}_test.parquet")
         traces.to_parquet(out / f"{name}_test_traces.parquet")
         runs[name] = (kpis.iloc[0], traces, out / f"{name}_test.parquet", out / f"{name}_test_traces.parquet")
@@ -196,7 +197,7 @@ def test_baselines_balance_and_report_unserved_energy(short_site, baseline_runs)
 
 
 def test_report_labels_synthetic_sessions(short_site, baseline_runs, tmp_path):
-    from pipeline.tasks import make_report
+    from pipeline.study.tasks import make_report
 
     cfg = {"site_toml": short_site.source["config"], "algos": []}
     kpis = [str(r[2]) for r in baseline_runs.values()]

@@ -1,4 +1,4 @@
-"""The model-predictive controllers (pipeline/mpc.py): equal to the oracle with perfect information over the whole
+"""The model-predictive controllers (pipeline/control/mpc.py): equal to the oracle with perfect information over the whole
 window, causal, consistent with the env's physics, sensible tie-breaks, and their place in the pipeline."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from conftest import make_site, write_site
 
 from envs.kpis import balance_residual, evaluate_policy
 from envs.site import ConfigError, Site
-from pipeline.baselines import uncontrolled
-from pipeline.mpc import REGRESSION_WARMUP_DAYS, MPCController, run_mpc
-from pipeline.oracle import solve_oracle
+from pipeline.control.baselines import uncontrolled
+from pipeline.control.mpc import REGRESSION_WARMUP_DAYS, MPCController, run_mpc
+from pipeline.control.oracle import solve_oracle
 
 
 def _run(site: Site, split: str, perfect: bool, horizon_h: int = 24):
@@ -90,7 +90,7 @@ def test_planned_first_step_is_what_the_env_does(perfect, overrides):
 def _changed_future(site: Site, split: str, cut: int) -> Site:
     """A copy of ``site`` whose MOER (and MOER forecasts) from step ``cut`` of ``split`` on are scrambled and whose
     sessions arriving from that step on are replaced by others."""
-    start, _ = site.split_bounds(split)
+    start, _ = site.config.split_bounds(split)
     t_cut = start + pd.Timedelta(hours=cut)
     hourly = site.hourly.copy()
     later = hourly.time >= t_cut
@@ -225,8 +225,8 @@ def test_run_mpc_row_and_site_options(tiny, capsys):
 
 
 def test_pipeline_outputs_follow_the_site_option(tmp_path):
-    from pipeline.config import PipelineConfig
-    from pipeline.graph import outputs
+    from pipeline.study.config import PipelineConfig
+    from pipeline.study.graph import outputs
 
     on = write_site(make_site(days=2), tmp_path / "on")
     off_site = make_site(days=2, mpc={"enabled": False})
@@ -238,7 +238,7 @@ def test_pipeline_outputs_follow_the_site_option(tmp_path):
 
 
 def test_report_states_the_ordering():
-    from pipeline.report import ordering_sentence, summary_paragraph
+    from pipeline.study.report import ordering_sentence, summary_paragraph
 
     rows = pd.DataFrame(
         {

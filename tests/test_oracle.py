@@ -1,4 +1,4 @@
-"""The perfect-foresight oracle (pipeline/oracle.py) on the small synthetic site.
+"""The perfect-foresight oracle (pipeline/control/oracle.py) on the small synthetic site.
 
 The oracle is a relaxation of the env: no controller run through ``evaluate_policy`` may beat its
 objective (CO2 + penalty * unserved), and when the controller serves all EV energy, not its CO2 either.
@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_site
 from envs.kpis import TRACE_COLUMNS, balance_residual, evaluate_policy
-from pipeline.oracle import UNSERVED_PENALTY, solve_oracle
+from pipeline.control.oracle import UNSERVED_PENALTY, solve_oracle
 
 TOL = 1e-6  # kg, relative to the CO2 totals (~100 kg) this is far below any real difference
 

@@ -17,7 +17,7 @@ import torch
 from conftest import make_site
 
 from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, evaluate_policy, write_parquet
-from pipeline.report import (
+from pipeline.study.report import (
     SEED_COLUMNS,
     kpi_markdown_table,
     read_kpi_files,
@@ -113,8 +113,9 @@ def test_comparison_table(report: Path, inputs):
     table = pd.read_parquet(report.parent / "co2_comparison.parquet")
     assert list(table.columns) == ["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS]
     assert (table.n_seeds == 1).all() and table.co2_kg_std.isna().all()  # one seed each: no spread
-    # one row per controller x split, ordered train then test, uncontrolled / rule_based / oracle / agents
-    order = ["uncontrolled", "oracle", "a2c", "ppo"]
+    # one row per controller x split, ordered train then test: the registry's order, the causal controllers and the
+    # agents (by name) before the bounds
+    order = ["uncontrolled", "a2c", "ppo", "oracle"]
     assert list(zip(table.split, table.controller)) == [(s, c) for s in ("train", "test") for c in order]
     for _, r in table.iterrows():
         src = inputs["rows"][(r.controller, r.split)]
@@ -227,7 +228,7 @@ def test_seeds_are_averaged_with_their_spread(tmp_path):
 
 
 def test_report_shows_a_shipped_site_config_relative_to_the_project(tmp_path):
-    from pipeline.config import PROJECT_ROOT, shown_path
+    from pipeline.study.config import PROJECT_ROOT, shown_path
 
     assert shown_path(PROJECT_ROOT / "envs" / "sites" / "caltech.toml") == "envs/sites/caltech.toml"
     assert shown_path(tmp_path / "site.toml") == str(tmp_path / "site.toml")  # a user's own file: as given
@@ -346,7 +347,7 @@ def test_html_sizing_results_data_sources_and_escaping(inputs, tmp_path: Path):
 
 
 def test_site_data_sources_from_the_shipped_readmes(tmp_path: Path):
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.study.config import PROJECT_ROOT
 
     caltech = site_data_sources(PROJECT_ROOT / "envs" / "sites" / "caltech" / "README.md")
     assert len(caltech) == 4 and caltech[0].startswith("**EV charging sessions**: ACN-Data")

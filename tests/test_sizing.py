@@ -1,4 +1,4 @@
-"""The sizing study (``doit run sizing``, pipeline/sizing.py): one row per point x controller x split, CO2 falling
+"""The sizing study (``doit run sizing``, pipeline/study/sizing.py): one row per point x controller x split, CO2 falling
 with PV and battery, the oracle below the causal controllers, figures embedded in the page, costs as defined,
 and bad ``[sizing]`` tables or variables stopped with a message naming the TOML and the key."""
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, make_site, write_site
 
 from envs.site import ConfigError
-from pipeline.sizing import (
+from pipeline.study.sizing import (
     COLUMNS,
     SizingCosts,
     build_table,
@@ -111,7 +111,7 @@ def test_up_to_date_until_the_grid_changes_and_the_main_report_mentions_it(study
     # the main report of the experiment shows the sizing headline and points to the sizing page
     from envs.kpis import KPI_COLUMNS
     from envs.files import write_parquet
-    from pipeline.tasks import make_report
+    from pipeline.study.tasks import make_report
 
     kpis = []
     for controller in ("uncontrolled", "oracle"):

@@ -15,9 +15,9 @@ from conftest import make_site, write_site
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import balance_residual, evaluate_policy, kpis_from_traces
 from envs.site import ConfigError, Site, config_from_dict, load_site
-from pipeline.baselines import CONTROLLERS, rule_based, uncontrolled
-from pipeline.mpc import MPCController
-from pipeline.oracle import build_lp, solve_oracle
+from pipeline.control.baselines import POLICIES, rule_based, uncontrolled
+from pipeline.control.mpc import MPCController
+from pipeline.control.oracle import build_lp, solve_oracle
 
 GROUPS = [{"count": 2, "kw": 6.6, "stations": "L2-*"}, {"count": 1, "kw": 50.0, "stations": "DC-*"}]
 SOCKET_KW = np.array([6.6, 6.6, 50.0])
@@ -196,7 +196,7 @@ def test_oracle_and_mpc_respect_each_socket_and_the_oracle_bounds_them(site):
     oracle, otr = solve_oracle(site, "train")
     assert float(oracle.unserved_kwh.iloc[0]) < 1e-6
     assert otr.ev_charge_kw.max() > 2 * 6.6  # the DC socket gives more than every Level-2 socket together
-    rows = [evaluate_policy(p, site, "train", c)[0] for c, p in CONTROLLERS.items()]
+    rows = [evaluate_policy(p, site, "train", c)[0] for c, p in POLICIES.items()]
     for perfect in (False, True):
         mpc = MPCController(data, 24, perfect=perfect, keep_plans=True)
         row, tr = evaluate_policy(mpc, site, "train", "mpc", action_mode="socket", bess_action="setpoint")

@@ -1,4 +1,4 @@
-"""A third site built from nothing but a TOML and small raw files (``pipeline.sources`` / ``pipeline.ingest``).
+"""A third site built from nothing but a TOML and small raw files (``pipeline.data.sources`` / ``pipeline.data.ingest``).
 
 The "garage" site lies in Europe/Berlin (DST): its sessions are two CSV files with their own column names (one
 with naive local times, the TOML giving the zone; one with UTC offsets), its carbon a WattTime-style MOER of
@@ -24,10 +24,10 @@ import pytest
 
 from envs.kpis import balance_residual, evaluate_policy
 from envs.site import load_site
-from pipeline.baselines import CONTROLLERS
-from pipeline.ingest import ingest, status, task_plan
-from pipeline.oracle import solve_oracle
-from pipeline.sources import SourceError, load_sources, parse_times, period
+from pipeline.control.baselines import POLICIES
+from pipeline.data.ingest import ingest, status, task_plan
+from pipeline.control.oracle import solve_oracle
+from pipeline.data.sources import SourceError, load_sources, parse_times, period
 
 TZ = "Europe/Berlin"
 LON, LAT = 13.4, 52.5
@@ -229,7 +229,7 @@ def test_garage_ingests_validates_and_runs_baselines_and_oracle(garage):
         assert not data.sessions.rejected.any()
         assert sorted(set(data.socket_kw)) == [11.0, 50.0]
         for name in ("uncontrolled", "rule_based"):
-            k, traces = evaluate_policy(CONTROLLERS[name], site, split, name, train_wall_s=0.0)
+            k, traces = evaluate_policy(POLICIES[name], site, split, name, train_wall_s=0.0)
             assert balance_residual(traces).max() <= 1e-6
             kpis[name, split] = k.iloc[0]
         oracle, _ = solve_oracle(site, split)
@@ -309,7 +309,7 @@ def test_clear_sky_site_needs_its_location_and_a_shipped_site_without_raw_files_
     raw = {**_raw_toml(SITES_DIR / "iquitos.toml")}
     raw["pv"] = {k: v for k, v in raw["pv"].items() if k != "latitude"}
     with pytest.raises(SourceError, match=r"key 'pv\.latitude' is missing: the clear-sky weather source needs"):
-        from pipeline.sources import parse_sources
+        from pipeline.data.sources import parse_sources
 
         parse_sources(config_from_dict(raw, "iq.toml"), "iq.toml")
     assert iq.availability()[0] == "none" and task_plan("iquitos")["state"] == "ready"
@@ -339,7 +339,7 @@ def test_acn_json_sessions_read_like_the_csv_ones(tmp_path, template, garage):
     """ACN-Data API items (RFC 1123 GMT times, ``kWhRequested`` from the last ``userInputs``, none for some)."""
     import json
 
-    from pipeline.sources import read_sessions
+    from pipeline.data.readers import read_sessions
 
     expected = load_site(garage).sessions
     items = []
@@ -362,7 +362,9 @@ def test_acn_json_sessions_read_like_the_csv_ones(tmp_path, template, garage):
 
 
 def test_hourly_carbon_csv_in_g_per_kwh_gets_persistence_forecasts_and_measured_pv(tmp_path, template):
-    from pipeline.sources import period_index, read_carbon, read_pv
+    from pipeline.data.pv import read_pv
+    from pipeline.data.readers import read_carbon
+    from pipeline.data.sources import period_index
 
     toml = write_garage(tmp_path, template)
     hours = pd.date_range("2023-10-22 20:00", "2023-11-07 00:00", freq="h", tz="UTC", inclusive="left")
@@ -402,7 +404,7 @@ value_column = "kw_per_kwp"
 
 def test_pv_keys_and_fleet_tables_are_checked_naming_the_key():
     from envs.site import SITES_DIR, ConfigError, config_from_dict
-    from pipeline.sources import parse_sources
+    from pipeline.data.sources import parse_sources
 
     raw = _raw_toml(SITES_DIR / "iquitos.toml")
     for key, value, match in (
@@ -543,6 +545,6 @@ def test_bad_raw_input_stops_ingestion_naming_file_column_row_and_writes_nothing
 
 def test_message_names_relative_rows_as_data_rows_and_lines():
     with pytest.raises(SourceError, match=re.escape("f.csv: column 'e' row 2 (line 4): 'x' is not a number")):
-        from pipeline.sources import _numbers
+        from pipeline.data.sources import numbers
 
-        _numbers(pd.Series(["1", "2", "x"]), file="f.csv", column_name="e")
+        numbers(pd.Series(["1", "2", "x"]), file="f.csv", column_name="e")

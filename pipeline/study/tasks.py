@@ -1,13 +1,9 @@
-"""The study's tasks: plain functions from file paths to file paths, run as Dask tasks by ``pipeline.graph``.
+"""The study's tasks: plain functions from file paths to file paths, run as Dask tasks by ``pipeline.study.graph``.
 
 Every task writes its outputs atomically (temporary name, then rename), so a killed task leaves the
-previous file or none. Output layout under ``<output_dir>/<experiment>/``::
-
-    validate/<input>.json                       what was checked, written only when every input passed
-    baselines/<controller>_<split>.parquet      one KPI row   (+ ``_traces.parquet``: hourly traces)
-    runs/<algo>_seed<seed>/                     TensorBoard events, metrics.parquet, checkpoint, policy
-    eval/<algo>_seed<seed>_<split>.parquet      one KPI row   (+ ``_traces.parquet``)
-    report/                                     report.md, report.html, co2_comparison.parquet, figures
+previous file or none. Under ``<output_dir>/<experiment>/``: ``validate/<input>.json`` (what was checked, written
+only when every input passed), the result files of :mod:`pipeline.study.results` (``baselines/``, ``runs/``,
+``eval/``) and ``report/`` (report.md, report.html, co2_comparison.parquet, figures).
 """
 
 from __future__ import annotations
@@ -23,7 +19,11 @@ import pandas as pd
 from envs.files import write_parquet, write_text
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_config, load_site
-from pipeline.config import PROJECT_ROOT, SPLITS, shown_path
+from pipeline.control import registry
+from pipeline.study import depends, results
+from pipeline.study.config import PROJECT_ROOT, SPLITS, shown_path
+from pipeline.study.report import site_data_sources, write_report
+from pipeline.study.sizing import report_summary
 
 INPUTS = ("config", "hourly", "sessions")
 """Inputs validated one task each."""
@@ -69,43 +69,23 @@ def write_validation(summaries: list[dict], out_dir: str) -> list[str]:
     return [str(write_text(Path(out_dir) / f"{s['input']}.json", json.dumps(s, indent=2))) for s in summaries]
 
 
-def run_baseline(site_toml: str, controller: str, split: str, out_dir: str, *deps) -> list[str]:
-    """Simulate a baseline controller over a whole split; returns ``[kpi_path, traces_path]``.
+def run_controller(site_toml: str, controller: str, split: str, out_dir: str, *deps) -> list[str]:
+    """Simulate a controller of the registry over a whole split (:meth:`pipeline.control.registry.Controller.simulate`);
+    returns ``[kpi_path, traces_path]`` (named by :func:`pipeline.study.results.files`).
 
     Raises:
-        KeyError: unknown controller.
-        RuntimeError: the energy balance is violated in some step.
+        KeyError: unknown controller (the message names the closest known one) or split.
+        TypeError: an agent (trained by its script, not simulated).
+        RuntimeError: an LP not solved, or the energy balance violated in some step.
     """
-    from pipeline.baselines import CONTROLLERS
-
-    if controller not in CONTROLLERS:
-        raise KeyError(f"unknown controller {controller!r}: known are {sorted(CONTROLLERS)}")
-    site = load_site(site_toml)
-    kpis, traces = evaluate_policy(CONTROLLERS[controller], site, split, controller, train_wall_s=0.0)
-    return _write_run(kpis, traces, Path(out_dir) / f"{controller}_{split}")
+    kpis, traces = registry.get(controller).simulate(load_site(site_toml), split)
+    return _write_run(kpis, traces, out_dir, controller, split)
 
 
-def run_oracle(site_toml: str, split: str, out_dir: str, *deps) -> list[str]:
-    """Solve the perfect-foresight LP for a split; returns ``[kpi_path, traces_path]``."""
-    from pipeline.oracle import solve_oracle
-
-    kpis, traces = solve_oracle(load_site(site_toml), split)
-    return _write_run(kpis, traces, Path(out_dir) / f"oracle_{split}")
-
-
-def run_mpc(site_toml: str, controller: str, split: str, out_dir: str, *deps) -> list[str]:
-    """Run an MPC controller (``mpc`` or ``mpc_perfect``, :mod:`pipeline.mpc`) over a split; returns
-    ``[kpi_path, traces_path]``. Its number of LP solves and their seconds are printed, not written into the KPI
-    row (which stays byte-identical between runs)."""
-    from pipeline.mpc import run_mpc as simulate
-
-    kpis, traces, _ = simulate(load_site(site_toml), split, controller)
-    return _write_run(kpis, traces, Path(out_dir) / f"{controller}_{split}")
-
-
-def _write_run(kpis: pd.DataFrame, traces: pd.DataFrame, stem: Path) -> list[str]:
-    traces_path = write_parquet(traces, stem.with_name(stem.name + "_traces.parquet"))
-    kpi_path = write_parquet(kpis, stem.with_name(stem.name + ".parquet"))
+def _write_run(kpis: pd.DataFrame, traces: pd.DataFrame, out_dir: str | Path, controller: str, split: str, seed: int | None = None) -> list[str]:
+    kpi_file, traces_file = results.files(out_dir, controller, split, seed)
+    traces_path = write_parquet(traces, traces_file)
+    kpi_path = write_parquet(kpis, kpi_file)
     return [str(kpi_path), str(traces_path)]
 
 
@@ -114,27 +94,27 @@ def algo_script(algo: str) -> Path:
     return PROJECT_ROOT / "algos" / f"{algo}.py"
 
 
-RESUMABLE_CODE = ("envs/site.py", "envs/evhub.py", "envs/kpis.py", "envs/schemas.py", "envs/vector.py", "algos/harness.py")
-"""Code a training run depends on besides its own script: a changed file here means a fresh run, not a resume."""
-
-
-def run_fingerprint(cmd: list[str], site_toml: str, algo: str) -> str:
+def run_fingerprint(cmd: list[str], site_toml: str, algo: str, root: Path = PROJECT_ROOT) -> str:
     """SHA-256 (hex) of what a training run is: its command line, the site config and data, and the code.
 
     Two attempts with the same fingerprint are the same run, so the second may resume the first's checkpoint.
-    The data files are the site's ``hourly.*`` and ``sessions.*`` files; the code is the agent's script and
-    :data:`RESUMABLE_CODE`.
+    The data files are the site's ``hourly.*`` and ``sessions.*`` files; the code is
+    :func:`pipeline.study.depends.training` (the agent's script, the harness, every file of ``envs``) under ``root``,
+    the same files doit's ``train`` tasks depend on, so a change that re-runs training also starts it afresh.
     """
     import hashlib
 
     cfg, path = load_config(site_toml)
     data_dir = path.parent / cfg.data_dir
-    files = [path, algo_script(algo), *(PROJECT_ROOT / f for f in RESUMABLE_CODE)]
+    data = [path]
     if data_dir.is_dir():
-        files += sorted(f for f in data_dir.iterdir() if f.is_file() and f.name.split(".")[0] in ("hourly", "sessions"))
+        data += sorted(f for f in data_dir.iterdir() if f.is_file() and f.name.split(".")[0] in ("hourly", "sessions"))
     h = hashlib.sha256(json.dumps(cmd).encode())
-    for f in files:
+    for f in data:
         h.update(f.name.encode())
+        h.update(f.read_bytes())
+    for f in depends.training(algo, root):
+        h.update(f.relative_to(root).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -248,7 +228,7 @@ def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: st
     )
     for k, v in extra.items():
         kpis[k] = v
-    return _write_run(kpis, traces, Path(out_dir) / f"{algo}_seed{seed}_{split}")
+    return _write_run(kpis, traces, out_dir, algo, split, seed)
 
 
 def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics: dict, out_dir: str) -> str:
@@ -258,9 +238,8 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     under it; a ``data_note`` is shown in the site section; a site whose hourly MOER is one constant gets a
     note that its CO2 follows grid import, to be read beside unserved energy. When a sizing study of the experiment
     has run (``<experiment>/sizing/sizing.parquet``, ``doit run sizing``), its headline is shown too
-    (:func:`pipeline.sizing.report_summary`).
+    (:func:`pipeline.study.sizing.report_summary`).
     """
-    from pipeline.report import site_data_sources, write_report
 
     c, toml = load_config(cfg_dict["site_toml"])
     summary = {
@@ -295,8 +274,6 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     sizing_file = Path(out_dir).parent / "sizing" / "sizing.parquet"  # a sizing study of this experiment, if run
     sizing = None
     if sizing_file.is_file():
-        from pipeline.sizing import report_summary
-
         sizing = report_summary(pd.read_parquet(sizing_file))
     path = write_report(
         [Path(p) for p in kpi_paths],

@@ -10,28 +10,17 @@ variable and its value.
 
 from __future__ import annotations
 
-import difflib
 import os
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from envs.site import load_config
+from pipeline.control import registry
+from pipeline.paths import PROJECT_ROOT, shown_path  # noqa: F401  (re-exported: the study's modules read them here)
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-def shown_path(path: str | Path) -> str:
-    """``path`` as a report shows it: relative to the project root when it lies inside it (a shipped site
-    config reads ``envs/sites/caltech.toml`` on every machine), else as given."""
-    try:
-        return Path(path).resolve().relative_to(PROJECT_ROOT).as_posix()
-    except ValueError:
-        return str(path)
-
-
-ALGOS = ("ppo", "sac", "a2c", "dqn")
-"""Agents the pipeline knows how to train (one ``algos/<name>.py`` script each)."""
+ALGOS = registry.agents()
+"""Agents the pipeline knows how to train (one ``algos/<name>.py`` script each; :mod:`pipeline.control.registry`)."""
 SPLITS = ("train", "test")
 
 
@@ -44,11 +33,7 @@ def check_algos(algos: tuple[str, ...], where: str = "algos") -> None:
     """
     unknown = [a for a in algos if a not in ALGOS]
     if unknown:
-        hints = "".join(
-            f"; '{a}': did you mean '{close[0]}'?"
-            for a in unknown
-            if (close := difflib.get_close_matches(a, ALGOS, n=1, cutoff=0.6))
-        )
+        hints = "".join(f"; '{a}'{hint}" for a in unknown if (hint := registry.did_you_mean(a, ALGOS)))
         raise ValueError(
             f"{where}: unknown algorithm(s) {', '.join(map(repr, unknown))}{hints} (known: {', '.join(ALGOS)})"
         )
@@ -129,7 +114,7 @@ VARIABLES = {
 }
 """Every doit variable of ``dodo.py`` and the environment variable standing in for it (``part`` belongs
 to ``doit bench``; ``kwp``, ``bess_kwh``, ``bess_kw_per_kwh``, ``controllers`` and ``workers`` to ``doit run
-sizing``, see :mod:`pipeline.sizing`; the others to the study)."""
+sizing``, see :mod:`pipeline.study.sizing`; the others to the study)."""
 
 
 def _doit_variables() -> dict[str, str]:
@@ -176,8 +161,7 @@ def from_environment(**overrides) -> PipelineConfig:
     cmdline = _doit_variables()
     for name, value in cmdline.items():
         if name not in VARIABLES:
-            close = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.6)
-            hint = f": did you mean '{close[0]}'?" if close else ""
+            hint = registry.did_you_mean(name, VARIABLES)
             raise ValueError(
                 f"doit variable {name}={value!r}: unknown variable{hint} (known: {', '.join(VARIABLES)})"
             )

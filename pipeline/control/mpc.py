@@ -1,7 +1,7 @@
 """Model predictive control: every hour, a linear program over the next ``horizon_h`` hours; the first step
 is applied through the environment.
 
-Two controllers share the code and differ only in what they know (:data:`CONTROLLERS`):
+Two controllers share the code and differ only in what they know (:data:`PERFECT`):
 
 * ``mpc`` (causal, the practitioner's baseline) knows at step ``t``:
 
@@ -36,7 +36,7 @@ Two controllers share the code and differ only in what they know (:data:`CONTROL
 
 The window ends at ``min(t + horizon_h, T)`` (the split's end; the env ends there too).
 
-The LP is :func:`pipeline.oracle.assemble_lp` over the window (the oracle's variables and constraints:
+The LP is :func:`pipeline.control.oracle.assemble_lp` over the window (the oracle's variables and constraints:
 balance, storage, EV energy with an unserved slack at the oracle's penalty) with these additions:
 
 * Step-0 bounds that make the first step exactly what the env does with the mapped action: each plugged EV's
@@ -84,9 +84,9 @@ import torch
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
-from pipeline.oracle import assemble_lp
+from pipeline.control.oracle import assemble_lp
 
-CONTROLLERS = {"mpc": False, "mpc_perfect": True}
+PERFECT = {"mpc": False, "mpc_perfect": True}
 """MPC controllers by name -> whether they get perfect information within the horizon."""
 
 EPS_CYCLE = 1e-4
@@ -490,11 +490,11 @@ def run_mpc(site: Site | str, split: str, controller: str = "mpc", horizon_h: in
         KeyError: unknown controller or split.
         RuntimeError: an LP not solved to optimality, or an energy-balance violation in some step.
     """
-    if controller not in CONTROLLERS:
-        raise KeyError(f"unknown MPC controller {controller!r}: known are {sorted(CONTROLLERS)}")
+    if controller not in PERFECT:
+        raise KeyError(f"unknown MPC controller {controller!r}: known are {sorted(PERFECT)}")
     site = load_site(site)
     horizon = site.config.mpc.horizon_h if horizon_h is None else horizon_h
-    mpc = MPCController(site.split(split), horizon, perfect=CONTROLLERS[controller])
+    mpc = MPCController(site.split(split), horizon, perfect=PERFECT[controller])
     t0 = time.perf_counter()
     kpis, traces = evaluate_policy(mpc, site, split, controller, action_mode="socket", bess_action="setpoint", train_wall_s=0.0)
     wall = time.perf_counter() - t0
@@ -505,3 +505,8 @@ def run_mpc(site: Site | str, split: str, controller: str = "mpc", horizon_h: in
         flush=True,
     )
     return kpis, traces, mpc
+
+
+def simulate(site: Site, split: str, controller: str = "mpc") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """:func:`run_mpc` at the site's horizon: ``(kpi_row, traces)`` (the registry's runner)."""
+    return run_mpc(site, split, controller)[:2]

@@ -115,7 +115,7 @@ def assemble_lp(
     defer_kwh: np.ndarray | None = None,
 ) -> dict:
     """The LP of the module docstring over ``T = len(pv_kw)`` steps from explicit arrays (shared by the
-    oracle, over a whole split, and by :mod:`pipeline.mpc`, over a receding window).
+    oracle, over a whole split, and by :mod:`pipeline.control.mpc`, over a receding window).
 
     Args:
         cfg: the site config (BESS, EV socket power, grid limits and export credit, ``dt_h``).
@@ -320,3 +320,8 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
     )
     row = kpi_row("oracle", split, traces, data, env_steps=float(T), train_wall_s=0.0)
     return row, traces
+
+
+def simulate(site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """:func:`solve_oracle` with its default time limit: ``(kpi_row, traces)`` (the registry's runner)."""
+    return solve_oracle(site, split)

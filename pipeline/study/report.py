@@ -22,12 +22,8 @@ reader never sees half a report. Figures use matplotlib's Agg canvas through :cl
 
 from __future__ import annotations
 
-import base64
-import html
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +31,13 @@ import pandas as pd
 from matplotlib import dates as mdates
 from matplotlib.figure import Figure
 
-from envs.files import atomic_write, write_parquet, write_text
+from envs.files import write_parquet, write_text
 from envs.kpis import KPI_COLUMNS, add_relative_kpis
-
-BASELINES = ("uncontrolled", "rule_based", "mpc", "mpc_perfect", "oracle")
-"""Non-learning controllers (the model-predictive ``mpc`` and ``mpc_perfect`` among them), in report order; every
-other controller name is an agent (sorted by name)."""
+from pipeline.control import registry
+from pipeline.study.document import (
+    Block, Bullets, FigureRef, Heading, Note, Paragraph, Table, atomic_savefig, format_number, frame_table, markdown_table,
+    render_html, render_markdown,
+)
 
 SPLIT_ORDER = ("train", "test")
 """Splits in report order; other split names follow alphabetically."""
@@ -76,39 +73,18 @@ TABLE_COLUMNS = (
     ("steps_per_s", "Training steps/s", 0),
 )
 
-FIGURE_DPI = 110
 
 
 # --------------------------------------------------------------------------------------------- helpers
 def controller_sort_key(name: str) -> tuple[int, str]:
-    """Sort key: ``uncontrolled``, ``rule_based``, ``mpc``, ``mpc_perfect``, ``oracle``, then agents alphabetically."""
-    return (BASELINES.index(name), "") if name in BASELINES else (len(BASELINES), name)
+    """Sort key: the registry's order (:func:`pipeline.control.registry.sort_key`): the causal controllers, the agents
+    by name, then the bounds (``mpc_perfect``, ``oracle``)."""
+    return registry.sort_key(name)
 
 
 def split_sort_key(name: str) -> tuple[int, str]:
     """Sort key: ``train``, ``test``, then other splits alphabetically."""
     return (SPLIT_ORDER.index(name), "") if name in SPLIT_ORDER else (len(SPLIT_ORDER), name)
-
-
-def _is_agent(name: str) -> bool:
-    return name not in BASELINES
-
-
-def _atomic_savefig(fig: Figure, path: Path) -> Path:
-    return atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=FIGURE_DPI, bbox_inches="tight"))
-
-
-def _fmt(value: object, decimals: int) -> str:
-    """Number for a Markdown cell: thousands separators, ``decimals`` places, an en dash for NaN/None."""
-    if value is None:
-        return "–"
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return str(value)
-    if math.isnan(v):
-        return "–"
-    return f"{v:,.{decimals}f}"
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -202,7 +178,7 @@ def plot_co2_by_controller(table: pd.DataFrame, path: Path) -> Path:
     ax_uns.set_title("Unserved EV energy (always beside CO2)")
     handles, labels = ax_co2.get_legend_handles_labels()
     fig.legend(handles, labels, title="controller", loc="outside lower center", ncols=min(len(controllers), 8), fontsize=9)
-    return _atomic_savefig(fig, path)
+    return atomic_savefig(fig, path)
 
 
 def _read_traces(path: Path) -> pd.DataFrame:
@@ -242,7 +218,7 @@ def _week_columns(available: Iterable[str], table: pd.DataFrame) -> list[str]:
     """Controllers shown in the week figure: uncontrolled, one agent (``ppo``, else the test split's
     lowest-CO2 agent, else the first by name), mpc, oracle; those that exist; else up to three of any."""
     available = sorted(set(available), key=controller_sort_key)
-    agents = [c for c in available if _is_agent(c)]
+    agents = [c for c in available if registry.is_agent(c)]
     agent: list[str] = []
     if "ppo" in agents:
         agent = ["ppo"]
@@ -305,7 +281,7 @@ def plot_test_week(
     axes[0, 0].legend(fontsize=8, loc="upper left")
     local_start = start.tz_convert(timezone)
     fig.suptitle(f"Test split, week from {local_start:%a %Y-%m-%d %H:%M} (the week with the most EV energy)")
-    return _atomic_savefig(fig, path), (start, end)
+    return atomic_savefig(fig, path), (start, end)
 
 
 def _read_metrics(path: Path | None) -> pd.DataFrame | None:
@@ -354,55 +330,7 @@ def plot_learning_curves(metrics_files: Mapping[str, Path], path: Path) -> Path 
     axes[0].legend(title="agent", fontsize=8)
     axes[0].set_title("Learning curves (train-split episodes)")
     axes[-1].set_xlabel("global_step (environment steps)")
-    return _atomic_savefig(fig, path)
-
-
-# ------------------------------------------------------------------------------ content: Markdown and HTML
-# The report is built once as a list of blocks (:func:`report_blocks`) whose text is inline Markdown (``**bold**``,
-# ``*italic*``, backticks); :func:`render_markdown` and :func:`render_html` turn the same blocks into report.md and
-# report.html, so the two pages always carry the same tables and sentences.
-@dataclass(frozen=True)
-class Heading:
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Paragraph:
-    text: str
-
-
-@dataclass(frozen=True)
-class Note:
-    """A quoted remark (Markdown ``>``; an HTML ``<blockquote>``)."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class Bullets:
-    items: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Table:
-    """Rows of formatted cells; ``align`` is ``"left"`` or ``"right"`` per column."""
-
-    header: tuple[str, ...]
-    align: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-
-
-@dataclass(frozen=True)
-class FigureRef:
-    """A PNG in the report folder: a link in report.md, embedded as a ``data:`` URI in report.html."""
-
-    file: str
-    alt: str
-    caption: str
-
-
-Block = Heading | Paragraph | Note | Bullets | Table | FigureRef
+    return atomic_savefig(fig, path)
 
 
 def kpi_table(rows: pd.DataFrame) -> Table:
@@ -414,11 +342,11 @@ def kpi_table(rows: pd.DataFrame) -> Table:
     body = []
     for _, r in rows.iterrows():
         n = int(r.get("n_seeds", 1))
-        seeds = "–" if not _is_agent(r.controller) else (str(n) if n > 1 else "1 (single seed)")
+        seeds = "–" if not registry.is_agent(r.controller) else (str(n) if n > 1 else "1 (single seed)")
 
         def cell(c: str, d: int) -> str:
             std = r.get(f"{c}_std", math.nan)
-            return _fmt(r[c], d) + (f" ± {_fmt(std, d)}" if n > 1 and not math.isnan(std) else "")
+            return format_number(r[c], d) + (f" ± {format_number(std, d)}" if n > 1 and not math.isnan(std) else "")
 
         body.append((str(r.controller), seeds, *(cell(c, d) for c, _, d in TABLE_COLUMNS)))
     return Table(
@@ -430,27 +358,7 @@ def kpi_table(rows: pd.DataFrame) -> Table:
 
 def kpi_markdown_table(rows: pd.DataFrame) -> str:
     """Markdown table of the main KPIs of one split's rows (:func:`kpi_table`)."""
-    return _markdown_table(kpi_table(rows))
-
-
-def _sizing_cell(value: object) -> str:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
-    if isinstance(value, (int, np.integer)):
-        return f"{int(value):,}"
-    return _fmt(value, 3).rstrip("0").rstrip(".") if not math.isnan(float(value)) else "–"
-
-
-def sizing_table(sizing: pd.DataFrame) -> Table:
-    """A sizing study's results as a :class:`Table`: one column per DataFrame column (a named index becomes
-    the first columns), numbers right-aligned with thousands separators and at most 3 decimals."""
-    df = sizing.reset_index() if any(n is not None for n in sizing.index.names) else sizing
-    numeric = [pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c]) for c in df.columns]
-    return Table(
-        header=tuple(str(c) for c in df.columns),
-        align=tuple("right" if n else "left" for n in numeric),
-        rows=tuple(tuple(_sizing_cell(v) for v in row) for row in df.itertuples(index=False, name=None)),
-    )
+    return markdown_table(kpi_table(rows))
 
 
 def site_data_sources(readme: Path) -> list[str]:
@@ -474,155 +382,6 @@ def site_data_sources(readme: Path) -> list[str]:
         else:
             in_item = False
     return items
-
-
-def _markdown_table(table: Table) -> str:
-    sep = "|" + "|".join("---:" if a == "right" else "---" for a in table.align) + "|"
-    lines = ["| " + " | ".join(table.header) + " |", sep]
-    lines += ["| " + " | ".join(row) + " |" for row in table.rows]
-    return "\n".join(lines)
-
-
-def render_markdown(blocks: Iterable[Block]) -> str:
-    """report.md from the report's blocks (each followed by a blank line)."""
-    md: list[str] = []
-    for b in blocks:
-        if isinstance(b, Heading):
-            md += [f"{'#' * b.level} {b.text}"]
-        elif isinstance(b, Paragraph):
-            md += [b.text]
-        elif isinstance(b, Note):
-            md += [f"> {b.text}"]
-        elif isinstance(b, Bullets):
-            md += [f"- {item}" for item in b.items]
-        elif isinstance(b, Table):
-            md += [_markdown_table(b)]
-        elif isinstance(b, FigureRef):
-            md += [f"![{b.alt}]({b.file})", "", f"*{b.caption}*"]
-        else:
-            raise TypeError(f"unknown report block {b!r}")
-        md.append("")
-    return "\n".join(md)
-
-
-_CODE = re.compile(r"(`[^`]+`)")
-_STRONG = re.compile(r"\*\*(.+?)\*\*")
-_EM = re.compile(r"(?<![\w*])\*(?=\S)([^*]+?)(?<=\S)\*(?![\w*])")
-_URL = re.compile(r"https?://[^\s<>\"')]+[^\s<>\"').,;:]")
-
-
-def inline_html(text: str) -> str:
-    """Inline Markdown of the report's sentences to HTML: escaped text, ``**strong**``, ``*em*``, backtick
-    code and bare http(s) URLs as links."""
-    out = []
-    for part in _CODE.split(text):
-        if part.startswith("`") and part.endswith("`") and len(part) > 1:
-            out.append(f"<code>{html.escape(part[1:-1], quote=False)}</code>")
-            continue
-        part = html.escape(part, quote=False)
-        part = _STRONG.sub(r"<strong>\1</strong>", part)
-        part = _EM.sub(r"<em>\1</em>", part)
-        part = _URL.sub(lambda m: f'<a href="{html.escape(m.group(0))}">{m.group(0)}</a>', part)
-        out.append(part)
-    return "".join(out)
-
-
-def _html_table(table: Table) -> str:
-    def cells(tag: str, row: tuple[str, ...]) -> str:
-        return "".join(
-            f'<{tag} class="{"num" if a == "right" else "txt"}">{inline_html(c)}</{tag}>' for c, a in zip(row, table.align)
-        )
-
-    body = "\n".join(f"<tr>{cells('td', r)}</tr>" for r in table.rows)
-    head = f"<thead><tr>{cells('th', table.header)}</tr></thead>"
-    return f'<div class="table-wrap"><table>\n{head}\n<tbody>\n{body}\n</tbody>\n</table></div>'
-
-
-_HTML_STYLE = """
-  body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
-         color: #1f2328; background: #ffffff; margin: 0; line-height: 1.5; }
-  main { max-width: 1180px; margin: 0 auto; padding: 1.5rem 2rem 3rem; }
-  h1 { font-size: 1.7rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3rem; }
-  h2 { font-size: 1.35rem; margin-top: 2.2rem; border-bottom: 1px solid #d8dee4; padding-bottom: 0.2rem; }
-  h3 { font-size: 1.1rem; margin-top: 1.6rem; }
-  blockquote { margin: 1rem 0; padding: 0.6rem 1rem; background: #fff8e6; border-left: 4px solid #d4a72c; }
-  ul { padding-left: 1.4rem; }
-  code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 0.9em;
-         background: #f0f2f4; padding: 0.05rem 0.3rem; border-radius: 4px; }
-  .table-wrap { overflow-x: auto; margin: 0.8rem 0; }
-  table { border-collapse: collapse; font-size: 0.86rem; }
-  th, td { border: 1px solid #d0d7de; padding: 0.3rem 0.55rem; }
-  th { background: #f3f5f7; vertical-align: bottom; }
-  td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-  th.num { text-align: right; }
-  td.txt, th.txt { text-align: left; white-space: nowrap; }
-  tbody tr:nth-child(even) { background: #fafbfc; }
-  figure { margin: 1.5rem 0; }
-  figure img { max-width: 100%; height: auto; border: 1px solid #e1e4e8; }
-  figcaption { color: #57606a; font-style: italic; margin-top: 0.3rem; }
-"""
-
-_HTML_IMAGE_CHECK = """
-  window.addEventListener("load", function () {
-    var imgs = Array.prototype.slice.call(document.images);
-    var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
-    document.documentElement.setAttribute("data-figures-loaded", ok + "/" + imgs.length);
-  });
-"""
-
-
-def render_html(blocks: Iterable[Block], title: str, figure_dir: Path) -> str:
-    """report.html from the same blocks as :func:`render_markdown`: one self-contained page.
-
-    Figures are read from ``figure_dir`` and embedded as base64 ``data:`` URIs (their alt text on the
-    ``<img>``); the style is inline and a Content-Security-Policy forbids any fetch. A few lines of inline
-    script set ``data-figures-loaded="<decoded>/<images>"`` on ``<html>`` once the page has loaded, so a
-    headless browser can check that every figure decoded.
-    """
-    body: list[str] = []
-    for b in blocks:
-        if isinstance(b, Heading):
-            body.append(f"<h{b.level}>{inline_html(b.text)}</h{b.level}>")
-        elif isinstance(b, Paragraph):
-            body.append(f"<p>{inline_html(b.text)}</p>")
-        elif isinstance(b, Note):
-            body.append(f"<blockquote><p>{inline_html(b.text)}</p></blockquote>")
-        elif isinstance(b, Bullets):
-            body.append("<ul>\n" + "\n".join(f"<li>{inline_html(i)}</li>" for i in b.items) + "\n</ul>")
-        elif isinstance(b, Table):
-            body.append(_html_table(b))
-        elif isinstance(b, FigureRef):
-            data = base64.b64encode((Path(figure_dir) / b.file).read_bytes()).decode("ascii")
-            body.append(
-                f'<figure id="{html.escape(Path(b.file).stem)}">\n'
-                f'<img src="data:image/png;base64,{data}" alt="{html.escape(b.alt)}">\n'
-                f"<figcaption>{inline_html(b.caption)}</figcaption>\n</figure>"
-            )
-        else:
-            raise TypeError(f"unknown report block {b!r}")
-    plain_title = _STRONG.sub(r"\1", title)
-    csp = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
-    return "\n".join(
-        [
-            "<!DOCTYPE html>",
-            '<html lang="en">',
-            "<head>",
-            '<meta charset="utf-8">',
-            f'<meta http-equiv="Content-Security-Policy" content="{csp}">',
-            '<meta name="viewport" content="width=device-width, initial-scale=1">',
-            f"<title>{html.escape(plain_title)}</title>",
-            f"<style>{_HTML_STYLE}</style>",
-            f"<script>{_HTML_IMAGE_CHECK}</script>",
-            "</head>",
-            "<body>",
-            "<main>",
-            *body,
-            "</main>",
-            "</body>",
-            "</html>",
-            "",
-        ]
-    )
 
 
 def ordering_sentence(split: str, rows: pd.DataFrame) -> str:
@@ -661,7 +420,7 @@ def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
             if best.co2_kg < bound * (1 - 1e-6) and best.ev_energy_delivered_kwh >= float(oracle.ev_energy_delivered_kwh.iloc[0]):
                 s += " (**below the oracle's bound while delivering as much EV energy: check the oracle and the evaluation**)"
         out.append(s + ".")
-    agents = rows[rows.controller.map(_is_agent)]
+    agents = rows[rows.controller.map(registry.is_agent)]
     base = rows[rows.controller == "uncontrolled"]
     if agents.empty:
         out.append("No agent was evaluated on this split.")
@@ -717,7 +476,7 @@ def write_report(
         data_sources: inline-Markdown lines listed under "Data sources" in the site section (e.g.
             :func:`site_data_sources` of the site's data README); the section is left out when empty.
         sizing: results of a sizing study, one row per sized variant; shown as a "Sizing results" table
-            when given (:func:`sizing_table`), left out when ``None``.
+            when given (:func:`pipeline.study.document.frame_table`), left out when ``None``.
 
     Returns:
         Path of ``report.md``. Beside it: ``report.html`` (the same content as one self-contained page, figures
@@ -804,7 +563,7 @@ def report_blocks(
         )
     )
     if sizing is not None:
-        blocks += [Heading(2, "Sizing results"), sizing_table(sizing)]
+        blocks += [Heading(2, "Sizing results"), frame_table(sizing)]
         blocks.append(Paragraph("From `doit run sizing`: its own page, `../sizing/sizing.html` (and `sizing.md`), has the whole grid, the definitions and the figures."))
     blocks.append(Heading(2, "Figures"))
     blocks += list(figures)

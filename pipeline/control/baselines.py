@@ -8,9 +8,12 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import torch
 
 from envs.evhub import EVHubVectorEnv
+from envs.kpis import evaluate_policy
+from envs.site import Site
 
 
 def uncontrolled(obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
@@ -31,5 +34,15 @@ def rule_based(obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
     return torch.stack([a_bess, torch.ones_like(a_bess)], dim=1).to(obs.dtype)
 
 
-CONTROLLERS = {"uncontrolled": uncontrolled, "rule_based": rule_based}
-"""Baseline controllers by name: ``policy(obs, env) -> hub action``."""
+POLICIES = {"uncontrolled": uncontrolled, "rule_based": rule_based}
+"""Baseline policies by name: ``policy(obs, env) -> hub action``."""
+
+
+def simulate(site: Site, split: str, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Run the baseline ``name`` over a whole split through the env (hub actions); ``(kpi_row, traces)`` of
+    :func:`envs.kpis.evaluate_policy`, ``train_wall_s = 0``.
+
+    Raises:
+        KeyError: unknown baseline or split. RuntimeError: an energy-balance violation.
+    """
+    return evaluate_policy(POLICIES[name], site, split, name, train_wall_s=0.0)

@@ -12,9 +12,9 @@ A site without a session log states its fleets in its TOML (a shipped example: `
     station_prefix = "SC"
     ...
 
-:mod:`pipeline.sources` parses those tables into :class:`FleetParams` (every key is required except
+:mod:`pipeline.data.sources` parses those tables into :class:`FleetParams` (every key is required except
 ``turnaround_h``; a missing or unknown key is an error naming the TOML and the dotted key) and
-:func:`generate_sessions` draws the sessions over the site's period (see :func:`pipeline.sources.period`).
+:func:`generate_sessions` draws the sessions over the site's period (see :func:`pipeline.data.sources.period`).
 Nothing here knows a site: every number comes from the TOML.
 """
 

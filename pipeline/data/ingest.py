@@ -1,10 +1,10 @@
-"""Ingest a site's raw sources (its TOML's ``[sources]``, see :mod:`pipeline.sources`) into its processed data.
+"""Ingest a site's raw sources (its TOML's ``[sources]``, see :mod:`pipeline.data.sources`) into its processed data.
 
-``python -m pipeline.ingest --site path/to/site.toml`` (or the name of a site shipped in ``envs/sites/``) reads the
+``python -m pipeline.data.ingest --site path/to/site.toml`` (or the name of a site shipped in ``envs/sites/``) reads the
 sources the TOML names, builds the two tables, checks them with :func:`envs.schemas.validate_site_data` and
 writes, atomically (:mod:`envs.files`), into the site's ``data_dir`` beside the TOML (or ``--out-dir``):
 
-- ``hourly.parquet``: one row per UTC hour of the site's period (:func:`pipeline.sources.period`: local
+- ``hourly.parquet``: one row per UTC hour of the site's period (:func:`pipeline.data.sources.period`: local
   midnight of the first split's first date to local midnight after the last split's last date, in the site
   ``timezone``; continuous, DST days have 23 or 25 rows): ``time`` (datetime64[ns, UTC], hour start),
   ``pv_kw_per_kwp`` (float32, kW AC per kWp DC, hour mean), ``moer_kg_per_kwh`` (float32, kg CO2/kWh, hour
@@ -16,7 +16,7 @@ writes, atomically (:mod:`envs.files`), into the site's ``data_dir`` beside the 
 - ``README.md``: provenance (the TOML's ``[sources] attribution``, each raw file's SHA-256), the derivation
   of every column, the per-file session counts and a summary per split.
 
-Every check runs before anything is written: bad input raises :class:`pipeline.sources.SourceError` (or
+Every check runs before anything is written: bad input raises :class:`pipeline.data.sources.SourceError` (or
 :class:`envs.schemas.DataValidationError`) naming the file, the column and the row, and leaves the previous
 files in place. A file whose content would not change is not rewritten.
 
@@ -38,17 +38,12 @@ import pandas as pd
 
 from envs import files
 from envs.schemas import DataValidationError, validate_site_data
+import envs
 from envs.site import SITES_DIR
-from pipeline.sources import (
-    SourceError,
-    Sources,
-    load_sources,
-    period,
-    period_index,
-    read_carbon,
-    read_pv,
-    read_sessions,
-)
+from pipeline.data.pv import read_pv
+from pipeline.paths import shown_path
+from pipeline.data.readers import read_carbon, read_sessions
+from pipeline.data.sources import SourceError, Sources, load_sources, period, period_index
 
 OUTPUTS = ("hourly.parquet", "sessions.parquet", "README.md")
 """What ingestion writes into a site's data folder."""
@@ -65,8 +60,8 @@ def build(src: Sources) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         diagnostics of each source (``pv``, ``carbon``, ``sessions``).
 
     Raises:
-        SourceError: see :func:`pipeline.sources.read_pv`, :func:`~pipeline.sources.read_carbon` and
-            :func:`~pipeline.sources.read_sessions`.
+        SourceError: see :func:`pipeline.data.pv.read_pv`, :func:`~pipeline.data.readers.read_carbon` and
+            :func:`~pipeline.data.readers.read_sessions`.
     """
     index = period_index(src.config)
     sessions, session_info = read_sessions(src)  # cheapest first: a bad file stops before the PV model runs
@@ -119,8 +114,6 @@ def _sha256(path: Path) -> str:
 
 
 def _shown(path: Path) -> str:
-    from pipeline.config import shown_path
-
     return shown_path(path)
 
 
@@ -342,7 +335,7 @@ def _fleet_lines(src: Sources, sessions: pd.DataFrame, stats: dict) -> list[str]
     ids = ", ".join(f"`{f.station_ids()[0]}`..`{f.station_ids()[-1]}` ({f.kind})" for f in fl)
     lines = [
         f"One row per session, {len(sessions):,} rows, sorted by arrival (then socket id); columns of the sessions"
-        " schema plus `kind`. **Generated**: drawn by `pipeline.synthetic.generate_sessions` from the fleet"
+        " schema plus `kind`. **Generated**: drawn by `pipeline.data.synthetic.generate_sessions` from the fleet"
         f" parameters of `[[sources.sessions.fleet]]` (seed {s.seed}): synthetic, not measured.",
         "",
         "| column | dtype | unit | derivation |",
@@ -422,7 +415,7 @@ def render_readme(src: Sources, hourly: pd.DataFrame, sessions: pd.DataFrame, in
     lines = [
         f"# Processed data of the `{cfg.name}` site" + (" (synthetic EV sessions)" if generated else ""),
         "",
-        f"Written by `python -m pipeline.ingest --site {_shown(src.toml)}` from the sources named in the `[sources]`"
+        f"Written by `python -m pipeline.data.ingest --site {_shown(src.toml)}` from the sources named in the `[sources]`"
         " table of the site TOML; do not edit by hand. Rerunning it rewrites the same data.",
         "",
         "## Sources and attribution",
@@ -535,8 +528,11 @@ def status(site: str | Path) -> tuple[str, str]:
     )
 
 
-CODE = ("pipeline/ingest.py", "pipeline/sources.py", "pipeline/synthetic.py")
-"""The code ingestion runs (relative to the project root): the doit task ``ingest`` depends on it."""
+def code_files() -> list[Path]:
+    """The code ingestion runs, which the doit task ``ingest`` depends on: every module of ``pipeline.data`` and the
+    site config and schemas of ``envs`` it checks with."""
+    here, env = Path(__file__).resolve().parent, Path(envs.__file__).resolve().parent
+    return sorted(here.glob("*.py")) + [env / "schemas.py", env / "site.py"]
 
 
 def task_plan(site: str | Path) -> dict:
@@ -551,7 +547,6 @@ def task_plan(site: str | Path) -> dict:
         parts of the TOML ingestion reads, for ``config_changed``).
     """
     from envs.site import load_config
-    from pipeline.config import PROJECT_ROOT
 
     cfg, path = load_config(site)
     if not cfg.sources:
@@ -569,7 +564,7 @@ def task_plan(site: str | Path) -> dict:
     return {
         "state": "ready",
         "line": f"ingest {_shown(path)}",
-        "file_dep": [str(p) for p in raw] + [str(PROJECT_ROOT / c) for c in CODE],
+        "file_dep": [str(p) for p in raw] + [str(p) for p in code_files()],
         "targets": [str(src.data_dir / n) for n in OUTPUTS],
         "settings": src.settings(),
     }
@@ -653,13 +648,13 @@ def _print_summary(hourly, sessions, info, splits, paths, written) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m pipeline.ingest --site SITE [--out-dir DIR]``."""
+    """Command line: ``python -m pipeline.data.ingest --site SITE [--out-dir DIR]``."""
     ap = argparse.ArgumentParser(
-        prog="python -m pipeline.ingest",
+        prog="python -m pipeline.data.ingest",
         description="Build a site's processed data (hourly.parquet, sessions.parquet, README.md) from the raw "
         "sources its TOML names in [sources] (EV sessions, grid carbon, weather or a location); see "
-        "pipeline/sources.py for the format. Everything is checked before anything is written.",
-        epilog="Examples: python -m pipeline.ingest --site my_site.toml; python -m pipeline.ingest --site my_site.toml "
+        "pipeline/data/sources.py for the format. Everything is checked before anything is written.",
+        epilog="Examples: python -m pipeline.data.ingest --site my_site.toml; python -m pipeline.data.ingest --site my_site.toml "
         "--out-dir /tmp/check. Without the raw files of a shipped site, its shipped processed data are used as they "
         "are (one line says so).",
     )

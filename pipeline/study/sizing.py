@@ -3,10 +3,10 @@
 At every point of the grid (PV ``kwp`` x BESS ``bess_kwh``, the BESS power being ``bess_kw = bess_kw_per_kwh *
 bess_kwh``, the C-rate) the site's config is changed in memory (:meth:`envs.site.SiteConfig.replace`, the
 loaded data reused: no TOML is written per point) and the controllers run on both splits: ``uncontrolled``,
-``rule_based`` (:mod:`pipeline.baselines`), ``mpc`` (the causal receding-horizon LP, :mod:`pipeline.mpc`) and
-the perfect-foresight ``oracle`` (:mod:`pipeline.oracle`, the lower bound of CO2); ``mpc_perfect`` on request.
+``rule_based`` (:mod:`pipeline.control.baselines`), ``mpc`` (the causal receding-horizon LP, :mod:`pipeline.control.mpc`) and
+the perfect-foresight ``oracle`` (:mod:`pipeline.control.oracle`, the lower bound of CO2); ``mpc_perfect`` on request.
 Each point is one Dask task (:func:`size_point`, given the site TOML's path and three numbers, returning a few
-small dicts); the cluster is :func:`pipeline.graph.get_client`'s: a scheduler address if given, else an embedded
+small dicts); the cluster is :func:`pipeline.study.cluster.get_client`'s: a scheduler address if given, else an embedded
 ``LocalCluster`` of ``workers`` processes.
 
 Definitions (per controller ``c``, split ``s`` and point ``(kwp, kwh)``; ``H_s`` = hours of split ``s``):
@@ -40,7 +40,7 @@ lacks one.
 Outputs, in ``<output_dir>/<experiment>/sizing/`` (:func:`outputs`): ``sizing.parquet`` (one row per point x
 controller x split, columns :data:`COLUMNS`), ``co2_saved.png``, ``pareto.png``, ``sizing.md`` and
 ``sizing.html`` (self-contained, the figures embedded; rendered from one list of blocks with
-:mod:`pipeline.report`'s renderers). Every file is written atomically.
+:mod:`pipeline.study.report`'s renderers). Every file is written atomically.
 """
 
 from __future__ import annotations
@@ -61,13 +61,19 @@ from matplotlib.figure import Figure
 
 from envs.files import write_parquet, write_text
 from envs.site import ConfigError, Site, load_config, load_site
-from pipeline.config import SPLITS, shown_path
+from pipeline.control import registry
+from pipeline.study.cluster import get_client
+from pipeline.study.config import SPLITS, shown_path, variable
+from pipeline.study.document import (
+    Bullets, FigureRef, Heading, Note, Paragraph, atomic_savefig, frame_table, render_html, render_markdown,
+)
 
 HOURS_PER_YEAR = 8760.0
 """Hours of the year a split's CO2 is scaled to (365 days)."""
 
-KNOWN_CONTROLLERS = ("uncontrolled", "rule_based", "mpc", "mpc_perfect", "oracle")
-"""Controllers a sizing study can run, in report order (``uncontrolled`` always runs: it is the reference)."""
+KNOWN_CONTROLLERS = registry.simulated()
+"""Controllers a sizing study can run: those the study simulates (:func:`pipeline.control.registry.simulated`), in
+report order (``uncontrolled`` always runs: it is the reference)."""
 
 DEFAULT_CONTROLLERS = ("uncontrolled", "rule_based", "mpc", "oracle")
 """Controllers run when neither ``[sizing] controllers`` nor the doit variable ``controllers`` says otherwise."""
@@ -210,8 +216,7 @@ def _controllers(value: Any, where: str) -> tuple[str, ...]:
         raise ConfigError(f"{where} must be a non-empty list of controller names, got {value!r}")
     for c in value:
         if c not in KNOWN_CONTROLLERS:
-            close = difflib.get_close_matches(c, KNOWN_CONTROLLERS, n=1, cutoff=0.6)
-            hint = f": did you mean '{close[0]}'?" if close else ""
+            hint = registry.did_you_mean(c, KNOWN_CONTROLLERS)
             raise ConfigError(f"{where}: unknown controller {c!r}{hint} (known: {', '.join(KNOWN_CONTROLLERS)})")
     return tuple(c for c in KNOWN_CONTROLLERS if c in value or c == "uncontrolled")
 
@@ -323,13 +328,12 @@ def sizing_spec(site: str | Path, variables: Callable[[str], tuple[str, str] | N
 
     Args:
         site: a shipped site name or a site TOML path.
-        variables: ``name -> (text, origin) | None`` (default :func:`pipeline.config.variable`: doit's
+        variables: ``name -> (text, origin) | None`` (default :func:`pipeline.study.config.variable`: doit's
             command line, then ``EVHUB_SIZING_*``).
 
     Raises:
         FileNotFoundError, ConfigError: see :func:`envs.site.load_config` and :func:`parse_sizing`.
     """
-    from pipeline.config import variable
 
     variables = variables or variable
     cfg, path = load_config(site)
@@ -347,7 +351,6 @@ def workers_setting(variables: Callable[[str], tuple[str, str] | None] | None = 
     Raises:
         ValueError: not a positive integer (names the variable and the value).
     """
-    from pipeline.config import variable
 
     given = (variables or variable)("workers")
     if given is None or not given[0].strip():
@@ -395,20 +398,9 @@ def run_controller(site: Site, controller: str, split: str) -> pd.DataFrame:
         KeyError: unknown controller or split.
         RuntimeError: an LP not solved, or an energy-balance violation.
     """
-    if controller == "oracle":
-        from pipeline.oracle import solve_oracle
-
-        return solve_oracle(site, split)[0]
-    if controller in ("mpc", "mpc_perfect"):
-        from pipeline.mpc import run_mpc
-
-        return run_mpc(site, split, controller)[0]
-    from envs.kpis import evaluate_policy
-    from pipeline.baselines import CONTROLLERS
-
-    if controller not in CONTROLLERS:
+    if controller not in KNOWN_CONTROLLERS:
         raise KeyError(f"unknown controller {controller!r}: known are {', '.join(KNOWN_CONTROLLERS)}")
-    return evaluate_policy(CONTROLLERS[controller], site, split, controller)[0]
+    return registry.get(controller).simulate(site, split)[0]
 
 
 KPI_KEYS = (
@@ -563,7 +555,6 @@ def _splits_in(table: pd.DataFrame) -> list[str]:
 def plot_co2_saved(table: pd.DataFrame, path: Path) -> Path:
     """Heatmaps of CO2 avoided (% of uncontrolled at 0 kWp / 0 kWh), one per controller (rows) and split (columns),
     PV kWp on x, BESS kWh on y, each cell labelled; one colour scale for all."""
-    from pipeline.report import _atomic_savefig
 
     controllers, splits = _controllers_in(table), _splits_in(table)
     kwp, kwh = sorted(table.kwp.unique()), sorted(table.bess_kwh.unique())
@@ -596,14 +587,13 @@ def plot_co2_saved(table: pd.DataFrame, path: Path) -> Path:
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.6, label="CO2 avoided vs uncontrolled at 0 kWp / 0 kWh (%)")
     fig.suptitle("CO2 avoided over the sizing grid")
-    return _atomic_savefig(fig, path)
+    return atomic_savefig(fig, path)
 
 
 def plot_pareto(table: pd.DataFrame, path: Path, currency: str = "USD") -> Path:
     """Annualised capex (x, thousand ``currency``/yr) vs CO2 (y, t/yr) of every point, one panel per split, one
     colour per controller; Pareto-optimal points filled and joined, the others hollow; the Pareto points of the
     controller with the lowest CO2 labelled ``kWp/kWh``. Without costs, x is PV kWp + BESS kWh instead."""
-    from pipeline.report import _atomic_savefig
 
     controllers, splits = _controllers_in(table), _splits_in(table)
     fig = Figure(figsize=(6.2 * len(splits), 5.0), layout="constrained")
@@ -627,7 +617,7 @@ def plot_pareto(table: pd.DataFrame, path: Path, currency: str = "USD") -> Path:
         ax.set_ylim(bottom=min(0.0, float(table.co2_t_per_year.min())))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    return _atomic_savefig(fig, path)
+    return atomic_savefig(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------ the page
@@ -638,8 +628,6 @@ def _money(v: float, currency: str) -> str:
 def page_blocks(table: pd.DataFrame, spec: SizingSpec, site_name: str, info: Mapping[str, str]) -> list:
     """The sizing page's content (for sizing.md and sizing.html): headline, definitions, settings, the table and
     the figures (``co2_saved.png``, ``pareto.png``)."""
-    from pipeline.report import Bullets, FigureRef, Heading, Note, Paragraph
-    from pipeline.report import sizing_table as report_table
 
     cur = spec.costs.currency if spec.costs else "USD"
     blocks: list = [Heading(1, f"Sizing study: {site_name}")]
@@ -713,7 +701,7 @@ def page_blocks(table: pd.DataFrame, spec: SizingSpec, site_name: str, info: Map
         "ev_energy_served_pct": "EV energy served (%)", "annualised_cost": f"annualised capex ({cur}/yr)",
         "cost_per_t_avoided": f"cost per t avoided ({cur}/t)", "pareto": "Pareto", "wall_s": "wall (s)",
     }  # fmt: skip
-    blocks.append(report_table(shown[list(columns)].rename(columns=columns)))
+    blocks.append(frame_table(shown[list(columns)].rename(columns=columns)))
     blocks.append(Paragraph("Every column (grid import, PV generation, EV energy, peak import, wall seconds) is in `sizing.parquet`."))
     blocks.append(Heading(2, "Figures"))
     blocks.append(FigureRef("co2_saved.png", "CO2 avoided over the grid", "CO2 avoided (% of uncontrolled at 0 kWp / 0 kWh) per controller and split."))
@@ -726,7 +714,6 @@ def write_outputs(
 ) -> dict[str, Path]:
     """Write ``sizing.parquet``, the two figures, ``sizing.html`` and ``sizing.md`` (the last, the doit target) into
     ``out_dir``, atomically; returns their paths by name."""
-    from pipeline.report import render_html, render_markdown
 
     out_dir = Path(out_dir)
     paths = {"parquet": write_parquet(table, out_dir / "sizing.parquet")}
@@ -762,7 +749,7 @@ def run_sizing(
         site_toml: the site config (shipped name or path).
         out_dir: the output folder (``<experiment>/sizing``).
         spec: the study (default :func:`sizing_spec` of the site, with doit / environment variables).
-        workers: worker processes of the embedded LocalCluster (default :func:`pipeline.graph.get_client`'s);
+        workers: worker processes of the embedded LocalCluster (default :func:`pipeline.study.cluster.get_client`'s);
             ignored with a scheduler.
         scheduler_address: an existing Dask scheduler; None starts a LocalCluster.
         client: a Dask client to use instead of either.
@@ -777,7 +764,6 @@ def run_sizing(
     """
     from distributed import as_completed
 
-    from pipeline.graph import get_client
 
     t0 = time.perf_counter()
     cfg, path = load_config(site_toml)

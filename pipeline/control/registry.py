@@ -1,0 +1,158 @@
+"""The one table of the study's controllers: every name the pipeline, the report and sizing know, in report order.
+
+Each :class:`Controller` says what it is (``family``), what it may know when it acts (``causal``, ``knows``),
+whether it learns from data (``learned``) and, for the controllers the pipeline simulates itself, how to run it
+over one split (:meth:`Controller.simulate`). The agents are trained by their ``algos/<name>.py`` scripts and
+evaluated from their exported policies (``pipeline.study.tasks``); they are here so that names, order and what
+each row of the report knows come from one place.
+
+Families, in report order:
+
+- ``reference``: ``uncontrolled``, what the site does without control (the CO2 reference);
+- ``rule``: ``rule_based``, the self-consumption battery rule;
+- ``planner``: ``mpc``, the receding-horizon LP with hand-set parameters (:mod:`pipeline.control.mpc`);
+- ``learned planner``: the planners that learn from the site's realised data (their own section of the docs);
+- ``agent``: the model-free agents, one script each;
+- ``bound``: ``mpc_perfect`` (the planner given the true future within its horizon) and the ``oracle`` (the
+  perfect-foresight LP over the whole split): not causal, they bracket what information is worth.
+
+The protocol every causal row obeys: it uses only what was realised before the hour it acts on, in the train
+split and in the split it acts on; nothing is chosen on the test split's outcome.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+
+from envs.site import Site, SiteConfig
+
+FAMILIES = ("reference", "rule", "planner", "learned planner", "agent", "bound")
+"""Controller families in report order."""
+
+Simulate = Callable[[Site, str], tuple[pd.DataFrame, pd.DataFrame]]
+"""``(site, split) -> (kpi_row, traces)`` as :func:`envs.kpis.evaluate_policy` returns them."""
+
+
+def _always(cfg: SiteConfig) -> bool:
+    return True
+
+
+def _mpc_enabled(cfg: SiteConfig) -> bool:
+    return cfg.mpc.enabled
+
+
+@dataclass(frozen=True)
+class Controller:
+    """One row of :data:`CONTROLLERS`.
+
+    Attributes:
+        name: the controller's name in file names, tables and doit variables.
+        family: one of :data:`FAMILIES`.
+        causal: acts only on what was realised before the hour it acts on (``False``: ``mpc_perfect``, ``oracle``).
+        learned: fits something to the site's data (a forecast, its parameters or a network).
+        knows: what it reads when it acts, in a few words (the report's "knows" column).
+        runner: ``"module:function"`` that simulates it over a split (imported when run, so that the table can be
+            read without loading HiGHS or torch); ``None`` for the agents (trained and evaluated by the study).
+        runner_args: extra positional arguments of the runner after ``(site, split)``.
+        enabled: whether a site runs it (the MPC family can be switched off with ``[mpc] enabled = false``).
+        retries: Dask retries of its task (every simulation is deterministic and safe to repeat).
+    """
+
+    name: str
+    family: str
+    causal: bool
+    learned: bool
+    knows: str
+    runner: str | None = None
+    runner_args: tuple = ()
+    enabled: Callable[[SiteConfig], bool] = _always
+    retries: int = 1
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the study simulates it over a split itself (everything but the agents)."""
+        return self.runner is not None
+
+    def simulate(self, site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """Run it over one whole split; returns ``(kpi_row, traces)`` (:func:`envs.kpis.evaluate_policy`'s).
+
+        Raises:
+            TypeError: an agent (it is trained, not simulated here).
+            KeyError: unknown split. RuntimeError: an LP not solved, or an energy-balance violation.
+        """
+        if self.runner is None:
+            raise TypeError(f"controller {self.name!r} is an agent: train it with algos/{self.name}.py")
+        import importlib
+
+        module, function = self.runner.split(":")
+        return getattr(importlib.import_module(module), function)(site, split, *self.runner_args)
+
+
+_AGENT_KNOWS = "the observation (PV, MOER and its forecasts, SOC, sockets, time); trained on the train split"
+
+CONTROLLERS: dict[str, Controller] = {
+    c.name: c
+    for c in (
+        Controller("uncontrolled", "reference", True, False, "nothing: EVs at full power, battery idle",
+                   "pipeline.control.baselines:simulate", ("uncontrolled",), retries=2),
+        Controller("rule_based", "rule", True, False, "the hour's PV surplus or deficit",
+                   "pipeline.control.baselines:simulate", ("rule_based",), retries=2),
+        Controller("mpc", "planner", True, False,
+                   "24 h LP on a MOER regression refit daily and the past week's sessions (hand-set weights)",
+                   "pipeline.control.mpc:simulate", ("mpc",), _mpc_enabled),
+        *(Controller(a, "agent", True, True, _AGENT_KNOWS) for a in ("ppo", "sac", "a2c", "dqn")),
+        Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
+                   "pipeline.control.mpc:simulate", ("mpc_perfect",), _mpc_enabled),
+        Controller("oracle", "bound", False, False, "the whole split (perfect-foresight LP)",
+                   "pipeline.control.oracle:simulate"),
+    )
+}  # fmt: skip
+"""Every controller by name, in report order (agents among themselves are shown by name)."""
+
+
+def get(name: str) -> Controller:
+    """The controller called ``name``.
+
+    Raises:
+        KeyError: an unknown name; the message gives the closest known one and every known name.
+    """
+    if name not in CONTROLLERS:
+        raise KeyError(f"unknown controller {name!r}{did_you_mean(name, CONTROLLERS)} (known: {', '.join(CONTROLLERS)})")
+    return CONTROLLERS[name]
+
+
+def did_you_mean(name: str, known) -> str:
+    """``": did you mean 'x'?"`` for the closest of ``known`` to ``name`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f": did you mean '{close[0]}'?" if close else ""
+
+
+def agents() -> tuple[str, ...]:
+    """The model-free agents (one ``algos/<name>.py`` script each), in the pipeline's training order."""
+    return tuple(n for n, c in CONTROLLERS.items() if c.family == "agent")
+
+
+def simulated(cfg: SiteConfig | None = None) -> tuple[str, ...]:
+    """The controllers the study simulates itself, in report order; with ``cfg``, those that site runs."""
+    return tuple(n for n, c in CONTROLLERS.items() if c.simulated and (cfg is None or c.enabled(cfg)))
+
+
+def is_agent(name: str) -> bool:
+    """Whether ``name`` is a trained agent's row: a registered agent, or any name the table does not know (an
+    agent script outside it)."""
+    return name not in CONTROLLERS or CONTROLLERS[name].family == "agent"
+
+
+def sort_key(name: str) -> tuple[int, str]:
+    """Report order: the non-agent controllers in table order around the agents, the agents (and unknown names)
+    by name, after the learned planners and before the bounds."""
+    order = [n for n, c in CONTROLLERS.items() if c.family != "agent"]
+    first_bound = next(i for i, n in enumerate(order) if CONTROLLERS[n].family == "bound")
+    if is_agent(name):
+        return (first_bound, name)
+    i = order.index(name)
+    return (i if i < first_bound else i + 1, "")

@@ -1,0 +1,285 @@
+"""Readers of a site's raw EV sessions and grid carbon (the files its ``[sources]`` table names,
+:mod:`pipeline.data.sources`).
+
+Each returns a table plus an ``info`` dict for the data README:
+
+- :func:`read_sessions`: columns ``session_id, station_id`` (str), ``arrival, departure`` (datetime64[ns, UTC]),
+  ``energy_kwh``, ``requested_energy_kwh`` (float32, kWh) [, ``kind`` (str) for generated sessions].
+- :func:`read_carbon`: ``moer_kg_per_kwh``, ``moer_fc_h0..h2`` (float64, kg CO2/kWh) on the period's hours.
+
+Every check raises :class:`pipeline.data.sources.SourceError` naming the raw file, the column and the row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from envs.schemas import MOER_MAX_KG_PER_KWH
+from envs.site import SiteConfig
+from pipeline.data.sources import (
+    CARBON_UNITS, ENERGY_UNITS, MOER_FORECAST_COLUMNS, SessionsSource, SourceError, Sources, check_coverage,
+    check_range, column, files_of, numbers, parse_times, period, period_index, read_csv, rel_path, row_label,
+)
+from pipeline.data.synthetic import generate_sessions
+
+
+# ------------------------------------------------------------------------------------------- sessions
+
+
+def read_sessions(src: Sources) -> tuple[pd.DataFrame, dict]:
+    """Read (or generate) the site's EV sessions over its :func:`period`.
+
+    Measured sessions (``acn-csv``, ``acn-json``, ``csv``) are read file by file; in each file, sessions with
+    ``departure <= arrival``, with zero (or missing) energy, arriving outside the period, or repeating an earlier
+    ``session_id`` (first kept) are dropped and counted. A missing requested energy is taken to be the delivered
+    energy (counted). Generated sessions (``fleet``): :func:`pipeline.data.synthetic.generate_sessions` over the period.
+
+    Returns:
+        ``(sessions, info)``: ``sessions`` of shape ``(S, 6)`` (``(S, 7)`` with ``kind`` for generated ones),
+        columns ``session_id, station_id`` (str), ``arrival, departure`` (datetime64[ns, UTC]), ``energy_kwh``,
+        ``requested_energy_kwh`` (float32, kWh), sorted by arrival then session id (generated: then station),
+        RangeIndex; ``info`` has ``report`` (one dict per file with its counts) or the generator's ``stats``.
+
+    Raises:
+        SourceError: a missing column (with the closest name), an unparsable or offset-less timestamp, a
+            non-numeric energy (file, column and row named), every session of a file outside the period, or a
+            split that no session arrives in (naming how many sessions of each file lie outside every split and
+            the first such row).
+    """
+    cfg, s = src.config, src.sessions
+    first, end = period(cfg)
+    if s.format == "fleet":
+        sessions, stats = generate_sessions(s.fleets, s.seed, first, end, cfg.timezone, s.session_id_prefix)
+        return sessions, {"stats": stats}
+    index = period_index(cfg)
+    t0, t1 = index[0], index[-1] + pd.Timedelta(hours=1)
+    frames, report, outside = [], [], []
+    seen: set[str] = set()
+    for f in files_of(src, "sessions"):
+        d, kind = _session_table(f, s)
+        label = rel_path(f, src.root)
+        col = {
+            k: column(d, name, str(f), f"sources.sessions.columns.{k}" if s.format == "csv" else "sources.sessions.format",
+                      src.toml)
+            for k, name in s.columns.items()
+        }  # fmt: skip
+        times = {
+            k: parse_times(col[k], file=str(f), column_name=s.columns[k], key="sources.sessions", toml=src.toml,
+                           tz=s.timezone, fmt=s.time_format, kind=kind)
+            for k in ("arrival", "departure")
+        }  # fmt: skip
+        arr, dep = times["arrival"], times["departure"]
+        energy = numbers(col["energy_kwh"], file=str(f), column_name=s.columns["energy_kwh"], kind=kind, allow_nan=True)
+        if ENERGY_UNITS[s.energy_unit] != 1.0:
+            energy = energy * ENERGY_UNITS[s.energy_unit]
+        if "session_id" in col:
+            ids = col["session_id"].astype(str)
+        else:
+            ids = pd.Series([f"{label}:{i}" for i in range(len(d))], index=d.index)
+        if "requested_energy_kwh" in col:
+            req = numbers(col["requested_energy_kwh"], file=str(f), column_name=s.columns["requested_energy_kwh"],
+                           kind=kind, allow_nan=True)  # fmt: skip
+            if ENERGY_UNITS[s.energy_unit] != 1.0:
+                req = req * ENERGY_UNITS[s.energy_unit]
+        else:
+            req = energy
+        bad_time = (dep <= arr).to_numpy()
+        bad_energy = ~(energy > 0).to_numpy() & ~bad_time
+        out_period = ((arr < t0) | (arr >= t1)).to_numpy() & ~bad_time & ~bad_energy
+        if len(d) and out_period.all():
+            raise SourceError(
+                f"{f}: all {len(d):,} sessions arrive outside the site's period {first}..{end} ({cfg.timezone}, from "
+                f"the splits of {src.toml}): first {row_label(0, kind)} arrives {arr.iloc[0]} (UTC); check the splits, the "
+                "file, or the time zone of its timestamps"
+            )
+        dup = ids.isin(seen).to_numpy() & ~bad_time & ~bad_energy & ~out_period
+        keep = ~(bad_time | bad_energy | out_period | dup)
+        seen.update(ids[keep])
+        req_filled = int((req.isna().to_numpy() & keep).sum())
+        req = req.where(req.notna(), energy)
+        report.append(
+            {
+                "file": label,
+                "read": len(d),
+                "dropped_departure_not_after_arrival": int(bad_time.sum()),
+                "dropped_zero_energy": int(bad_energy.sum()),
+                "dropped_outside_period": int(out_period.sum()),
+                "dropped_duplicate_id": int(dup.sum()),
+                "kept": int(keep.sum()),
+                "requested_filled": req_filled,
+            }
+        )
+        frame = pd.DataFrame(
+            {
+                "session_id": ids[keep].astype(str),
+                "station_id": col["station_id"][keep].astype(str),
+                "arrival": arr[keep],
+                "departure": dep[keep],
+                "energy_kwh": energy[keep].astype(np.float32),
+                "requested_energy_kwh": req[keep].astype(np.float32),
+            }
+        )
+        frames.append(frame)
+        out_rows = np.flatnonzero(keep)[~_in_any_split(arr[keep], cfg)]  # kept, but in no split
+        if len(out_rows):
+            outside.append((str(f), kind, len(out_rows), int(out_rows[0]), arr.iloc[out_rows[0]]))
+        report[-1]["outside_splits"] = len(out_rows)
+    sessions = pd.concat(frames, ignore_index=True)
+    sessions = sessions.sort_values(["arrival", "session_id"], kind="mergesort").reset_index(drop=True)
+    for split in ("train", "test"):
+        a, b = cfg.split_bounds(split)
+        if not ((sessions.arrival >= a) & (sessions.arrival < b)).any():
+            lines = "; ".join(
+                f"{f}: {n:,} session(s) outside every split, first {row_label(r, k)} arriving {t}" for f, k, n, r, t in outside
+            )
+            dates = getattr(cfg.splits, split)
+            raise SourceError(
+                f"{src.toml}: key 'splits.{split}' ({dates[0]}..{dates[1]}, {cfg.timezone}) selects none of the "
+                f"{len(sessions):,} sessions read from [sources.sessions]" + (f" ({lines})" if lines else "")
+            )
+    return sessions, {"report": report}
+
+
+def _session_table(f: Path, s: SessionsSource) -> tuple[pd.DataFrame, str]:
+    """The raw table of one sessions file and its kind (``csv`` or ``json``)."""
+    if s.format == "acn-json":
+        try:
+            doc = json.loads(Path(f).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{f}: not readable as ACN-Data JSON: {exc}") from exc
+        items = doc.get("_items") if isinstance(doc, dict) else doc
+        if not isinstance(items, list):
+            raise SourceError(f"{f}: not ACN-Data JSON: expected an object with an '_items' list of sessions")
+        rows = []
+        for i, it in enumerate(items):
+            if not isinstance(it, dict):
+                raise SourceError(f"{f}: item {i} of '_items' is not an object")
+            ui = it.get("userInputs")
+            req = ui[-1].get("kWhRequested") if isinstance(ui, list) and ui and isinstance(ui[-1], dict) else None
+            rows.append({**{k: v for k, v in it.items() if k != "userInputs"}, "kWhRequested": req})
+        d = pd.DataFrame(rows)
+        for k in ("sessionID", "stationID"):
+            if k in d:
+                d[k] = d[k].astype(str)
+        if "kWhRequested" in d:
+            d["kWhRequested"] = pd.to_numeric(d["kWhRequested"], errors="coerce")
+        return d, "json"
+    dtype = {s.columns["station_id"]: str}
+    if "session_id" in s.columns:
+        dtype[s.columns["session_id"]] = str
+    return read_csv(f, dtype=dtype), "csv"
+
+
+def _in_any_split(arrival: pd.Series, cfg: SiteConfig) -> np.ndarray:
+    ok = np.zeros(len(arrival), dtype=bool)
+    for split in ("train", "test"):
+        a, b = cfg.split_bounds(split)
+        ok |= ((arrival >= a) & (arrival < b)).to_numpy()
+    return ok
+
+
+# --------------------------------------------------------------------------------------------- carbon
+
+
+def read_carbon(src: Sources, index: pd.DatetimeIndex) -> tuple[pd.DataFrame, dict]:
+    """Carbon intensity of every hour of ``index`` and its forecasts, kg CO2/kWh.
+
+    - ``constant``: ``kg_per_kwh`` in every hour and every forecast (a constant is its own perfect forecast).
+    - ``watttime-moer`` (5-minute rows: ``time`` in UTC, ``moer``, optionally ``f1..f36``; files may overlap,
+      repeated rows must agree and are kept once): ``moer_kg_per_kwh`` is the mean of the rows whose ``time``
+      falls in the hour. With forecast columns, ``moer_fc_h0/h1/h2`` come from the row issued at the hour start
+      (if missing, the nearest earlier row): the means of ``f1..f12``, ``f13..f24``, ``f25..f36``.
+    - ``csv`` (any resolution, e.g. hourly average intensity): ``moer_kg_per_kwh`` is the mean of the values
+      whose time falls in the hour.
+    - Without forecast columns (``csv``, or MOER files without ``f1..f36``) the forecasts are persistence, a
+      causal rule: at each hour start the three forecasts are the mean of the previous hour (the latest hour
+      known then); the first hour of the period takes the hour before it when the file has it, else its own
+      value.
+
+    Returns:
+        ``(frame, info)``: DataFrame indexed like ``index``, columns ``moer_kg_per_kwh, moer_fc_h0..h2``
+        (float64, kg CO2/kWh); ``info`` with ``format``, counts and ``forecast`` ("file", "persistence",
+        "constant").
+
+    Raises:
+        SourceError: a missing column (closest name suggested), an unparsable timestamp (row named), values out of
+            [0, 2] kg/kWh after the declared unit (e.g. g/kWh declared as kg/kWh: "looks like g/kWh"), files that
+            disagree on a repeated row, some forecast columns without the others, or an hour of the period without
+            any value (the first missing hour named).
+    """
+    c = src.carbon
+    cols = ["moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]
+    if c.format == "constant":
+        out = pd.DataFrame({k: np.full(len(index), c.kg_per_kwh) for k in cols}, index=index)
+        return out, {"format": "constant", "forecast": "constant", "kg_per_kwh": c.kg_per_kwh}
+    files = files_of(src, "carbon")
+    factor = CARBON_UNITS[c.unit]
+    frames, has_fc = [], []
+    for f in files:
+        d = read_csv(f)
+        tcol = column(d, c.time_column, str(f), "sources.carbon.time_column", src.toml)
+        vcol = column(d, c.value_column, str(f), "sources.carbon.value_column", src.toml)
+        present = [x for x in MOER_FORECAST_COLUMNS if x in d.columns] if c.format == "watttime-moer" else []
+        if present and len(present) != len(MOER_FORECAST_COLUMNS):
+            lack = [x for x in MOER_FORECAST_COLUMNS if x not in d.columns]
+            raise SourceError(f"{f}: forecast column(s) {', '.join(lack)} missing beside {', '.join(present[:3])}...: give all of f1..f36 or none")
+        has_fc.append(bool(present))
+        t = parse_times(tcol, file=str(f), column_name=c.time_column, key="sources.carbon", toml=src.toml,
+                        tz=c.timezone, fmt=c.time_format)  # fmt: skip
+        frame = pd.DataFrame({"time": t, "moer": numbers(vcol, file=str(f), column_name=c.value_column)})
+        for x in present:
+            frame[x] = numbers(d[x], file=str(f), column_name=x)
+        if factor != 1.0:
+            for x in ["moer", *present]:
+                frame[x] = frame[x] * factor
+        for x in ["moer", *present]:
+            check_range(
+                frame[x].to_numpy(), MOER_MAX_KG_PER_KWH, file=str(f), column_name=c.value_column if x == "moer" else x,
+                unit_key="sources.carbon.unit", unit=c.unit, what="kg CO2/kWh",
+                hint_hi=": looks like g/kWh (set unit = \"g/kWh\" in [sources.carbon])" if c.unit == "kg/kWh" else "",
+            )  # fmt: skip
+        frames.append(frame)
+    if len(set(has_fc)) > 1:
+        raise SourceError(f"{src.toml}: key 'sources.carbon.files': some files have forecast columns f1..f36, others not")
+    fc = has_fc[0]
+    vals = ["moer", *(MOER_FORECAST_COLUMNS if fc else ())]
+    m = pd.concat(frames, ignore_index=True)
+    dup = m[m.duplicated("time", keep=False)]
+    if len(dup):
+        spread = dup.groupby("time")[vals].agg(lambda s: s.max() - s.min()).to_numpy()
+        if np.nanmax(spread) > 1e-9:
+            where = ", ".join(rel_path(f, src.root) for f in files)
+            raise SourceError(f"{where}: files disagree on repeated rows of column '{c.value_column}' (max difference {np.nanmax(spread):g})")
+    m = m.drop_duplicates("time").set_index("time").sort_index()
+    hour = m.index.floor("h")
+    grp = m["moer"].groupby(hour)
+    mean = grp.mean().reindex(index)
+    count = grp.size().reindex(index).fillna(0)
+    label = ", ".join(rel_path(f, src.root) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    check_coverage(mean, index, src.config, f"carbon column '{c.value_column}'", label)
+    out = pd.DataFrame(index=index)
+    out["moer_kg_per_kwh"] = mean.to_numpy()
+    info = {"format": c.format, "rows": len(m), "hours_below_12_samples": int((count < 12).sum()),
+            "samples_per_hour_max": int(count.max()), "unit": c.unit}  # fmt: skip
+    if fc:
+        exact = index.isin(m.index)
+        fc_rows = m.reindex(index, method="ffill")
+        if fc_rows["f1"].isna().any():
+            raise SourceError(f"{label}: no forecast row at or before {index[fc_rows['f1'].isna()][0]}")
+        for h in range(3):
+            out[f"moer_fc_h{h}"] = fc_rows[[f"f{i}" for i in range(12 * h + 1, 12 * h + 13)]].mean(axis=1).to_numpy()
+        info.update(forecast="file", forecast_rows_from_earlier=int((~exact).sum()))
+    else:
+        hourly_all = grp.mean()
+        before = index[0] - pd.Timedelta(hours=1)
+        prev = pd.Series(np.r_[hourly_all.get(before, np.nan), mean.to_numpy()[:-1]], index=index)
+        first_own = bool(np.isnan(prev.iloc[0]))
+        prev.iloc[0] = mean.iloc[0] if first_own else prev.iloc[0]
+        for h in range(3):
+            out[f"moer_fc_h{h}"] = prev.to_numpy()
+        info.update(forecast="persistence", first_hour_own_value=first_own)
+    return out, info
