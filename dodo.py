@@ -70,7 +70,7 @@ DOIT_CONFIG = {"default_tasks": ["pipeline"], "verbosity": 2, "action_string_for
 
 
 def _site_files() -> list[str]:
-    from envs.site import load_config
+    from envs.config import load_config
 
     cfg, path = load_config(SITE_TOML)
     data = path.parent / cfg.data_dir

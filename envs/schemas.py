@@ -27,7 +27,6 @@ This module imports nothing from the rest of the project.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,8 @@ import numpy as np
 import pandas as pd
 import pandera.pandas as pa
 from pandera.errors import SchemaError, SchemaErrors
+
+from envs.toml_table import closest
 
 __all__ = [
     "DataValidationError",
@@ -219,8 +220,8 @@ def _format_failures(
         if check == "column_in_dataframe":
             missing = str(r["failure_case"])
             present = ", ".join(map(str, df.columns))
-            close = difflib.get_close_matches(missing, [str(c) for c in df.columns if c not in schema_columns], n=1)
-            hint = f"; did you mean to rename '{close[0]}'?" if close else ""
+            close = closest(missing, [str(c) for c in df.columns if c not in schema_columns])
+            hint = f"; did you mean to rename '{close}'?" if close is not None else ""
             lines.append((-2, f"{file}: column '{missing}' is missing (all rows; columns present: {present}){hint}"))
         elif check.startswith("dtype("):
             expected = check[len("dtype(") : -1].strip("'")

@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from envs.site import Site, config_from_dict
+from envs.config import config_from_dict
+from envs.site import Site
 
 
 def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) -> Site:

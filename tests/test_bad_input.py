@@ -198,7 +198,7 @@ def test_algos_from_the_environment_and_a_typo_in_a_doit_variable(monkeypatch):
 
 
 def test_reversed_split_dates_and_a_split_without_sessions(tmp_path):
-    from envs.site import ConfigError, load_config
+    from envs.config import ConfigError, load_config
     from pipeline.study.tasks import validate_input
 
     toml = write_site(make_site(days=7), tmp_path)

@@ -6,7 +6,6 @@ The messages must name the file, the column and the row with its timestamp / ses
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import numpy as np
@@ -260,14 +259,3 @@ def test_csv_round_trip(tmp_path, small):
     pd.testing.assert_series_equal(h.time, hourly.time)
     pd.testing.assert_series_equal(s.arrival, sessions.arrival)
 
-
-def test_envs_does_not_import_pipeline():
-    for path in (ROOT / "envs").rglob("*.py"):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            assert not any(n == "pipeline" or n.startswith("pipeline.") for n in names), f"{path} imports {names}"

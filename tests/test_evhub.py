@@ -231,7 +231,7 @@ def test_session_thinning_keeps_the_drawn_share_of_arrivals_in_training_only():
 
 
 def test_session_keep_min_is_checked():
-    from envs.site import ConfigError
+    from envs.config import ConfigError
 
     with pytest.raises(ConfigError, match="episode.session_keep_min"):
         make_site(episode={"session_keep_min": 0.0})

@@ -13,7 +13,7 @@ import pytest
 from conftest import doit, files_under
 from test_sources import template, write_garage  # noqa: F401  (template: the garage's raw files, a fixture)
 
-from envs.site import SITES_DIR
+from envs.config import SITES_DIR
 from pipeline.data.ingest import ingest
 from pipeline.data.sources import load_sources
 

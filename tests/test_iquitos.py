@@ -14,7 +14,8 @@ import pytest
 
 from envs.kpis import balance_residual, evaluate_policy
 from envs.schemas import read_table, validate_site_data
-from envs.site import Site, load_config, load_site
+from envs.config import load_config
+from envs.site import Site, load_site
 from pipeline.data import pv as pv_model
 from pipeline.data import readers, sources, synthetic
 from pipeline.control.baselines import POLICIES

@@ -11,7 +11,8 @@ import pytest
 from conftest import make_site, write_site
 
 from envs.kpis import balance_residual, evaluate_policy
-from envs.site import ConfigError, Site
+from envs.config import ConfigError
+from envs.site import Site
 from pipeline.control.baselines import uncontrolled
 from pipeline.control.mpc import REGRESSION_WARMUP_DAYS, MPCController, run_mpc
 from pipeline.control.oracle import solve_oracle

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT, make_site, write_site
 
-from envs.site import ConfigError
+from envs.config import ConfigError
 from pipeline.study.sizing import (
     COLUMNS,
     SizingCosts,

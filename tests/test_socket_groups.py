@@ -14,7 +14,8 @@ from conftest import make_site, write_site
 
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import balance_residual, evaluate_policy, kpis_from_traces
-from envs.site import ConfigError, Site, config_from_dict, load_site
+from envs.config import ConfigError, config_from_dict
+from envs.site import Site, load_site
 from pipeline.control.baselines import POLICIES, rule_based, uncontrolled
 from pipeline.control.mpc import MPCController
 from pipeline.control.oracle import build_lp, solve_oracle

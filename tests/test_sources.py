@@ -303,7 +303,7 @@ def test_pv_of_an_epw_in_another_utc_offset_peaks_at_local_solar_noon(garage):
 
 
 def test_clear_sky_site_needs_its_location_and_a_shipped_site_without_raw_files_is_used_as_is(tmp_path, capsys):
-    from envs.site import SITES_DIR, config_from_dict
+    from envs.config import SITES_DIR, config_from_dict
 
     iq = load_sources("iquitos")
     raw = {**_raw_toml(SITES_DIR / "iquitos.toml")}
@@ -403,7 +403,7 @@ value_column = "kw_per_kwp"
 
 
 def test_pv_keys_and_fleet_tables_are_checked_naming_the_key():
-    from envs.site import SITES_DIR, ConfigError, config_from_dict
+    from envs.config import SITES_DIR, ConfigError, config_from_dict
     from pipeline.data.sources import parse_sources
 
     raw = _raw_toml(SITES_DIR / "iquitos.toml")

@@ -54,7 +54,8 @@ import scipy.sparse as sp
 from scipy.optimize import linprog
 
 from envs.kpis import TRACE_COLUMNS, check_balance, kpi_row
-from envs.site import Site, SiteConfig, SplitData, load_site
+from envs.config import SiteConfig
+from envs.site import Site, SplitData, load_site
 
 UNSERVED_PENALTY = 1e3
 """Objective weight per kWh of EV energy not delivered, kg-CO2-equivalent (MOER is below ~2 kg/kWh)."""

@@ -22,13 +22,14 @@ split and in the split it acts on; nothing is chosen on the test split's outcome
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
 
-from envs.site import Site, SiteConfig
+from envs.config import SiteConfig
+from envs.site import Site
+from envs.toml_table import did_you_mean
 
 FAMILIES = ("reference", "rule", "planner", "learned planner", "agent", "bound")
 """Controller families in report order."""
@@ -123,12 +124,6 @@ def get(name: str) -> Controller:
     if name not in CONTROLLERS:
         raise KeyError(f"unknown controller {name!r}{did_you_mean(name, CONTROLLERS)} (known: {', '.join(CONTROLLERS)})")
     return CONTROLLERS[name]
-
-
-def did_you_mean(name: str, known) -> str:
-    """``": did you mean 'x'?"`` for the closest of ``known`` to ``name`` (difflib), or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f": did you mean '{close[0]}'?" if close else ""
 
 
 def agents() -> tuple[str, ...]:

@@ -39,7 +39,7 @@ import pandas as pd
 from envs import files
 from envs.schemas import DataValidationError, validate_site_data
 import envs
-from envs.site import SITES_DIR
+from envs.config import SITES_DIR
 from pipeline.data.pv import read_pv
 from pipeline.paths import shown_path
 from pipeline.data.readers import read_carbon, read_sessions
@@ -546,7 +546,7 @@ def task_plan(site: str | Path) -> dict:
         file, globs expanded, and the ingestion code), ``targets`` (the processed files) and ``settings`` (the
         parts of the TOML ingestion reads, for ``config_changed``).
     """
-    from envs.site import load_config
+    from envs.config import load_config
 
     cfg, path = load_config(site)
     if not cfg.sources:

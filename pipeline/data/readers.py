@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from envs.schemas import MOER_MAX_KG_PER_KWH
-from envs.site import SiteConfig
+from envs.config import SiteConfig
 from pipeline.data.sources import (
     CARBON_UNITS, ENERGY_UNITS, MOER_FORECAST_COLUMNS, SessionsSource, SourceError, Sources, check_coverage,
     check_range, column, files_of, numbers, parse_times, period, period_index, read_csv, rel_path, row_label,

@@ -36,7 +36,7 @@ itself relative to the TOML (default: the TOML's folder), and may be globs::
     # format = "pv-csv"                  #   measured PV, kW AC per kWp DC: files, time_column, value_column,
     #                                    #     unit = "kW/kWp" | "W/kWp", timezone, time_format
 
-The PV array itself (tilt, azimuth, PVWatts parameters) is the ``[pv]`` table (:class:`envs.site.PVConfig`).
+The PV array itself (tilt, azimuth, PVWatts parameters) is the ``[pv]`` table (:class:`envs.config.PVConfig`).
 
 The processed data cover the *period* of the site: from local midnight of the first split's first date to
 local midnight after the last split's last date, in the site ``timezone`` (:func:`period`).
@@ -50,10 +50,7 @@ The readers of the raw files are :mod:`pipeline.data.readers` (sessions, carbon)
 
 from __future__ import annotations
 
-import difflib
 import glob
-import math
-import zoneinfo
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -61,8 +58,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from envs.config import SiteConfig
 from envs.schemas import MOER_MAX_KG_PER_KWH
-from envs.site import SiteConfig
+from envs.toml_table import Range, TomlTable, did_you_mean, is_number
 from pipeline.data.synthetic import FleetParams
 
 
@@ -133,7 +131,7 @@ class PVParams:
 
     @classmethod
     def from_config(cls, pv) -> "PVParams":
-        """From a :class:`envs.site.PVConfig` (``system_losses_pct = None``: pvlib's defaults)."""
+        """From a :class:`envs.config.PVConfig` (``system_losses_pct = None``: pvlib's defaults)."""
         kw = dict(
             surface_tilt=float(pv.tilt_deg),
             surface_azimuth=float(pv.azimuth_deg),
@@ -206,7 +204,7 @@ class Sources:
 
     Attributes:
         toml: the site TOML (resolved).
-        config: the site's :class:`envs.site.SiteConfig`.
+        config: the site's :class:`envs.config.SiteConfig`.
         root: folder the file patterns are relative to (resolved; it may not exist).
         root_text: ``[sources] root`` as written (``"."`` when left out).
         attribution, notes: Markdown for the data README.
@@ -284,87 +282,13 @@ class Sources:
         }  # fmt: skip
 
 
-class _Table:
-    """One TOML table of ``[sources]``, read key by key with errors naming the TOML and the dotted key."""
+_FILES = "a path or glob (relative to [sources] root) or a non-empty list of them"
 
-    def __init__(self, raw: Any, key: str, toml: Path):
-        if not isinstance(raw, dict):
-            raise SourceError(f"{toml}: key '{key}' must be a table, got {raw!r}")
-        self.raw, self.key, self.toml = raw, key, toml
 
-    def err(self, k: str, msg: str) -> SourceError:
-        return SourceError(f"{self.toml}: key '{self.key}.{k}' {msg}")
-
-    def only(self, known: tuple[str, ...], what: str = "") -> None:
-        for k in self.raw:
-            if k not in known:
-                close = difflib.get_close_matches(k, known, n=1, cutoff=0.6)
-                hint = f": did you mean '{self.key}.{close[0]}'?" if close else ""
-                raise SourceError(
-                    f"{self.toml}: unknown key '{self.key}.{k}'{hint} (known{what} in [{self.key}]: {', '.join(known)})"
-                )
-
-    def str(self, k: str, default: Any = ..., choices: tuple[str, ...] | None = None) -> Any:
-        if k not in self.raw:
-            if default is ...:
-                raise self.err(k, "is missing")
-            return default
-        v = self.raw[k]
-        if not isinstance(v, str):
-            raise self.err(k, f"must be a string, got {v!r}")
-        if choices is not None and v not in choices:
-            close = difflib.get_close_matches(v, choices, n=1, cutoff=0.5)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise self.err(k, f"must be one of {', '.join(map(repr, choices))}, got {v!r}{hint}")
-        return v
-
-    def num(self, k: str, default: Any = ..., lo: float | None = None, hi: float | None = None) -> Any:
-        if k not in self.raw:
-            if default is ...:
-                raise self.err(k, "is missing")
-            return default
-        v = self.raw[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.err(k, f"must be a number, got {v!r}")
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            raise self.err(k, f"must be in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}], got {v}")
-        return float(v)
-
-    def int(self, k: str, default: Any = ..., lo: int | None = None) -> Any:
-        if k not in self.raw:
-            if default is ...:
-                raise self.err(k, "is missing")
-            return default
-        v = self.raw[k]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self.err(k, f"must be an integer, got {v!r}")
-        if lo is not None and v < lo:
-            raise self.err(k, f"must be >= {lo}, got {v}")
-        return v
-
-    def files(self, k: str = "files") -> tuple[str, ...]:
-        if k not in self.raw:
-            raise self.err(k, "is missing (a path or glob relative to [sources] root, or a list of them)")
-        v = self.raw[k]
-        v = [v] if isinstance(v, str) else v
-        if not isinstance(v, list) or not v or not all(isinstance(x, str) and x.strip() for x in v):
-            raise self.err(k, f"must be a path or glob (relative to [sources] root) or a non-empty list of them, got {v!r}")
-        return tuple(v)
-
-    def timezone(self, k: str = "timezone") -> str | None:
-        tz = self.str(k, None)
-        if tz is not None:
-            try:
-                zoneinfo.ZoneInfo(tz)
-            except Exception as exc:  # noqa: BLE001 - any failure means the name is unusable
-                raise self.err(k, f"is not a known IANA time zone: {tz!r}") from exc
-        return tz
-
-    def pair(self, t: dict, k: str, where: str) -> tuple[float, float]:
-        v = t.get(k)
-        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
-            raise SourceError(f"{self.toml}: key '{where}.{k}' must be two numbers [a, b], got {v!r}")
-        return (float(v[0]), float(v[1]))
+def _files(t: TomlTable, k: str = "files") -> tuple[str, ...]:
+    """The file patterns of a source (one path or glob, or a list of them)."""
+    t.require(k, why=" (a path or glob relative to [sources] root, or a list of them)")
+    return t.strings(k, scalar=True, expect=_FILES)
 
 
 def parse_sources(cfg: SiteConfig, toml: str | Path) -> Sources:
@@ -381,89 +305,80 @@ def parse_sources(cfg: SiteConfig, toml: str | Path) -> Sources:
         raise SourceError(
             f"{toml}: no [sources] table: the site names no raw files to ingest (see `python -m pipeline.data.ingest --help`)"
         )
-    top = _Table(raw, "sources", toml)
-    top.only(("root", "attribution", "notes", "sessions", "carbon", "weather"))
-    for k in ("sessions", "carbon", "weather"):
-        if k not in raw:
-            raise top.err(k, "is missing: a site needs [sources.sessions], [sources.carbon] and [sources.weather]")
-    root_text = top.str("root", ".")
+    top = TomlTable(raw, "sources", toml, SourceError)  # every table below raises SourceError too
+    top.check_keys(("root", "attribution", "notes", "sessions", "carbon", "weather"))
+    top.require("sessions", "carbon", "weather", why=": a site needs [sources.sessions], [sources.carbon] and [sources.weather]")
+    root_text = top.string("root", ".")
     return Sources(
         toml=toml,
         config=cfg,
         root=(toml.parent / root_text).resolve(),
         root_text=root_text,
-        attribution=top.str("attribution", ""),
-        notes=top.str("notes", ""),
-        sessions=_parse_sessions(_Table(raw["sessions"], "sources.sessions", toml)),
-        carbon=_parse_carbon(_Table(raw["carbon"], "sources.carbon", toml)),
-        weather=_parse_weather(_Table(raw["weather"], "sources.weather", toml), cfg),
+        attribution=top.string("attribution", ""),
+        notes=top.string("notes", ""),
+        sessions=_parse_sessions(top.table("sessions")),
+        carbon=_parse_carbon(top.table("carbon")),
+        weather=_parse_weather(top.table("weather"), cfg),
         pv=PVParams.from_config(cfg.pv),
     )
 
 
-def _parse_sessions(t: _Table) -> SessionsSource:
-    fmt = t.str("format", choices=SESSION_FORMATS)
+def _parse_sessions(t: TomlTable) -> SessionsSource:
+    fmt = t.string("format", choices=SESSION_FORMATS)
     if fmt == "fleet":
-        t.only(("format", "seed", "session_id_prefix", "fleet"), " for format 'fleet'")
-        fleets = t.raw.get("fleet")
-        if not isinstance(fleets, list) or not fleets or not all(isinstance(f, dict) for f in fleets):
-            raise t.err("fleet", "must be one or more [[sources.sessions.fleet]] tables")
+        t.check_keys(("format", "seed", "session_id_prefix", "fleet"), " for format 'fleet'")
+        fleets = t.tables("fleet", expect="one or more [[sources.sessions.fleet]] tables")
+        if not fleets:
+            raise t.err("fleet", "must be one or more [[sources.sessions.fleet]] tables, got []")
         return SessionsSource(
             format=fmt,
-            seed=t.int("seed"),
-            session_id_prefix=t.str("session_id_prefix", "S"),
-            fleets=tuple(_parse_fleet(t, f, i) for i, f in enumerate(fleets)),
+            seed=t.integer("seed"),
+            session_id_prefix=t.string("session_id_prefix", "S"),
+            fleets=tuple(_parse_fleet(f) for f in fleets),
         )
     common = ("format", "files", "timezone", "time_format")
     if fmt == "csv":
-        t.only((*common, "columns", "energy_unit"), " for format 'csv'")
-        cols = _Table(t.raw.get("columns", None) if "columns" in t.raw else _missing(t, "columns"), f"{t.key}.columns", t.toml)
-        cols.only(SESSION_COLUMNS)
-        columns = {k: cols.str(k) for k in SESSION_COLUMNS[:4]}
-        columns.update({k: cols.str(k) for k in SESSION_COLUMNS[4:] if k in cols.raw})
+        t.check_keys((*common, "columns", "energy_unit"), " for format 'csv'")
+        cols = t.table("columns")
+        cols.check_keys(SESSION_COLUMNS)
+        columns = {k: cols.string(k) for k in SESSION_COLUMNS[:4]}
+        columns.update({k: cols.string(k) for k in SESSION_COLUMNS[4:] if k in cols})
     else:
-        t.only(common, f" for format '{fmt}'")
+        t.check_keys(common, f" for format '{fmt}'")
         columns = dict(ACN_CSV_COLUMNS if fmt == "acn-csv" else ACN_JSON_FIELDS)
     return SessionsSource(
         format=fmt,
-        files=t.files(),
+        files=_files(t),
         columns=columns,
-        timezone=t.timezone(),
-        time_format=t.str("time_format", ACN_JSON_TIME_FORMAT if fmt == "acn-json" else None),
-        energy_unit=t.str("energy_unit", "kWh", tuple(ENERGY_UNITS)),
+        timezone=t.timezone("timezone", None),
+        time_format=t.string("time_format", ACN_JSON_TIME_FORMAT if fmt == "acn-json" else None),
+        energy_unit=t.string("energy_unit", "kWh", tuple(ENERGY_UNITS)),
     )
 
 
-def _missing(t: _Table, k: str):
-    raise t.err(k, "is missing")
+_PAIR = "two numbers [a, b]"
+_MIX = "a list of [weight, mean_h, sd_h]"
 
 
-def _parse_fleet(t: _Table, f: dict, i: int) -> FleetParams:
-    where = f"{t.key}.fleet[{i}]"
-    ft = _Table(f, where, t.toml)
-    names = tuple(x.name for x in fields(FleetParams))
-    ft.only(names)
-    mix = f.get("arrival_mix")
-    ok = isinstance(mix, list) and mix and all(
-        isinstance(m, list) and len(m) == 3 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in m)
-        for m in mix
-    )
-    if not ok:
-        raise SourceError(f"{t.toml}: key '{where}.arrival_mix' must be a list of [weight, mean_h, sd_h], got {mix!r}")
+def _parse_fleet(ft: TomlTable) -> FleetParams:
+    ft.check_keys(x.name for x in fields(FleetParams))
+    mix = ft.get("arrival_mix", None)
+    if not (isinstance(mix, list) and mix and all(isinstance(m, list) and len(m) == 3 and all(is_number(x) for x in m) for m in mix)):
+        raise ft.err("arrival_mix", f"must be {_MIX}, got {mix!r}")
     fp = FleetParams(
-        kind=ft.str("kind"),
-        station_prefix=ft.str("station_prefix"),
-        n_sockets=ft.int("n_sockets", lo=1),
-        station_id_digits=ft.int("station_id_digits", lo=1),
-        sessions_per_socket_day=ft.num("sessions_per_socket_day", lo=0.0),
+        kind=ft.string("kind"),
+        station_prefix=ft.string("station_prefix"),
+        n_sockets=ft.integer("n_sockets", range=Range(ge=1)),
+        station_id_digits=ft.integer("station_id_digits", range=Range(ge=1)),
+        sessions_per_socket_day=ft.number("sessions_per_socket_day", range=Range(ge=0)),
         arrival_mix=tuple(tuple(float(x) for x in m) for m in mix),
-        battery_kwh=ft.num("battery_kwh", lo=0.0),
-        energy_beta=ft.pair(f, "energy_beta", where),
-        energy_frac=ft.pair(f, "energy_frac", where),
-        dwell_median_h=ft.num("dwell_median_h", lo=0.0),
-        dwell_sigma=ft.num("dwell_sigma", lo=0.0),
-        dwell_h=ft.pair(f, "dwell_h", where),
-        turnaround_h=ft.num("turnaround_h", 1.0, lo=0.0),
+        battery_kwh=ft.number("battery_kwh", range=Range(ge=0)),
+        energy_beta=ft.numbers("energy_beta", length=2, expect=_PAIR),
+        energy_frac=ft.numbers("energy_frac", length=2, expect=_PAIR),
+        dwell_median_h=ft.number("dwell_median_h", range=Range(ge=0)),
+        dwell_sigma=ft.number("dwell_sigma", range=Range(ge=0)),
+        dwell_h=ft.numbers("dwell_h", length=2, expect=_PAIR),
+        turnaround_h=ft.number("turnaround_h", 1.0, range=Range(ge=0)),
     )
     if not 0.0 <= fp.energy_frac[0] <= fp.energy_frac[1] <= 1.0:
         raise ft.err("energy_frac", f"must be [low, high] with 0 <= low <= high <= 1, got {list(fp.energy_frac)}")
@@ -474,60 +389,56 @@ def _parse_fleet(t: _Table, f: dict, i: int) -> FleetParams:
     return fp
 
 
-def _parse_carbon(t: _Table) -> CarbonSource:
-    if "format" not in t.raw and "kg_per_kwh" in t.raw:
+def _parse_carbon(t: TomlTable) -> CarbonSource:
+    if "format" not in t and "kg_per_kwh" in t:
         fmt = "constant"
     else:
-        fmt = t.str("format", choices=CARBON_FORMATS)
+        fmt = t.string("format", choices=CARBON_FORMATS)
     if fmt == "constant":
-        t.only(("format", "kg_per_kwh"), " for a constant")
-        return CarbonSource(format=fmt, kg_per_kwh=t.num("kg_per_kwh", lo=0.0, hi=MOER_MAX_KG_PER_KWH))
+        t.check_keys(("format", "kg_per_kwh"), " for a constant")
+        return CarbonSource(format=fmt, kg_per_kwh=t.number("kg_per_kwh", range=Range(ge=0, le=MOER_MAX_KG_PER_KWH, unit="kg/kWh")))
     common = ("format", "files", "unit", "time_column", "value_column", "timezone", "time_format")
-    t.only(common, f" for format '{fmt}'")
+    t.check_keys(common, f" for format '{fmt}'")
     if fmt == "csv":
-        for k in ("time_column", "value_column", "unit"):
-            if k not in t.raw:
-                raise t.err(k, f"is missing (format 'csv' needs time_column, value_column and unit: {', '.join(CARBON_UNITS)})")
+        t.require("time_column", "value_column", "unit", why=f" (format 'csv' needs time_column, value_column and unit: {', '.join(CARBON_UNITS)})")
     return CarbonSource(
         format=fmt,
-        files=t.files(),
-        unit=t.str("unit", "kg/kWh", tuple(CARBON_UNITS)),
-        time_column=t.str("time_column", "time"),
-        value_column=t.str("value_column", "moer"),
-        timezone=t.timezone(),
-        time_format=t.str("time_format", None),
+        files=_files(t),
+        unit=t.string("unit", "kg/kWh", tuple(CARBON_UNITS)),
+        time_column=t.string("time_column", "time"),
+        value_column=t.string("value_column", "moer"),
+        timezone=t.timezone("timezone", None),
+        time_format=t.string("time_format", None),
     )
 
 
-def _parse_weather(t: _Table, cfg: SiteConfig) -> WeatherSource:
-    fmt = t.str("format", choices=WEATHER_FORMATS)
+def _parse_weather(t: TomlTable, cfg: SiteConfig) -> WeatherSource:
+    fmt = t.string("format", choices=WEATHER_FORMATS)
     if fmt == "epw":
-        t.only(("format", "file"), " for format 'epw'")
-        return WeatherSource(format=fmt, files=t.files("file"))
+        t.check_keys(("format", "file"), " for format 'epw'")
+        return WeatherSource(format=fmt, files=_files(t, "file"))
     if fmt == "clear-sky":
-        t.only(("format", "air_temp_c", "wind_speed_m_s", "albedo", "substeps_per_hour"), " for format 'clear-sky'")
+        t.check_keys(("format", "air_temp_c", "wind_speed_m_s", "albedo", "substeps_per_hour"), " for format 'clear-sky'")
         for k in ("latitude", "longitude"):
             if getattr(cfg.pv, k) is None:
-                raise SourceError(f"{t.toml}: key 'pv.{k}' is missing: the clear-sky weather source needs [pv] latitude and longitude")
+                raise SourceError(f"{t.source}: key 'pv.{k}' is missing: the clear-sky weather source needs [pv] latitude and longitude")
         return WeatherSource(
             format=fmt,
-            air_temp_c=t.num("air_temp_c", 20.0, lo=-60.0, hi=60.0),
-            wind_speed_m_s=t.num("wind_speed_m_s", 1.0, lo=0.0, hi=60.0),
-            albedo=t.num("albedo", 0.2, lo=0.0, hi=1.0),
-            substeps_per_hour=t.int("substeps_per_hour", 12, lo=1),
+            air_temp_c=t.number("air_temp_c", 20.0, range=Range(ge=-60, le=60, unit="degC")),
+            wind_speed_m_s=t.number("wind_speed_m_s", 1.0, range=Range(ge=0, le=60, unit="m/s")),
+            albedo=t.number("albedo", 0.2, range=Range(ge=0, le=1)),
+            substeps_per_hour=t.integer("substeps_per_hour", 12, range=Range(ge=1)),
         )
-    t.only(("format", "files", "unit", "time_column", "value_column", "timezone", "time_format"), " for format 'pv-csv'")
-    for k in ("time_column", "value_column"):
-        if k not in t.raw:
-            raise t.err(k, "is missing (format 'pv-csv' needs time_column and value_column)")
+    t.check_keys(("format", "files", "unit", "time_column", "value_column", "timezone", "time_format"), " for format 'pv-csv'")
+    t.require("time_column", "value_column", why=" (format 'pv-csv' needs time_column and value_column)")
     return WeatherSource(
         format=fmt,
-        files=t.files(),
-        unit=t.str("unit", "kW/kWp", tuple(PV_UNITS)),
-        time_column=t.str("time_column"),
-        value_column=t.str("value_column"),
-        timezone=t.timezone(),
-        time_format=t.str("time_format", None),
+        files=_files(t),
+        unit=t.string("unit", "kW/kWp", tuple(PV_UNITS)),
+        time_column=t.string("time_column"),
+        value_column=t.string("value_column"),
+        timezone=t.timezone("timezone", None),
+        time_format=t.string("time_format", None),
     )
 
 
@@ -535,10 +446,10 @@ def load_sources(site: str | Path) -> Sources:
     """Load a site config (a shipped name or a TOML path) and parse its ``[sources]``.
 
     Raises:
-        FileNotFoundError / envs.site.ConfigError: the config cannot be loaded.
+        FileNotFoundError / envs.config.ConfigError: the config cannot be loaded.
         SourceError: see :func:`parse_sources`.
     """
-    from envs.site import load_config
+    from envs.config import load_config
 
     cfg, path = load_config(site)
     return parse_sources(cfg, path)
@@ -588,9 +499,7 @@ def column(df: pd.DataFrame, name: str, file: str, key: str, toml: Path) -> pd.S
     if name in df.columns:
         return df[name]
     cols = [str(c) for c in df.columns]
-    lower = {c.lower().strip(): c for c in cols}
-    close = [lower[name.lower().strip()]] if name.lower().strip() in lower else difflib.get_close_matches(name, cols, n=1, cutoff=0.5)
-    hint = f": did you mean '{close[0]}'?" if close else ""
+    hint = did_you_mean(name, cols, cutoff=0.5)
     raise SourceError(
         f"{file}: column '{name}' is missing{hint} (the file's columns: {', '.join(cols)}; "
         f"the name comes from key '{key}' of {toml})"

@@ -15,7 +15,8 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from envs.site import load_config
+from envs.config import load_config
+from envs.toml_table import did_you_mean
 from pipeline.control import registry
 from pipeline.paths import PROJECT_ROOT, shown_path  # noqa: F401  (re-exported: the study's modules read them here)
 
@@ -33,7 +34,7 @@ def check_algos(algos: tuple[str, ...], where: str = "algos") -> None:
     """
     unknown = [a for a in algos if a not in ALGOS]
     if unknown:
-        hints = "".join(f"; '{a}'{hint}" for a in unknown if (hint := registry.did_you_mean(a, ALGOS)))
+        hints = "".join(f"; '{a}'{hint}" for a in unknown if (hint := did_you_mean(a, ALGOS)))
         raise ValueError(
             f"{where}: unknown algorithm(s) {', '.join(map(repr, unknown))}{hints} (known: {', '.join(ALGOS)})"
         )
@@ -70,7 +71,7 @@ class PipelineConfig:
 
         Raises:
             ValueError: an unknown algorithm name (message names ``algos``, the bad name and the known ones).
-            FileNotFoundError / envs.site.ConfigError: the site config cannot be loaded.
+            FileNotFoundError / envs.config.ConfigError: the site config cannot be loaded.
         """
         check_algos(self.algos)
         if not self.experiment:
@@ -156,12 +157,12 @@ def from_environment(**overrides) -> PipelineConfig:
             closest known one), malformed values (e.g. non-integer seeds) or an unknown algorithm; the
             message names the doit variable (``algos=...``) or the environment variable
             (``EVHUB_ALGOS=...``) the bad value came from, and the value.
-        FileNotFoundError / envs.site.ConfigError: the site cannot be loaded.
+        FileNotFoundError / envs.config.ConfigError: the site cannot be loaded.
     """
     cmdline = _doit_variables()
     for name, value in cmdline.items():
         if name not in VARIABLES:
-            hint = registry.did_you_mean(name, VARIABLES)
+            hint = did_you_mean(name, VARIABLES)
             raise ValueError(
                 f"doit variable {name}={value!r}: unknown variable{hint} (known: {', '.join(VARIABLES)})"
             )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envs.site import load_config
+from envs.config import load_config
 from pipeline.control import registry
 from pipeline.study import results, tasks
 from pipeline.study.cluster import get_client, gpu_workers

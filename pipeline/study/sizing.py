@@ -1,7 +1,7 @@
 """How much PV and battery to build: ``doit run sizing`` runs the controllers over a grid of PV kWp x BESS kWh.
 
 At every point of the grid (PV ``kwp`` x BESS ``bess_kwh``, the BESS power being ``bess_kw = bess_kw_per_kwh *
-bess_kwh``, the C-rate) the site's config is changed in memory (:meth:`envs.site.SiteConfig.replace`, the
+bess_kwh``, the C-rate) the site's config is changed in memory (:meth:`envs.config.SiteConfig.replace`, the
 loaded data reused: no TOML is written per point) and the controllers run on both splits: ``uncontrolled``,
 ``rule_based`` (:mod:`pipeline.control.baselines`), ``mpc`` (the causal receding-horizon LP, :mod:`pipeline.control.mpc`) and
 the perfect-foresight ``oracle`` (:mod:`pipeline.control.oracle`, the lower bound of CO2); ``mpc_perfect`` on request.
@@ -46,7 +46,6 @@ controller x split, columns :data:`COLUMNS`), ``co2_saved.png``, ``pareto.png``,
 from __future__ import annotations
 
 import contextlib
-import difflib
 import io
 import math
 import time
@@ -59,8 +58,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from envs.config import ConfigError, load_config
 from envs.files import write_parquet, write_text
-from envs.site import ConfigError, Site, load_config, load_site
+from envs.site import Site, load_site
+from envs.toml_table import Range, TomlTable
 from pipeline.control import registry
 from pipeline.study.cluster import get_client
 from pipeline.study.config import SPLITS, shown_path, variable
@@ -187,40 +188,6 @@ class SizingSpec:
         return d
 
 
-def _did_you_mean(key: str, known: Sequence[str]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    return f": did you mean 'sizing.{close[0]}'?" if close else ""
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _sizes(value: Any, where: str, unit: str) -> tuple[float, ...]:
-    values = value if isinstance(value, (list, tuple)) else [value]
-    if len(values) == 0:
-        raise ConfigError(f"{where} is an empty grid: give at least one size in {unit}, e.g. [0, 20, 40]")
-    out = []
-    for v in values:
-        x = _number(v, where)
-        if x < 0:
-            raise ConfigError(f"{where} must be >= 0 {unit}, got {v!r}")
-        out.append(x)
-    return tuple(sorted(set(out)))
-
-
-def _controllers(value: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value) or not value:
-        raise ConfigError(f"{where} must be a non-empty list of controller names, got {value!r}")
-    for c in value:
-        if c not in KNOWN_CONTROLLERS:
-            hint = registry.did_you_mean(c, KNOWN_CONTROLLERS)
-            raise ConfigError(f"{where}: unknown controller {c!r}{hint} (known: {', '.join(KNOWN_CONTROLLERS)})")
-    return tuple(c for c in KNOWN_CONTROLLERS if c in value or c == "uncontrolled")
-
-
 def parse_sizing(
     table: Mapping[str, Any], source: str = "<sizing>", overrides: Mapping[str, tuple[Any, str]] | None = None
 ) -> SizingSpec:
@@ -244,65 +211,44 @@ def parse_sizing(
             [0, 1), an unknown controller, or some but not all of the required cost keys; the message names the
             TOML and the dotted key, or the doit / environment variable the value came from.
     """
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"{source}: '[sizing]' must be a table, got {table!r}")
-    for key in table:
-        if key not in SIZING_KEYS:
-            raise ConfigError(
-                f"{source}: unknown key 'sizing.{key}'{_did_you_mean(key, SIZING_KEYS)} "
-                f"(known in [sizing]: {', '.join(SIZING_KEYS)})"
-            )
+    TomlTable(table, "sizing", source, ConfigError).check_keys(SIZING_KEYS)
     overrides = dict(overrides or {})
-
-    def where(key: str) -> str:
-        return overrides[key][1] if key in overrides else f"{source}: key 'sizing.{key}'"
-
-    def get(key: str, default: Any = None) -> Any:
-        return overrides[key][0] if key in overrides else table.get(key, default)
+    # the table with the overrides on top: a value from a doit / environment variable names that in its messages
+    t = TomlTable({**table, **{k: v for k, (v, _) in overrides.items()}}, "sizing", source, ConfigError,
+                  origins={k: origin for k, (_, origin) in overrides.items()})  # fmt: skip
 
     notes = []
     axes = {}
     for key, unit in (("kwp", "kWp"), ("bess_kwh", "kWh")):
-        value = get(key)
-        if value is None:
-            raise ConfigError(
-                f"{source}: key 'sizing.{key}' is missing: the sizing grid is empty (give it in [sizing], e.g. "
-                f"{key} = [0, 20, 40], or as the doit variable {key}=0,20,40)"
-            )
-        sizes = _sizes(value, where(key), unit)
+        t.require(key, why=(
+            f": the sizing grid is empty (give it in [sizing], e.g. {key} = [0, 20, 40], or as the doit variable "
+            f"{key}=0,20,40)"
+        ))  # fmt: skip
+        empty = f"is an empty grid: give at least one size in {unit}, e.g. [0, 20, 40]"
+        sizes = tuple(sorted(set(t.numbers(key, range=Range(ge=0, unit=unit), scalar=True, empty=empty))))
         if 0.0 not in sizes:
             sizes = (0.0, *sizes)
             notes.append(f"0 {unit} added to the {key} axis: the point (0 kWp, 0 kWh) is the reference of CO2 avoided")
         axes[key] = sizes
-    ratio = _number(get("bess_kw_per_kwh", 0.5), where("bess_kw_per_kwh"))
-    if ratio <= 0:
-        raise ConfigError(f"{where('bess_kw_per_kwh')} must be > 0 kW per kWh (the battery's C-rate), got {ratio!r}")
-    controllers = _controllers(get("controllers", list(DEFAULT_CONTROLLERS)), where("controllers"))
+    ratio = t.number("bess_kw_per_kwh", 0.5, Range(gt=0, unit="kW per kWh (the battery's C-rate)"))
+    chosen = t.strings("controllers", DEFAULT_CONTROLLERS, KNOWN_CONTROLLERS, expect="a non-empty list of controller names")
+    controllers = tuple(c for c in KNOWN_CONTROLLERS if c in chosen or c == "uncontrolled")
 
     costs = None
-    given = [k for k in COST_KEYS if k in table]
-    if given:
-        required = ("capex_per_kwp", "capex_per_kwh", "lifetime_years")
-        for k in required:
-            if k not in table:
-                need = ", ".join("sizing." + r for r in required)
-                raise ConfigError(f"{source}: key 'sizing.{k}' is missing: unit costs need all of {need}")
-        values = {}
-        for k in ("capex_per_kwp", "capex_per_kwh", "capex_per_kw"):
-            values[k] = _number(table.get(k, 0.0), where(k))
-            if values[k] < 0:
-                raise ConfigError(f"{where(k)} must be >= 0 (a cost), got {table[k]!r}")
-        for k in ("lifetime_years", "bess_lifetime_years"):
-            values[k] = _number(table.get(k, table["lifetime_years"]), where(k))
-            if values[k] <= 0:
-                raise ConfigError(f"{where(k)} must be > 0 years, got {table.get(k)!r}")
-        rate = _number(table.get("discount_rate", 0.0), where("discount_rate"))
-        if not 0.0 <= rate < 1.0:
-            raise ConfigError(f"{where('discount_rate')} must be a yearly rate in [0, 1), got {rate!r}")
-        currency = table.get("currency", "USD")
-        if not isinstance(currency, str) or not currency.strip():
-            raise ConfigError(f"{where('currency')} must be a non-empty string, got {currency!r}")
-        costs = SizingCosts(**values, discount_rate=rate, currency=currency)
+    if any(k in table for k in COST_KEYS):
+        t.require("capex_per_kwp", "capex_per_kwh", "lifetime_years",
+                  why=": unit costs need all of sizing.capex_per_kwp, sizing.capex_per_kwh, sizing.lifetime_years")  # fmt: skip
+        cost, years = Range(ge=0, unit="(a cost)"), Range(gt=0, unit="years")
+        lifetime = t.number("lifetime_years", range=years)
+        costs = SizingCosts(
+            capex_per_kwp=t.number("capex_per_kwp", range=cost),
+            capex_per_kwh=t.number("capex_per_kwh", range=cost),
+            capex_per_kw=t.number("capex_per_kw", 0.0, cost),
+            lifetime_years=lifetime,
+            bess_lifetime_years=t.number("bess_lifetime_years", lifetime, years),
+            discount_rate=t.number("discount_rate", 0.0, Range(ge=0, lt=1, what="a yearly rate")),
+            currency=t.string("currency", "USD", nonempty=True),
+        )
     return SizingSpec(axes["kwp"], axes["bess_kwh"], ratio, controllers, costs, source, tuple(notes))
 
 
@@ -332,7 +278,7 @@ def sizing_spec(site: str | Path, variables: Callable[[str], tuple[str, str] | N
             command line, then ``EVHUB_SIZING_*``).
 
     Raises:
-        FileNotFoundError, ConfigError: see :func:`envs.site.load_config` and :func:`parse_sizing`.
+        FileNotFoundError, ConfigError: see :func:`envs.config.load_config` and :func:`parse_sizing`.
     """
 
     variables = variables or variable
@@ -385,7 +331,7 @@ def site_at(site: Site, kwp: float, bess_kwh: float, bess_kw: float) -> Site:
     changed config and the same data frames (nothing is copied or written).
 
     Raises:
-        ConfigError: a negative size (see :func:`envs.site.check_config`).
+        ConfigError: a negative size (see :func:`envs.config.config_from_dict`).
     """
     cfg = site.config.replace(pv={"kwp": float(kwp)}, bess={"capacity_kwh": float(bess_kwh), "power_kw": float(bess_kw)})
     return Site(cfg, site.hourly, site.sessions, dict(site.source))

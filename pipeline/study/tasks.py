@@ -18,7 +18,8 @@ import pandas as pd
 
 from envs.files import write_parquet, write_text
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
-from envs.site import load_config, load_site
+from envs.config import load_config
+from envs.site import load_site
 from pipeline.control import registry
 from pipeline.study import depends, results
 from pipeline.study.config import PROJECT_ROOT, SPLITS, shown_path
@@ -41,7 +42,7 @@ def validate_input(site_toml: str, kind: str) -> dict:
         dict with ``input``, ``file``, ``rows`` and, for the config, per-split step and session counts.
 
     Raises:
-        envs.site.ConfigError, envs.schemas.DataValidationError, ValueError: the message names the file,
+        envs.config.ConfigError, envs.schemas.DataValidationError, ValueError: the message names the file,
             the column or key, and the row or time.
     """
     from envs.schemas import read_table, validate_table
