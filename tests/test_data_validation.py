@@ -258,4 +258,3 @@ def test_csv_round_trip(tmp_path, small):
     validate_site_data(h, s, {"hourly": str(tmp_path / "hourly.csv"), "sessions": str(tmp_path / "sessions.csv")})
     pd.testing.assert_series_equal(h.time, hourly.time)
     pd.testing.assert_series_equal(s.arrival, sessions.arrival)
-
