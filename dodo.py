@@ -32,6 +32,11 @@ processed data as they are.
 
     doit bench                 # part=auto: the CPU part, and the GPU part too where CUDA is available
     doit bench part=cpu        # EVHUB_BENCH_PART: cpu, gpu or all
+
+Errors the project raises on purpose (a bad site config, ``[sources]``, raw file or data, a bad doit variable, an
+experiment already running; ``envs.errors.is_expected``) print one message, without a traceback, and doit exits
+non-zero: while doit loads this file as its ``ERROR: ...`` (exit 3), in a task as ``TaskFailed`` (exit 1;
+``pipeline.study.failures``). Any other error is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -41,14 +46,20 @@ from pathlib import Path
 
 from doit.exceptions import InvalidDodoFile
 
+from envs.errors import ExpectedError, one_message
 from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study import depends
+from pipeline.study.failures import doit_action, quiet_worker_failures
 from pipeline.study.graph import outputs, run
-from pipeline.study.runstate import DamagedState, ExperimentBusy, current_doit_command, doit_config
+from pipeline.study.runstate import current_doit_command, doit_config
 
-CFG = from_environment()
-OUT = outputs(CFG)
-SITE_TOML = CFG.site_toml
+# a bad doit variable (from_environment raises ValueError naming it) or site config stops doit here, with one line
+try:
+    CFG = from_environment()
+    OUT = outputs(CFG)
+    SITE_TOML = CFG.site_toml
+except (ExpectedError, ValueError, FileNotFoundError) as exc:
+    raise InvalidDodoFile(one_message(exc)) from None
 COMMAND = current_doit_command()
 
 
@@ -63,8 +74,8 @@ def _state_folder() -> Path:
 # command that runs tasks holds the folder's lock until it exits, so a second run of one experiment stops here
 try:
     _STATE = doit_config(_state_folder(), COMMAND)
-except (ExperimentBusy, DamagedState) as exc:
-    raise InvalidDodoFile(str(exc)) from None
+except ExpectedError as exc:  # ExperimentBusy, DamagedState
+    raise InvalidDodoFile(one_message(exc)) from None
 
 DOIT_CONFIG = {"default_tasks": ["pipeline"], "verbosity": 2, "action_string_formatting": "new", **_STATE}
 
@@ -82,10 +93,14 @@ SETTINGS = CFG.as_dict()
 
 
 def _stage(stage: str, cfg=CFG):
+    """The doit action of a stage of the Dask graph; an expected error, re-raised by the Dask client, fails the task
+    with its message alone (the validation tasks also raise a plain ValueError naming the file and key)."""
+
     def action():
+        quiet_worker_failures(cfg.scheduler_address)
         run(cfg, stages={stage})
 
-    return action
+    return doit_action(action, also=(ValueError,) if stage == "validate" else ())
 
 
 def _targets(stage: str) -> list[str]:
@@ -116,7 +131,7 @@ def task_ingest():
         ingest(SITE_TOML)
 
     return {
-        "actions": [action],
+        "actions": [doit_action(action)],
         "file_dep": plan["file_dep"],
         "targets": plan["targets"],
         "uptodate": [config_changed(plan["settings"])],
@@ -233,7 +248,7 @@ def task_sizing():
         run_sizing(SITE_TOML, CFG.root / "sizing", spec=spec, workers=workers, scheduler_address=CFG.scheduler_address)
 
     return {
-        "actions": [action],
+        "actions": [doit_action(action)],
         "file_dep": _site_files() + CONTROLLER_CODE
         + depends.as_strings(depends.files("pipeline/study/sizing.py", "pipeline/study/document.py")),
         "targets": targets,
@@ -252,14 +267,15 @@ def task_bench():
 
         import torch
         from doit import get_var
+        from doit.exceptions import TaskFailed
 
         from benchmarks import env_throughput, profile, report, switches, training, vector_io
 
         part = get_var("part", None) or os.environ.get("EVHUB_BENCH_PART", "auto")
         if part not in ("auto", "cpu", "gpu", "all"):
-            raise ValueError(f"part must be auto, cpu, gpu or all, got {part!r}")
+            return TaskFailed(f"doit variable part={part!r}: must be auto, cpu, gpu or all (or EVHUB_BENCH_PART)")
         if part == "gpu" and not torch.cuda.is_available():
-            raise ValueError("part=gpu needs CUDA, which is not available")
+            return TaskFailed("doit variable part='gpu': needs CUDA, which is not available here; use part=cpu or auto")
         cpu = part in ("auto", "cpu", "all")
         gpu = part in ("gpu", "all") or (part == "auto" and torch.cuda.is_available())
         ours = ("ours", "ours_compile")  # the env step eager and compiled as one graph, side by side

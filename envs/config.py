@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from envs.errors import InputError
 from envs.toml_table import REQUIRED, Range, TomlTable
 
 SITES_DIR = Path(__file__).resolve().parent / "sites"
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A site config is malformed or inconsistent; the message names the file and the key."""
 
 

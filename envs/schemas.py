@@ -35,6 +35,7 @@ import pandas as pd
 import pandera.pandas as pa
 from pandera.errors import SchemaError, SchemaErrors
 
+from envs.errors import InputError
 from envs.toml_table import closest
 
 __all__ = [
@@ -67,7 +68,7 @@ ENERGY_MAX_KWH = 200
 """Upper bound of plausible energy delivered in one session, kWh (largest EV batteries)."""
 
 
-class DataValidationError(ValueError):
+class DataValidationError(InputError):
     """Processed site data break a schema, or a table file cannot be read.
 
     The message names the file, the column and the row (0-based position in the table) with its

@@ -89,7 +89,8 @@ def test_a_bad_source_stops_doit_at_ingest_before_any_other_task(tmp_path, templ
     result = doit(["run", "pipeline"], toml, out)
     message = result.stdout + result.stderr
     assert result.returncode != 0, message[-3000:]
-    assert "TaskError - taskid:ingest" in message and "looks like g/kWh" in message and "DE_part2.csv" in message
+    assert "TaskFailed - taskid:ingest" in message and "looks like g/kWh" in message and "DE_part2.csv" in message
+    assert "Traceback" not in message, message[-3000:]
     started = [line for line in result.stdout.splitlines() if line.startswith(".  ")]
     assert started == [".  ingest"], started
     assert files_under(out) == [] and not (tmp_path / "site" / "garage").exists()

@@ -501,14 +501,19 @@ BAD = {
         _epw_short,
         ["berlin.epw", "expected 8,760 distinct hourly records", "got 8,736"],
     ),
-    "sessions-outside-the-period": (
+    "a-file-outside-the-period-leaves-a-split-uncovered": (  # the file is skipped; then no file covers the test split
         lambda f: [_csv(f, "sessions/november.csv", _shift_year(c)) for c in (COLS["arrival"], COLS["departure"])],
-        ["november.csv", "all 30 sessions arrive outside the site's period 2023-10-23..2023-11-07",
-         "first row 0 (line 2) arrives 2024-11-01 07:00:00+00:00"],
+        ["garage.toml", "key 'splits.test' (2023-11-01..2023-11-06, Europe/Berlin) selects none of the 45 sessions",
+         "no file of [sources.sessions] (files = ['sessions/october.csv', 'sessions/november.csv']) covers split 'test'",
+         "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31 (45 sessions), "
+         "sessions/november.csv 2024-11-01..2024-11-06 (30 sessions, skipped: outside the period)",
+         "Point key 'sources.sessions.files' at files with sessions from 2023-11-01 to 2023-11-06"],
     ),
     "a-split-without-sessions": (
         lambda f: _toml(f, 'files = ["sessions/october.csv", "sessions/november.csv"]', 'files = ["sessions/october.csv"]'),
-        ["garage.toml", "key 'splits.test' (2023-11-01..2023-11-06, Europe/Berlin) selects none of the 45 sessions"],
+        ["garage.toml", "key 'splits.test' (2023-11-01..2023-11-06, Europe/Berlin) selects none of the 45 sessions",
+         "no file of [sources.sessions] (files = 'sessions/october.csv') covers split 'test'",
+         "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31 (45 sessions)."],
     ),
     "sessions-between-the-splits": (  # the test split moved past the November sessions, which now lie in no split
         lambda f: _toml(f, 'test = ["2023-11-01", "2023-11-06"]', 'test = ["2023-11-07", "2023-11-08"]'),

@@ -18,7 +18,11 @@ writes, atomically (:mod:`envs.files`), into the site's ``data_dir`` beside the 
 
 Every check runs before anything is written: bad input raises :class:`pipeline.data.sources.SourceError` (or
 :class:`envs.schemas.DataValidationError`) naming the file, the column and the row, and leaves the previous
-files in place. A file whose content would not change is not rewritten.
+files in place. A file whose content would not change is not rewritten. On the command line such an error (any
+:func:`envs.errors.is_expected` one) prints its message alone, without a traceback, and exits with status 1.
+
+A raw sessions or carbon file none of whose rows lies in the site's period (a download folder holding other
+years) is skipped with one line naming it and why; the README lists it (:mod:`pipeline.data.readers`).
 
 When none of the site's raw files is present (a clone without the raw folder of a shipped site) and the
 processed data are, there is nothing to do: the shipped processed data are used as they are, and one line
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
+import sys
 import textwrap
 from pathlib import Path
 
@@ -37,7 +42,8 @@ import numpy as np
 import pandas as pd
 
 from envs import files
-from envs.schemas import DataValidationError, validate_site_data
+from envs.errors import is_expected, one_message
+from envs.schemas import validate_site_data
 import envs
 from envs.config import SITES_DIR
 from pipeline.data.pv import read_pv
@@ -59,19 +65,25 @@ def build(src: Sources) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         ``(hourly, sessions, info)``: the tables described in the module docstring (RangeIndex) and the
         diagnostics of each source (``pv``, ``carbon``, ``sessions``).
 
+    Prints one line per raw file skipped because none of its rows lies in the site's period.
+
     Raises:
         SourceError: see :func:`pipeline.data.pv.read_pv`, :func:`~pipeline.data.readers.read_carbon` and
             :func:`~pipeline.data.readers.read_sessions`.
     """
     index = period_index(src.config)
-    sessions, session_info = read_sessions(src)  # cheapest first: a bad file stops before the PV model runs
-    carbon, carbon_info = read_carbon(src, index)
+    sessions, session_info = read_sessions(src, log=_say)  # cheapest first: a bad file stops before the PV model runs
+    carbon, carbon_info = read_carbon(src, index, log=_say)
     pv, pv_info = read_pv(src, index)
     hourly = pd.DataFrame({"time": index, "pv_kw_per_kwp": pv.astype(np.float32)})
     for c in carbon.columns:
         hourly[c] = carbon[c].to_numpy().astype(np.float32)
     hourly = hourly.reset_index(drop=True)
     return hourly, sessions, {"pv": pv_info, "carbon": carbon_info, "sessions": session_info}
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def split_summary(hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str, splits: dict[str, tuple[str, str]]) -> list[dict]:
@@ -424,6 +436,7 @@ def render_readme(src: Sources, hourly: pd.DataFrame, sessions: pd.DataFrame, in
     if src.attribution.strip():
         lines += [src.attribution.strip(), ""]
     raw = src.raw_files()
+    skipped = [(k, s) for k in ("sessions", "carbon") for s in info[k].get("skipped", [])]
     if raw:
         lines += [
             f"Raw files (relative to the raw folder, `[sources] root = \"{src.root_text}\"` beside the TOML, SHA-256):",
@@ -431,10 +444,21 @@ def render_readme(src: Sources, hourly: pd.DataFrame, sessions: pd.DataFrame, in
             "| file | bytes | sha256 |",
             "| --- | ---: | --- |",
         ]
+        names = {s["file"] for _, s in skipped}
         for p in raw:
             rel = p.resolve().relative_to(src.root).as_posix() if p.resolve().is_relative_to(src.root) else p.name
-            lines.append(f"| `{rel}` | {p.stat().st_size:,} | `{_sha256(p)[:16]}...` |")
+            mark = " (skipped)" if rel in names else ""
+            lines.append(f"| `{rel}`{mark} | {p.stat().st_size:,} | `{_sha256(p)[:16]}...` |")
         lines.append("")
+    if skipped:
+        lines += [
+            f"Skipped: {len(skipped)} raw file(s) none of whose rows lies in the site's period {first}..{end} ({tz}),"
+            " read but unused: "
+            + "; ".join(f"`{s['file']}` (`[sources.{k}]`, {s['rows']:,} {'sessions' if k == 'sessions' else 'rows'},"
+                        f" {s['first']}..{s['last']})" for k, s in skipped)
+            + ".",
+            "",
+        ]  # fmt: skip
     months = _months_without_sessions(hourly, sessions, tz)
     offsets = {t.utcoffset() for t in pd.DatetimeIndex(hourly.time).tz_convert(tz)[:: 24 * 7].append(
         pd.DatetimeIndex(hourly.time).tz_convert(tz)[-1:])}  # fmt: skip
@@ -582,9 +606,14 @@ def ingest(site: str | Path, out_dir: str | Path | None = None) -> dict:
         as is: nothing else then), output ``paths``, ``written`` (the files rewritten; a file whose content
         would not change is kept), per-file session ``report`` or generator ``stats``, and the ``splits`` summary.
 
+    Prints one line per raw file skipped (none of its rows in the site's period) and a summary.
+
     Raises:
         FileNotFoundError: neither the raw sources nor processed data are there.
-        SourceError: bad ``[sources]`` or bad raw data (the message names file, column and row, or TOML and key).
+        envs.site.ConfigError: the site TOML is malformed (file and key named).
+        SourceError: bad ``[sources]``, a raw file that cannot be read (cut short, or not what ``format`` says),
+            bad raw data (the message names file, column and row, or TOML and key), or a split that no file of a
+            source covers (the source, the split and what each file covers named).
         envs.schemas.DataValidationError: the built tables break the schemas.
         Nothing is written when anything is raised.
     """
@@ -648,7 +677,12 @@ def _print_summary(hourly, sessions, info, splits, paths, written) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m pipeline.data.ingest --site SITE [--out-dir DIR]``."""
+    """Command line: ``python -m pipeline.data.ingest --site SITE [--out-dir DIR]``.
+
+    Returns the exit status: 0, or 1 after an expected error (:func:`envs.errors.is_expected`: a bad site TOML,
+    ``[sources]`` or raw file, data that break the schemas, missing files), whose message alone goes to stderr.
+    Any other exception propagates with its traceback.
+    """
     ap = argparse.ArgumentParser(
         prog="python -m pipeline.data.ingest",
         description="Build a site's processed data (hourly.parquet, sessions.parquet, README.md) from the raw "
@@ -666,8 +700,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         ingest(a.site, a.out_dir)
-    except (SourceError, DataValidationError, FileNotFoundError) as exc:
-        print(f"error: {exc}")
+    except Exception as exc:  # noqa: BLE001 - only the expected kinds are caught, the others re-raised
+        if not is_expected(exc):
+            raise
+        print(f"error: {one_message(exc)}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -7,12 +7,23 @@ Each returns a table plus an ``info`` dict for the data README:
   ``energy_kwh``, ``requested_energy_kwh`` (float32, kWh) [, ``kind`` (str) for generated sessions].
 - :func:`read_carbon`: ``moer_kg_per_kwh``, ``moer_fc_h0..h2`` (float64, kg CO2/kWh) on the period's hours.
 
-Every check raises :class:`pipeline.data.sources.SourceError` naming the raw file, the column and the row.
+Every check raises :class:`pipeline.data.sources.SourceError` naming the raw file, the column and the row. A raw
+file that cannot be decoded (a compressed file cut short by a download broken off, a file that is not what the
+source's ``format`` says) is one too, naming the file.
+
+A download folder may hold files of other years: a sessions or carbon file none of whose rows lies in the site's
+period (:func:`pipeline.data.sources.period`) is skipped, with one line through ``log`` naming it and why, and
+listed in ``info["skipped"]`` (the data README counts it). Only a split that no file of a source covers is an
+error; its message names the source, the split and what each file covers.
 """
 
 from __future__ import annotations
 
 import json
+import lzma
+import zipfile
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,34 +32,43 @@ import pandas as pd
 from envs.schemas import MOER_MAX_KG_PER_KWH
 from envs.config import SiteConfig
 from pipeline.data.sources import (
-    CARBON_UNITS, ENERGY_UNITS, MOER_FORECAST_COLUMNS, SessionsSource, SourceError, Sources, check_coverage,
-    check_range, column, files_of, numbers, parse_times, period, period_index, read_csv, rel_path, row_label,
+    CARBON_UNITS, ENERGY_UNITS, MOER_FORECAST_COLUMNS, SourceError, Sources, check_coverage, check_range, column,
+    files_of, numbers, parse_times, period, period_index, rel_path, row_label,
 )
 from pipeline.data.synthetic import generate_sessions
+
+Log = Callable[[str], None] | None
+"""Where the readers say which raw files they skip (one line each); None: silently."""
+COVER_SHOWN = 8
+"""Raw files a coverage message lists one by one (then how many more, and the span of all)."""
 
 
 # ------------------------------------------------------------------------------------------- sessions
 
 
-def read_sessions(src: Sources) -> tuple[pd.DataFrame, dict]:
+def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
     """Read (or generate) the site's EV sessions over its :func:`period`.
 
-    Measured sessions (``acn-csv``, ``acn-json``, ``csv``) are read file by file; in each file, sessions with
-    ``departure <= arrival``, with zero (or missing) energy, arriving outside the period, or repeating an earlier
-    ``session_id`` (first kept) are dropped and counted. A missing requested energy is taken to be the delivered
-    energy (counted). Generated sessions (``fleet``): :func:`pipeline.data.synthetic.generate_sessions` over the period.
+    Measured sessions (``acn-csv``, ``acn-json``, ``csv``) are read file by file. A file none of whose sessions
+    arrives in the period is skipped (one line through ``log``; listed in ``info["skipped"]``). In each other file,
+    sessions with ``departure <= arrival``, with zero (or missing) energy, arriving outside the period, or
+    repeating an earlier ``session_id`` (first kept) are dropped and counted. A missing requested energy is taken
+    to be the delivered energy (counted). Generated sessions (``fleet``):
+    :func:`pipeline.data.synthetic.generate_sessions` over the period.
 
     Returns:
         ``(sessions, info)``: ``sessions`` of shape ``(S, 6)`` (``(S, 7)`` with ``kind`` for generated ones),
         columns ``session_id, station_id`` (str), ``arrival, departure`` (datetime64[ns, UTC]), ``energy_kwh``,
         ``requested_energy_kwh`` (float32, kWh), sorted by arrival then session id (generated: then station),
-        RangeIndex; ``info`` has ``report`` (one dict per file with its counts) or the generator's ``stats``.
+        RangeIndex; ``info`` has ``report`` (one dict per file read, with its counts) and ``skipped`` (one dict
+        per skipped file: ``file``, ``rows``, ``first``, ``last`` (local dates of its arrivals), ``why``), or the
+        generator's ``stats``.
 
     Raises:
-        SourceError: a missing column (with the closest name), an unparsable or offset-less timestamp, a
-            non-numeric energy (file, column and row named), every session of a file outside the period, or a
-            split that no session arrives in (naming how many sessions of each file lie outside every split and
-            the first such row).
+        SourceError: a file that cannot be decoded (cut short, or not what ``format`` says), a missing column
+            (with the closest name), an unparsable or offset-less timestamp, a non-numeric energy (file, column
+            and row named), or a split that no session arrives in (naming the source, the split, what each file
+            covers, and how many sessions of each file lie outside every split and the first such row).
     """
     cfg, s = src.config, src.sessions
     first, end = period(cfg)
@@ -57,10 +77,10 @@ def read_sessions(src: Sources) -> tuple[pd.DataFrame, dict]:
         return sessions, {"stats": stats}
     index = period_index(cfg)
     t0, t1 = index[0], index[-1] + pd.Timedelta(hours=1)
-    frames, report, outside = [], [], []
+    frames, report, outside, skipped, cover = [], [], [], [], []
     seen: set[str] = set()
     for f in files_of(src, "sessions"):
-        d, kind = _session_table(f, s)
+        d, kind = _session_table(f, src)
         label = rel_path(f, src.root)
         col = {
             k: column(d, name, str(f), f"sources.sessions.columns.{k}" if s.format == "csv" else "sources.sessions.format",
@@ -73,6 +93,17 @@ def read_sessions(src: Sources) -> tuple[pd.DataFrame, dict]:
             for k in ("arrival", "departure")
         }  # fmt: skip
         arr, dep = times["arrival"], times["departure"]
+        span = _local_span(arr, cfg.timezone)
+        inside = ((arr >= t0) & (arr < t1)).to_numpy()
+        if len(d) and not inside.any():
+            why = (f"all {len(d):,} sessions arrive outside the site's period {first}..{end} ({cfg.timezone}, from the "
+                   f"splits): they arrive {span[0]}..{span[1]}")  # fmt: skip
+            skipped.append({"file": label, "rows": len(d), "first": span[0], "last": span[1], "why": why})
+            cover.append((label, len(d), span, "sessions", True))
+            if log is not None:
+                log(f"ingest: skipped {label}: {why}")
+            continue
+        cover.append((label, len(d), span, "sessions", False))
         energy = numbers(col["energy_kwh"], file=str(f), column_name=s.columns["energy_kwh"], kind=kind, allow_nan=True)
         if ENERGY_UNITS[s.energy_unit] != 1.0:
             energy = energy * ENERGY_UNITS[s.energy_unit]
@@ -89,13 +120,7 @@ def read_sessions(src: Sources) -> tuple[pd.DataFrame, dict]:
             req = energy
         bad_time = (dep <= arr).to_numpy()
         bad_energy = ~(energy > 0).to_numpy() & ~bad_time
-        out_period = ((arr < t0) | (arr >= t1)).to_numpy() & ~bad_time & ~bad_energy
-        if len(d) and out_period.all():
-            raise SourceError(
-                f"{f}: all {len(d):,} sessions arrive outside the site's period {first}..{end} ({cfg.timezone}, from "
-                f"the splits of {src.toml}): first {row_label(0, kind)} arrives {arr.iloc[0]} (UTC); check the splits, the "
-                "file, or the time zone of its timestamps"
-            )
+        out_period = ~inside & ~bad_time & ~bad_energy
         dup = ids.isin(seen).to_numpy() & ~bad_time & ~bad_energy & ~out_period
         keep = ~(bad_time | bad_energy | out_period | dup)
         seen.update(ids[keep])
@@ -128,8 +153,11 @@ def read_sessions(src: Sources) -> tuple[pd.DataFrame, dict]:
         if len(out_rows):
             outside.append((str(f), kind, len(out_rows), int(out_rows[0]), arr.iloc[out_rows[0]]))
         report[-1]["outside_splits"] = len(out_rows)
-    sessions = pd.concat(frames, ignore_index=True)
-    sessions = sessions.sort_values(["arrival", "session_id"], kind="mergesort").reset_index(drop=True)
+    if frames:
+        sessions = pd.concat(frames, ignore_index=True)
+        sessions = sessions.sort_values(["arrival", "session_id"], kind="mergesort").reset_index(drop=True)
+    else:  # every file skipped: no split is covered (raised below)
+        sessions = pd.DataFrame({"arrival": pd.Series([], dtype="datetime64[ns, UTC]")})
     for split in ("train", "test"):
         a, b = cfg.split_bounds(split)
         if not ((sessions.arrival >= a) & (sessions.arrival < b)).any():
@@ -140,17 +168,25 @@ def read_sessions(src: Sources) -> tuple[pd.DataFrame, dict]:
             raise SourceError(
                 f"{src.toml}: key 'splits.{split}' ({dates[0]}..{dates[1]}, {cfg.timezone}) selects none of the "
                 f"{len(sessions):,} sessions read from [sources.sessions]" + (f" ({lines})" if lines else "")
+                + f": no file of [sources.sessions] (files = {_patterns(s.files)}) covers split '{split}'. The files"
+                f" cover (arrivals, local dates): {_cover_text(cover)}. Point key 'sources.sessions.files' at files with"
+                f" sessions from {dates[0]} to {dates[1]}, or move key 'splits.{split}' into the dates the files cover"
             )
-    return sessions, {"report": report}
+    return sessions, {"report": report, "skipped": skipped}
 
 
-def _session_table(f: Path, s: SessionsSource) -> tuple[pd.DataFrame, str]:
+def _session_table(f: Path, src: Sources) -> tuple[pd.DataFrame, str]:
     """The raw table of one sessions file and its kind (``csv`` or ``json``)."""
+    s = src.sessions
     if s.format == "acn-json":
         try:
             doc = json.loads(Path(f).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise SourceError(f"{f}: not readable as ACN-Data JSON: {exc}") from exc
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise SourceError(
+                f"{f}: not readable as ACN-Data JSON ({type(exc).__name__}: {exc}): it looks cut short (a download broken"
+                f" off?) or is not what key 'sources.sessions.format' = 'acn-json' of {src.toml} says; download it"
+                " again, or fix the format"
+            ) from exc
         items = doc.get("_items") if isinstance(doc, dict) else doc
         if not isinstance(items, list):
             raise SourceError(f"{f}: not ACN-Data JSON: expected an object with an '_items' list of sessions")
@@ -171,7 +207,58 @@ def _session_table(f: Path, s: SessionsSource) -> tuple[pd.DataFrame, str]:
     dtype = {s.columns["station_id"]: str}
     if "session_id" in s.columns:
         dtype[s.columns["session_id"]] = str
-    return read_csv(f, dtype=dtype), "csv"
+    return read_raw_csv(f, src, "sessions", dtype=dtype), "csv"
+
+
+def read_raw_csv(path: Path, src: Sources, name: str, dtype: dict | None = None) -> pd.DataFrame:
+    """``pandas.read_csv`` of one raw file of the source ``name`` (``sessions`` or ``carbon``), compression
+    inferred from the file name (``.gz``, ``.bz2``, ``.zip``, ``.xz``, ``.zst``).
+
+    Raises:
+        SourceError: the file cannot be read or decoded (a compressed file cut short, e.g. by a download broken
+            off; not CSV; not the compression its name says); the message names the file, the decoder's error and
+            the TOML key ``sources.<name>.format``, and says what to do.
+    """
+    try:
+        return pd.read_csv(path, dtype=dtype)
+    except (EOFError, zlib.error, lzma.LZMAError, zipfile.BadZipFile, OSError, UnicodeDecodeError,
+            pd.errors.ParserError, pd.errors.EmptyDataError) as exc:  # fmt: skip
+        ext = Path(path).suffix.lower()
+        packed = {".gz": "gzip", ".bz2": "bzip2", ".zip": "zip", ".xz": "xz", ".zst": "zstd"}.get(ext)
+        what = f"{packed}-compressed CSV" if packed else "CSV"
+        fmt = getattr(src, name).format
+        raise SourceError(
+            f"{path}: cannot be read as {what} ({type(exc).__name__}: {exc}): the file looks cut short (a download"
+            f" broken off?) or is not what key 'sources.{name}.format' = {fmt!r} of {src.toml} says; download it"
+            " again, or fix the format"
+        ) from exc
+
+
+def _local_span(times: pd.Series, tz: str) -> tuple[str, str] | None:
+    """First and last local date (``YYYY-MM-DD`` in ``tz``) of UTC ``times``; None when there are none."""
+    if not len(times):
+        return None
+    return times.min().tz_convert(tz).date().isoformat(), times.max().tz_convert(tz).date().isoformat()
+
+
+def _patterns(patterns: tuple[str, ...]) -> str:
+    return repr(patterns[0]) if len(patterns) == 1 else "[" + ", ".join(map(repr, patterns)) + "]"
+
+
+def _cover_text(cover: list[tuple[str, int, tuple[str, str] | None, str, bool]]) -> str:
+    """What each raw file covers, for an error message: ``a.csv 2019-05-01..2019-08-31 (6,703 sessions)``, skipped
+    files marked, at most :data:`COVER_SHOWN` files then how many more and the span of all."""
+    def one(label, n, span, what, skipped):
+        if span is None:
+            return f"{label} (no rows)"
+        return f"{label} {span[0]}..{span[1]} ({n:,} {what}" + (", skipped: outside the period)" if skipped else ")")
+
+    text = ", ".join(one(*c) for c in cover[:COVER_SHOWN])
+    if len(cover) > COVER_SHOWN:
+        spans = [c[2] for c in cover if c[2] is not None]
+        text += f" and {len(cover) - COVER_SHOWN} more file(s)" + (
+            f" (all files together: {min(a for a, _ in spans)}..{max(b for _, b in spans)})" if spans else "")
+    return text
 
 
 def _in_any_split(arrival: pd.Series, cfg: SiteConfig) -> np.ndarray:
@@ -185,8 +272,8 @@ def _in_any_split(arrival: pd.Series, cfg: SiteConfig) -> np.ndarray:
 # --------------------------------------------------------------------------------------------- carbon
 
 
-def read_carbon(src: Sources, index: pd.DatetimeIndex) -> tuple[pd.DataFrame, dict]:
-    """Carbon intensity of every hour of ``index`` and its forecasts, kg CO2/kWh.
+def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple[pd.DataFrame, dict]:
+    """Carbon intensity of every hour of ``index`` (the site's period) and its forecasts, kg CO2/kWh.
 
     - ``constant``: ``kg_per_kwh`` in every hour and every forecast (a constant is its own perfect forecast).
     - ``watttime-moer`` (5-minute rows: ``time`` in UTC, ``moer``, optionally ``f1..f36``; files may overlap,
@@ -199,37 +286,56 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex) -> tuple[pd.DataFrame, di
       causal rule: at each hour start the three forecasts are the mean of the previous hour (the latest hour
       known then); the first hour of the period takes the hour before it when the file has it, else its own
       value.
+    - A file none of whose rows lies in the period or the hour before it (read for the first hour's persistence
+      forecast) is skipped: one line through ``log``, listed in ``info["skipped"]``.
 
     Returns:
         ``(frame, info)``: DataFrame indexed like ``index``, columns ``moer_kg_per_kwh, moer_fc_h0..h2``
-        (float64, kg CO2/kWh); ``info`` with ``format``, counts and ``forecast`` ("file", "persistence",
-        "constant").
+        (float64, kg CO2/kWh); ``info`` with ``format``, counts, ``forecast`` ("file", "persistence",
+        "constant") and, for files, ``skipped`` (one dict per skipped file: ``file``, ``rows``, ``first``,
+        ``last`` (local dates of its rows), ``why``).
 
     Raises:
-        SourceError: a missing column (closest name suggested), an unparsable timestamp (row named), values out of
-            [0, 2] kg/kWh after the declared unit (e.g. g/kWh declared as kg/kWh: "looks like g/kWh"), files that
-            disagree on a repeated row, some forecast columns without the others, or an hour of the period without
-            any value (the first missing hour named).
+        SourceError: a file that cannot be decoded (cut short, or not what ``format`` says), a missing column
+            (closest name suggested), an unparsable timestamp (row named), values out of [0, 2] kg/kWh after the
+            declared unit (e.g. g/kWh declared as kg/kWh: "looks like g/kWh"), files that disagree on a repeated
+            row, some forecast columns without the others, a split that no file covers (naming the source, the
+            split and what each file covers) or an hour of the period without any value (the first missing hour
+            named, and what each file covers).
     """
     c = src.carbon
     cols = ["moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]
     if c.format == "constant":
         out = pd.DataFrame({k: np.full(len(index), c.kg_per_kwh) for k in cols}, index=index)
         return out, {"format": "constant", "forecast": "constant", "kg_per_kwh": c.kg_per_kwh}
-    files = files_of(src, "carbon")
+    cfg = src.config
+    first, end = period(cfg)
+    lo, hi = index[0] - pd.Timedelta(hours=1), index[-1] + pd.Timedelta(hours=1)
     factor = CARBON_UNITS[c.unit]
-    frames, has_fc = [], []
-    for f in files:
-        d = read_csv(f)
+    files, frames, has_fc, skipped, cover = [], [], [], [], []
+    for f in files_of(src, "carbon"):
+        d = read_raw_csv(f, src, "carbon")
+        name = rel_path(f, src.root)
         tcol = column(d, c.time_column, str(f), "sources.carbon.time_column", src.toml)
         vcol = column(d, c.value_column, str(f), "sources.carbon.value_column", src.toml)
+        t = parse_times(tcol, file=str(f), column_name=c.time_column, key="sources.carbon", toml=src.toml,
+                        tz=c.timezone, fmt=c.time_format)  # fmt: skip
+        span = _local_span(t, cfg.timezone)
+        if len(d) and not ((t >= lo) & (t < hi)).any():
+            why = (f"all {len(d):,} rows lie outside the site's period {first}..{end} ({cfg.timezone}, from the "
+                   f"splits): they cover {span[0]}..{span[1]}")  # fmt: skip
+            skipped.append({"file": name, "rows": len(d), "first": span[0], "last": span[1], "why": why})
+            cover.append((name, len(d), span, "rows", True))
+            if log is not None:
+                log(f"ingest: skipped {name}: {why}")
+            continue
+        cover.append((name, len(d), span, "rows", False))
+        files.append(f)
         present = [x for x in MOER_FORECAST_COLUMNS if x in d.columns] if c.format == "watttime-moer" else []
         if present and len(present) != len(MOER_FORECAST_COLUMNS):
             lack = [x for x in MOER_FORECAST_COLUMNS if x not in d.columns]
             raise SourceError(f"{f}: forecast column(s) {', '.join(lack)} missing beside {', '.join(present[:3])}...: give all of f1..f36 or none")
         has_fc.append(bool(present))
-        t = parse_times(tcol, file=str(f), column_name=c.time_column, key="sources.carbon", toml=src.toml,
-                        tz=c.timezone, fmt=c.time_format)  # fmt: skip
         frame = pd.DataFrame({"time": t, "moer": numbers(vcol, file=str(f), column_name=c.value_column)})
         for x in present:
             frame[x] = numbers(d[x], file=str(f), column_name=x)
@@ -243,6 +349,8 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex) -> tuple[pd.DataFrame, di
                 hint_hi=": looks like g/kWh (set unit = \"g/kWh\" in [sources.carbon])" if c.unit == "kg/kWh" else "",
             )  # fmt: skip
         frames.append(frame)
+    if not frames:
+        _carbon_split_uncovered(src, "train", cover)
     if len(set(has_fc)) > 1:
         raise SourceError(f"{src.toml}: key 'sources.carbon.files': some files have forecast columns f1..f36, others not")
     fc = has_fc[0]
@@ -260,11 +368,22 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex) -> tuple[pd.DataFrame, di
     mean = grp.mean().reindex(index)
     count = grp.size().reindex(index).fillna(0)
     label = ", ".join(rel_path(f, src.root) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-    check_coverage(mean, index, src.config, f"carbon column '{c.value_column}'", label)
+    for split in ("train", "test"):
+        a, b = cfg.split_bounds(split)
+        hours = ((index >= a) & (index < b))
+        if hours.any() and mean[hours].isna().all():
+            _carbon_split_uncovered(src, split, cover)
+    try:
+        check_coverage(mean, index, cfg, f"carbon column '{c.value_column}'", label)
+    except SourceError as exc:
+        raise SourceError(
+            f"{exc}. The files of [sources.carbon] cover ({cfg.timezone} dates): {_cover_text(cover)}; point key"
+            " 'sources.carbon.files' at files that cover every hour of the period"
+        ) from None
     out = pd.DataFrame(index=index)
     out["moer_kg_per_kwh"] = mean.to_numpy()
     info = {"format": c.format, "rows": len(m), "hours_below_12_samples": int((count < 12).sum()),
-            "samples_per_hour_max": int(count.max()), "unit": c.unit}  # fmt: skip
+            "samples_per_hour_max": int(count.max()), "unit": c.unit, "skipped": skipped}  # fmt: skip
     if fc:
         exact = index.isin(m.index)
         fc_rows = m.reindex(index, method="ffill")
@@ -283,3 +402,16 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex) -> tuple[pd.DataFrame, di
             out[f"moer_fc_h{h}"] = prev.to_numpy()
         info.update(forecast="persistence", first_hour_own_value=first_own)
     return out, info
+
+
+def _carbon_split_uncovered(src: Sources, split: str, cover: list) -> None:
+    """Raise the :class:`SourceError` of a split that no carbon file covers, naming what each file covers."""
+    cfg = src.config
+    dates = getattr(cfg.splits, split)
+    first, end = period(cfg)
+    raise SourceError(
+        f"{src.toml}: no file of [sources.carbon] (files = {_patterns(src.carbon.files)}) covers split '{split}' (key"
+        f" 'splits.{split}' = {dates[0]}..{dates[1]}, {cfg.timezone}). The files cover ({cfg.timezone} dates):"
+        f" {_cover_text(cover)}. Point key 'sources.carbon.files' at files covering the site's period {first}..{end}"
+        " (every hour from the first split's first day to the last split's last day), or change the splits"
+    )

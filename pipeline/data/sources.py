@@ -59,12 +59,13 @@ import numpy as np
 import pandas as pd
 
 from envs.config import SiteConfig
+from envs.errors import InputError
 from envs.schemas import MOER_MAX_KG_PER_KWH
 from envs.toml_table import Range, TomlTable, did_you_mean, is_number
 from pipeline.data.synthetic import FleetParams
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """A ``[sources]`` table or a raw file is unusable. The message names the TOML and the dotted key, or the
     raw file, the column and the row."""
 

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from envs.errors import ExpectedError
+
 STATE_FILE = ".doit.sqlite3"
 """doit's state database in each experiment folder (doit's ``sqlite3`` backend)."""
 LOCK_FILE = ".doit.lock"
@@ -38,12 +40,13 @@ LOCKING_COMMANDS = frozenset({"run", "clean", "forget", "ignore", "reset-dep", "
 """doit commands that run tasks, delete outputs or write the state: one at a time per experiment."""
 
 
-class ExperimentBusy(RuntimeError):
-    """Another process holds the experiment folder's lock."""
+class ExperimentBusy(ExpectedError, RuntimeError):
+    """Another process holds the experiment folder's lock (the message names the folder, that process and what
+    to do)."""
 
 
-class DamagedState(RuntimeError):
-    """doit's state database cannot be read."""
+class DamagedState(ExpectedError, RuntimeError):
+    """doit's state database cannot be read (the message names the file and the way out)."""
 
 
 # ----------------------------------------------------------------------------------------------- the doit command
