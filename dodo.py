@@ -163,6 +163,55 @@ def task_baselines():
     }
 
 
+def _tune_budget() -> str:
+    """The tuning budget of this command: the doit variable ``tune_budget`` if given, else ``full`` when the command
+    names the ``tune`` task and ``small`` inside the pipeline (``pipeline.control.tuning.BUDGETS``)."""
+    from pipeline.study.config import variable
+
+    if variable("tune_budget") is not None:
+        return CFG.tune_budget
+    return "full" if COMMAND and any(t.split(":")[0] == "tune" for t in COMMAND.tasks) else "small"
+
+
+TUNE_CFG = replace(CFG, tune_budget=_tune_budget())
+
+
+def task_tune():
+    """Tune the planner's parameters by CMA-ES in closed loop on the train split, once per seed (pipeline.control.tuning).
+
+    Inside ``doit run pipeline`` with the ``small`` budget; ``doit run tune`` runs the ``full`` one (``tune_budget=``
+    chooses). A tuning is cached in ``<experiment>/tuned/`` for the site, its data and the control code it was made
+    for, and a cached tuning with the budget asked for or a larger one is used as it is.
+    """
+    if not _targets("tune"):
+        return {"actions": None, "uptodate": [True], "title": lambda task: "tune: the site runs no learned planner"}
+
+    def cached() -> bool:
+        from pipeline.control import tuning
+
+        fp = tuning.fingerprint(SITE_TOML)
+        return all(tuning.cached(CFG.root / "tuned", s, fp, TUNE_CFG.tune_budget) for s in CFG.seeds)
+
+    return {
+        "actions": [_stage("tune", TUNE_CFG)],
+        "file_dep": _targets("validate"),
+        "targets": _targets("tune"),
+        "uptodate": [cached],
+        "verbosity": 2,
+    }
+
+
+def task_planners():
+    """Run the learned planners (mpc_tuned, mpc_adaptive) on both splits, once per seed, from the tuning."""
+    return {
+        "actions": [_stage("planners")],
+        "file_dep": _targets("tune") + _targets("validate") + _site_files() + CONTROLLER_CODE,
+        "targets": _targets("planners"),
+        "uptodate": [_config_changed()],
+        "clean": True,
+    }
+
+
 def task_train():
     """Train each agent (algos/<name>.py) on the train split, one after another (Dask resource GPU=1)."""
     for algo in CFG.algos:
@@ -192,7 +241,8 @@ def task_report():
     """Write the CO2 comparison report: report.md, co2_comparison.parquet and figures."""
     return {
         "actions": [_stage("report")],
-        "file_dep": _targets("baselines") + _targets("evaluate") + depends.as_strings(depends.files(*depends.REPORT)),
+        "file_dep": _targets("baselines") + _targets("planners") + _targets("evaluate")
+        + depends.as_strings(depends.files(*depends.REPORT)),
         "targets": _targets("report"),
         "uptodate": [_sizing_results_changed()],  # the report shows a sizing study's headline once one has run
         "clean": True,
@@ -209,7 +259,7 @@ def _sizing_results_changed():
 
 
 def task_pipeline():
-    """The whole study: ingest -> validate -> baselines -> train -> evaluate -> report (the default task)."""
+    """The whole study: ingest -> validate -> baselines, tune -> planners, train -> evaluate -> report (the default task)."""
     return {
         "actions": [lambda: print(f"report: {Path(_targets('report')[0])}")],
         "task_dep": ["report"],

@@ -14,7 +14,8 @@ from envs.kpis import balance_residual, evaluate_policy
 from envs.config import ConfigError
 from envs.site import Site
 from pipeline.control.baselines import uncontrolled
-from pipeline.control.mpc import REGRESSION_WARMUP_DAYS, MPCController, run_mpc
+from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
+from pipeline.control.mpc import MPCController, run_mpc
 from pipeline.control.oracle import solve_oracle
 
 

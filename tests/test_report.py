@@ -220,9 +220,12 @@ def test_seeds_are_averaged_with_their_spread(tmp_path):
     assert dqn.n_seeds == 1 and math.isnan(dqn.co2_kg_std)
     assert table.loc["uncontrolled"].n_seeds == 1
     md = kpi_markdown_table(table.reset_index())
-    assert "| ppo | 3 | 800.0 ± 100.0 |" in md
-    assert "| dqn | 1 (single seed) | 650.0 |" in md
-    assert "| uncontrolled | – | 1,000.0 |" in md
+    from pipeline.control import registry
+
+    agent, reference = registry.describe("ppo").knows, registry.describe("uncontrolled").knows
+    assert f"| ppo | {agent} | 3 | 800.0 ± 100.0 |" in md
+    assert f"| dqn | {agent} | 1 (single seed) | 650.0 |" in md
+    assert f"| uncontrolled | {reference} | – | 1,000.0 |" in md
     with pytest.raises(ValueError, match="with seed 2"):
         read_kpi_files([*files, shutil.copy(files[3], tmp_path / "again.parquet")])
 
@@ -308,7 +311,10 @@ def test_html_page_has_the_markdown_content_and_embedded_figures(report: Path):
     page, md = _Page(text), _markdown_view(report.read_text())
     assert page.headings == md["headings"] and page.headings[0] == "Synthetic site: CO2 comparison"
     assert page.items == md["items"] and "PV: 10 kWp" in page.items
-    assert page.rows == md["rows"] and len(page.rows) == 2 * (1 + len(CONTROLLERS))
+    # the answer first (header, the controller to run, the oracle: the best one is also the best learned), then a KPI
+    # table per split
+    assert page.headings[1] == "The answer"
+    assert page.rows == md["rows"] and len(page.rows) == 3 + 2 * (1 + len(CONTROLLERS))
     assert page.texts == md["texts"]
     assert any("lowest CO2 apart from the oracle is a2c's" in t for t in page.texts)
     # every figure is embedded, byte for byte, with its alt text

@@ -7,7 +7,7 @@ Two controllers share the code and differ only in what they know (:data:`PERFECT
 
   - the BESS energy and every plugged EV's remaining energy and steps to departure (the env's state
     ``energy_kwh``, ``ev_need_kwh``, ``ev_steps_left``; the sessions arriving at ``t`` are plugged in by then);
-  - MOER: a causal regression forecast (:class:`MOERRegression`) for each step of the window: per lead ``k``, a
+  - MOER: a causal regression forecast (:class:`pipeline.control.forecast.MOERRegression`) for each step of the window: per lead ``k``, a
     least-squares fit of the MOER at ``t + k`` on what is known at ``t`` (the data's forecasts ``moer_fc_h0..h2``
     issued at ``t``, the realised MOER of the last two steps, the same-hour profile below and the local hour of
     ``t + k``), refit at the start of every day of the split on the pairs whose MOER was realised before that
@@ -84,6 +84,7 @@ import torch
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
+from pipeline.control.forecast import DAY, LEVEL_DECAY_H, MOERRegression, same_hour_mean
 from pipeline.control.oracle import assemble_lp
 
 PERFECT = {"mpc": False, "mpc_perfect": True}
@@ -101,103 +102,6 @@ TERMINAL_VALUE = 1.0
 ``eta_discharge * mean(MOER outlook of the window)`` (kg): the CO2 a kWh stored displaces when discharged at an
 average hour later. Without it the battery's energy would be worthless beyond the window (the controller knows no
 future arrivals), so it would curtail PV rather than store it."""
-DAY = 24
-PROFILE_DAYS = 7
-"""Days of realised MOER averaged per hour of day in the causal forecast beyond the data's forecasts."""
-LEVEL_DECAY_H = 6.0
-"""e-folding time, hours, of the data's last forecast's deviation from that profile, carried beyond it."""
-REGRESSION_WARMUP_DAYS = 7
-"""Days of (features, realised MOER) pairs the regression forecast needs per lead before it replaces the profile."""
-RIDGE = 1e-6
-"""Ridge penalty of the MOER regression per pair (features are of order 0.1-1): only keeps the normal equations
-well posed (e.g. a constant feature column on a synthetic site); no shrinkage worth the name on real data."""
-
-
-def same_hour_mean(moer: np.ndarray, t: np.ndarray, k: np.ndarray, day: int, days: int = PROFILE_DAYS) -> np.ndarray:
-    """Mean realised MOER at the hour of day of steps ``t + k`` over the last ``days`` days strictly before ``t``.
-
-    Args:
-        moer: ``(T,)`` realised MOER, kg/kWh. t: ``(n,)`` issue steps. k: ``(H,)`` leads, steps. day: steps per day.
-
-    Returns:
-        ``(n, H)`` kg/kWh; NaN where none of those days lies in the split.
-    """
-    j = np.arange(1, days + 1)
-    lead = k[None, :, None]
-    past = t[:, None, None] + lead - day * (lead // day + j[None, None, :])  # strictly before t
-    vals = np.where(past >= 0, moer[np.maximum(past, 0)], 0.0)
-    n = (past >= 0).sum(-1)
-    return np.where(n > 0, vals.sum(-1) / np.maximum(n, 1), np.nan)
-
-
-class MOERRegression:
-    """Causal MOER forecast for leads ``0..H-1``: one linear least-squares model per lead, refit every day.
-
-    The MOER at ``t + k`` is regressed on ``[moer_fc_h0, moer_fc_h1, moer_fc_h2]`` issued at ``t``, the realised
-    MOER at ``t - 1`` and ``t - 2``, :func:`same_hour_mean` at ``t + k``, and a one-hot of the step of the local day
-    of ``t + k`` (which holds the intercept). At step ``t`` the model of lead ``k`` has been fit on every pair
-    ``(s, s + k)`` with ``s >= 1 day`` and ``s + k`` before the start of ``t``'s day (counted in steps from the
-    split's start), so it only uses MOER realised before ``t``. The normal equations are accumulated as the days
-    pass (a few ms per split). Forecasts are clipped at 0.
-
-    Args:
-        data: the split. horizon: H, steps.
-    """
-
-    def __init__(self, data: SplitData, horizon: int):
-        self.day = max(1, int(round(DAY / data.config.dt_h)))
-        self.H = horizon
-        T = data.num_steps
-        local = data.time.tz_convert(data.config.timezone)
-        minutes = np.asarray(local.hour * 60 + local.minute)
-        step_of_day = (minutes // max(1, int(round(data.config.dt_h * 60)))) % self.day
-        m = np.asarray(data.moer, np.float64)
-        prof = same_hour_mean(m, np.arange(T), np.arange(horizon), self.day)  # (T, H)
-        fc = np.asarray(data.moer_fc, np.float64)
-        prof = np.where(np.isnan(prof), fc[:, -1:], prof)
-        m1 = np.r_[fc[0, 0], m[:-1]]
-        m2 = np.r_[m1[0], m1[:-1]]
-        base = np.column_stack([fc[:, :3] if fc.shape[1] >= 3 else np.repeat(fc[:, -1:], 3, 1), m1, m2])  # (T, 5)
-        self._base, self._prof, self._step_of_day, self.moer = base, prof, step_of_day, m
-        F = base.shape[1] + 1 + self.day
-        self._gram = np.zeros((horizon, F, F))
-        self._rhs = np.zeros((horizon, F))
-        self._pairs = np.zeros(horizon, np.int64)
-        self._fitted_to = 0  # the pairs whose target step lies before this one are in the normal equations
-        self._weights: np.ndarray | None = None
-
-    def features(self, s: np.ndarray, k: int) -> np.ndarray:
-        """Regressors of the MOER at ``s + k`` issued at steps ``s``, ``(len(s), F)``."""
-        onehot = np.eye(self.day)[self._step_of_day[s + k]]
-        return np.column_stack([self._base[s], self._prof[s, k], onehot])
-
-    def _fit_to(self, end: int) -> None:
-        """Add every pair with target step in ``[_fitted_to, end)`` and refit the leads' weights."""
-        for k in range(self.H):
-            s = np.arange(max(self.day, self._fitted_to - k), max(self.day, end - k))
-            if len(s):
-                A = self.features(s, k)
-                self._gram[k] += A.T @ A
-                self._rhs[k] += A.T @ self.moer[s + k]
-                self._pairs[k] += len(s)
-        self._fitted_to = end
-        if self._pairs.min() >= REGRESSION_WARMUP_DAYS * self.day:
-            ridge = np.eye(self._gram.shape[-1])[None] * (RIDGE * self._pairs[:, None, None])
-            self._weights = np.linalg.solve(self._gram + ridge, self._rhs[..., None])[..., 0]
-
-    def __call__(self, t: int, H: int) -> np.ndarray | None:
-        """Forecast for steps ``t .. t+H-1`` (``H <= horizon``), kg/kWh, or None while still warming up."""
-        start = t - t % self.day
-        if start < self._fitted_to:  # asked about an earlier day than the last: forget what came after it
-            self._gram[:], self._rhs[:], self._pairs[:], self._fitted_to, self._weights = 0.0, 0.0, 0, 0, None
-        if start > self._fitted_to:
-            self._fit_to(start)
-        if self._weights is None:
-            return None
-        X = np.stack([self.features(np.array([t]), k)[0] for k in range(H)])
-        return np.maximum(np.einsum("hf,hf->h", X, self._weights[:H]), 0.0)
-
-
 @dataclass
 class Plan:
     """The first step of one MPC solve: LP flows (kW) and the env action that applies them."""
@@ -226,6 +130,16 @@ class MPCController:
         perfect: give it the true MOER and the arrivals within the horizon (``mpc_perfect``).
         expected_demand_days, expected_demand_weight: the causal controller's expected demand (module docstring;
             default: the site's ``mpc`` table). Not used when ``perfect``.
+        terminal_value: value of a kWh left in the battery at the window's end, as a multiple of ``eta_discharge``
+            times the window's mean MOER outlook (default :data:`TERMINAL_VALUE`).
+        moer_contrast, moer_bias: the causal MOER outlook ``f`` is planned on as ``m + moer_contrast * (f - m) +
+            moer_bias * m``, ``m`` its mean over the window (1 and 0: as forecast). A regression forecast is shrunk
+            towards its mean where it is unsure; a contrast above 1 plans as if the forecast's hour-to-hour shape
+            were surer. Not used when ``perfect``.
+        forecaster: the causal MOER forecast, a callable ``(t, H) -> (H,) kg/kWh or None`` while it warms up
+            (default :class:`MOERRegression` over the horizon); when None is returned the profile outlook is used.
+        presolve: HiGHS presolve (off halves the solve time on these small LPs; the optimum is the same, the
+            vertex chosen among equal-cost plans may differ).
 
     Attributes:
         solves, solve_s: number of LP solves and their total seconds (build + HiGHS).
@@ -237,6 +151,11 @@ class MPCController:
     perfect: bool = False
     expected_demand_days: int | None = None
     expected_demand_weight: float | None = None
+    terminal_value: float = TERMINAL_VALUE
+    moer_contrast: float = 1.0
+    moer_bias: float = 0.0
+    forecaster: object | None = None
+    presolve: bool = True
     keep_plans: bool = False
     solves: int = 0
     solve_s: float = 0.0
@@ -247,10 +166,13 @@ class MPCController:
         self._highs.setOptionValue("output_flag", False)
         self._highs.setOptionValue("random_seed", 0)
         self._highs.setOptionValue("threads", 1)
+        if not self.presolve:
+            self._highs.setOptionValue("presolve", "off")
         cfg = self.data.config
         self.H = max(1, int(round(self.horizon_h / cfg.dt_h)))
         self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
-        self._regression = None if self.perfect else MOERRegression(self.data, self.H)
+        if self.forecaster is None and not self.perfect:
+            self.forecaster = MOERRegression(self.data, self.H)
         if self.expected_demand_days is None:
             self.expected_demand_days = cfg.mpc.expected_demand_days
         if self.expected_demand_weight is None:
@@ -262,8 +184,12 @@ class MPCController:
         d = self.data
         if self.perfect:
             return d.moer[t : t + H].copy()
-        fc = self._regression(t, H)
-        return self.profile_outlook(t, H) if fc is None else fc
+        fc = self.forecaster(t, H)
+        fc = self.profile_outlook(t, H) if fc is None else fc
+        if self.moer_contrast != 1.0 or self.moer_bias != 0.0:
+            m = float(fc.mean())
+            fc = np.maximum(m + self.moer_contrast * (fc - m) + self.moer_bias * m, 0.0)
+        return fc
 
     def profile_outlook(self, t: int, H: int) -> np.ndarray:
         """The warm-up forecast over steps ``t .. t+H-1``, kg/kWh: the data's forecasts, then the profile (module
@@ -358,7 +284,7 @@ class MPCController:
         # (the export credit, -MOER per kWh with grid.export_credit = "moer", is already in assemble_lp's cost)
         c[off["defer"] : off["defer"] + S] = float(moer.mean())
         if t + H < d.num_steps:  # energy left in the battery when the window ends is worth what it displaces later
-            c[off["E"] + H - 1] -= TERMINAL_VALUE * b.eta_discharge * float(moer.mean())
+            c[off["E"] + H - 1] -= self.terminal_value * b.eta_discharge * float(moer.mean())
         # step 0 of each plugged EV (its first EV column) between the env's floor and cap
         first = np.cumsum(dep - arr) - (dep - arr)
         is_plugged = sock >= 0

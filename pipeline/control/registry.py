@@ -61,6 +61,9 @@ class Controller:
         runner_args: extra positional arguments of the runner after ``(site, split)``.
         enabled: whether a site runs it (the MPC family can be switched off with ``[mpc] enabled = false``).
         retries: Dask retries of its task (every simulation is deterministic and safe to repeat).
+        seeded: runs once per seed of the study (its result files carry the seed, the report averages them).
+        tuned: reads the planner parameters tuned on the train split (``<experiment>/tuned/``,
+            :mod:`pipeline.control.tuning`), so it runs after the study's ``tune`` stage.
     """
 
     name: str
@@ -72,25 +75,41 @@ class Controller:
     runner_args: tuple = ()
     enabled: Callable[[SiteConfig], bool] = _always
     retries: int = 1
+    seeded: bool = False
+    tuned: bool = False
 
     @property
     def simulated(self) -> bool:
         """Whether the study simulates it over a split itself (everything but the agents)."""
         return self.runner is not None
 
-    def simulate(self, site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    def simulate(self, site: Site, split: str, seed: int | None = None, tuned_dir=None) -> tuple[pd.DataFrame, pd.DataFrame]:
         """Run it over one whole split; returns ``(kpi_row, traces)`` (:func:`envs.kpis.evaluate_policy`'s).
 
+        Args:
+            seed: the study's seed (a ``seeded`` controller needs one). tuned_dir: the tuning folder (a ``tuned``
+                controller needs it).
+
         Raises:
-            TypeError: an agent (it is trained, not simulated here).
+            TypeError: an agent (it is trained, not simulated here), or a missing seed or tuning folder.
             KeyError: unknown split. RuntimeError: an LP not solved, or an energy-balance violation.
+            FileNotFoundError: a ``tuned`` controller whose tuning is not in ``tuned_dir``.
         """
         if self.runner is None:
             raise TypeError(f"controller {self.name!r} is an agent: train it with algos/{self.name}.py")
         import importlib
 
+        kwargs = {}
+        if self.seeded:
+            if seed is None:
+                raise TypeError(f"controller {self.name!r} runs once per seed: give a seed")
+            kwargs["seed"] = int(seed)
+        if self.tuned:
+            if tuned_dir is None:
+                raise TypeError(f"controller {self.name!r} reads tuned parameters: give the tuning folder")
+            kwargs["tuned_dir"] = tuned_dir
         module, function = self.runner.split(":")
-        return getattr(importlib.import_module(module), function)(site, split, *self.runner_args)
+        return getattr(importlib.import_module(module), function)(site, split, *self.runner_args, **kwargs)
 
 
 _AGENT_KNOWS = "the observation (PV, MOER and its forecasts, SOC, sockets, time); trained on the train split"
@@ -105,7 +124,13 @@ CONTROLLERS: dict[str, Controller] = {
         Controller("mpc", "planner", True, False,
                    "24 h LP on a MOER regression refit daily and the past week's sessions (hand-set weights)",
                    "pipeline.control.mpc:simulate", ("mpc",), _mpc_enabled),
-        *(Controller(a, "agent", True, True, _AGENT_KNOWS) for a in ("ppo", "sac", "a2c", "dqn")),
+        Controller("mpc_tuned", "learned planner", True, True,
+                   "mpc, its parameters tuned by CMA-ES in closed loop on the train split's weeks",
+                   "pipeline.control.learned:simulate_tuned", (), _mpc_enabled, seeded=True, tuned=True),
+        Controller("mpc_adaptive", "learned planner", True, True,
+                   "mpc_tuned, its demand weight re-chosen each week by replaying the split's last weeks",
+                   "pipeline.control.learned:simulate_adaptive", (), _mpc_enabled, seeded=True, tuned=True),
+        *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
                    "pipeline.control.mpc:simulate", ("mpc_perfect",), _mpc_enabled),
         Controller("oracle", "bound", False, False, "the whole split (perfect-foresight LP)",
@@ -131,15 +156,24 @@ def agents() -> tuple[str, ...]:
     return tuple(n for n, c in CONTROLLERS.items() if c.family == "agent")
 
 
-def simulated(cfg: SiteConfig | None = None) -> tuple[str, ...]:
-    """The controllers the study simulates itself, in report order; with ``cfg``, those that site runs."""
-    return tuple(n for n, c in CONTROLLERS.items() if c.simulated and (cfg is None or c.enabled(cfg)))
+def simulated(cfg: SiteConfig | None = None, tuned: bool | None = None) -> tuple[str, ...]:
+    """The controllers the study simulates itself, in report order; with ``cfg``, those that site runs; with
+    ``tuned``, only those that do (True) or do not (False) read tuned parameters."""
+    return tuple(
+        n for n, c in CONTROLLERS.items()
+        if c.simulated and (cfg is None or c.enabled(cfg)) and (tuned is None or c.tuned == tuned)
+    )  # fmt: skip
 
 
 def is_agent(name: str) -> bool:
     """Whether ``name`` is a trained agent's row: a registered agent, or any name the table does not know (an
     agent script outside it)."""
     return name not in CONTROLLERS or CONTROLLERS[name].family == "agent"
+
+
+def describe(name: str) -> Controller:
+    """The registry's row of ``name``; a name it does not know is an agent script outside it (causal, learned)."""
+    return CONTROLLERS.get(name) or Controller(name, "agent", True, True, _AGENT_KNOWS)
 
 
 def sort_key(name: str) -> tuple[int, str]:

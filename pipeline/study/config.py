@@ -18,6 +18,7 @@ from pathlib import Path
 from envs.config import load_config
 from envs.toml_table import did_you_mean
 from pipeline.control import registry
+from pipeline.control.tuning import BUDGETS
 from pipeline.paths import PROJECT_ROOT, shown_path  # noqa: F401  (re-exported: the study's modules read them here)
 
 ALGOS = registry.agents()
@@ -53,6 +54,9 @@ class PipelineConfig:
         seeds: training seeds; each agent trains once per seed.
         total_timesteps: override of each script's default training budget (None: script default).
         scheduler_address: address of an existing Dask scheduler; None starts a LocalCluster.
+        tune_budget: budget of the planner's tuning on the train split (:data:`pipeline.control.tuning.BUDGETS`):
+            ``small`` inside ``doit run pipeline``, ``full`` for ``doit run tune``; doit variable ``tune_budget`` /
+            ``EVHUB_TUNE_BUDGET``. A cached tuning with a larger budget is used as it is.
         extra_algo_args: extra command-line flags of every agent script (for example ``("--compile",
             "--cudagraphs")`` on a GPU); doit variable ``algo_args`` / ``EVHUB_ALGO_ARGS``, split like a shell.
     """
@@ -65,15 +69,19 @@ class PipelineConfig:
     total_timesteps: int | None = None
     scheduler_address: str | None = None
     extra_algo_args: tuple[str, ...] = field(default=())
+    tune_budget: str = "small"
 
     def __post_init__(self):
         """Check the agents and default ``experiment`` to the site's name.
 
         Raises:
-            ValueError: an unknown algorithm name (message names ``algos``, the bad name and the known ones).
+            ValueError: an unknown algorithm name (message names ``algos``, the bad name and the known ones), or an
+                unknown tuning budget.
             FileNotFoundError / envs.config.ConfigError: the site config cannot be loaded.
         """
         check_algos(self.algos)
+        if self.tune_budget not in BUDGETS:
+            raise ValueError(f"tune_budget={self.tune_budget!r}: unknown budget (known: {', '.join(BUDGETS)})")
         if not self.experiment:
             object.__setattr__(self, "experiment", load_config(self.site)[0].name)
 
@@ -112,6 +120,7 @@ VARIABLES = {
     "bess_kw_per_kwh": "EVHUB_SIZING_BESS_KW_PER_KWH",
     "controllers": "EVHUB_SIZING_CONTROLLERS",
     "workers": "EVHUB_WORKERS",
+    "tune_budget": "EVHUB_TUNE_BUDGET",
 }
 """Every doit variable of ``dodo.py`` and the environment variable standing in for it (``part`` belongs
 to ``doit bench``; ``kwp``, ``bess_kwh``, ``bess_kw_per_kwh``, ``controllers`` and ``workers`` to ``doit run
@@ -200,5 +209,7 @@ def from_environment(**overrides) -> PipelineConfig:
         kw["extra_algo_args"] = tuple(shlex.split(v))
     if (v := var("scheduler")) is not None:
         kw["scheduler_address"] = v or None
+    if (v := var("tune_budget")) is not None:
+        kw["tune_budget"] = v
     kw.update(overrides)
     return PipelineConfig(**kw)

@@ -21,16 +21,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from envs.config import load_config
-from pipeline.control import registry
+from pipeline.control import registry, tuning
 from pipeline.study import results, tasks
 from pipeline.study.cluster import get_client, gpu_workers
 from pipeline.study.config import SPLITS, PipelineConfig
 
-STAGES = ("validate", "baselines", "train", "evaluate", "report")
+STAGES = ("validate", "baselines", "tune", "planners", "train", "evaluate", "report")
 
 def simulated(cfg: PipelineConfig) -> tuple[str, ...]:
-    """The controllers the study simulates for this site (:func:`pipeline.control.registry.simulated`)."""
-    return registry.simulated(load_config(cfg.site_toml)[0])
+    """The controllers of the ``baselines`` stage for this site: simulated, reading no tuning
+    (:func:`pipeline.control.registry.simulated`)."""
+    return registry.simulated(load_config(cfg.site_toml)[0], tuned=False)
+
+
+def planners(cfg: PipelineConfig) -> tuple[str, ...]:
+    """The controllers of the ``planners`` stage for this site: simulated once per seed from the tuning."""
+    return registry.simulated(load_config(cfg.site_toml)[0], tuned=True)
 
 
 def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
@@ -40,6 +46,9 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
     return {
         "validate": [root / "validate" / f"{i}.json" for i in tasks.INPUTS],
         "baselines": [f for c in simulated(cfg) for s in SPLITS for f in results.files(root / "baselines", c, s)],
+        "tune": [f for seed in cfg.seeds for f in tuning.result_files(root / "tuned", seed)] if planners(cfg) else [],
+        "planners": [f for c in planners(cfg) for seed in cfg.seeds for s in SPLITS
+                     for f in results.files(root / "planners", c, s, seed)],  # fmt: skip
         "train": [root / "runs" / results.run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")],
         "evaluate": [f for a, seed in runs for s in SPLITS for f in results.files(root / "eval", a, s, seed)],
         "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
@@ -100,6 +109,26 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     else:
         baseline_files = on_disk("baselines") if "report" in stages else None
 
+    # the planner's parameters tuned on the train split, once per seed (CMA-ES; its replays fanned out as tasks)
+    tuned_dir = str(root / "tuned")
+    if "tune" in stages:
+        futures["tune"] = tasks.tune_planner(site, cfg.seeds, tuned_dir, cfg.tune_budget, client) if planners(cfg) else []
+    # the learned planners: one task per planner x seed x split, after the tuning
+    if "planners" in stages:
+        if "tune" not in stages:
+            on_disk("tune")
+        out = str(root / "planners")
+        jobs = [
+            submit(tasks.run_controller, site, c, s, out, validated, seed, tuned_dir, retries=1, pure=False)
+            for c in planners(cfg)
+            for seed in cfg.seeds
+            for s in SPLITS
+        ]
+        futures["planners"] = client.submit(_flatten, jobs, pure=False)
+        planner_files = futures["planners"]
+    else:
+        planner_files = on_disk("planners") if "report" in stages else None
+
     # training: one task per agent x seed, needing a GPU when the cluster has GPU workers; on an
     # embedded LocalCluster the agents train one after another (each task waits for the previous one)
     runs: dict[tuple[str, int], object] = {}
@@ -134,7 +163,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
         eval_files = on_disk("evaluate") if "report" in stages else None
 
     if "report" in stages:
-        futures["report"] = submit(_report, cfg.as_dict(), baseline_files, eval_files, str(root), pure=False)
+        futures["report"] = submit(_report, cfg.as_dict(), baseline_files, planner_files, eval_files, str(root), pure=False)
 
     return client.gather(futures)
 
@@ -143,8 +172,8 @@ def _flatten(lists: list[list[str]]) -> list[str]:
     return [p for sub in lists for p in sub]
 
 
-def _report(cfg_dict: dict, baseline_files: list[str], eval_files: list[str], root: str) -> str:
-    files = [*baseline_files, *eval_files]
+def _report(cfg_dict: dict, baseline_files: list[str], planner_files: list[str], eval_files: list[str], root: str) -> str:
+    files = [*baseline_files, *planner_files, *eval_files]
     kpis, traces = [], {}
     for p in files:
         r = results.parse(p)

@@ -215,18 +215,13 @@ def choose_week(traces: pd.DataFrame, timezone: str = "UTC") -> tuple[pd.Timesta
 
 
 def _week_columns(available: Iterable[str], table: pd.DataFrame) -> list[str]:
-    """Controllers shown in the week figure: uncontrolled, one agent (``ppo``, else the test split's
-    lowest-CO2 agent, else the first by name), mpc, oracle; those that exist; else up to three of any."""
+    """Controllers shown in the week figure: uncontrolled, the controller a site should run and the best learned one
+    (:func:`best_controllers` on the test split), the oracle; those that have traces; else up to three of any."""
     available = sorted(set(available), key=controller_sort_key)
-    agents = [c for c in available if registry.is_agent(c)]
-    agent: list[str] = []
-    if "ppo" in agents:
-        agent = ["ppo"]
-    elif agents:
-        test = table[(table.split == "test") & table.controller.isin(agents)].sort_values("co2_kg")
-        agent = [str(test.controller.iloc[0])] if len(test) else agents[:1]
-    cols = [c for c in ("uncontrolled",) if c in available] + agent + [c for c in ("mpc", "oracle") if c in available]
-    return cols or available[:3]
+    best = best_controllers(table) if (table.split == "test").any() else {}
+    picks = ["uncontrolled", best.get("causal"), best.get("learned"), "oracle"]
+    cols = list(dict.fromkeys(c for c in picks if c in available))
+    return cols if len(cols) > 1 else available[:3]
 
 
 def plot_test_week(
@@ -336,22 +331,25 @@ def plot_learning_curves(metrics_files: Mapping[str, Path], path: Path) -> Path 
 def kpi_table(rows: pd.DataFrame) -> Table:
     """The main KPIs of one split's rows as a :class:`Table` (headers carry units; NaN shows as –).
 
-    An agent averaged over several seeds shows ``mean ± std`` and its number of seeds; an agent trained with
-    one seed is marked ``1 (single seed)``; baselines are deterministic and show –.
+    "Knows" is what the controller reads when it acts (:attr:`pipeline.control.registry.Controller.knows`). A
+    seeded controller (an agent, a learned planner) averaged over several seeds shows ``mean ± std`` and its number
+    of seeds; one with one seed is marked ``1 (single seed)``; the deterministic controllers show –.
     """
     body = []
     for _, r in rows.iterrows():
         n = int(r.get("n_seeds", 1))
-        seeds = "–" if not registry.is_agent(r.controller) else (str(n) if n > 1 else "1 (single seed)")
+        seeded = registry.describe(str(r.controller)).seeded or registry.is_agent(str(r.controller))
+        seeds = "–" if not seeded else (str(n) if n > 1 else "1 (single seed)")
 
         def cell(c: str, d: int) -> str:
             std = r.get(f"{c}_std", math.nan)
             return format_number(r[c], d) + (f" ± {format_number(std, d)}" if n > 1 and not math.isnan(std) else "")
 
-        body.append((str(r.controller), seeds, *(cell(c, d) for c, _, d in TABLE_COLUMNS)))
+        body.append((str(r.controller), registry.describe(str(r.controller)).knows, seeds,
+                     *(cell(c, d) for c, _, d in TABLE_COLUMNS)))  # fmt: skip
     return Table(
-        header=("Controller", "Seeds", *(h for _, h, _ in TABLE_COLUMNS)),
-        align=("left", *("right" for _ in range(len(TABLE_COLUMNS) + 1))),
+        header=("Controller", "Knows", "Seeds", *(h for _, h, _ in TABLE_COLUMNS)),
+        align=("left", "left", *("right" for _ in range(len(TABLE_COLUMNS) + 1))),
         rows=tuple(body),
     )
 
@@ -395,6 +393,70 @@ def ordering_sentence(split: str, rows: pd.DataFrame) -> str:
         share = "" if math.isnan(r.oracle_gap_closed_pct) else f", {r.oracle_gap_closed_pct:.1f}% of the oracle's saving"
         parts.append(f"{r.controller} ({r.co2_kg:,.1f} kg{share})")
     return f"Ordering by CO2 on the {split} split, lowest first: " + " < ".join(parts) + "."
+
+
+def serving(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of one split that deliver at least :data:`SERVED_SHARE_MIN` of the uncontrolled row's EV energy (all
+    rows when there is no uncontrolled row)."""
+    base = rows[rows.controller == "uncontrolled"]
+    if base.empty or math.isnan(float(base.ev_energy_delivered_kwh.iloc[0])):
+        return rows
+    return rows[rows.ev_energy_delivered_kwh >= SERVED_SHARE_MIN * float(base.ev_energy_delivered_kwh.iloc[0])]
+
+
+def best_controllers(table: pd.DataFrame, split: str = "test") -> dict[str, str]:
+    """Which controller a site should run: on ``split`` (the held-out one), among the rows that serve the EVs
+    (:func:`serving`), ``"causal"``: the lowest CO2 of the causal controllers (never ``mpc_perfect`` or the
+    ``oracle``), ``"learned"``: the lowest of the causal learned ones (learned planners and agents), ``"bound"``: the
+    ``oracle`` when present. A key is absent when no row qualifies."""
+    rows = serving(table[table.split == split].dropna(subset=["co2_kg"]))
+    out = {}
+    for key, keep in (("causal", lambda c: c.causal), ("learned", lambda c: c.causal and c.learned)):
+        cand = rows[rows.controller.map(lambda n: keep(registry.describe(str(n))))]
+        if len(cand):
+            out[key] = str(cand.loc[cand.co2_kg.idxmin()].controller)
+    if (table.controller == "oracle").any():
+        out["bound"] = "oracle"
+    return out
+
+
+def answer_blocks(table: pd.DataFrame) -> list[Block]:
+    """The report's first section: the controller a site can run with the lowest CO2 on the held-out split, its CO2
+    cut and unserved energy on both splits, the best learned controller beside it, and the perfect-foresight limit."""
+    split = "test" if (table.split == "test").any() else str(table.split.iloc[0])
+    best = best_controllers(table, split)
+    if "causal" not in best:
+        return []
+    roles = {"causal": "lowest CO2 a site can run", "learned": "best learned controller", "bound": "perfect-foresight limit"}
+    splits = sorted(table.split.unique(), key=split_sort_key)
+    body = []
+    for key, name in best.items():
+        if key == "learned" and name == best["causal"]:
+            continue
+        cells = [roles[key], name, registry.describe(name).knows]
+        for sp in splits:
+            r = table[(table.split == sp) & (table.controller == name)]
+            if r.empty:
+                cells.append("–")
+                continue
+            r = r.iloc[0]
+            cells.append(f"{format_number(r.co2_kg, 1)} kg, {format_number(r.co2_reduction_pct, 1)}% cut, "
+                         f"{format_number(r.oracle_gap_closed_pct, 1)}% of the oracle's saving, "
+                         f"unserved {format_number(r.unserved_kwh, 1)} kWh")  # fmt: skip
+        body.append(tuple(cells))
+    name = best["causal"]
+    text = (f"Run **{name}**: of the controllers that act only on what was realised before the hour they act on, it "
+            f"emits the least CO2 on the held-out {split} split while serving the EVs.")  # fmt: skip
+    if "learned" in best and best["learned"] != name:
+        text += f" The best learned controller is **{best['learned']}**."
+    elif "learned" in best:
+        text += " It is also the best learned controller."
+    return [
+        Heading(2, "The answer"),
+        Paragraph(text),
+        Table(header=("", "Controller", "Knows", *(f"{sp} split" for sp in splits)),
+              align=("left", "left", "left", *("left" for _ in splits)), rows=tuple(body)),  # fmt: skip
+    ]
 
 
 def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
@@ -542,6 +604,7 @@ def report_blocks(
     """
     blocks: list[Block] = [Heading(1, title)]
     blocks += [Note(n) for n in notes]
+    blocks += answer_blocks(table)
     site = tuple(f"**{k}**: {v}" for k, v in site_summary.items()) or ("(no site summary given)",)
     blocks += [Heading(2, "Site"), Bullets(site)]
     if data_sources:
@@ -559,7 +622,10 @@ def report_blocks(
             "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` is the "
             "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound). "
             "`mpc` re-solves a linear program over the next hours every hour from what is known then (MOER forecasts, the plugged EVs, the demand of the same hours of the past week); "
-            "`mpc_perfect` is the same controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is worth."
+            "`mpc_tuned` is that planner with its parameters tuned in closed loop (CMA-ES) on the train split, `mpc_adaptive` the "
+            "same re-tuned each week on the split's own last weeks; "
+            "`mpc_perfect` is the same controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is worth. "
+            "**Knows** says what each controller reads when it acts; only the causal ones (all but `mpc_perfect` and `oracle`) can be run."
         )
     )
     if sizing is not None:

@@ -72,8 +72,8 @@ from pipeline.study.document import (
 HOURS_PER_YEAR = 8760.0
 """Hours of the year a split's CO2 is scaled to (365 days)."""
 
-KNOWN_CONTROLLERS = registry.simulated()
-"""Controllers a sizing study can run: those the study simulates (:func:`pipeline.control.registry.simulated`), in
+KNOWN_CONTROLLERS = registry.simulated(tuned=False)
+"""Controllers a sizing study can run: those the study simulates without a tuning (:func:`pipeline.control.registry.simulated`), in
 report order (``uncontrolled`` always runs: it is the reference)."""
 
 DEFAULT_CONTROLLERS = ("uncontrolled", "rule_based", "mpc", "oracle")

@@ -20,7 +20,7 @@ from envs.files import write_parquet, write_text
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.config import load_config
 from envs.site import load_site
-from pipeline.control import registry
+from pipeline.control import registry, tuning
 from pipeline.study import depends, results
 from pipeline.study.config import PROJECT_ROOT, SPLITS, shown_path
 from pipeline.study.report import site_data_sources, write_report
@@ -70,17 +70,47 @@ def write_validation(summaries: list[dict], out_dir: str) -> list[str]:
     return [str(write_text(Path(out_dir) / f"{s['input']}.json", json.dumps(s, indent=2))) for s in summaries]
 
 
-def run_controller(site_toml: str, controller: str, split: str, out_dir: str, *deps) -> list[str]:
+def run_controller(
+    site_toml: str, controller: str, split: str, out_dir: str, validated=None, seed: int | None = None,
+    tuned_dir: str | None = None,
+) -> list[str]:
     """Simulate a controller of the registry over a whole split (:meth:`pipeline.control.registry.Controller.simulate`);
-    returns ``[kpi_path, traces_path]`` (named by :func:`pipeline.study.results.files`).
+    returns ``[kpi_path, traces_path]`` (named by :func:`pipeline.study.results.files`, with the seed of a seeded
+    controller).
+
+    Args:
+        validated: the validation stage's output (only orders the task after it).
+        seed, tuned_dir: what a seeded controller that reads tuned parameters needs.
 
     Raises:
         KeyError: unknown controller (the message names the closest known one) or split.
-        TypeError: an agent (trained by its script, not simulated).
+        TypeError: an agent (trained by its script, not simulated), or a missing seed or tuning folder.
         RuntimeError: an LP not solved, or the energy balance violated in some step.
     """
-    kpis, traces = registry.get(controller).simulate(load_site(site_toml), split)
-    return _write_run(kpis, traces, out_dir, controller, split)
+    c = registry.get(controller)
+    kpis, traces = c.simulate(load_site(site_toml), split, seed=seed, tuned_dir=tuned_dir)
+    return _write_run(kpis, traces, out_dir, controller, split, seed if c.seeded else None)
+
+
+def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None) -> list[str]:
+    """Tune the planner's parameters on the train split once per seed (:func:`pipeline.control.tuning.tune`), its
+    replays as tasks of ``client``; a seed whose tuning is cached in ``tuned_dir`` for the same site, data and code
+    with ``budget`` or a larger one is not tuned again. Returns every tuning file (summary and history per seed).
+
+    Raises:
+        KeyError: an unknown budget.
+    """
+    fp = tuning.fingerprint(site_toml)
+    todo = [s for s in seeds if tuning.cached(tuned_dir, s, fp, budget) is None]
+    if todo:
+        evaluate = tuning.dask_evaluator(client, site_toml, "train") if client is not None else None
+        b = tuning.BUDGETS[budget]
+        print(f"tune: seeds {todo}, budget '{budget}' ({b.replays} week replays a seed) on the train split", flush=True)
+        for result in tuning.tune(site_toml, todo, budget, evaluate=evaluate):
+            tuning.write(result, tuned_dir, fp)
+            print(f"tune seed {result.seed}: {result.wall_s:.0f} s, {result.solves} LP solves "
+                  f"({result.solves / max(result.solve_s, 1e-9):.0f} solves/s); {result.params}", flush=True)  # fmt: skip
+    return [str(f) for s in seeds for f in tuning.result_files(tuned_dir, s)]
 
 
 def _write_run(kpis: pd.DataFrame, traces: pd.DataFrame, out_dir: str | Path, controller: str, split: str, seed: int | None = None) -> list[str]:

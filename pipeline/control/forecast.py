@@ -1,0 +1,248 @@
+"""Causal MOER forecasts for the planner: what the MOER will be over the next hours, from what was realised before.
+
+A forecaster for a split is a callable ``(t, H) -> (H,) kg/kWh`` for steps ``t .. t+H-1`` (or None while it warms up),
+refit at the start of a day at most on pairs whose target was realised before that day:
+
+- :class:`MOERRegression`: one linear least-squares model per lead on the data's forecasts, the last two hours'
+  MOER, the same-hour profile and the hour of day, refit every day on the split's past (``mpc``'s forecast);
+- :class:`MOERBoosted`: one gradient-boosted tree model over all leads (scikit-learn's
+  ``HistGradientBoostingRegressor``) on richer features (the data's forecasts, lags of the realised MOER up to a
+  day back, the same-hour profile, the hour, weekday and lead), fit on the train split's pairs and the split's
+  own past, refit every ``refit_days`` days.
+
+:func:`scores` judges a forecaster by R^2 and MAE per lead over a split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from envs.site import SplitData
+
+DAY = 24
+PROFILE_DAYS = 7
+"""Days of realised MOER averaged per hour of day in the causal forecast beyond the data's forecasts."""
+LEVEL_DECAY_H = 6.0
+"""e-folding time, hours, of the data's last forecast's deviation from that profile, carried beyond it."""
+REGRESSION_WARMUP_DAYS = 7
+"""Days of (features, realised MOER) pairs the regression forecast needs per lead before it replaces the profile."""
+RIDGE = 1e-6
+"""Ridge penalty of the MOER regression per pair (features are of order 0.1-1): only keeps the normal equations
+well posed (e.g. a constant feature column on a synthetic site); no shrinkage worth the name on real data."""
+
+
+def same_hour_mean(moer: np.ndarray, t: np.ndarray, k: np.ndarray, day: int, days: int = PROFILE_DAYS) -> np.ndarray:
+    """Mean realised MOER at the hour of day of steps ``t + k`` over the last ``days`` days strictly before ``t``.
+
+    Args:
+        moer: ``(T,)`` realised MOER, kg/kWh. t: ``(n,)`` issue steps. k: ``(H,)`` leads, steps. day: steps per day.
+
+    Returns:
+        ``(n, H)`` kg/kWh; NaN where none of those days lies in the split.
+    """
+    j = np.arange(1, days + 1)
+    lead = k[None, :, None]
+    past = t[:, None, None] + lead - day * (lead // day + j[None, None, :])  # strictly before t
+    vals = np.where(past >= 0, moer[np.maximum(past, 0)], 0.0)
+    n = (past >= 0).sum(-1)
+    return np.where(n > 0, vals.sum(-1) / np.maximum(n, 1), np.nan)
+
+
+class MOERRegression:
+    """Causal MOER forecast for leads ``0..H-1``: one linear least-squares model per lead, refit every day.
+
+    The MOER at ``t + k`` is regressed on ``[moer_fc_h0, moer_fc_h1, moer_fc_h2]`` issued at ``t``, the realised
+    MOER at ``t - 1`` and ``t - 2``, :func:`same_hour_mean` at ``t + k``, and a one-hot of the step of the local day
+    of ``t + k`` (which holds the intercept). At step ``t`` the model of lead ``k`` has been fit on every pair
+    ``(s, s + k)`` with ``s >= 1 day`` and ``s + k`` before the start of ``t``'s day (counted in steps from the
+    split's start), so it only uses MOER realised before ``t``. The normal equations are accumulated as the days
+    pass (a few ms per split). Forecasts are clipped at 0.
+
+    Args:
+        data: the split. horizon: H, steps.
+    """
+
+    def __init__(self, data: SplitData, horizon: int):
+        self.day = max(1, int(round(DAY / data.config.dt_h)))
+        self.H = horizon
+        T = data.num_steps
+        local = data.time.tz_convert(data.config.timezone)
+        minutes = np.asarray(local.hour * 60 + local.minute)
+        step_of_day = (minutes // max(1, int(round(data.config.dt_h * 60)))) % self.day
+        m = np.asarray(data.moer, np.float64)
+        prof = same_hour_mean(m, np.arange(T), np.arange(horizon), self.day)  # (T, H)
+        fc = np.asarray(data.moer_fc, np.float64)
+        prof = np.where(np.isnan(prof), fc[:, -1:], prof)
+        m1 = np.r_[fc[0, 0], m[:-1]]
+        m2 = np.r_[m1[0], m1[:-1]]
+        base = np.column_stack([fc[:, :3] if fc.shape[1] >= 3 else np.repeat(fc[:, -1:], 3, 1), m1, m2])  # (T, 5)
+        self._base, self._prof, self._step_of_day, self.moer = base, prof, step_of_day, m
+        F = base.shape[1] + 1 + self.day
+        self._gram = np.zeros((horizon, F, F))
+        self._rhs = np.zeros((horizon, F))
+        self._pairs = np.zeros(horizon, np.int64)
+        self._fitted_to = 0  # the pairs whose target step lies before this one are in the normal equations
+        self._weights: np.ndarray | None = None
+
+    def features(self, s: np.ndarray, k: int) -> np.ndarray:
+        """Regressors of the MOER at ``s + k`` issued at steps ``s``, ``(len(s), F)``."""
+        onehot = np.eye(self.day)[self._step_of_day[s + k]]
+        return np.column_stack([self._base[s], self._prof[s, k], onehot])
+
+    def _fit_to(self, end: int) -> None:
+        """Add every pair with target step in ``[_fitted_to, end)`` and refit the leads' weights."""
+        for k in range(self.H):
+            s = np.arange(max(self.day, self._fitted_to - k), max(self.day, end - k))
+            if len(s):
+                A = self.features(s, k)
+                self._gram[k] += A.T @ A
+                self._rhs[k] += A.T @ self.moer[s + k]
+                self._pairs[k] += len(s)
+        self._fitted_to = end
+        if self._pairs.min() >= REGRESSION_WARMUP_DAYS * self.day:
+            ridge = np.eye(self._gram.shape[-1])[None] * (RIDGE * self._pairs[:, None, None])
+            self._weights = np.linalg.solve(self._gram + ridge, self._rhs[..., None])[..., 0]
+
+    def __call__(self, t: int, H: int) -> np.ndarray | None:
+        """Forecast for steps ``t .. t+H-1`` (``H <= horizon``), kg/kWh, or None while still warming up."""
+        start = t - t % self.day
+        if start < self._fitted_to:  # asked about an earlier day than the last: forget what came after it
+            self._gram[:], self._rhs[:], self._pairs[:], self._fitted_to, self._weights = 0.0, 0.0, 0, 0, None
+        if start > self._fitted_to:
+            self._fit_to(start)
+        if self._weights is None:
+            return None
+        X = np.stack([self.features(np.array([t]), k)[0] for k in range(H)])
+        return np.maximum(np.einsum("hf,hf->h", X, self._weights[:H]), 0.0)
+
+
+BOOSTED_LAGS = (1, 2, 3, 6, 24)
+"""Lags of the realised MOER (steps before the issue step) among :class:`MOERBoosted`'s features."""
+
+
+def _boosted_features(data: SplitData, horizon: int) -> np.ndarray:
+    """``(T, H, F)`` float64 features of the MOER at ``t + k`` issued at ``t``: the data's forecasts issued at ``t``,
+    the realised MOER ``BOOSTED_LAGS`` steps before ``t`` (the data's first forecast where that lies before the
+    split), :func:`same_hour_mean` at ``t + k`` (the last data forecast where no past day exists), the local hour and
+    weekday of ``t + k``, the lead ``k``, and the hour of ``t``."""
+    day = max(1, int(round(DAY / data.config.dt_h)))
+    T, H = data.num_steps, horizon
+    m = np.asarray(data.moer, np.float64)
+    fc = np.asarray(data.moer_fc, np.float64)
+    fc = fc[:, :3] if fc.shape[1] >= 3 else np.repeat(fc[:, -1:], 3, 1)
+    t = np.arange(T)
+    lags = np.stack([np.where(t - lag >= 0, m[np.maximum(t - lag, 0)], fc[:, 0]) for lag in BOOSTED_LAGS], 1)
+    prof = same_hour_mean(m, t, np.arange(H), day)
+    prof = np.where(np.isnan(prof), fc[:, -1:], prof)
+    local = data.time.tz_convert(data.config.timezone)
+    step = max(1, int(round(data.config.dt_h * 60)))
+    sod = np.asarray((local.hour * 60 + local.minute) // step) % day
+    dow = np.asarray(local.day_of_week)
+    k = np.arange(H)
+    target_sod = (sod[:, None] + k[None, :]) % day
+    target_dow = (dow[:, None] + (sod[:, None] + k[None, :]) // day) % 7
+    per_t = np.concatenate([fc, lags], 1)  # (T, 3 + lags)
+    X = np.concatenate(
+        [np.broadcast_to(per_t[:, None, :], (T, H, per_t.shape[1])), prof[..., None], target_sod[..., None],
+         target_dow[..., None], np.broadcast_to(k[None, :, None], (T, H, 1)), np.broadcast_to(sod[:, None, None], (T, H, 1))],
+        axis=2,
+    )  # fmt: skip
+    return X.astype(np.float64)
+
+
+class MOERBoosted:
+    """Causal MOER forecast for leads ``0..H-1`` by one gradient-boosted tree model over all leads.
+
+    scikit-learn's ``HistGradientBoostingRegressor`` (squared error, ``max_iter`` trees of at most ``max_leaf_nodes``
+    leaves, learning rate 0.1, fixed ``random_state``) on :func:`_boosted_features`. At step ``t`` the model has been
+    fit, at the start of a day that is a multiple of ``refit_days`` days into the split, on every pair ``(s, s + k)``
+    of ``prior`` (another split realised before, e.g. the train split when forecasting the test split) and of this
+    split whose target step lies before that day. It needs ``warmup_days`` days of this split's pairs when there is
+    no ``prior``; until then it returns None. Forecasts are clipped at 0.
+
+    Args:
+        data: the split forecast. horizon: H, steps.
+        prior: a split realised before ``data`` whose pairs are all known (None: this split's past only).
+        refit_days: days between fits (at most once a day: 1).
+        max_iter, max_leaf_nodes: the trees' budget.
+    """
+
+    def __init__(self, data: SplitData, horizon: int, prior: SplitData | None = None, refit_days: int = 7,
+                 warmup_days: int = 7, max_iter: int = 200, max_leaf_nodes: int = 31):  # fmt: skip
+        self.day = max(1, int(round(DAY / data.config.dt_h)))
+        self.H, self.refit_days, self.warmup_days = horizon, max(1, int(refit_days)), warmup_days
+        self.max_iter, self.max_leaf_nodes = max_iter, max_leaf_nodes
+        self.moer = np.asarray(data.moer, np.float64)
+        self._X = _boosted_features(data, horizon)
+        self._prior = None
+        if prior is not None:
+            Xp = _boosted_features(prior, horizon)
+            mp = np.asarray(prior.moer, np.float64)
+            tp, kp = np.meshgrid(np.arange(prior.num_steps), np.arange(horizon), indexing="ij")
+            ok = (tp >= self.day) & (tp + kp < prior.num_steps)
+            self._prior = (Xp[ok], mp[(tp + kp)[ok]])
+        self._fitted_at: int | None = None
+        self._model = None
+        self.fits = 0
+
+    def _pairs(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """This split's pairs whose target step lies before ``end`` (issue steps from its second day)."""
+        t, k = np.meshgrid(np.arange(self.day, max(self.day, end)), np.arange(self.H), indexing="ij")
+        ok = t + k < end
+        return self._X[t[ok], k[ok]], self.moer[(t + k)[ok]]
+
+    def _fit(self, end: int) -> None:
+        from sklearn.ensemble import HistGradientBoostingRegressor
+
+        X, y = self._pairs(end)
+        if self._prior is not None:
+            X, y = np.concatenate([self._prior[0], X]), np.concatenate([self._prior[1], y])
+        self._fitted_at = end
+        if self._prior is None and end < (self.warmup_days + 1) * self.day or len(y) == 0:
+            self._model = None
+            return
+        model = HistGradientBoostingRegressor(max_iter=self.max_iter, max_leaf_nodes=self.max_leaf_nodes,
+                                              learning_rate=0.1, random_state=0)  # fmt: skip
+        self._model = model.fit(X, y)
+        self.fits += 1
+
+    def __call__(self, t: int, H: int) -> np.ndarray | None:
+        """Forecast for steps ``t .. t+H-1`` (``H <= horizon``), kg/kWh, or None while warming up."""
+        period = self.refit_days * self.day
+        start = t - t % period
+        if self._fitted_at != start:
+            self._fit(start)
+        if self._model is None:
+            return None
+        return np.maximum(self._model.predict(self._X[t, :H]), 0.0)
+
+
+def scores(data: SplitData, forecaster, horizon: int, from_step: int | None = None) -> pd.DataFrame:
+    """R^2 and MAE of a forecaster per lead over a split, issue times from ``from_step`` (default: its second week).
+
+    Args:
+        data: the split. forecaster: ``(t, H) -> (H,) or None`` (issue times where it returns None are skipped).
+        horizon: leads ``0..horizon-1``. from_step: first issue step scored.
+
+    Returns:
+        one row per lead: ``lead_h``, ``r2`` (1 - SSE / SST over the scored targets), ``mae_kg_per_kwh``, ``n``.
+    """
+    day = max(1, int(round(DAY / data.config.dt_h)))
+    first = 7 * day if from_step is None else from_step
+    m = np.asarray(data.moer, np.float64)
+    pred, true = [[] for _ in range(horizon)], [[] for _ in range(horizon)]
+    for t in range(first, data.num_steps - horizon + 1):
+        f = forecaster(t, horizon)
+        if f is None:
+            continue
+        for k in range(horizon):
+            pred[k].append(f[k])
+            true[k].append(m[t + k])
+    rows = []
+    for k in range(horizon):
+        p, y = np.asarray(pred[k]), np.asarray(true[k])
+        r2 = 1.0 - float(((y - p) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12) if len(y) else np.nan
+        rows.append({"lead_h": k * data.config.dt_h, "r2": r2, "mae_kg_per_kwh": float(np.abs(y - p).mean()) if len(y) else np.nan,
+                     "n": len(y)})  # fmt: skip
+    return pd.DataFrame(rows)

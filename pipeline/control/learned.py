@@ -1,0 +1,181 @@
+"""The learned planners: the causal MPC kept, what it gets wrong learned from the site's realised data.
+
+- ``mpc_tuned``: the planner with the parameters CMA-ES chose in closed loop on the train split
+  (:mod:`pipeline.control.tuning`), the same on every split.
+- ``mpc_adaptive``: the planner re-tuned online. At the start of each week of the split it acts on, it takes, among
+  a few candidate parameter sets (``mpc_tuned``'s with the expected-demand weight at each of
+  :data:`ADAPTIVE_WEIGHTS`), the one whose replays (:func:`pipeline.control.replay.replay`) over the last
+  ``lookback`` weeks of that split cost least, and runs with it for the week; in the split's first week it runs
+  with ``mpc_tuned``'s. The replays of a week are known once the week is realised, so the choice at week ``w``
+  reads only weeks before ``w``. ``lookback`` is chosen on the train split (:func:`choose_lookback`) and used as
+  such on every split. Replaying every candidate over every week once gives a table from which each week's choice
+  is read (:func:`week_table`, :func:`schedule`): the same as re-tuning each week, without replaying a week twice.
+
+Both read the tuned parameters of their seed from the tuning folder (``<experiment>/tuned/``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from envs.evhub import EVHubVectorEnv
+from envs.kpis import evaluate_policy
+from envs.site import Site, SplitData, load_site
+from pipeline.control import tuning
+from pipeline.control.replay import PlannerParams, planner, weeks
+
+ADAPTIVE_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""Expected-demand weights ``mpc_adaptive`` chooses among each week (besides ``mpc_tuned``'s own)."""
+
+LOOKBACKS = (1, 2, 4, 8)
+"""Lookbacks (weeks) :func:`choose_lookback` chooses among on the train split."""
+
+
+def candidates(tuned: PlannerParams) -> list[PlannerParams]:
+    """``mpc_adaptive``'s candidates: ``tuned`` first, then ``tuned`` at each weight of :data:`ADAPTIVE_WEIGHTS`
+    that differs from its own."""
+    out = [tuned]
+    out += [replace(tuned, expected_demand_weight=w) for w in ADAPTIVE_WEIGHTS if abs(w - tuned.expected_demand_weight) > 1e-9]
+    return out
+
+
+def week_table(site: Site | str, split: str, cands: list[PlannerParams], evaluate=None) -> pd.DataFrame:
+    """Replay every candidate over every week of ``split``.
+
+    Args:
+        evaluate: a :data:`pipeline.control.tuning.Evaluate` (default: one replay after another here).
+
+    Returns:
+        one row per (candidate, week): ``candidate`` (index into ``cands``), ``week``, ``start``, ``steps``,
+        ``co2_kg``, ``unserved_kwh``, ``cost_kg``.
+    """
+    site = load_site(site)
+    evaluate = evaluate or tuning.local_evaluator(site, split)
+    wk = weeks(site.split(split))
+    jobs = [(c, s, n) for c in cands for s, n in wk]
+    res = evaluate(jobs)
+    rows = []
+    for i, r in enumerate(res):
+        c, w = divmod(i, len(wk))
+        rows.append({"candidate": c, "week": w, "start": r.start, "steps": r.steps, "co2_kg": r.co2_kg,
+                     "unserved_kwh": r.unserved_kwh, "cost_kg": r.cost})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def schedule(table: pd.DataFrame, lookback: int) -> np.ndarray:
+    """The candidate each week runs with: week 0 the first candidate (``mpc_tuned``'s), week ``w`` the candidate of
+    least mean cost over weeks ``max(0, w - lookback) .. w - 1`` (ties: the lower index).
+
+    Returns:
+        ``(n_weeks,)`` int64 candidate indices.
+    """
+    cost = table.pivot(index="week", columns="candidate", values="cost_kg").sort_index().to_numpy()
+    out = np.zeros(len(cost), np.int64)
+    for w in range(1, len(cost)):
+        out[w] = int(np.argmin(cost[max(0, w - lookback) : w].mean(0)))
+    return out
+
+
+def schedule_cost(table: pd.DataFrame, chosen: np.ndarray) -> float:
+    """Sum over weeks of the chosen candidate's replayed cost, kg (the week table's estimate of a schedule)."""
+    cost = table.pivot(index="week", columns="candidate", values="cost_kg").sort_index().to_numpy()
+    return float(cost[np.arange(len(chosen)), chosen].sum())
+
+
+def choose_lookback(train_table: pd.DataFrame) -> int:
+    """The lookback of :data:`LOOKBACKS` whose schedule costs least on the train split's week table (ties: the
+    shorter)."""
+    costs = [schedule_cost(train_table, schedule(train_table, k)) for k in LOOKBACKS]
+    return LOOKBACKS[int(np.argmin(costs))]
+
+
+class AdaptivePlanner:
+    """A policy ``(obs, env) -> socket action`` that runs the planner with the parameters of each week's candidate.
+
+    One :class:`~pipeline.control.mpc.MPCController` holds the forecast's state over the whole split; at each
+    week's first step its expected-demand weight, terminal value, MOER contrast and bias are set to that week's
+    candidate's (every candidate shares the horizon and days of the first).
+
+    Raises:
+        ValueError: candidates that differ in horizon or days.
+    """
+
+    def __init__(self, data: SplitData, cands: list[PlannerParams], chosen: np.ndarray):
+        if len({(c.horizon_h, c.expected_demand_days) for c in cands}) != 1:
+            raise ValueError("adaptive candidates must share the horizon and the expected-demand days")
+        self.mpc = planner(data, cands[0])
+        self.cands, self.chosen = cands, chosen
+        self.week = max(1, int(round(168 / data.config.dt_h)))
+
+    def __call__(self, obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
+        t = int(env.t[0])
+        c = self.cands[int(self.chosen[min(t // self.week, len(self.chosen) - 1)])]
+        m = self.mpc
+        m.expected_demand_weight, m.terminal_value = c.expected_demand_weight, c.terminal_value
+        m.moer_contrast, m.moer_bias = c.moer_contrast, c.moer_bias
+        return m(obs, env)
+
+
+def _run(site: Site, split: str, name: str, policy, seed: int, **extra) -> tuple[pd.DataFrame, pd.DataFrame]:
+    t0 = time.perf_counter()
+    kpis, traces = evaluate_policy(policy, site, split, name, action_mode="socket", bess_action="setpoint",
+                                   train_wall_s=0.0, seed=float(seed), **extra)  # fmt: skip
+    mpc = getattr(policy, "mpc", policy)
+    print(f"{name} seed {seed} {split}: {mpc.solves} solves, {mpc.solve_s:.1f} s solving, "
+          f"{time.perf_counter() - t0:.1f} s in all; CO2 {traces.co2_kg.sum():.1f} kg, "
+          f"unserved {traces.unserved_kwh.sum():.3f} kWh", flush=True)  # fmt: skip
+    return kpis, traces
+
+
+def simulate_tuned(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_tuned`` of ``seed`` over a whole split: ``(kpi_row, traces)``.
+
+    Raises:
+        FileNotFoundError: no tuning of that seed in ``tuned_dir``.
+    """
+    params = tuning.load_params(tuned_dir, seed)
+    return _run(site, split, "mpc_tuned", planner(site.split(split), params), seed)
+
+
+def adaptive_files(tuned_dir: str | Path, split: str, seed: int) -> Path:
+    """Where ``mpc_adaptive``'s week table of ``split`` and ``seed`` is kept (beside the tuning)."""
+    return Path(tuned_dir) / f"mpc_adaptive_seed{seed}_{split}_weeks.parquet"
+
+
+def simulate_adaptive(site: Site, split: str, seed: int, tuned_dir: str | Path, evaluate=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_adaptive`` of ``seed`` over a whole split: ``(kpi_row, traces)`` (module docstring).
+
+    The week tables of the train split (for the lookback) and of ``split`` are computed once and kept beside the
+    tuning (:func:`adaptive_files`, rewritten when the tuning is newer).
+
+    Raises:
+        FileNotFoundError: no tuning of that seed in ``tuned_dir``.
+    """
+    from envs.files import write_parquet
+
+    tuned = tuning.load_params(tuned_dir, seed)
+    cands = candidates(tuned)
+    stamp = tuning.result_files(tuned_dir, seed)[0].stat().st_mtime_ns
+
+    def table(s: str) -> pd.DataFrame:
+        f = adaptive_files(tuned_dir, s, seed)
+        if f.is_file() and f.stat().st_mtime_ns >= stamp:
+            t = pd.read_parquet(f)
+            if t.candidate.nunique() == len(cands):
+                return t
+        return pd.read_parquet(write_parquet(week_table(site, s, cands, evaluate), f))
+
+    lookback = choose_lookback(table("train"))
+    t = table(split)
+    chosen = schedule(t, lookback)
+    weights = ", ".join(f"{cands[c].expected_demand_weight:g}" for c in chosen)
+    print(f"mpc_adaptive seed {seed} {split}: lookback {lookback} weeks (chosen on the train split); weekly weights {weights}",
+          flush=True)  # fmt: skip
+    return _run(site, split, "mpc_adaptive", AdaptivePlanner(site.split(split), cands, chosen), seed)
+

@@ -1,0 +1,281 @@
+"""Closed-loop tuning of the planner's parameters by CMA-ES: what ``mpc_tuned`` runs with.
+
+The causal planner (:class:`pipeline.control.mpc.MPCController`) has parameters a person set by hand
+(:class:`pipeline.control.replay.PlannerParams`: the expected-demand weight and days, the terminal value of stored
+energy, the MOER outlook's contrast and bias, the horizon). Here they are tuned where they act: in closed loop,
+through the env, on sampled weeks of the **train split** (:func:`pipeline.control.replay.replay`), by CMA-ES
+(Hansen's ``cma`` package) in the box :data:`SPACE` scaled to ``[0, 1]`` per parameter, starting at the site's
+``[mpc]`` values. Each generation samples :attr:`Budget.weeks` weeks of the split (after its first, in which the
+planner's forecasts warm up) and evaluates every candidate on the same weeks (common random numbers: CMA-ES only
+ranks the candidates of a generation), each (candidate, week) one Dask task. The result is the distribution's mean
+after the last generation (``xfavorite``), not the best candidate seen (which would favour an easy sample of
+weeks). Nothing here reads the test split.
+
+Budgets (:data:`BUDGETS`): ``small`` runs inside ``doit run pipeline``, ``full`` is ``doit run tune``; the pipeline
+uses the largest budget whose result is cached for the same site, data and code (:func:`cached`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from envs.files import write_parquet, write_text
+from envs.site import Site, load_site
+from pipeline.control.replay import PlannerParams, WindowResult, replay, weeks
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tuned parameter: its :class:`PlannerParams` field and its range (inclusive); integers are rounded."""
+
+    name: str
+    low: float
+    high: float
+    integer: bool = False
+
+
+SPACE = (
+    Param("expected_demand_weight", 0.0, 1.0),
+    Param("expected_demand_days", 1, 14, integer=True),
+    Param("terminal_value", 0.5, 1.5),
+    Param("moer_contrast", 0.5, 2.5),
+    Param("moer_bias", -0.2, 0.2),
+    Param("horizon_h", 12, 36, integer=True),
+)
+"""The tuned parameters and their ranges: the weight as a share; days and hours as integers; the terminal value as
+a multiple of the shipped rule's (1: a stored kWh is worth the window's mean MOER times ``eta_discharge``); the
+contrast as a factor on the outlook's deviation from its mean; the bias as a share of that mean."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much closed-loop evaluation one tuning spends: ``generations`` x ``popsize`` candidates, each replayed
+    on ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step in the ``[0, 1]`` box."""
+
+    generations: int
+    popsize: int
+    weeks: int
+    sigma0: float = 0.2
+
+    @property
+    def replays(self) -> int:
+        """Week replays the tuning runs."""
+        return self.generations * self.popsize * self.weeks
+
+
+BUDGETS = {"small": Budget(generations=4, popsize=6, weeks=3), "full": Budget(generations=12, popsize=8, weeks=6)}
+"""``small``: inside ``doit run pipeline`` (72 week replays a seed); ``full``: ``doit run tune`` (576)."""
+
+
+def encode(params: PlannerParams, space: Sequence[Param] = SPACE) -> np.ndarray:
+    """``(len(space),)`` float64 in ``[0, 1]``: each tuned parameter's place in its range (clipped)."""
+    d = params.as_dict()
+    return np.array([np.clip((d[p.name] - p.low) / (p.high - p.low), 0.0, 1.0) for p in space])
+
+
+def decode(x: Sequence[float], base: PlannerParams, space: Sequence[Param] = SPACE) -> PlannerParams:
+    """The parameters at ``x`` (``[0, 1]`` per ``space`` entry, clipped), the others as in ``base``."""
+    values = {}
+    for p, v in zip(space, np.clip(np.asarray(x, np.float64), 0.0, 1.0)):
+        value = p.low + float(v) * (p.high - p.low)
+        values[p.name] = int(round(value)) if p.integer else round(value, 4)
+    return replace(base, **values)
+
+
+def fingerprint(site: Site | str, split: str = "train") -> str:
+    """SHA-256 (hex) of what a tuning depends on: the site config, the split's data and the control code."""
+    from pipeline.paths import PROJECT_ROOT
+
+    site = load_site(site)
+    h = hashlib.sha256(split.encode())
+    for key in ("config", "hourly", "sessions"):
+        p = site.source.get(key)
+        if p and Path(p).is_file():
+            h.update(Path(p).read_bytes())
+    for f in sorted((PROJECT_ROOT / "pipeline" / "control").glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@dataclass
+class TuningResult:
+    """One tuning: the chosen parameters, the seed and budget, and every candidate evaluated.
+
+    Attributes:
+        params: the chosen :class:`PlannerParams` (CMA-ES's mean after the last generation).
+        start: the parameters it started from (the site's ``[mpc]`` values).
+        seed: CMA-ES's seed. budget: the :data:`BUDGETS` name (``"custom"`` for another :class:`Budget`).
+        budget_spec: the :class:`Budget` itself.
+        history: one row per (generation, candidate): ``generation``, ``candidate``, the parameters, ``cost_kg`` (CO2
+            plus the unserved penalty summed over the generation's weeks), ``weeks`` (their indices, str).
+        wall_s: seconds of the whole tuning; solves, solve_s: LP solves of its replays and their seconds.
+    """
+
+    params: PlannerParams
+    start: PlannerParams
+    seed: int
+    budget: str
+    budget_spec: Budget
+    history: pd.DataFrame
+    wall_s: float
+    solves: int
+    solve_s: float
+
+    def summary(self) -> dict:
+        """JSON-able summary (no history)."""
+        return {"params": self.params.as_dict(), "start": self.start.as_dict(), "seed": self.seed,
+                "budget": self.budget, "budget_spec": asdict(self.budget_spec), "wall_s": self.wall_s,
+                "solves": self.solves, "solve_s": self.solve_s}  # fmt: skip
+
+
+Evaluate = Callable[[list[tuple[PlannerParams, int, int]]], list[WindowResult]]
+"""Replays a batch of ``(params, start, steps)`` windows of the tuned split, in order (locally or on Dask)."""
+
+
+def local_evaluator(site: Site | str, split: str) -> Evaluate:
+    """Replays one after another in this process."""
+    return lambda jobs: [replay(site, split, s, n, p) for p, s, n in jobs]
+
+
+def dask_evaluator(client, site_toml: str, split: str) -> Evaluate:
+    """Replays as Dask tasks of ``client`` (one task per window; workers load the site once)."""
+
+    def evaluate(jobs):
+        futures = [client.submit(replay, site_toml, split, s, n, p.as_dict(), pure=False) for p, s, n in jobs]
+        return client.gather(futures)
+
+    return evaluate
+
+
+def tune(
+    site: Site | str,
+    seeds: Sequence[int] = (1,),
+    budget: str | Budget = "small",
+    evaluate: Evaluate | None = None,
+    split: str = "train",
+    space: Sequence[Param] = SPACE,
+    progress: Callable[[str], None] = print,
+) -> list[TuningResult]:
+    """Tune the planner's parameters by CMA-ES on sampled weeks of ``split``, once per seed (module docstring).
+
+    The seeds' CMA-ES runs go in lockstep: each generation's candidates of every seed are replayed in one batch, so
+    a Dask evaluator keeps every worker busy.
+
+    Args:
+        site: a loaded site or a site TOML path.
+        seeds: one tuning per seed (it seeds CMA-ES and the weeks sampled).
+        budget: a key of :data:`BUDGETS`, or a :class:`Budget`.
+        evaluate: how windows are replayed (default :func:`local_evaluator`).
+        split: the split tuned on (the train split; tuning never reads another).
+        space: the parameters tuned (default :data:`SPACE`; the others stay at the site's ``[mpc]`` values).
+        progress: called with one line per generation.
+
+    Returns:
+        one :class:`TuningResult` per seed, in ``seeds``' order.
+
+    Raises:
+        KeyError: an unknown budget. ValueError: a split with fewer than two weeks.
+    """
+    import cma
+
+    site = load_site(site)
+    b, name = (budget, "custom") if isinstance(budget, Budget) else (BUDGETS[budget], budget)
+    evaluate = evaluate or local_evaluator(site, split)
+    data = site.split(split)
+    pool = weeks(data)[1:]  # the first week warms the planner's forecasts up
+    pool = [w for w in pool if w[1] == pool[0][1]]  # whole weeks only
+    if len(pool) < 1:
+        raise ValueError(f"split '{split}' has {data.num_steps} steps: fewer than two whole weeks to tune on")
+    start = PlannerParams.of_site(site)
+    x0 = encode(start, space)
+    t0 = time.perf_counter()
+    runs = []
+    if len(x0) == 1:  # cma needs two dimensions at least: a second one that decode() ignores
+        x0 = np.r_[x0, 0.5]
+    for seed in seeds:
+        es = cma.CMAEvolutionStrategy(x0, b.sigma0, {"seed": int(seed), "popsize": b.popsize, "bounds": [0.0, 1.0],
+                                                     "verbose": -9, "maxiter": b.generations})  # fmt: skip
+        runs.append({"seed": seed, "es": es, "rng": np.random.default_rng(int(seed)), "rows": [], "solves": 0, "solve_s": 0.0})
+    for g in range(b.generations):
+        batch, layout = [], []
+        for r in runs:
+            X = r["es"].ask()
+            picked = sorted(r["rng"].choice(len(pool), size=min(b.weeks, len(pool)), replace=False).tolist())
+            cands = [decode(x, start, space) for x in X]
+            layout.append((r, X, cands, picked, len(batch)))
+            batch += [(c, pool[i][0], pool[i][1]) for c in cands for i in picked]
+        results = evaluate(batch)
+        for r, X, cands, picked, at in layout:
+            n = len(picked)
+            costs = []
+            for k, c in enumerate(cands):
+                res = results[at + k * n : at + (k + 1) * n]
+                costs.append(float(sum(x.cost for x in res)))
+                r["solves"] += sum(x.solves for x in res)
+                r["solve_s"] += sum(x.solve_s for x in res)
+                r["rows"].append({"generation": g, "candidate": k, **c.as_dict(), "cost_kg": costs[-1],
+                                  "weeks": ",".join(str(i + 1) for i in picked)})  # fmt: skip
+            r["es"].tell(X, costs)
+            best = decode(r["es"].result.xfavorite, start, space)
+            progress(f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
+                     f"median {float(np.median(costs)):.1f} kg over {n} weeks; mean now {_short(best)}")  # fmt: skip
+    wall = time.perf_counter() - t0
+    return [
+        TuningResult(decode(r["es"].result.xfavorite, start, space), start, int(r["seed"]), name, b,
+                     pd.DataFrame(r["rows"]), wall, r["solves"], r["solve_s"])  # fmt: skip
+        for r in runs
+    ]
+
+
+def _short(p: PlannerParams) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in p.as_dict().items())
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+def result_files(folder: str | Path, seed: int) -> tuple[Path, Path]:
+    """``(summary_json, history_parquet)`` of the tuning with ``seed`` in ``folder``."""
+    return Path(folder) / f"mpc_tuned_seed{seed}.json", Path(folder) / f"mpc_tuned_seed{seed}_history.parquet"
+
+
+def write(result: TuningResult, folder: str | Path, fingerprint_hex: str) -> list[Path]:
+    """Write a tuning's summary (JSON, with the fingerprint it was made for) and history atomically."""
+    js, hist = result_files(folder, result.seed)
+    return [write_parquet(result.history, hist),
+            write_text(js, json.dumps(result.summary() | {"fingerprint": fingerprint_hex}, indent=2))]  # fmt: skip
+
+
+def cached(folder: str | Path, seed: int, fingerprint_hex: str, budget: str = "small") -> dict | None:
+    """The cached tuning summary of ``seed`` in ``folder`` when it was made for ``fingerprint_hex`` with ``budget``
+    or a larger one (:data:`BUDGETS` order); else None."""
+    js, hist = result_files(folder, seed)
+    if not (js.is_file() and hist.is_file()):
+        return None
+    try:
+        s = json.loads(js.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    order = list(BUDGETS)
+    if s.get("fingerprint") != fingerprint_hex or s.get("budget") not in order:
+        return None
+    return s if order.index(s["budget"]) >= order.index(budget) else None
+
+
+def load_params(folder: str | Path, seed: int) -> PlannerParams:
+    """The tuned parameters of ``seed`` from ``folder``.
+
+    Raises:
+        FileNotFoundError: no tuning of that seed there (the message says how to make one).
+    """
+    js, _ = result_files(folder, seed)
+    if not js.is_file():
+        raise FileNotFoundError(f"{js}: no tuned planner parameters for seed {seed} (run `doit run tune` or the pipeline)")
+    return PlannerParams.from_dict(json.loads(js.read_text())["params"])

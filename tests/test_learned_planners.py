@@ -1,0 +1,175 @@
+"""The learned planners (pipeline/control/forecast.py, replay.py, tuning.py, learned.py): causal, repeatable, and
+the tuner finds what is known to be best."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import make_site
+
+from envs.site import Site
+from pipeline.control import learned, tuning
+from pipeline.control.forecast import MOERBoosted
+from pipeline.control.replay import PlannerParams, replay, weeks
+
+FAST = tuning.Budget(generations=3, popsize=4, weeks=1, sigma0=0.3)
+"""A tuning budget a test can afford (12 week replays)."""
+
+
+def _periodic_site(days: int = 21, **overrides) -> Site:
+    """A synthetic site whose sessions repeat every day (the first day's, at the same hours and stations)."""
+    site = make_site(days=days, n_sockets=4, **overrides)
+    s = site.sessions
+    tz = site.config.timezone
+    first_day = s.arrival.dt.tz_convert(tz).dt.normalize().min()
+    day0 = s[s.arrival.dt.tz_convert(tz).dt.normalize() == first_day]
+    copies = []
+    for d in range(2 * days):
+        c = day0.copy()
+        c["arrival"] = c.arrival + pd.Timedelta(days=d)
+        c["departure"] = c.departure + pd.Timedelta(days=d)
+        c["session_id"] = [f"{i}_{d}" for i in c.session_id]
+        copies.append(c)
+    sessions = pd.concat(copies, ignore_index=True).sort_values("arrival").reset_index(drop=True)
+    return Site(site.config, site.hourly, sessions, dict(site.source))
+
+
+def test_boosted_forecast_never_trains_on_a_target_realised_after_its_issue_time():
+    """Forecasts issued up to step k are unchanged when the MOER (and the data's forecasts) after k change."""
+    site = make_site(days=14)
+    data = site.split("train")
+    k = 9 * 24 + 5  # inside the second refit period (refit every 2 days from day 0: fits at days 8 and 9 used)
+    changed = dataclasses.replace(
+        data,
+        moer=np.r_[data.moer[:k], data.moer[k:][::-1] * 3.0].astype(data.moer.dtype),
+        moer_fc=np.r_[data.moer_fc[:k + 1], data.moer_fc[k + 1 :] * 2.0].astype(data.moer_fc.dtype),
+    )
+    H = 12
+    a = MOERBoosted(data, H, refit_days=2, warmup_days=3, max_iter=20)
+    b = MOERBoosted(changed, H, refit_days=2, warmup_days=3, max_iter=20)
+    issued = range(4 * 24, k + 1)
+    fa = [a(t, H) for t in issued]
+    fb = [b(t, H) for t in issued]
+    assert sum(f is not None for f in fa) > 24 and a.fits >= 3
+    for t, x, y in zip(issued, fa, fb):
+        assert (x is None) == (y is None), t
+        if x is not None:
+            np.testing.assert_array_equal(x, y, err_msg=f"forecast issued at step {t} read a later target")
+    # a forecast after the change differs: the test can fail
+    assert not np.array_equal(a(k + 24 * 2, H), b(k + 24 * 2, H))
+
+
+def test_boosted_forecast_with_a_prior_split_forecasts_from_the_first_step():
+    site = make_site(days=10)
+    f = MOERBoosted(site.split("test"), 6, prior=site.split("train"), max_iter=20)
+    out = f(0, 6)
+    assert out is not None and out.shape == (6,) and (out >= 0).all()
+
+
+def test_replay_is_the_env_run_of_the_window():
+    """A replayed window's CO2 is the sum of the env's CO2 over those steps, it serves its cars, and a window outside
+    the split is refused."""
+    site = make_site(days=16)
+    data = site.split("train")
+    start, steps = weeks(data)[1]
+    r = replay(site, "train", start, steps, PlannerParams(horizon_h=6))
+    assert r.steps == steps == 168 and r.solves == steps and r.co2_kg > 0 and r.unserved_kwh < 1e-6
+    again = replay(site, "train", start, steps, PlannerParams(horizon_h=6).as_dict())
+    assert dataclasses.replace(r, solve_s=0.0) == dataclasses.replace(again, solve_s=0.0)  # deterministic
+    with pytest.raises(ValueError, match="outside split"):
+        replay(site, "train", data.num_steps - 10, 168, PlannerParams())
+
+
+def test_tuning_with_a_seed_is_repeatable():
+    site = make_site(days=15, mpc={"horizon_h": 6})
+    a = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
+    b = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
+    assert a.params == b.params and len(a.history) == FAST.generations * FAST.popsize
+    pd.testing.assert_frame_equal(a.history, b.history)
+    c = tuning.tune(site, seeds=(4,), budget=FAST, progress=lambda line: None)[0]
+    assert not c.history.equals(a.history)  # another seed samples other candidates
+
+
+def test_tuner_finds_the_demand_weight_on_a_site_whose_arrivals_repeat_daily():
+    """When every day's sessions are the same, planning for the past week's mean demand is planning for the true
+    demand: weight 1 is known to be best. Started from weight 0, the tuner (the weight alone) moves to it."""
+    site = _periodic_site(days=22, mpc={"horizon_h": 12, "expected_demand_weight": 0.0, "expected_demand_days": 3},
+                          bess={"capacity_kwh": 30.0, "power_kw": 10.0})  # fmt: skip
+    start, steps = weeks(site.split("train"))[1]
+    costs = {w: replay(site, "train", start, steps, PlannerParams(horizon_h=12, expected_demand_days=3,
+                                                                  expected_demand_weight=w)).cost for w in (0.0, 1.0)}
+    assert costs[1.0] < costs[0.0] - 1.0  # the site is one where anticipating the demand pays
+    space = (tuning.Param("expected_demand_weight", 0.0, 1.0),)
+    budget = tuning.Budget(generations=4, popsize=4, weeks=2, sigma0=0.4)
+    result = tuning.tune(site, seeds=(1,), budget=budget, space=space, progress=lambda line: None)[0]
+    assert result.start.expected_demand_weight == 0.0
+    assert result.params.expected_demand_weight > 0.7
+
+
+def test_adaptive_choice_reads_only_weeks_before_it():
+    """The week-w choice of mpc_adaptive is the candidate of least mean cost over the weeks before w: changing the
+    table's rows of week w and later leaves the choices up to w unchanged."""
+    rng = np.random.default_rng(0)
+    table = pd.DataFrame([{"candidate": c, "week": w, "cost_kg": float(rng.uniform(90, 110))} for c in range(4) for w in range(12)])
+    later = table.copy()
+    later.loc[later.week >= 7, "cost_kg"] = later.loc[later.week >= 7, "cost_kg"][::-1].to_numpy() * 0.5
+    for lookback in learned.LOOKBACKS:
+        a, b = learned.schedule(table, lookback), learned.schedule(later, lookback)
+        assert a[0] == b[0] == 0  # week 0: mpc_tuned's parameters
+        np.testing.assert_array_equal(a[:8], b[:8])
+        pivot = table.pivot(index="week", columns="candidate", values="cost_kg").to_numpy()
+        assert a[5] == int(np.argmin(pivot[max(0, 5 - lookback) : 5].mean(0)))
+
+
+def _actions(policy, site: Site, split: str, steps: int) -> np.ndarray:
+    from envs.evhub import EVHubVectorEnv
+
+    env = EVHubVectorEnv(1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64,
+                         bess_action="setpoint")  # fmt: skip
+    obs, _ = env.reset(seed=0)
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            a = policy(obs, env)
+            out.append(a[0].numpy().copy())
+            obs, *_ = env.step(a)
+    return np.array(out)
+
+
+def _changed_after(site: Site, split: str, k: int) -> Site:
+    """``site`` with the MOER, its forecasts and the sessions of ``split`` changed after step ``k``."""
+    data = site.split(split)
+    cut = data.time[k + 1]
+    hourly = site.hourly.copy()
+    late = hourly.time >= cut
+    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"):
+        hourly.loc[late, c] = (hourly.loc[late, c].to_numpy()[::-1] * 1.7).astype(np.float32)
+    s = site.sessions
+    sessions = s[s.arrival < cut].reset_index(drop=True)
+    return Site(site.config, hourly, sessions, dict(site.source))
+
+
+def test_mpc_tuned_and_adaptive_are_causal(tmp_path):
+    """Changing the test split after step k (MOER, forecasts, sessions: what the forecaster and the weekly re-tuning
+    read) leaves mpc_tuned's and mpc_adaptive's actions up to step k unchanged."""
+    site = make_site(days=22, n_sockets=4, mpc={"horizon_h": 6})
+    k = 2 * 168 + 30  # in the third week: its choice reads the two weeks before
+    changed = _changed_after(site, "test", k)
+    tuned = PlannerParams(horizon_h=6, expected_demand_weight=0.5)
+    cands = learned.candidates(tuned)
+    runs = []
+    for s in (site, changed):
+        table = learned.week_table(s, "test", cands)
+        chosen = learned.schedule(table, 2)
+        runs.append({
+            "tuned": _actions(learned.planner(s.split("test"), tuned), s, "test", k + 1),
+            "adaptive": _actions(learned.AdaptivePlanner(s.split("test"), cands, chosen), s, "test", k + 1),
+            "chosen": chosen,
+        })  # fmt: skip
+    np.testing.assert_array_equal(runs[0]["chosen"][:3], runs[1]["chosen"][:3])
+    for name in ("tuned", "adaptive"):
+        np.testing.assert_array_equal(runs[0][name], runs[1][name], err_msg=name)
