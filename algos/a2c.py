@@ -40,7 +40,7 @@ Run::
 Writes into the run folder: TensorBoard events, ``metrics.parquet``, ``checkpoint.pt`` (``--resume`` continues from
 it), ``policy.pt2`` (the deterministic policy: the clipped mean or the argmax action, in the env's units; for EVHub-v0
 ``policy.json`` beside it) and, for EVHub-v0, the deterministic evaluation on ``eval_split``. What is not A2C (vector
-envs, logging, checkpoints, export, speed switches, out-of-memory back-off) is ``algos/harness.py`` and
+envs, logging, checkpoints, export, speed switches, out-of-memory back-off) is ``algos/harness/`` and
 ``envs/vector.py``.
 """
 
@@ -98,8 +98,10 @@ LOSS_NAMES = ("value_loss", "policy_loss", "entropy", "grad_norm")
 
 @dataclass
 class Args(harness.RunArgs):
+    # RunArgs' exp_name, log_every and checkpoint_every (documented there) with this script's defaults
     exp_name: str = Path(__file__).stem
-    """the name of this experiment (part of the default output folder)"""
+    log_every: int = 50
+    checkpoint_every: int = 1000
     action_mode: str = "hub"
     """EVHub-v0 only: 'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
     num_threads: int = 1
@@ -150,10 +152,6 @@ class Args(harness.RunArgs):
     """bootstrap through time-limit truncations (torch-batched envs: the value of the next episode's first observation
     stands in for the lost final one, exact where, as for EVHub-v0, the windows are alike; gymnasium envs: the value
     of info['final_obs']); False: truncation is terminal"""
-    log_every: int = 50
-    """iterations between host reads of the statistics: TensorBoard, metrics.parquet, progress"""
-    checkpoint_every: int = 1000
-    """iterations between checkpoints (0: only at the end)"""
 
 
 @dataclass(frozen=True)

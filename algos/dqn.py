@@ -1,5 +1,5 @@
 """DQN for ``EVHub-v0``'s discrete actions and any gymnasium env with a ``Discrete`` action space, CleanRL style:
-env, agent and replay buffer on one device; what is not the algorithm comes from ``algos/harness.py``.
+env, agent and replay buffer on one device; what is not the algorithm comes from ``algos/harness/``.
 
 The agent picks one of the 15 rows of :func:`envs.evhub.discrete_action_table` (BESS levels x EV levels of the hub
 mode) per env. Each iteration steps all ``num_envs`` envs ``num_steps`` times epsilon-greedily (epsilon on a linear
@@ -88,8 +88,10 @@ ENV_DEFAULTS = {
 
 @dataclass
 class Args(harness.RunArgs):
+    # RunArgs' exp_name, log_every and checkpoint_every (documented there) with this script's defaults
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the default output folder)"""
+    log_every: int = 100
+    checkpoint_every: int = 2_000
     total_timesteps: int = 1_000_000
     """total env steps of the experiment (preset: 1,000,000 on cpu, 20,000,000 on gpu)"""
     learning_rate: float = 5e-4
@@ -144,10 +146,6 @@ class Args(harness.RunArgs):
     torch_threads: int = 1
     """torch CPU threads (preset: 1 on cpu: the small net gains nothing from a second thread, and on a busy machine
     spinning threads slowed a run twentyfold; 0 on gpu: torch's default)"""
-    log_every: int = 100
-    """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar)"""
-    checkpoint_every: int = 2_000
-    """iterations between checkpoints (0: only at the end)"""
     save_buffer: bool = False
     """also store the replay buffer in the checkpoint (its filled rows, write position and fill level; large);
     without it a resumed run refills the buffer for learning_starts steps before updating again"""

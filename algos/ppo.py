@@ -23,7 +23,7 @@ Run::
 Writes into the run folder: TensorBoard events, ``metrics.parquet``, ``checkpoint.pt`` (``--resume`` continues from
 it), ``policy.pt2`` (the deterministic policy, actions in the env's units; ``policy.json`` beside it for EVHub-v0) and,
 for EVHub-v0, the deterministic evaluation on ``eval_split``. What is not PPO (vector envs, logging, checkpoints,
-export, speed switches, out-of-memory back-off) is ``algos/harness.py`` and ``envs/vector.py``.
+export, speed switches, out-of-memory back-off) is ``algos/harness/`` and ``envs/vector.py``.
 """
 
 from __future__ import annotations
@@ -77,8 +77,10 @@ LOSS_NAMES = ("value_loss", "policy_loss", "entropy", "grad_norm")
 
 @dataclass
 class Args(harness.RunArgs):
+    # RunArgs' exp_name, log_every and checkpoint_every (documented there) with this script's defaults
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the default output folder)"""
+    log_every: int = 1
+    checkpoint_every: int = 25
     num_threads: int = 1
     """torch intra-op CPU threads, 0 keeps torch's default (cpu preset: 1, the tensors of a few hundred envs gain
     nothing from more, and spinning threads cost a lot on a busy machine; gpu preset: 0)"""
@@ -131,10 +133,6 @@ class Args(harness.RunArgs):
     """treat the time-limit truncation as non-terminal: EVHub-v0 (the site never terminates) bootstraps through the
     autoreset into the next window, a gymnasium env adds gamma * V(final_obs) to the truncated step's reward; False
     treats it as terminal like CleanRL"""
-    log_every: int = 1
-    """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar)"""
-    checkpoint_every: int = 25
-    """iterations between checkpoints (0: only at the end)"""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ Writes into the run folder: TensorBoard events, ``metrics.parquet``, ``checkpoin
 counters, RNG and env state, with ``--save-buffer`` the replay buffer; ``--resume`` continues from it),
 ``policy.pt2`` (the deterministic actor ``tanh(mean)``, actions in the env's units; ``policy.json`` beside it for
 EVHub-v0) and, for EVHub-v0, the deterministic evaluation on ``eval_split``. What is not SAC (vector envs, logging,
-checkpoints, export, speed switches, out-of-memory back-off) is ``algos/harness.py`` and ``envs/vector.py``.
+checkpoints, export, speed switches, out-of-memory back-off) is ``algos/harness/`` and ``envs/vector.py``.
 """
 
 from __future__ import annotations
@@ -87,8 +87,12 @@ OOM_MIN_BATCH_SIZE = 64
 
 @dataclass
 class Args(harness.RunArgs):
+    # RunArgs' exp_name, log_every and checkpoint_every (documented there) with this script's defaults
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment (part of the default output folder)"""
+    log_every: int = 168
+    """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar; 168: one
+    caltech episode, so every log sees the envs' episodes end)"""
+    checkpoint_every: int = 2_000
     action_mode: Literal["hub", "socket"] = "hub"
     """EVHub-v0 only: 'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
     total_timesteps: int = 300_000
@@ -135,11 +139,6 @@ class Args(harness.RunArgs):
     treats it as terminal"""
     threads: int = 1
     """torch intra-op CPU threads (cpu preset: 1, these small nets run fastest on one thread; 0: torch's default)"""
-    log_every: int = 168
-    """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar; 168: one
-    caltech episode, so every log sees the envs' episodes end)"""
-    checkpoint_every: int = 2_000
-    """iterations between checkpoints (0: only at the end)"""
     save_buffer: bool = False
     """also store the replay buffer in the checkpoint (large); without it a resumed run refills the buffer for
     learning_starts steps with the current policy before updating again"""

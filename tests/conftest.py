@@ -251,3 +251,83 @@ def assert_resumed_once_to_the_end(run_dir, killed_at: int, total_timesteps: int
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
     assert metrics.global_step.iloc[-1] == total_timesteps
     assert metrics.global_step.is_monotonic_increasing and metrics.global_step.is_unique
+
+
+# ---------------------------------------------------------------------------------------------- the agents' tiny runs
+PPO_TINY = [
+    "--num-envs", "4",
+    "--num-steps", "48",
+    "--num-minibatches", "2",
+    "--update-epochs", "2",
+    "--hidden-size", "16",
+    "--checkpoint-every", "1",
+    "--no-cuda",
+]  # fmt: skip
+"""PPO's tiny budget: 4 envs x 48 steps (one synthetic episode) per iteration."""
+
+A2C_TINY = [
+    "--num-envs", "4",
+    "--num-steps", "8",
+    "--hidden-size", "16",
+    "--log-every", "6",
+    "--checkpoint-every", "6",
+    "--no-cuda",
+]  # fmt: skip
+"""A2C's tiny budget: 4 envs x 8 steps per update; a log row every 6 updates = 48 steps, one synthetic episode."""
+
+SAC_TINY = [
+    "--preset", "cpu",
+    "--num-envs", "4",
+    "--hidden-size", "16",
+    "--batch-size", "32",
+    "--buffer-size", "500",
+    "--learning-starts", "64",
+    "--gradient-steps", "2",
+    "--log-every", "48",
+    "--checkpoint-every", "48",
+    "--no-cuda",
+]  # fmt: skip
+"""SAC's tiny budget: 4 envs; a log every 48 iterations (one synthetic episode); learning from step 64."""
+
+DQN_TINY = [
+    "--num-envs", "4",
+    "--num-steps", "2",
+    "--gradient-steps", "2",
+    "--batch-size", "32",
+    "--buffer-size", "100",  # smaller than the run: the buffer wraps around
+    "--learning-starts", "64",
+    "--target-network-frequency", "40",
+    "--hidden-size", "16",
+    "--log-every", "8",
+    "--checkpoint-every", "16",
+    "--no-cuda",
+]  # fmt: skip
+"""DQN's tiny budget: 4 envs x 2 steps (8 env steps) and 2 gradient steps per iteration."""
+
+ALGO_TINY = {"ppo": PPO_TINY, "a2c": A2C_TINY, "sac": SAC_TINY, "dqn": DQN_TINY}
+"""Each agent's tiny settings, by script name."""
+
+TINY_RUN_STEPS = {"ppo": 384, "a2c": 384, "sac": 384, "dqn": 256}
+"""The env steps of each agent's tiny run (:func:`tiny_runs`)."""
+
+
+@pytest.fixture(scope="session")
+def tiny_site_toml(tmp_path_factory):
+    """The one-week synthetic site of :func:`site_toml` (6 sockets), written once for the session's tiny runs."""
+    return write_site(make_site(days=7, n_sockets=6), tmp_path_factory.mktemp("tiny_site"))
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tiny_site_toml, tmp_path_factory):
+    """``tiny_runs(name)``: ``(folder, process)`` of ``algos/<name>.py`` trained on :func:`tiny_site_toml` with
+    :data:`ALGO_TINY` for :data:`TINY_RUN_STEPS` steps, evaluated on the test split. Trained at the first call, then
+    shared by every test of the session: a test that writes into the run works on a copy of its folder."""
+    done: dict = {}
+
+    def get(name: str):
+        if name not in done:
+            done[name] = tiny_run(name, tiny_site_toml, tmp_path_factory, "--total-timesteps", str(TINY_RUN_STEPS[name]),
+                                  *ALGO_TINY[name])  # fmt: skip
+        return done[name]
+
+    return get

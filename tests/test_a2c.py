@@ -1,9 +1,10 @@
-"""``algos/a2c.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, n-step returns and
-GAE (with truncation), the optimizer choice, the presets, the out-of-memory shrink rule, the speed switches and
-``--help``; gymnasium envs (Pendulum-v1 in sync and async vector modes, the spaces refused, the async-start fallback,
-resume, the final_obs bootstrap), Discrete actions (CartPole-v1: a smoke run, resume, learning; the ``start``
-offset), image observations (Snake-v0 through the CNN torso: a smoke run, resume, the hyperparameters shown, the env
-defaults; the CNN agent and a gymnasium image env) and ``gpu_stats``."""
+"""``algos/a2c.py``'s own pieces: n-step returns and GAE (with truncation), the optimizer choice, the presets, the
+out-of-memory shrink rule and the speed switches; gymnasium envs (Pendulum-v1 in sync and async vector modes, the
+spaces refused, the async-start fallback, resume, the final_obs bootstrap), Discrete actions (CartPole-v1: a smoke run,
+resume, learning; the ``start`` offset) and image observations (Snake-v0 through the CNN torso: a smoke run, resume,
+the hyperparameters shown, the env defaults; the CNN agent and a gymnasium image env). What every agent promises (the
+tiny run on a synthetic site and its exported policy, resume, the non-finite stop, ``--help``, ``--compile`` on the
+CPU, ``gpu_stats``) is checked in ``tests/test_algo_contracts.py``."""
 
 from __future__ import annotations
 
@@ -21,24 +22,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, assert_compile_reproduces_eager, load_algo, make_site, run_algo, tiny_run
+from conftest import A2C_TINY, ROOT, load_algo, make_site, run_algo
 
 import envs
 from algos import harness
-from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.vector import GymTorchVecEnv, NormalizeReward, RecordEpisodeStatistics, TorchVecEnv
 
 SCRIPT = ROOT / "algos" / "a2c.py"
 
-TINY = [
-    "--num-envs", "4",
-    "--num-steps", "8",
-    "--hidden-size", "16",
-    "--log-every", "6",
-    "--checkpoint-every", "6",
-    "--no-cuda",
-]  # fmt: skip
-"""Tiny budget: 4 envs x 8 steps per update; a log row every 6 updates = 48 steps, one synthetic episode."""
+TINY = A2C_TINY
+"""Tiny budget: 4 envs x 8 steps per update; a log row every 6 updates = 48 steps, one synthetic episode
+(``conftest.A2C_TINY``)."""
 
 
 load_a2c = partial(load_algo, "a2c")
@@ -50,117 +44,10 @@ def a2c_gpu_columns() -> tuple[str, ...]:
     return tuple(key.removeprefix("perf/") for key in harness.GPU_STAT_KEYS)
 
 
-@pytest.fixture(scope="module")
-def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    return tiny_run("a2c", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
-
-
-def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
-    out, proc = trained
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "preset=cpu" in proc.stdout and "num_envs=4" in proc.stdout  # the resolved values are printed
-    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
-    assert (out / "checkpoint.pt").is_file()
-
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    assert list(metrics.global_step) == [192, 384]  # 12 updates of 4 x 8 steps, a row every 6
-    for col in ("wall_s", "sps", "episodic_return", "episodic_co2_kg", "episodic_unserved_kwh", "value_loss",
-                "policy_loss", "entropy", "explained_variance", "learning_rate"):  # fmt: skip
-        assert col in metrics, col
-    finite = metrics.drop(columns=[c for c in metrics if c.startswith("gpu_")])  # NaN on the CPU by design
-    assert np.isfinite(finite.to_numpy(dtype=float)).all(), metrics.T
-    assert (metrics.episodic_co2_kg > 0).all() and (metrics.episodic_length == 48).all()
-    assert metrics[list(a2c_gpu_columns())].isna().all().all()
-
-    obs_dim = envs.evhub.obs_dim(6)
-    module = torch.export.load(out / "policy.pt2").module()
-    for batch in (1, 5):  # dynamic batch dimension
-        action = module(torch.randn(batch, obs_dim))
-        assert action.shape == (batch, 2) and action.dtype == torch.float32
-        assert (action.abs() <= 1.0).all()
-    policy = load_policy(out / "policy.pt2")
-    assert policy(torch.zeros(1, obs_dim, dtype=torch.float64), None).shape == (1, 2)
-
-    kpi = pd.read_parquet(out / "eval_test.parquet")
-    assert kpi.controller.tolist() == ["a2c"] and kpi.split.tolist() == ["test"]
-    assert math.isfinite(kpi.co2_kg.iloc[0]) and kpi.co2_kg.iloc[0] > 0
-    assert kpi.env_steps.iloc[0] == 384
-    assert kpi.train_wall_s.iloc[0] > 0 and kpi.steps_per_s.iloc[0] > 0
-    traces = pd.read_parquet(out / "eval_test_traces.parquet")
-    assert len(traces) == 7 * 24 and "co2_kg" in traces
-    assert traces.co2_kg.sum() == pytest.approx(kpi.co2_kg.iloc[0])
-    assert "co2_kg" in proc.stdout  # the KPIs are printed
-
-    # TensorBoard scalars under the CleanRL / SB3 names
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out))
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    for tag in ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/explained_variance",
-                "charts/learning_rate", "charts/SPS", "charts/episodic_return", "charts/episodic_co2_kg",
-                "charts/episodic_unserved_kwh"):  # fmt: skip
-        assert tag in tags, tag
-
-
-def test_exported_policy_reproduces_the_eval(trained, site_toml):
-    out, proc = trained
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    spec = read_policy_spec(out)  # what the pipeline's evaluation reads
-    assert spec == {"action_mode": "hub", "bess_action": "surplus"}
-    policy = load_policy(out / "policy.pt2")
-    row, _ = evaluate_policy(policy, envs.load_site(site_toml), "test", "a2c", spec["action_mode"], bess_action=spec["bess_action"])
-    kpi = pd.read_parquet(out / "eval_test.parquet")
-    assert row.co2_kg.iloc[0] == pytest.approx(kpi.co2_kg.iloc[0], rel=1e-4)
-
-
-def test_resume_continues_from_the_checkpoint(trained, site_toml):
-    out, first = trained
-    assert first.returncode == 0, first.stderr[-3000:]
-    proc = run_a2c(
-        "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "576", "--resume",
-        "--eval-split", "none", *TINY,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resumed" in proc.stdout and "global_step 384" in proc.stdout
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    assert list(metrics.global_step) == [192, 384, 576]
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 576 and ckpt["iteration"] == 18
-
-
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(trained, site_toml, tmp_path):
-    out, first = trained
-    assert first.returncode == 0, first.stderr[-3000:]
-    run = tmp_path / "nan"
-    run.mkdir()
-    (run / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes())
-    before = (run / "checkpoint.pt").read_bytes()
-    step = torch.load(run / "checkpoint.pt", weights_only=False)["global_step"]
-    # an infinite learning rate makes the weights non-finite after the first step; the next update's losses show it
-    proc = run_a2c(
-        "--site", str(site_toml), "--output-dir", str(run), "--total-timesteps", str(step + 384), "--resume",
-        "--learning-rate", "inf", "--no-anneal-lr", *TINY,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "NonFiniteLossError" in proc.stderr and f"global_step {step + 64}" in proc.stderr, proc.stderr[-2000:]
-    assert (run / "checkpoint.pt").read_bytes() == before
-    assert not (run / "policy.pt2").exists()
-
-
-def test_help_documents_every_field():
-    a2c = load_a2c()
-    proc = run_a2c("--help", timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())
-    for f in dataclasses.fields(a2c.Args):
-        assert f"--{f.name.replace('_', '-')}" in text, f.name
-    # every field has its docstring in the help (first few words, as tyro may wrap lines)
-    assert "the lambda of the generalised advantage estimation" in text
-    assert "the smoothing constant alpha of RMSprop" in text
-    assert "continue from output_dir/checkpoint.pt" in text
-    for choice in ("rmsprop", "adam", "auto", "cpu", "gpu"):
-        assert choice in text
+@pytest.fixture
+def trained(tiny_runs) -> tuple[Path, subprocess.CompletedProcess]:
+    """A2C's tiny EVHub-v0 run (``conftest.tiny_runs``, shared with ``tests/test_algo_contracts.py``)."""
+    return tiny_runs("a2c")
 
 
 # ---------------------------------------------------------------------------------------------- pure pieces
@@ -325,11 +212,6 @@ def test_act_and_step_compiles_as_one_graph_and_the_rollout_follows_the_eager_on
     assert storage_e["dones"][47].all()  # the 48-step windows ended inside the rollout
 
 
-@pytest.mark.slow
-def test_compile_on_cpu_reproduces_the_eager_run(site_toml, tmp_path):
-    assert_compile_reproduces_eager("a2c", site_toml, tmp_path, 384, TINY)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("flags", [["--cudagraphs"], ["--amp"], ["--cudagraphs", "--amp", "--optimizer", "adam"]])
@@ -488,13 +370,6 @@ def test_gym_env_rescales_actions_and_truncations_bootstrap_from_final_obs():
     torch.testing.assert_close(boot["terminals"], truncation)  # the bootstrap is in the reward
     torch.testing.assert_close(boot["rewards"], plain["rewards"] + 0.9 * 10.0 * truncation)
     env.close()
-
-
-def test_gpu_stats_on_cpu_are_nan():
-    stats = harness.gpu_stats(torch.device("cpu"))
-    assert set(stats) == set(harness.GPU_STAT_KEYS) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb",
-                                                        "perf/gpu_mem_peak_gb", "perf/gpu_util_pct"}  # fmt: skip
-    assert all(isinstance(v, float) and math.isnan(v) for v in stats.values())
 
 
 # ---------------------------------------------------------------------------------------------- Discrete actions

@@ -1,15 +1,15 @@
-"""``algos/dqn.py``: a tiny CPU training run on a synthetic site, ``--help``, and the pure pieces (epsilon
-schedule, TD target with and without double-Q, target update, replay-buffer wraparound, greedy hub policy), and
-other gymnasium envs: Snake-v0 (torch-batched, CNN), CartPole-v1 (gymnasium's vector envs, sync and async with
-overlapped stepping), the async fallback, per-env defaults, a wrong action space, ``gpu_stats`` on the CPU.
+"""``algos/dqn.py``'s own pieces (epsilon schedule, TD target with and without double-Q, target update, replay-buffer
+wraparound, the device-side buffer write, the compiled step, greedy hub policy, ``--amp`` on the CPU, the non-finite
+stop, the out-of-memory shrink rule) and other gymnasium envs: Snake-v0 (torch-batched, CNN), CartPole-v1
+(gymnasium's vector envs, sync and async with overlapped stepping), the async fallback, per-env defaults, a wrong
+action space. What every agent promises (the tiny run on a synthetic site, resume, ``--help``, ``--cudagraphs``
+without CUDA, ``--compile`` on the CPU, ``gpu_stats`` on the CPU) is checked in ``tests/test_algo_contracts.py``.
 :func:`evaluate_snake` scores a Snake policy (the learning measurement; not run as a slow CI test)."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from functools import partial
-import math
 import subprocess
 from pathlib import Path
 
@@ -17,29 +17,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, assert_compile_reproduces_eager, load_algo, make_site, run_algo, tiny_run
+from conftest import DQN_TINY, ROOT, load_algo, make_site, run_algo
 
 from algos import harness
 from envs.evhub import EVHubVectorEnv, discrete_action_table
-from envs.kpis import evaluate_policy, load_policy
+from envs.kpis import evaluate_policy
 from envs.vector import RecordEpisodeStatistics, make_vec
 
 SCRIPT = ROOT / "algos" / "dqn.py"
 
-TINY = [
-    "--num-envs", "4",
-    "--num-steps", "2",
-    "--gradient-steps", "2",
-    "--batch-size", "32",
-    "--buffer-size", "100",  # smaller than the run: the buffer wraps around
-    "--learning-starts", "64",
-    "--target-network-frequency", "40",
-    "--hidden-size", "16",
-    "--log-every", "8",
-    "--checkpoint-every", "16",
-    "--no-cuda",
-]  # fmt: skip
-"""Tiny budget: 4 envs x 2 steps (8 env steps) and 2 gradient steps per iteration."""
+TINY = DQN_TINY
+"""Tiny budget: 4 envs x 2 steps (8 env steps) and 2 gradient steps per iteration (``conftest.DQN_TINY``)."""
 
 
 load_dqn = partial(load_algo, "dqn")
@@ -50,82 +38,6 @@ def cli(*argv: str):
     """``dqn.Args`` as the command line ``argv`` gives them (presets and env defaults first)."""
     dqn = load_dqn()
     return harness.cli(dqn.Args, dqn.PRESETS, dqn.ENV_DEFAULTS, list(argv))
-
-
-@pytest.fixture(scope="module")
-def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    return tiny_run("dqn", site_toml, tmp_path_factory, "--total-timesteps", "256", *TINY)
-
-
-def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained, site_toml):
-    out, proc = trained
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
-    assert (out / "checkpoint.pt").is_file()
-
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    assert list(metrics.global_step) == [64, 128, 192, 256]  # 32 iterations of 8 steps, a row every 8
-    for col in ("global_step", "wall_s", "sps", "episodic_return", "episodic_co2_kg", "episodic_unserved_kwh",
-                "td_loss", "q_values", "epsilon", "learning_rate"):  # fmt: skip
-        assert col in metrics, col
-    # the episodes (48 steps, 4 envs) end at step 192: that row has finite episode statistics
-    ended = metrics[metrics.global_step == 192]
-    gpu_columns = ["gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb", "gpu_util_pct"]
-    assert metrics[gpu_columns].isna().all().all()  # NaN on the CPU
-    assert np.isfinite(ended.drop(columns=gpu_columns).to_numpy(dtype=float)).all(), metrics.T
-    assert (ended.episodic_co2_kg > 0).all()
-    assert np.isfinite(metrics[["td_loss", "q_values", "epsilon", "sps"]].to_numpy()).all(), metrics.T
-    assert (metrics.epsilon.diff().dropna() <= 0).all()
-
-    policy = load_policy(out / "policy.pt2")
-    env = EVHubVectorEnv(5, site=str(site_toml), action_mode="hub")
-    obs, _ = env.reset(seed=0)
-    action = policy(obs, env)
-    assert action.shape == (5, 2)
-    table = discrete_action_table().float()
-    assert all(any(torch.equal(a, row) for row in table) for a in action)  # every action is a table row
-    program = torch.export.load(out / "policy.pt2").module()
-    assert program(torch.randn(1, obs.shape[1])).shape == (1, 2)  # dynamic batch dimension
-
-    kpi = pd.read_parquet(out / "eval_test.parquet")
-    assert kpi.controller.tolist() == ["dqn"] and kpi.split.tolist() == ["test"]
-    assert math.isfinite(kpi.co2_kg.iloc[0]) and kpi.co2_kg.iloc[0] > 0
-    assert kpi.env_steps.iloc[0] == 256
-    traces = pd.read_parquet(out / "eval_test_traces.parquet")
-    assert len(traces) == 7 * 24 and traces.co2_kg.sum() == pytest.approx(kpi.co2_kg.iloc[0])
-    assert "co2_kg" in proc.stdout
-
-
-def test_resume_continues_from_the_checkpoint(trained, site_toml):
-    out, first = trained
-    assert first.returncode == 0, first.stderr[-3000:]
-    proc = run_dqn(
-        "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "320", "--resume",
-        "--eval-split", "none", *TINY,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resumed" in proc.stdout and "global_step 256" in proc.stdout
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    assert list(metrics.global_step) == [64, 128, 192, 256, 320]
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 320 and ckpt["iteration"] == 40
-
-
-def test_cudagraphs_on_cpu_stops_with_a_clear_error(site_toml, tmp_path):
-    proc = run_dqn("--site", str(site_toml), "--output-dir", str(tmp_path), "--cudagraphs", *TINY, timeout=60)
-    assert proc.returncode != 0 and "needs CUDA" in proc.stderr
-
-
-def test_help_documents_every_field():
-    dqn = load_dqn()
-    proc = run_dqn("--help", timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())
-    for f in dataclasses.fields(dqn.Args):
-        assert f"--{f.name.replace('_', '-')}" in text, f.name
-    assert "the target network update rate" in text
-    assert "use the double-DQN target" in text
-    assert "continue from output_dir/checkpoint.pt" in text
 
 
 def test_epsilon_schedule_is_linear_then_constant():
@@ -268,10 +180,6 @@ def test_greedy_hub_policy_equals_the_discrete_env(site):
         assert torch.equal(o1, o2) and torch.equal(r1, r2)
     row, _ = evaluate_policy(lambda obs, env: policy(obs.float()).to(obs.dtype), site, "test", "dqn", "hub")
     assert row.co2_kg.iloc[0] > 0
-
-
-def test_compile_on_cpu_reproduces_the_eager_run(site_toml, tmp_path):
-    assert_compile_reproduces_eager("dqn", site_toml, tmp_path, 256, TINY)
 
 
 def test_amp_smoke_on_cpu(site_toml, tmp_path):
@@ -476,13 +384,6 @@ def test_cnn_torso_is_chosen_for_image_observations():
     assert isinstance(mlp.mlp[0], torch.nn.Linear) and mlp(torch.rand(2, 4)).shape == (2, 2)
     rb = dqn.make_replay_buffer(5, (3, 6, 5), torch.device("cpu"))
     assert rb["obs"].shape == (5, 3, 6, 5)
-
-
-def test_gpu_stats_on_cpu_are_nan():
-    stats = harness.gpu_stats(torch.device("cpu"))
-    assert set(stats) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb",
-                          "perf/gpu_util_pct"}  # fmt: skip
-    assert all(math.isnan(v) for v in stats.values())
 
 
 def test_shrink_halves_the_batch_in_the_gradient_steps_then_the_envs():

@@ -1,4 +1,4 @@
-"""The training scripts' shared harness (``algos/harness.py``) and vector env (``envs/vector.py``): one export
+"""The training scripts' shared harness (``algos/harness/``) and vector env (``envs/vector.py``): one export
 contract, one vector env per gymnasium id for every script, checkpoints that cannot be resumed from stop with a
 message, presets that ``--help`` shows."""
 

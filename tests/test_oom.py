@@ -15,11 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import load_algo
-from test_a2c import TINY as A2C_TINY
-from test_dqn import TINY as DQN_TINY
-from test_ppo import TINY as PPO_TINY
-from test_sac import TINY as SAC_TINY
+from conftest import A2C_TINY, DQN_TINY, PPO_TINY, SAC_TINY, load_algo
 
 from algos import harness
 

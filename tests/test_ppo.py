@@ -1,13 +1,13 @@
-"""``algos/ppo.py``: a tiny CPU training run on a synthetic site, resume, the non-finite stop, GAE, the minibatch
-update, the presets, the speed switches and ``--help``; gymnasium envs (Pendulum-v1, sync and async vector envs, the
-async-start fallback, the final_obs bootstrap, refused spaces), Discrete actions (CartPole-v1: a run, resume, the
-out-of-memory back-off, learning; the Categorical head and the adapter's ``start`` offset), image observations
-(Snake-v0 through the CNN torso: a run, resume, the printed hyperparameters, its defaults, ``--norm-obs``, the
-out-of-memory back-off; the shared torso) and ``gpu_stats``."""
+"""``algos/ppo.py``'s own pieces: GAE, the minibatch update, the presets and the speed switches; gymnasium envs
+(Pendulum-v1, sync and async vector envs, the async-start fallback, the final_obs bootstrap, refused spaces), Discrete
+actions (CartPole-v1: a run, resume, the out-of-memory back-off, learning; the Categorical head and the adapter's
+``start`` offset) and image observations (Snake-v0 through the CNN torso: a run, resume, the printed hyperparameters,
+its defaults, ``--norm-obs``, the out-of-memory back-off; the shared torso). What every agent promises (the tiny run on
+a synthetic site, resume, the non-finite stop, ``--help``, ``--compile`` on the CPU, ``gpu_stats``) is checked in
+``tests/test_algo_contracts.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 import functools
 import math
@@ -19,25 +19,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, assert_compile_reproduces_eager, load_algo, run_algo, tiny_run
+from conftest import PPO_TINY, ROOT, load_algo, run_algo
 
-import envs
-import envs.evhub
 from algos import harness
 from envs.vector import GymTorchVecEnv, NormalizeReward, RecordEpisodeStatistics, make_vec, obs_shape_of
 
 SCRIPT = ROOT / "algos" / "ppo.py"
 
-TINY = [
-    "--num-envs", "4",
-    "--num-steps", "48",
-    "--num-minibatches", "2",
-    "--update-epochs", "2",
-    "--hidden-size", "16",
-    "--checkpoint-every", "1",
-    "--no-cuda",
-]  # fmt: skip
-"""Tiny budget: 4 envs x 48 steps (one synthetic episode) per iteration."""
+TINY = PPO_TINY
+"""Tiny budget: 4 envs x 48 steps (one synthetic episode) per iteration (``conftest.PPO_TINY``)."""
 
 
 load_ppo = partial(load_algo, "ppo")
@@ -58,95 +48,10 @@ def make_agent(obs_shape: tuple[int, ...], act_dim: int, hidden: int, *, discret
     return ppo.Agent(tuple(obs_shape), act_dim, discrete, args, None)
 
 
-@pytest.fixture(scope="module")
-def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    return tiny_run("ppo", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
-
-
-@pytest.mark.slow
-def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
-    out, proc = trained
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "preset=cpu" in proc.stdout and "num_envs=4" in proc.stdout  # the resolved values are printed
-    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
-    assert (out / "checkpoint.pt").is_file()
-
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    assert len(metrics) == 2  # 384 steps / (4 envs x 48 steps) iterations, one row each
-    assert list(metrics.global_step) == [192, 384]
-    gpu_columns = [k.removeprefix("perf/") for k in harness.GPU_STAT_KEYS]
-    assert metrics[gpu_columns].isna().all().all()  # GPU monitoring: NaN on the CPU
-    assert np.isfinite(metrics.drop(columns=gpu_columns).to_numpy(dtype=float)).all(), metrics.T
-    assert (metrics.episodic_co2_kg > 0).all() and (metrics.episodic_length == 48).all()
-
-    policy = torch.export.load(out / "policy.pt2").module()
-    obs_dim = envs.evhub.obs_dim(6)
-    for batch in (1, 5):  # dynamic batch dimension
-        action = policy(torch.randn(batch, obs_dim))
-        assert action.shape == (batch, 2) and action.dtype == torch.float32
-        assert (action.abs() <= 1.0).all()
-
-    kpi = pd.read_parquet(out / "eval_test.parquet")
-    assert kpi.controller.tolist() == ["ppo"] and kpi.split.tolist() == ["test"]
-    assert math.isfinite(kpi.co2_kg.iloc[0]) and kpi.co2_kg.iloc[0] > 0
-    assert kpi.env_steps.iloc[0] == 384
-    assert kpi.train_wall_s.iloc[0] > 0 and kpi.steps_per_s.iloc[0] > 0
-    traces = pd.read_parquet(out / "eval_test_traces.parquet")
-    assert len(traces) == 7 * 24 and "co2_kg" in traces
-    assert traces.co2_kg.sum() == pytest.approx(kpi.co2_kg.iloc[0])
-    assert "co2_kg" in proc.stdout  # the KPIs are printed
-
-
-@pytest.mark.slow
-def test_resume_continues_from_the_checkpoint(trained, site_toml):
-    out, first = trained
-    assert first.returncode == 0, first.stderr[-3000:]
-    proc = run_ppo(
-        "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "576", "--resume",
-        "--eval-split", "none", *TINY,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resumed" in proc.stdout and "global_step 384" in proc.stdout
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    assert list(metrics.global_step) == [192, 384, 576]
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 576 and ckpt["iteration"] == 3
-
-
-@pytest.mark.slow
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(trained, site_toml, tmp_path):
-    out, first = trained
-    assert first.returncode == 0, first.stderr[-3000:]
-    run = tmp_path / "nan"
-    run.mkdir()
-    (run / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes())
-    before = (run / "checkpoint.pt").read_bytes()
-    step = torch.load(run / "checkpoint.pt", weights_only=False)["global_step"]
-    # an infinite learning rate turns the weights into inf/NaN after the first optimizer step
-    proc = run_ppo(
-        "--site", str(site_toml), "--output-dir", str(run), "--total-timesteps", str(step + 384), "--resume",
-        "--learning-rate", "inf", *TINY,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "NonFiniteLossError" in proc.stderr and f"global_step {step + 192}" in proc.stderr, proc.stderr[-2000:]
-    assert "value_loss" in proc.stderr or "policy_loss" in proc.stderr
-    assert (run / "checkpoint.pt").read_bytes() == before
-    assert not (run / "policy.pt2").exists()
-
-
-def test_help_documents_every_field():
-    ppo = load_ppo()
-    proc = run_ppo("--help", timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())
-    for f in dataclasses.fields(ppo.Args):
-        assert f"--{f.name.replace('_', '-')}" in text, f.name
-    # every field has its docstring in the help (first few words, as tyro may wrap lines)
-    assert "the surrogate clipping coefficient" in text
-    assert "continue from output_dir/checkpoint.pt" in text
-    assert "bf16 autocast of the network forward passes" in text
-    for choice in ("auto", "cpu", "gpu"):
-        assert choice in text
+@pytest.fixture
+def trained(tiny_runs) -> tuple[Path, subprocess.CompletedProcess]:
+    """PPO's tiny EVHub-v0 run (``conftest.tiny_runs``, shared with ``tests/test_algo_contracts.py``)."""
+    return tiny_runs("ppo")
 
 
 def test_gae_matches_a_hand_computed_example():
@@ -323,11 +228,6 @@ def test_cudagraphs_needs_cuda(tmp_path):
     with pytest.raises(ValueError, match="equal minibatches"):
         ppo.check_args(ppo.Args(cudagraphs=True, num_envs=3, num_steps=5, num_minibatches=2))
     assert isinstance(ppo.check_args(ppo.Args(cudagraphs=True)), ppo.Sizes)
-
-
-@pytest.mark.slow
-def test_compile_on_cpu_reproduces_the_eager_run(site_toml, tmp_path):
-    assert_compile_reproduces_eager("ppo", site_toml, tmp_path, 576, TINY)
 
 
 @pytest.mark.gpu
@@ -552,34 +452,6 @@ def test_rollout_bootstraps_truncations_from_final_obs():
     assert float(seen[0][0, 0]) == 7.0
     n_done, sum_return = env.pop().tolist()[:2]
     assert n_done == 2 and sum_return == 2.0  # raw rewards in the statistics
-
-
-def test_gpu_stats_on_cpu_are_nan(tmp_path):
-    ppo = load_ppo()
-    stats = harness.gpu_stats(torch.device("cpu"))
-    assert set(stats) == set(harness.GPU_STAT_KEYS)
-    assert all(math.isnan(v) for v in stats.values())
-
-    class OneStep:  # every episode ends after one step of reward 0
-        num_envs, device = 1, torch.device("cpu")
-
-        def step(self, action):
-            ended, cut = torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.bool)
-            return torch.zeros(1, 3), torch.zeros(1), ended, cut, {}
-
-    # one metrics row, as the training loop logs it on the CPU
-    run = harness.Run("ppo", pendulum_args(tmp_path), ppo.LOSS_NAMES, ppo.PRESETS, ppo.ENV_DEFAULTS)
-    try:
-        env = RecordEpisodeStatistics(OneStep())
-        losses = dict.fromkeys(ppo.LOSS_NAMES + ("approx_kl", "clipfrac", "explained_variance"), torch.zeros(()))
-        for _ in run.iterations(1):
-            env.step(torch.zeros(1, 1))
-            run.global_step += 1
-            row = run.log(env, run.new_guard(), {f"losses/{k}": v for k, v in losses.items()}, num_envs=1)
-    finally:
-        run.close()
-    assert math.isnan(row["gpu_mem_peak_gb"]) and math.isnan(row["gpu_util_pct"]) and row["episodic_length"] == 1.0
-    assert math.isnan(pd.read_parquet(tmp_path / "metrics.parquet").gpu_util_pct.iloc[0])
 
 
 def test_presets_table_lists_every_preset_and_the_values_used():

@@ -1,47 +1,32 @@
-"""``algos/sac.py``: a tiny CPU training run on a synthetic site, resume, ``--help``, the pure pieces
-(Polyak update, replay buffer, squashed-Gaussian log-prob, the out-of-memory shrink rule), and gymnasium envs
+"""``algos/sac.py``'s own pieces: the Polyak update, the replay buffer, the squashed-Gaussian log-prob, the
+out-of-memory shrink rule, the actor and updates, the compiled step and the speed switches; gymnasium envs
 (Pendulum-v1 in sync and async vector modes, the fall-back from async to sync, a wrong action space, the vector env's
-action rescaling and ``final_obs``, ``harness.gpu_stats``)."""
+action rescaling and ``final_obs``) and ``harness.gpu_stats`` on CUDA. What every agent promises (the tiny run on a
+synthetic site, resume, the non-finite stop, ``--help``, ``--cudagraphs`` without CUDA, ``--compile`` on the CPU,
+``gpu_stats`` on the CPU) is checked in ``tests/test_algo_contracts.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
-import math
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, assert_compile_reproduces_eager, load_algo, make_site, run_algo, tiny_run
+from conftest import ROOT, SAC_TINY, load_algo, make_site, run_algo
 
 import envs.evhub
 from algos import harness
-from envs.kpis import load_policy
 from envs.vector import RecordEpisodeStatistics, make_vec
 
 SCRIPT = ROOT / "algos" / "sac.py"
 
-TINY = [
-    "--preset", "cpu",
-    "--num-envs", "4",
-    "--hidden-size", "16",
-    "--batch-size", "32",
-    "--buffer-size", "500",
-    "--learning-starts", "64",
-    "--gradient-steps", "2",
-    "--log-every", "48",
-    "--checkpoint-every", "48",
-    "--no-cuda",
-]  # fmt: skip
-"""Tiny budget: 4 envs; a log every 48 iterations (one synthetic episode); learning from step 64."""
+TINY = SAC_TINY
+"""Tiny budget: 4 envs; a log every 48 iterations (one synthetic episode); learning from step 64
+(``conftest.SAC_TINY``)."""
 
-
-GPU_COLUMNS = ["gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb", "gpu_util_pct"]
-"""metrics.parquet columns of :func:`gpu_stats` (NaN on the CPU)."""
 
 PENDULUM = [
     "--env-id", "Pendulum-v1",
@@ -66,101 +51,6 @@ run_sac = partial(run_algo, "sac")
 def parse(sac, argv: list[str]):
     """``sac.Args`` from a command line, with the presets applied as in ``python algos/sac.py``."""
     return harness.cli(sac.Args, sac.PRESETS, sac.ENV_DEFAULTS, argv=argv)
-
-
-@pytest.fixture(scope="module")
-def trained(site_toml, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    return tiny_run("sac", site_toml, tmp_path_factory, "--total-timesteps", "384", *TINY)
-
-
-def test_tiny_run_writes_curves_checkpoint_policy_and_eval(trained):
-    out, proc = trained
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert list(out.glob("events.out.tfevents.*")), "no TensorBoard event file"
-    assert (out / "checkpoint.pt").is_file()
-    assert "preset=cpu" in proc.stdout and "batch_size=32" in proc.stdout  # the values are printed at start
-
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    assert list(metrics.global_step) == [192, 384]  # 4 envs x 48 iterations per log
-    assert metrics[GPU_COLUMNS].isna().all().all()  # no GPU on this run
-    assert np.isfinite(metrics.drop(columns=GPU_COLUMNS).to_numpy(dtype=float)).all(), metrics.T
-    assert (metrics.episodic_length == 48).all()
-    assert (metrics.episodic_co2_kg > 0).all()
-    for col in ("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss", "actor_loss", "alpha", "alpha_loss", "learning_rate"):
-        assert col in metrics, col
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out))
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    for tag in ("losses/qf1_values", "losses/qf_loss", "losses/actor_loss", "losses/alpha", "losses/alpha_loss", "charts/SPS", "charts/episodic_return", "charts/episodic_co2_kg", "charts/episodic_unserved_kwh"):
-        assert tag in tags, tag
-
-    policy = load_policy(out / "policy.pt2")
-    obs_dim = envs.evhub.obs_dim(6)
-    for batch in (1, 5):  # dynamic batch dimension
-        action = policy(torch.randn(batch, obs_dim), None)
-        assert action.shape == (batch, 2)
-        assert (action.abs() <= 1.0).all()
-
-    kpi = pd.read_parquet(out / "eval_test.parquet")
-    assert kpi.controller.tolist() == ["sac"] and kpi.split.tolist() == ["test"]
-    assert math.isfinite(kpi.co2_kg.iloc[0]) and kpi.co2_kg.iloc[0] > 0
-    assert kpi.env_steps.iloc[0] == 384
-    traces = pd.read_parquet(out / "eval_test_traces.parquet")
-    assert len(traces) == 7 * 24 and "co2_kg" in traces
-    assert traces.co2_kg.sum() == pytest.approx(kpi.co2_kg.iloc[0])
-
-
-def test_resume_continues_from_the_checkpoint(trained, site_toml):
-    out, first = trained
-    assert first.returncode == 0, first.stderr[-3000:]
-    proc = run_sac(
-        "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", "576", "--resume",
-        "--eval-split", "none", *TINY,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resumed" in proc.stdout and "global_step 384" in proc.stdout
-    assert list(pd.read_parquet(out / "metrics.parquet").global_step) == [192, 384, 576]
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert ckpt["global_step"] == 576 and ckpt["iteration"] == 144
-
-
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(trained, site_toml, tmp_path):
-    out, first = trained
-    assert first.returncode == 0, first.stderr[-3000:]
-    run = tmp_path / "nan"
-    run.mkdir()
-    (run / "checkpoint.pt").write_bytes((out / "checkpoint.pt").read_bytes())
-    before = (run / "checkpoint.pt").read_bytes()
-    step = torch.load(run / "checkpoint.pt", weights_only=False)["global_step"]
-    # an infinite learning rate turns the Q weights into inf/NaN after the first optimizer step
-    proc = run_sac(
-        "--site", str(site_toml), "--output-dir", str(run), "--total-timesteps", str(step + 192), "--resume",
-        "--q-lr", "inf", *TINY,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "NonFiniteLossError" in proc.stderr and "qf_loss" in proc.stderr, proc.stderr[-2000:]
-    assert (run / "checkpoint.pt").read_bytes() == before
-    assert not (run / "policy.pt2").exists()
-
-
-def test_help_documents_every_field():
-    sac = load_sac()
-    proc = run_sac("--help", timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.replace("│", " ").split())  # help text wrapped inside tyro's boxes, joined
-    for f in dataclasses.fields(sac.Args):
-        assert f"--{f.name.replace('_', '-')}" in text, f.name
-    assert "target smoothing coefficient" in text
-    assert "needs CUDA" in text
-
-
-def test_cudagraphs_on_cpu_stops_with_a_clear_error(tmp_path):
-    proc = run_sac("--no-cuda", "--cudagraphs", "--output-dir", str(tmp_path / "x"), timeout=60)
-    assert proc.returncode != 0
-    assert "needs CUDA" in proc.stderr
 
 
 def test_soft_update_is_polyak_averaging():
@@ -321,11 +211,6 @@ def test_actor_and_updates_run_and_move_the_parameters():
     torch.testing.assert_close(action, actor.get_action(obs)[2])
 
 
-@pytest.mark.slow
-def test_compile_on_cpu_reproduces_the_eager_run(site_toml, tmp_path):
-    assert_compile_reproduces_eager("sac", site_toml, tmp_path, 384, TINY)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("flags", [["--cudagraphs"], ["--amp"], ["--cudagraphs", "--amp"]])
 def test_cuda_speed_switches(site_toml, tmp_path, flags):
@@ -454,13 +339,6 @@ def test_gym_vector_env_rescales_actions_and_returns_the_last_obs_on_truncation(
     np.testing.assert_allclose(pendulum.action_to_env(torch.tensor([[1.0]])), [[2.0]])
     np.testing.assert_allclose(pendulum.action_to_env(torch.tensor([[3.0]])), [[2.0]])  # clipped to [-1, 1] first
     pendulum.close()
-
-
-def test_gpu_stats_on_the_cpu_are_nan_without_error():
-    stats = harness.gpu_stats(torch.device("cpu"))
-    assert set(stats) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb",
-                          "perf/gpu_util_pct"}  # fmt: skip
-    assert all(isinstance(v, float) and math.isnan(v) for v in stats.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

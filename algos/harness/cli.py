@@ -1,0 +1,233 @@
+"""The command line and the set-up of a run: :class:`RunArgs` (the fields every script has), the presets chosen before
+parsing (:func:`cli`, :func:`preset_args`, :func:`script`), the run folder, the seeds and switches (:func:`setup`) and
+the script's vector env (:func:`make_env`, :func:`network_inputs`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+import torch
+import tyro
+
+import envs
+from envs.evhub import DEFAULT_BESS_ACTION
+from envs.vector import EVHUB_ID, RecordEpisodeStatistics, env_name, is_evhub, make_vec
+
+from .checkpoint import CheckpointError
+
+EVHUB_ONLY_ARGS = ("site", "action_mode", "bess_action", "socket_features", "weekday_features", "eval_split", "eval_every")
+"""Arguments that only EVHub-v0 reads: left out of the printed and logged hyperparameters of other envs."""
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+@dataclass
+class RunArgs:
+    """The fields every script has; an algorithm's ``Args`` subclasses it and adds its own (and gives ``exp_name``,
+    ``log_every`` and ``checkpoint_every`` its own defaults)."""
+
+    exp_name: str = ""
+    """the name of this experiment (part of the default output folder; empty: the script's name)"""
+    seed: int = 1
+    """seed of the experiment (Python, NumPy, torch and the env's random draws)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    deterministic_algorithms: bool = False
+    """bitwise-reproducible CUDA runs (slower): `torch.use_deterministic_algorithms(True)` and
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8`; an op without a deterministic CUDA kernel then stops the run with PyTorch's
+    error. CPU runs repeat exactly without it"""
+    cuda: bool = True
+    """if toggled, use CUDA when it is available (agent and env on the same device)"""
+    preset: Literal["auto", "cpu", "gpu"] = "auto"
+    """size preset ('auto': 'gpu' on CUDA, 'cpu' otherwise); chosen before the other flags are read, so --help and
+    the printed table show its values, and any flag overrides them"""
+    env_id: str = EVHUB_ID
+    """the id of the environment: EVHub-v0 (the site), Snake-v0, or any registered gymnasium id (a user's own too as
+    'module:EnvId-v0'); the site options apply to EVHub-v0 only"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """how a gymnasium env without a torch vector entry point is vectorised: 'sync' (one process) or 'async' (one
+    worker process per env, for CPU- or I/O-bound envs; falls back to sync with a warning if the workers cannot
+    start); ignored for the torch-batched envs (EVHub-v0, Snake-v0)"""
+    site: str = "caltech"
+    """site to train on (EVHub-v0 only): a shipped site name or a path to a site TOML file"""
+    bess_action: Literal["surplus", "setpoint"] = DEFAULT_BESS_ACTION
+    """meaning of the BESS action (EVHub-v0 only): 'surplus' (the PV surplus is always stored; -1 = cover the
+    deficit, the self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess
+    times the BESS power limit)"""
+    socket_features: bool = True
+    """feed the per-socket observations to the networks (False: only the site-level features); EVHub-v0 only"""
+    weekday_features: bool = False
+    """feed the day-of-week features (sin/cos) to the networks (EVHub-v0 only; off: the policy reads the EV demand
+    from the sockets instead of learning the weekday pattern of the training year, which transfers worse)"""
+    compile: bool = False
+    """torch.compile the hot functions"""
+    cudagraphs: bool = False
+    """capture the hot functions in CUDA graphs (capturable optimizers, device-tensor learning rates); needs CUDA"""
+    amp: bool = False
+    """bf16 autocast of the network forward passes (CUDA or CPU)"""
+    output_dir: str | None = None
+    """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed} for EVHub-v0,
+    outputs/runs/{exp_name}_{env_id}_seed{seed} otherwise)"""
+    resume: bool = False
+    """continue from output_dir/checkpoint.pt (networks, optimizers, counters, RNG and env state)"""
+    log_every: int = 1
+    """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar)"""
+    checkpoint_every: int = 0
+    """iterations between checkpoints (0: only at the end)"""
+    eval_split: str = "test"
+    """split for the final deterministic evaluation ('none' skips it); EVHub-v0 only"""
+    eval_every: int = 0
+    """iterations between deterministic evaluations on eval_split during training (0: only the final one; EVHub-v0
+    only); each is logged as eval/co2_kg etc. and added to eval_curve.parquet with the training wall time so far"""
+    max_oom_retries: int = 3
+    """shrinks allowed after CUDA out-of-memory errors (the algorithm's rule: fewer envs or a smaller batch); each
+    re-enters training from the live state and trains on to total_timesteps; one more error stops the run with
+    OutOfMemoryBackoffError, its last checkpoint kept (0: stop at the first)"""
+
+
+def _pre_parse(argv: list[str]) -> dict[str, str]:
+    """The values of ``--preset``, ``--env-id``, ``--cuda`` / ``--no-cuda`` in ``argv`` (needed to choose the
+    defaults before tyro parses the rest)."""
+    found: dict[str, str] = {}
+    for i, token in enumerate(argv):
+        for flag in ("--preset", "--env-id", "--env_id"):
+            if token == flag and i + 1 < len(argv):
+                found[flag.lstrip("-").replace("-", "_")] = argv[i + 1]
+            elif token.startswith(flag + "="):
+                found[flag.lstrip("-").replace("-", "_")] = token.split("=", 1)[1]
+        if token in ("--no-cuda", "--cuda"):
+            found["cuda"] = token
+    return found
+
+
+def preset_name(preset: str, cuda: bool = True) -> str:
+    """``'auto'`` -> ``'gpu'`` where CUDA is available and wanted, else ``'cpu'``; other names as they are."""
+    if preset != "auto":
+        return preset
+    return "gpu" if cuda and torch.cuda.is_available() else "cpu"
+
+
+def preset_args(args_cls, presets: dict, env_defaults: dict, **overrides) -> Any:
+    """An ``Args`` instance: the dataclass defaults, then ``presets[<preset>]``, then ``env_defaults[<env>]`` and
+    ``env_defaults["<env>/<preset>"]``, then ``overrides``. ``preset`` (``'auto'`` resolved by :func:`preset_name`)
+    and ``env_id`` are taken from ``overrides``.
+
+    Raises:
+        ValueError: an unknown preset.
+    """
+    name = preset_name(overrides.get("preset", "auto"), overrides.get("cuda", True))
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}: expected auto or one of {', '.join(presets)}")
+    values = {**presets[name], **env_own_defaults(env_defaults, overrides.get("env_id", EVHUB_ID), name), **overrides}
+    return args_cls(**{**values, "preset": name})
+
+
+def env_own_defaults(env_defaults: dict, env_id: str, preset: str) -> dict:
+    """``env_defaults[<env>]`` (``env_defaults["*"]``, where given, for an env without an entry of its own) with
+    ``env_defaults["<env>/<preset>"]`` on top."""
+    env = env_name(env_id)
+    return {**env_defaults.get(env, env_defaults.get("*", {})), **env_defaults.get(f"{env}/{preset}", {})}
+
+
+def cli(args_cls, presets: dict, env_defaults: dict, argv: list[str] | None = None, description: str | None = None):
+    """Parse the command line into ``args_cls`` with :func:`preset_args`'s defaults for the preset and env named on it
+    (so ``--help`` shows the values in use)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = _pre_parse(argv)
+    chosen = {"preset": pre.get("preset", "auto"), "cuda": pre.get("cuda") != "--no-cuda"}
+    if "env_id" in pre:
+        chosen["env_id"] = pre["env_id"]
+    try:
+        default = preset_args(args_cls, presets, env_defaults, **chosen)
+    except ValueError:  # an unknown preset: let tyro print its error and the choices
+        default = None
+    return tyro.cli(args_cls, args=argv, default=default, description=description)
+
+
+def script(main: Callable, args_cls, presets: dict, env_defaults: dict, description: str | None = None) -> None:
+    """A script's ``__main__``: parse the command line (:func:`cli`) and run ``main``; a checkpoint that cannot be
+    resumed from ends the process with its message (exit status 2), not a traceback."""
+    args = cli(args_cls, presets, env_defaults, description=description)
+    try:
+        main(args)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def presets_table(presets: dict, env_defaults: dict, args) -> str:
+    """The presets as Markdown: one row per field they set, one column per preset (the chosen one marked ``*``), the
+    env's own defaults when it has any, and the value in use."""
+    env = env_name(args.env_id)
+    own = env_own_defaults(env_defaults, args.env_id, args.preset)
+    keys = list(dict.fromkeys([k for p in presets.values() for k in p] + list(own)))
+    head = ["field"] + [f"{n}*" if n == args.preset else n for n in presets] + ([env] if own else []) + ["used"]
+    lines = ["|" + "|".join(head) + "|", "|" + "|".join("-" for _ in head) + "|"]
+    for key in keys:
+        row = [key] + [str(p.get(key, "")) for p in presets.values()] + ([str(own.get(key, ""))] if own else [])
+        lines.append("|" + "|".join(row + [str(getattr(args, key))]) + "|")
+    return "\n".join(lines)
+
+
+def output_dir(args, exp_name: str) -> Path:
+    """``args.output_dir``, or the default run folder of :class:`RunArgs`' ``output_dir`` (named after
+    ``args.exp_name``, or ``exp_name`` where that is empty)."""
+    if args.output_dir is not None:
+        return Path(args.output_dir)
+    exp_name = args.exp_name or exp_name
+    if is_evhub(args.env_id):
+        mode = getattr(args, "action_mode", "discrete")
+        return Path("outputs") / "runs" / f"{exp_name}_{Path(args.site).stem}_{mode}_seed{args.seed}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in args.env_id)
+    return Path("outputs") / "runs" / f"{exp_name}_{safe}_seed{args.seed}"
+
+
+def setup(args, num_threads: int = 0) -> torch.device:
+    """Pick the device, seed Python, NumPy and torch, and set the determinism, thread and TF32 switches.
+
+    Raises:
+        ValueError: ``--cudagraphs`` without a CUDA device.
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.cudagraphs and device.type != "cuda":
+        raise ValueError("--cudagraphs needs CUDA (no CUDA device in use); drop the flag or run on a GPU")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    if args.deterministic_algorithms:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before the first GEMM
+        torch.use_deterministic_algorithms(True)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    return device
+
+
+# ---------------------------------------------------------------------------------------------- environments
+def make_env(args, num_envs: int, device: torch.device, action_mode: str | None = None) -> RecordEpisodeStatistics:
+    """The script's training env: :func:`envs.vector.make_vec` of ``args.env_id`` (EVHub-v0 on the train split of
+    ``args.site`` with ``action_mode`` and ``args.bess_action``) inside :class:`envs.vector.RecordEpisodeStatistics`
+    (EVHub-v0's ``co2_kg`` and ``unserved_kwh`` besides return and length)."""
+    kwargs = {}
+    if is_evhub(args.env_id):
+        kwargs = dict(site=envs.load_site(args.site), split="train", action_mode=action_mode, bess_action=args.bess_action)
+    return RecordEpisodeStatistics(make_vec(args.env_id, num_envs, device, args.vector_mode, **kwargs))
+
+
+def network_inputs(env, args) -> list[int] | None:
+    """The observation features the networks read: None (all) but for EVHub-v0, where the env's
+    ``observation_layout`` names the per-socket and day-of-week features that ``--socket-features`` and
+    ``--weekday-features`` leave out."""
+    if not is_evhub(args.env_id):
+        return None
+    layout = env.observation_layout
+    drop = set() if args.socket_features else set(layout["sockets"])
+    drop |= set() if args.weekday_features else set(layout["day_of_week"])
+    return [i for i in range(int(np.prod(env.single_observation_space.shape))) if i not in drop]
