@@ -186,11 +186,12 @@ def task_tune():
     if not _targets("tune"):
         return {"actions": None, "uptodate": [True], "title": lambda task: "tune: the site runs no learned planner"}
 
-    def cached() -> bool:
+    def cached() -> bool:  # every seed's tuning made for this site, data and code with this budget or a larger one
         from pipeline.control import tuning
 
         fp = tuning.fingerprint(SITE_TOML)
-        return all(tuning.cached(CFG.root / "tuned", s, fp, TUNE_CFG.tune_budget) for s in CFG.seeds)
+        tuned = all(tuning.cached(CFG.root / "tuned", s, fp, TUNE_CFG.tune_budget) for s in CFG.seeds)
+        return tuned and all(Path(p).is_file() for p in _targets("tune"))
 
     return {
         "actions": [_stage("tune", TUNE_CFG)],

@@ -26,6 +26,7 @@ on the device, never sync with the host in ``step``, and checkpoint through ``st
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import sys
 
@@ -47,6 +48,18 @@ def is_evhub(env_id: str) -> bool:
     return env_name(env_id) == EVHUB_ID
 
 
+def spec_of(env_id: str) -> gym.envs.registration.EnvSpec:
+    """gymnasium's spec of ``env_id``; a ``module:`` prefix is imported first (it registers the id), as ``gym.make``
+    does.
+
+    Raises:
+        gymnasium.error.Error: the id is not registered. ModuleNotFoundError: its ``module:`` part cannot be imported.
+    """
+    if ":" in env_id:
+        importlib.import_module(env_id.split(":")[0])
+    return gym.spec(env_name(env_id))
+
+
 def is_torch_batched(env_id: str) -> bool:
     """True where ``env_id``'s gymnasium spec has a ``vector_entry_point`` whose constructor takes a ``device``: the
     torch-batched envs of this package (and a user's own built the same way). Gymnasium's own NumPy vector envs (e.g.
@@ -55,7 +68,7 @@ def is_torch_batched(env_id: str) -> bool:
     Raises:
         gymnasium.error.Error: the id is not registered (or its ``module:`` part cannot be imported).
     """
-    entry_point = gym.spec(env_id).vector_entry_point
+    entry_point = spec_of(env_id).vector_entry_point
     if entry_point is None:
         return False
     creator = entry_point if callable(entry_point) else gym.envs.registration.load_env_creator(entry_point)
@@ -228,6 +241,9 @@ class GymTorchVecEnv(_VectorEnv):
             final_obs = torch.as_tensor(flat).to(self.device)
         t = lambda x, dtype: torch.as_tensor(np.asarray(x, dtype)).to(self.device)  # noqa: E731
         info = {k: v for k, v in info.items() if k not in ("final_obs", "_final_obs", "final_info", "_final_info")}
+        # numeric per-env entries (gymnasium stacks them as NumPy arrays) become device tensors, as the batched envs'
+        info = {k: t(v, np.float64) if isinstance(v, np.ndarray) and v.dtype.kind in "fiu" and v.shape == (self.num_envs,)
+                else v for k, v in info.items()}  # fmt: skip
         return next_obs, t(reward, np.float32), t(terminated, bool), t(truncated, bool), {**info, "final_obs": final_obs}
 
     def step(self, action: torch.Tensor):

@@ -16,8 +16,8 @@ from pipeline.control import learned, tuning
 from pipeline.control.forecast import MOERBoosted
 from pipeline.control.replay import PlannerParams, replay, weeks
 
-FAST = tuning.Budget(generations=3, popsize=4, weeks=1, sigma0=0.3)
-"""A tuning budget a test can afford (12 week replays)."""
+FAST = tuning.Budget(generations=3, popsize=4, weeks=1, sigma0=0.3, validation_weeks=1)
+"""A tuning budget a test can afford (14 week replays)."""
 
 
 def _periodic_site(days: int = 21, **overrides) -> Site:
@@ -88,7 +88,7 @@ def test_tuning_with_a_seed_is_repeatable():
     site = make_site(days=15, mpc={"horizon_h": 6})
     a = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
     b = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
-    assert a.params == b.params and len(a.history) == FAST.generations * FAST.popsize
+    assert a.params == b.params and len(a.history) == FAST.generations * FAST.popsize + 2  # + the validation rows
     pd.testing.assert_frame_equal(a.history, b.history)
     c = tuning.tune(site, seeds=(4,), budget=FAST, progress=lambda line: None)[0]
     assert not c.history.equals(a.history)  # another seed samples other candidates
@@ -104,7 +104,7 @@ def test_tuner_finds_the_demand_weight_on_a_site_whose_arrivals_repeat_daily():
                                                                   expected_demand_weight=w)).cost for w in (0.0, 1.0)}
     assert costs[1.0] < costs[0.0] - 1.0  # the site is one where anticipating the demand pays
     space = (tuning.Param("expected_demand_weight", 0.0, 1.0),)
-    budget = tuning.Budget(generations=4, popsize=4, weeks=2, sigma0=0.4)
+    budget = tuning.Budget(generations=4, popsize=4, weeks=2, sigma0=0.4, validation_weeks=2)
     result = tuning.tune(site, seeds=(1,), budget=budget, space=space, progress=lambda line: None)[0]
     assert result.start.expected_demand_weight == 0.0
     assert result.params.expected_demand_weight > 0.7
@@ -153,9 +153,16 @@ def _changed_after(site: Site, split: str, k: int) -> Site:
     return Site(site.config, hourly, sessions, dict(site.source))
 
 
-def test_mpc_tuned_and_adaptive_are_causal(tmp_path):
-    """Changing the test split after step k (MOER, forecasts, sessions: what the forecaster and the weekly re-tuning
-    read) leaves mpc_tuned's and mpc_adaptive's actions up to step k unchanged."""
+def test_learned_planners_are_causal(tmp_path):
+    """Changing the test split after step k (MOER, forecasts, sessions: what the forecaster, the weekly re-tuning and
+    the daily policy read) leaves mpc_tuned's, mpc_adaptive's and mpc_rl's actions up to step k unchanged."""
+    from pipeline.control.rl_planner import OBS_NAMES, DailyPolicyPlanner
+
+    weights = torch.linspace(-1.0, 1.0, 2 * len(OBS_NAMES), dtype=torch.float32).reshape(len(OBS_NAMES), 2)
+
+    def day_policy(x, env):  # a fixed day-level policy that reads every observation feature
+        return torch.tanh(x.to(torch.float32) @ weights)
+
     site = make_site(days=22, n_sockets=4, mpc={"horizon_h": 6})
     k = 2 * 168 + 30  # in the third week: its choice reads the two weeks before
     changed = _changed_after(site, "test", k)
@@ -168,8 +175,39 @@ def test_mpc_tuned_and_adaptive_are_causal(tmp_path):
         runs.append({
             "tuned": _actions(learned.planner(s.split("test"), tuned), s, "test", k + 1),
             "adaptive": _actions(learned.AdaptivePlanner(s.split("test"), cands, chosen), s, "test", k + 1),
+            "rl": _actions(DailyPolicyPlanner(s, "test", day_policy, tuned), s, "test", k + 1),
             "chosen": chosen,
         })  # fmt: skip
     np.testing.assert_array_equal(runs[0]["chosen"][:3], runs[1]["chosen"][:3])
-    for name in ("tuned", "adaptive"):
+    for name in ("tuned", "adaptive", "rl"):
         np.testing.assert_array_equal(runs[0][name], runs[1][name], err_msg=name)
+
+
+def test_expected_demand_by_day_type_reads_the_last_days_of_the_same_type():
+    """With ``demand_day_type`` an hour of a Saturday expects the sessions of the last Sunday and Saturday before it,
+    an hour of a Friday those of Thursday and Wednesday (2 days each), every one of them realised by then."""
+    from pipeline.control.mpc import MPCController
+
+    site = make_site(days=21)
+    data = site.split("train")
+    local = data.time.tz_convert(site.config.timezone)
+    t = int(np.flatnonzero((local.day_of_week == 4) & (local.hour == 20))[1])  # the second Friday, 20:00
+    mpc = MPCController(data, 24, expected_demand_days=2, expected_demand_weight=1.0, demand_day_type=True)
+    used: dict[int, list[int]] = {}
+    for shift, (share, ks) in mpc._same_day_type_sources(t, 24):
+        j = (t - shift) // 24
+        assert share == pytest.approx(0.5) and (t - shift) % 24 == 0
+        for k in ks:
+            assert t + k - j * 24 <= t  # realised by t
+            used.setdefault(int(k), []).append(int(j))
+    assert sorted(used) == list(range(1, 24))
+    for k, js in used.items():
+        target = local[t + k]
+        assert len(js) == 2
+        expected = [1, 2] if target.day_of_week < 5 else ([6, 7] if target.day_of_week == 5 else [1, 7])
+        assert sorted(js) == expected, (k, target, js)
+    # the flat expected demand (the shipped mpc's) is not changed by the option's existence
+    flat = MPCController(data, 24, expected_demand_days=2, expected_demand_weight=1.0)
+    plugged = (np.zeros(data.config.ev.n_sockets), np.zeros(data.config.ev.n_sockets, dtype=np.int64))
+    a, b = flat.sessions(t, 24, *plugged), mpc.sessions(t, 24, *plugged)
+    assert not np.array_equal(np.sort(a[0]), np.sort(b[0])) or not np.allclose(np.sort(a[2]), np.sort(b[2]))

@@ -136,6 +136,9 @@ class MPCController:
             moer_bias * m``, ``m`` its mean over the window (1 and 0: as forecast). A regression forecast is shrunk
             towards its mean where it is unsure; a contrast above 1 plans as if the forecast's hour-to-hour shape
             were surer. Not used when ``perfect``.
+        demand_day_type: draw the expected demand of each hour from the last ``expected_demand_days`` days of its own
+            day type (weekday or weekend, local time) rather than from the last days whatever their type (on caltech's
+            train split a weekend day has a third of a weekday's EV energy).
         forecaster: the causal MOER forecast, a callable ``(t, H) -> (H,) kg/kWh or None`` while it warms up
             (default :class:`MOERRegression` over the horizon); when None is returned the profile outlook is used.
         presolve: HiGHS presolve (off halves the solve time on these small LPs; the optimum is the same, the
@@ -154,6 +157,7 @@ class MPCController:
     terminal_value: float = TERMINAL_VALUE
     moer_contrast: float = 1.0
     moer_bias: float = 0.0
+    demand_day_type: bool = False
     forecaster: object | None = None
     presolve: bool = True
     keep_plans: bool = False
@@ -171,6 +175,7 @@ class MPCController:
         cfg = self.data.config
         self.H = max(1, int(round(self.horizon_h / cfg.dt_h)))
         self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
+        self._weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
         if self.forecaster is None and not self.perfect:
             self.forecaster = MOERRegression(self.data, self.H)
         if self.expected_demand_days is None:
@@ -233,8 +238,13 @@ class MPCController:
         else:  # no days (or no weight): the plugged EVs only
             days, total = self.expected_demand_days, self.expected_demand_weight
             sources = [(t - j * self._day, total / days) for j in range(1, days + 1) if total > 0]
+        if self.demand_day_type and not self.perfect and self.expected_demand_weight > 0:
+            sources = self._same_day_type_sources(t, H)
         for shift, share in sources:  # arrivals at steps shift + k, k in 1..H-1, that are known at t
             s = np.arange(max(shift + 1, 0), min(shift + H, t + 1 if shift < t else d.num_steps))
+            if isinstance(share, tuple):  # (share, the steps k of the window this past day stands for)
+                share, ks = share
+                s = s[np.isin(s - shift, ks)]
             r, i = np.nonzero(d.arrival_stay_steps[s] > 0)
             k = s[r] - shift
             arr.append(k)
@@ -244,6 +254,24 @@ class MPCController:
             w.append(np.full(len(k), share))
         cat = np.concatenate
         return cat(arr), cat(end), cat(e).astype(np.float64), cat(sock), cat(w)
+
+    def _same_day_type_sources(self, t: int, H: int) -> list:
+        """The expected demand's past days by day type: for each step ``t + k`` of the window (``k`` in ``1..H-1``), the
+        last ``expected_demand_days`` days before it of its own type (weekday or weekend, local time) whose arrival
+        step is realised by ``t``; returns ``[(shift, (share, ks))]``, ``shift = t - j * day`` for past day ``j`` and
+        ``ks`` the window steps it stands for."""
+        day, days = self._day, self.expected_demand_days
+        weekend = self._weekend
+        chosen: dict[int, list[int]] = {}
+        for k in range(1, H):
+            u, j, n = t + k, 1, 0
+            while n < days and u - j * day >= 0:
+                if u - j * day <= t and weekend[u - j * day] == weekend[min(u, len(weekend) - 1)]:
+                    chosen.setdefault(j, []).append(k)
+                    n += 1
+                j += 1
+        share = self.expected_demand_weight / days
+        return [(t - j * day, (share, np.array(ks))) for j, ks in sorted(chosen.items())]
 
     # ---------------------------------------------------------------- one solve
     def plan(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> Plan:

@@ -42,6 +42,7 @@ class PlannerParams:
             ``eta_discharge`` times the window's mean MOER outlook.
         moer_contrast: the MOER outlook's deviation from its window mean is scaled by this.
         moer_bias: the MOER outlook is shifted by this share of its window mean.
+        demand_day_type: the expected demand of an hour from past days of its own type (weekday or weekend).
     """
 
     horizon_h: int = 24
@@ -50,6 +51,7 @@ class PlannerParams:
     terminal_value: float = 1.0
     moer_contrast: float = 1.0
     moer_bias: float = 0.0
+    demand_day_type: bool = False
 
     @classmethod
     def of_site(cls, site: Site) -> "PlannerParams":
@@ -73,7 +75,8 @@ class PlannerParams:
         unknown = set(d) - set(known)
         if unknown:
             raise KeyError(f"unknown planner parameter(s) {sorted(unknown)}: known are {sorted(known)}")
-        return cls(**{k: int(round(v)) if known[k].type in ("int", int) else float(v) for k, v in d.items()})
+        kinds = {"int": int, "bool": bool, "float": float}
+        return cls(**{k: kinds[known[k].type](round(v) if known[k].type != "float" else v) for k, v in d.items()})
 
 
 def planner(data: SplitData, params: PlannerParams, **kwargs) -> MPCController:
@@ -82,7 +85,8 @@ def planner(data: SplitData, params: PlannerParams, **kwargs) -> MPCController:
     kw = dict(presolve=False) | kwargs
     return MPCController(data, horizon_h=params.horizon_h, expected_demand_days=params.expected_demand_days,
                          expected_demand_weight=params.expected_demand_weight, terminal_value=params.terminal_value,
-                         moer_contrast=params.moer_contrast, moer_bias=params.moer_bias, **kw)  # fmt: skip
+                         moer_contrast=params.moer_contrast, moer_bias=params.moer_bias,
+                         demand_day_type=params.demand_day_type, **kw)  # fmt: skip
 
 
 def weeks(data: SplitData) -> list[tuple[int, int]]:

@@ -2,14 +2,16 @@
 
 The causal planner (:class:`pipeline.control.mpc.MPCController`) has parameters a person set by hand
 (:class:`pipeline.control.replay.PlannerParams`: the expected-demand weight and days, the terminal value of stored
-energy, the MOER outlook's contrast and bias, the horizon). Here they are tuned where they act: in closed loop,
-through the env, on sampled weeks of the **train split** (:func:`pipeline.control.replay.replay`), by CMA-ES
-(Hansen's ``cma`` package) in the box :data:`SPACE` scaled to ``[0, 1]`` per parameter, starting at the site's
-``[mpc]`` values. Each generation samples :attr:`Budget.weeks` weeks of the split (after its first, in which the
+energy, the MOER outlook's contrast and bias, the horizon; and one it does not use, the expected demand by day type).
+Here they are tuned where they act: in closed loop, through the env, on sampled weeks of the **train split**
+(:func:`pipeline.control.replay.replay`), by CMA-ES (Hansen's ``cma`` package) in the box :data:`SPACE` scaled to
+``[0, 1]`` per parameter, starting at the site's ``[mpc]`` values (a yes/no parameter undecided, at 0.5). Each generation samples :attr:`Budget.weeks` weeks of the split (after its first, in which the
 planner's forecasts warm up) and evaluates every candidate on the same weeks (common random numbers: CMA-ES only
 ranks the candidates of a generation), each (candidate, week) one Dask task. The result is the distribution's mean
 after the last generation (``xfavorite``), not the best candidate seen (which would favour an easy sample of
-weeks). Nothing here reads the test split.
+weeks), if it costs less than the starting point over a fixed set of validation weeks of the train split (else the
+starting point: the parameters' effects are small beside the weeks' noise, so a short tuning can drift). Nothing
+here reads the test split.
 
 Budgets (:data:`BUDGETS`): ``small`` runs inside ``doit run pipeline``, ``full`` is ``doit run tune``; the pipeline
 uses the largest budget whose result is cached for the same site, data and code (:func:`cached`).
@@ -49,36 +51,48 @@ SPACE = (
     Param("moer_contrast", 0.5, 2.5),
     Param("moer_bias", -0.2, 0.2),
     Param("horizon_h", 12, 36, integer=True),
+    Param("demand_day_type", 0, 1, integer=True),
 )
 """The tuned parameters and their ranges: the weight as a share; days and hours as integers; the terminal value as
 a multiple of the shipped rule's (1: a stored kWh is worth the window's mean MOER times ``eta_discharge``); the
-contrast as a factor on the outlook's deviation from its mean; the bias as a share of that mean."""
+contrast as a factor on the outlook's deviation from its mean; the bias as a share of that mean; whether the expected
+demand is drawn from past days of the hour's own day type (weekday or weekend) as a yes/no (above 0.5: yes)."""
 
 
 @dataclass(frozen=True)
 class Budget:
     """How much closed-loop evaluation one tuning spends: ``generations`` x ``popsize`` candidates, each replayed
-    on ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step in the ``[0, 1]`` box."""
+    on ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step in the ``[0, 1]`` box; ``validation_weeks``: the weeks,
+    spread evenly over the split, on which CMA-ES's final mean is compared with the starting point (the better one
+    is the result); ``rl_days``: the days (env steps) ``mpc_rl``'s PPO trains for (:mod:`pipeline.control.rl_planner`)."""
 
     generations: int
     popsize: int
     weeks: int
     sigma0: float = 0.2
+    rl_days: int = 0
+    validation_weeks: int = 6
 
     @property
     def replays(self) -> int:
         """Week replays the tuning runs."""
-        return self.generations * self.popsize * self.weeks
+        return self.generations * self.popsize * self.weeks + 2 * self.validation_weeks
 
 
-BUDGETS = {"small": Budget(generations=4, popsize=6, weeks=3), "full": Budget(generations=12, popsize=8, weeks=6)}
-"""``small``: inside ``doit run pipeline`` (72 week replays a seed); ``full``: ``doit run tune`` (576)."""
+BUDGETS = {
+    "small": Budget(generations=4, popsize=6, weeks=3, rl_days=140, validation_weeks=6),
+    "full": Budget(generations=10, popsize=8, weeks=4, rl_days=700, validation_weeks=16),
+}
+"""``small``: inside ``doit run pipeline`` (84 week replays and 140 days of PPO a seed); ``full``: ``doit run tune``
+(352 week replays and 700 days, about three times the train split's)."""
 
 
-def encode(params: PlannerParams, space: Sequence[Param] = SPACE) -> np.ndarray:
-    """``(len(space),)`` float64 in ``[0, 1]``: each tuned parameter's place in its range (clipped)."""
+def encode(params: PlannerParams, space: Sequence[Param] = SPACE, undecided: bool = False) -> np.ndarray:
+    """``(len(space),)`` float64 in ``[0, 1]``: each tuned parameter's place in its range (clipped); with
+    ``undecided`` a yes/no parameter sits at 0.5, where either answer is as likely (CMA-ES's start)."""
     d = params.as_dict()
-    return np.array([np.clip((d[p.name] - p.low) / (p.high - p.low), 0.0, 1.0) for p in space])
+    return np.array([0.5 if undecided and isinstance(d[p.name], bool) else
+                     np.clip((float(d[p.name]) - p.low) / (p.high - p.low), 0.0, 1.0) for p in space])  # fmt: skip
 
 
 def decode(x: Sequence[float], base: PlannerParams, space: Sequence[Param] = SPACE) -> PlannerParams:
@@ -86,7 +100,10 @@ def decode(x: Sequence[float], base: PlannerParams, space: Sequence[Param] = SPA
     values = {}
     for p, v in zip(space, np.clip(np.asarray(x, np.float64), 0.0, 1.0)):
         value = p.low + float(v) * (p.high - p.low)
-        values[p.name] = int(round(value)) if p.integer else round(value, 4)
+        if isinstance(getattr(base, p.name), bool):
+            values[p.name] = bool(round(value))
+        else:
+            values[p.name] = int(round(value)) if p.integer else round(value, 4)
     return replace(base, **values)
 
 
@@ -111,12 +128,14 @@ class TuningResult:
     """One tuning: the chosen parameters, the seed and budget, and every candidate evaluated.
 
     Attributes:
-        params: the chosen :class:`PlannerParams` (CMA-ES's mean after the last generation).
+        params: the chosen :class:`PlannerParams`: CMA-ES's mean after the last generation, or the starting point
+            where that mean does not cost less on the validation weeks.
         start: the parameters it started from (the site's ``[mpc]`` values).
         seed: CMA-ES's seed. budget: the :data:`BUDGETS` name (``"custom"`` for another :class:`Budget`).
         budget_spec: the :class:`Budget` itself.
-        history: one row per (generation, candidate): ``generation``, ``candidate``, the parameters, ``cost_kg`` (CO2
-            plus the unserved penalty summed over the generation's weeks), ``weeks`` (their indices, str).
+        history: one row per (generation, candidate): ``generation``, ``candidate`` (its index in the generation, str;
+            ``start`` and ``final mean`` in the validation rows after the last generation), the parameters, ``cost_kg``
+            (CO2 plus the unserved penalty summed over the weeks), ``weeks`` (their indices in the split, str).
         wall_s: seconds of the whole tuning; solves, solve_s: LP solves of its replays and their seconds.
     """
 
@@ -196,7 +215,7 @@ def tune(
     if len(pool) < 1:
         raise ValueError(f"split '{split}' has {data.num_steps} steps: fewer than two whole weeks to tune on")
     start = PlannerParams.of_site(site)
-    x0 = encode(start, space)
+    x0 = encode(start, space, undecided=True)
     t0 = time.perf_counter()
     runs = []
     if len(x0) == 1:  # cma needs two dimensions at least: a second one that decode() ignores
@@ -222,18 +241,33 @@ def tune(
                 costs.append(float(sum(x.cost for x in res)))
                 r["solves"] += sum(x.solves for x in res)
                 r["solve_s"] += sum(x.solve_s for x in res)
-                r["rows"].append({"generation": g, "candidate": k, **c.as_dict(), "cost_kg": costs[-1],
+                r["rows"].append({"generation": g, "candidate": str(k), **c.as_dict(), "cost_kg": costs[-1],
                                   "weeks": ",".join(str(i + 1) for i in picked)})  # fmt: skip
             r["es"].tell(X, costs)
             best = decode(r["es"].result.xfavorite, start, space)
             progress(f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
                      f"median {float(np.median(costs)):.1f} kg over {n} weeks; mean now {_short(best)}")  # fmt: skip
-    wall = time.perf_counter() - t0
-    return [
-        TuningResult(decode(r["es"].result.xfavorite, start, space), start, int(r["seed"]), name, b,
-                     pd.DataFrame(r["rows"]), wall, r["solves"], r["solve_s"])  # fmt: skip
-        for r in runs
-    ]
+    # the final mean against the starting point on the same validation weeks: the tuning never ends worse than it began
+    step = max(1, len(pool) // max(1, b.validation_weeks))
+    valid = pool[::step][: b.validation_weeks]
+    finals = [decode(r["es"].result.xfavorite, start, space) for r in runs]
+    batch = [(c, s, n) for f in finals for c in (start, f) for s, n in valid]
+    results = evaluate(batch) if valid else []
+    out = []
+    for i, (r, final) in enumerate(zip(runs, finals)):
+        res = results[2 * i * len(valid) : 2 * (i + 1) * len(valid)]
+        cost_start, cost_final = sum(x.cost for x in res[: len(valid)]), sum(x.cost for x in res[len(valid) :])
+        r["solves"] += sum(x.solves for x in res)
+        r["solve_s"] += sum(x.solve_s for x in res)
+        chosen = final if cost_final < cost_start else start
+        for label, params, cost in (("start", start, cost_start), ("final mean", final, cost_final)):
+            r["rows"].append({"generation": b.generations, "candidate": label, **params.as_dict(), "cost_kg": cost,
+                              "weeks": ",".join(str(pool.index(w) + 1) for w in valid)})  # fmt: skip
+        progress(f"tune seed {r['seed']} validation over {len(valid)} weeks: start {cost_start:.1f} kg, final mean "
+                 f"{cost_final:.1f} kg; keeps the {'final mean' if chosen is final else 'start'}")  # fmt: skip
+        out.append(TuningResult(chosen, start, int(r["seed"]), name, b, pd.DataFrame(r["rows"]),
+                                time.perf_counter() - t0, r["solves"], r["solve_s"]))  # fmt: skip
+    return out
 
 
 def _short(p: PlannerParams) -> str:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from envs.config import load_config
-from pipeline.control import registry, tuning
+from pipeline.control import learned, registry, rl_planner, tuning
+from pipeline.control.replay import replay
 from pipeline.study import results, tasks
 from pipeline.study.cluster import get_client, gpu_workers
 from pipeline.study.config import SPLITS, PipelineConfig
@@ -46,7 +47,8 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
     return {
         "validate": [root / "validate" / f"{i}.json" for i in tasks.INPUTS],
         "baselines": [f for c in simulated(cfg) for s in SPLITS for f in results.files(root / "baselines", c, s)],
-        "tune": [f for seed in cfg.seeds for f in tuning.result_files(root / "tuned", seed)] if planners(cfg) else [],
+        "tune": [f for seed in cfg.seeds for f in (*tuning.result_files(root / "tuned", seed),
+                 rl_planner.policy_file(root / "tuned" / f"mpc_rl_seed{seed}"))] if planners(cfg) else [],  # fmt: skip
         "planners": [f for c in planners(cfg) for seed in cfg.seeds for s in SPLITS
                      for f in results.files(root / "planners", c, s, seed)],  # fmt: skip
         "train": [root / "runs" / results.run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")],
@@ -118,8 +120,14 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
         if "tune" not in stages:
             on_disk("tune")
         out = str(root / "planners")
+        tables = {}  # mpc_adaptive's week tables: every (candidate, week) replay one task, then written per seed
+        if "mpc_adaptive" in planners(cfg):
+            for seed in cfg.seeds:
+                windows = learned.table_windows(site, tuning.load_params(tuned_dir, seed), SPLITS)
+                replays = [submit(replay, site, sp, s, n, c.as_dict(), pure=False) for sp, _, c, s, n in windows]
+                tables[seed] = submit(learned.write_week_tables, replays, windows, tuned_dir, seed, pure=False)
         jobs = [
-            submit(tasks.run_controller, site, c, s, out, validated, seed, tuned_dir, retries=1, pure=False)
+            submit(tasks.run_controller, site, c, s, out, tables.get(seed), seed=seed, tuned_dir=tuned_dir, retries=1, pure=False)
             for c in planners(cfg)
             for seed in cfg.seeds
             for s in SPLITS

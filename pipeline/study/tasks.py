@@ -9,6 +9,7 @@ only when every input passed), the result files of :mod:`pipeline.study.results`
 from __future__ import annotations
 
 import json
+import time
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from envs.files import write_parquet, write_text
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.config import load_config
 from envs.site import load_site
-from pipeline.control import registry, tuning
+from pipeline.control import registry, rl_planner, tuning
 from pipeline.study import depends, results
 from pipeline.study.config import PROJECT_ROOT, SPLITS, shown_path
 from pipeline.study.report import site_data_sources, write_report
@@ -71,15 +72,14 @@ def write_validation(summaries: list[dict], out_dir: str) -> list[str]:
 
 
 def run_controller(
-    site_toml: str, controller: str, split: str, out_dir: str, validated=None, seed: int | None = None,
-    tuned_dir: str | None = None,
+    site_toml: str, controller: str, split: str, out_dir: str, *after, seed: int | None = None, tuned_dir: str | None = None
 ) -> list[str]:
     """Simulate a controller of the registry over a whole split (:meth:`pipeline.control.registry.Controller.simulate`);
     returns ``[kpi_path, traces_path]`` (named by :func:`pipeline.study.results.files`, with the seed of a seeded
     controller).
 
     Args:
-        validated: the validation stage's output (only orders the task after it).
+        after: outputs of the tasks it must follow (validation, the week tables), not read.
         seed, tuned_dir: what a seeded controller that reads tuned parameters needs.
 
     Raises:
@@ -102,14 +102,20 @@ def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None
     """
     fp = tuning.fingerprint(site_toml)
     todo = [s for s in seeds if tuning.cached(tuned_dir, s, fp, budget) is None]
+    b = tuning.BUDGETS[budget]
     if todo:
         evaluate = tuning.dask_evaluator(client, site_toml, "train") if client is not None else None
-        b = tuning.BUDGETS[budget]
         print(f"tune: seeds {todo}, budget '{budget}' ({b.replays} week replays a seed) on the train split", flush=True)
         for result in tuning.tune(site_toml, todo, budget, evaluate=evaluate):
             tuning.write(result, tuned_dir, fp)
             print(f"tune seed {result.seed}: {result.wall_s:.0f} s, {result.solves} LP solves "
                   f"({result.solves / max(result.solve_s, 1e-9):.0f} solves/s); {result.params}", flush=True)  # fmt: skip
+    for seed in seeds:  # mpc_rl: PPO on the day-level planner env; a finished run with the same fingerprint is kept
+        t0 = time.perf_counter()
+        run = Path(tuned_dir) / f"mpc_rl_seed{seed}"
+        train_agent("ppo", seed, site_toml, str(run), b.rl_days, rl_planner.ppo_args(b.rl_days),
+                    env_vars={"EVHUB_SITE": str(site_toml)}, code=depends.CONTROL, tag=f"mpc_rl seed {seed}")  # fmt: skip
+        print(f"mpc_rl seed {seed}: {b.rl_days} days of PPO in {time.perf_counter() - t0:.0f} s", flush=True)
     return [str(f) for s in seeds for f in tuning.result_files(tuned_dir, s)]
 
 
@@ -125,13 +131,14 @@ def algo_script(algo: str) -> Path:
     return PROJECT_ROOT / "algos" / f"{algo}.py"
 
 
-def run_fingerprint(cmd: list[str], site_toml: str, algo: str, root: Path = PROJECT_ROOT) -> str:
+def run_fingerprint(cmd: list[str], site_toml: str, algo: str, root: Path = PROJECT_ROOT, code: tuple[str, ...] = ()) -> str:
     """SHA-256 (hex) of what a training run is: its command line, the site config and data, and the code.
 
     Two attempts with the same fingerprint are the same run, so the second may resume the first's checkpoint.
     The data files are the site's ``hourly.*`` and ``sessions.*`` files; the code is
     :func:`pipeline.study.depends.training` (the agent's script, the harness, every file of ``envs``) under ``root``,
-    the same files doit's ``train`` tasks depend on, so a change that re-runs training also starts it afresh.
+    the same files doit's ``train`` tasks depend on, so a change that re-runs training also starts it afresh; and the
+    files of the globs ``code``.
     """
     import hashlib
 
@@ -144,7 +151,9 @@ def run_fingerprint(cmd: list[str], site_toml: str, algo: str, root: Path = PROJ
     for f in data:
         h.update(f.name.encode())
         h.update(f.read_bytes())
-    for f in depends.training(algo, root):
+    code_files = depends.training(algo, root)
+    code_files += [f for f in depends.files(*code, root=root) if f not in code_files]
+    for f in code_files:
         h.update(f.relative_to(root).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()
@@ -173,8 +182,15 @@ def train_agent(
     total_timesteps: int | None = None,
     extra_args: tuple[str, ...] = (),
     *deps,
+    env_vars: dict[str, str] | None = None,
+    code: tuple[str, ...] = (),
+    tag: str | None = None,
 ) -> str:
     """Train one agent by running its script in a subprocess; returns the run folder.
+
+    ``env_vars`` are set in the script's environment; ``code`` are globs (relative to the project root) of code the
+    run depends on besides :func:`pipeline.study.depends.training` (the env of another id, say), in its fingerprint
+    too; ``tag`` prefixes its echoed lines (default ``<algo> seed <seed>``).
 
     The script's output is appended to ``<run_dir>/train.log`` (one header line per attempt) and echoed
     line by line. The task is safe to repeat: ``<run_dir>/run.json`` records the run's fingerprint
@@ -193,7 +209,7 @@ def train_agent(
     if total_timesteps is not None:
         cmd += ["--total-timesteps", str(total_timesteps)]
     cmd += list(extra_args)
-    fingerprint = run_fingerprint(cmd[1:], site_toml, algo)
+    fingerprint = run_fingerprint(cmd[1:], site_toml, algo, code=code)
     spec_path = run / "run.json"
     same_run = spec_path.is_file() and json.loads(spec_path.read_text()).get("fingerprint") == fingerprint
     if same_run and (run / "checkpoint.pt").is_file():
@@ -203,7 +219,7 @@ def train_agent(
         write_text(spec_path, json.dumps({"fingerprint": fingerprint, "command": cmd[1:]}, indent=2))
     # Dask workers pin OMP/MKL/OpenBLAS to one thread; a training run owns its worker's cores (and GPU)
     thread_caps = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-    env = {k: v for k, v in os.environ.items() if k not in thread_caps} | {"PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in thread_caps} | {"PYTHONUNBUFFERED": "1"} | (env_vars or {})
     log_path = run / "train.log"
     tail: list[str] = []
     with open(log_path, "a", buffering=1) as log, subprocess.Popen(  # line-buffered: a killed worker loses no line
@@ -216,7 +232,7 @@ def train_agent(
             log.write(line)
             tail = (tail + [line])[-40:]
             if "\r" not in line:
-                print(f"[{algo} seed {seed}] {line}", end="", flush=True)
+                print(f"[{tag or f'{algo} seed {seed}'}] {line}", end="", flush=True)
         code = proc.wait()
     if code != 0:
         raise RuntimeError(f"{algo} (seed {seed}) failed with exit code {code}; end of {log_path}:\n{''.join(tail)}")

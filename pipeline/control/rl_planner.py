@@ -1,0 +1,233 @@
+"""RL-MPC: an agent that learns to set the planner's parameters for the next day (``mpc_rl``).
+
+The planner (:class:`pipeline.control.mpc.MPCController`) is kept; a policy chooses, at each local midnight, two of
+its parameters for the next 24 hours from what has been realised: the expected-demand weight (how much of the past
+week's demand to count on) and the terminal value of stored energy. The planner then acts hour by hour through
+EVHub-v0 as ``mpc`` does. This is the RL-MPC of the building-control literature (an RL signal that adapts an
+optimiser rather than replacing it; e.g. Arroyo et al., Applied Energy 2022), one decision a day.
+
+``EVHubPlanner-v0`` is a gymnasium env (:class:`PlannerEnv`) for the project's own agent scripts::
+
+    python algos/ppo.py --env-id pipeline.control.rl_planner:EVHubPlanner-v0 --vector-mode async --num-envs 2
+
+- episode: one week of the train split from a random local midnight (after the split's first week, in which the
+  planner's forecasts warm up), begun like an evaluation window (:func:`pipeline.control.replay.replay`);
+- action: ``(2,)`` in ``[-1, 1]``: the weight ``(a0 + 1) / 2`` in ``[0, 1]`` and the terminal value
+  ``1 + a1 / 2`` in ``[0.5, 1.5]`` (a multiple of the shipped rule's), the other parameters the site's ``[mpc]``;
+- reward: ``-(CO2 kg + UNSERVED_COST * unserved kWh) / REWARD_SCALE_KG`` of the day;
+- observation (:data:`OBS_NAMES`, about ``[-1, 1]``): the day of week (sin, cos), the battery's SOC, the energy the
+  plugged cars still need, the past week's mean daily arrivals, yesterday's arrivals against that mean, the
+  planner's mean MOER outlook for the day against the last week's mean MOER, and yesterday's CO2 per kWh charged.
+
+The site is ``site`` or the environment variable ``EVHUB_SITE`` (as the study sets it), default ``caltech``;
+``split`` the split its episodes are drawn from.
+
+:func:`simulate_rl` runs a trained policy (its exported ``policy.pt2``) over a whole split: every local midnight it
+reads the observation and sets the day's parameters, then the planner acts for 24 steps (``mpc_rl``'s row).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pandas as pd
+import torch
+
+from envs.evhub import EVHubVectorEnv
+from envs.kpis import evaluate_policy
+from envs.site import Site, load_site
+from pipeline.control.replay import UNSERVED_COST, PlannerParams, planner
+
+ENV_ID = "EVHubPlanner-v0"
+REWARD_SCALE_KG = 50.0
+"""A day's CO2 on the shipped caltech site is of this order (kg); rewards are divided by it."""
+EPISODE_DAYS = 7
+OBS_NAMES = ("dow_sin", "dow_cos", "soc", "plugged_need", "week_arrivals", "yesterday_vs_week", "moer_outlook_vs_week",
+             "yesterday_co2_per_kwh")  # fmt: skip
+"""The observation's features, in order (module docstring)."""
+
+
+def day_params(base: PlannerParams, action) -> PlannerParams:
+    """The day's parameters from an action in ``[-1, 1]^2`` (clipped): weight ``(a0 + 1) / 2``, terminal value
+    ``1 + a1 / 2``; the others as in ``base``."""
+    a = np.clip(np.asarray(action, np.float64).reshape(-1), -1.0, 1.0)
+    return replace(base, expected_demand_weight=float((a[0] + 1.0) / 2.0), terminal_value=float(1.0 + a[1] / 2.0))
+
+
+class _Day:
+    """The day-level state of one run through a split: the env (one copy), the planner, and what has been realised."""
+
+    def __init__(self, site: Site, split: str, base: PlannerParams, env: EVHubVectorEnv):
+        self.site, self.data, self.base, self.env = site, site.split(split), base, env
+        self.mpc = planner(self.data, base)
+        self.day = max(1, int(round(24 / site.config.dt_h)))
+        arrivals = self.data.arrival_need_kwh.sum(1).astype(np.float64)  # (T,) kWh arriving per step
+        self._arrivals = arrivals
+        self._scale = max(float(np.mean(arrivals)) * self.day, 1.0)  # a typical day's arrivals, kWh (normaliser)
+        self.last_co2 = self.last_kwh = 0.0
+
+    def observe(self, obs: torch.Tensor) -> np.ndarray:
+        """The day-level observation at the env's current step (causal: realised data before it, the forecast)."""
+        t = int(self.env.t[0])
+        d, day = self.data, self.day
+        local = d.time[min(t, d.num_steps - 1)].tz_convert(self.site.config.timezone)
+        dow = 2 * np.pi * local.dayofweek / 7.0
+        b = self.site.config.bess
+        soc = float(self.env.energy_kwh[0]) / max(b.capacity_kwh, 1e-9)
+        need = float(self.env.ev_need_kwh[0].sum()) / self._scale
+        past = self._arrivals[max(0, t - 7 * day) : t]
+        week = past.sum() / max(len(past) / day, 1.0) if len(past) else 0.0
+        yesterday = self._arrivals[max(0, t - day) : t].sum()
+        moer_week = float(np.mean(d.moer[max(0, t - 7 * day) : t])) if t > 0 else float(d.moer_fc[0, 0])
+        outlook = float(np.mean(self.mpc.moer_outlook(t, min(day, d.num_steps - t))))
+        co2_per_kwh = self.last_co2 / self.last_kwh if self.last_kwh > 1e-9 else moer_week
+        return np.array([
+            np.sin(dow), np.cos(dow), 2.0 * soc - 1.0, np.tanh(need), np.tanh(week / self._scale),
+            np.tanh((yesterday - week) / self._scale), np.tanh(outlook / max(moer_week, 1e-3) - 1.0),
+            np.tanh(co2_per_kwh / max(moer_week, 1e-3) - 1.0),
+        ], np.float32)  # fmt: skip
+
+    def run_day(self, params: PlannerParams, obs: torch.Tensor, steps: int):
+        """Set the planner's parameters and act ``steps`` steps; returns ``(obs, co2_kg, unserved_kwh)``."""
+        m = self.mpc
+        m.expected_demand_weight, m.terminal_value = params.expected_demand_weight, params.terminal_value
+        co2 = unserved = kwh = 0.0
+        with torch.no_grad():
+            for _ in range(steps):
+                obs, _, _, _, info = self.env.step(m(obs, self.env))
+                co2 += float(info["co2_kg"][0])
+                unserved += float(info["unserved_kwh"][0])
+                kwh += float(info["ev_charge_kw"][0]) * self.site.config.dt_h
+        self.last_co2, self.last_kwh = co2, kwh
+        return obs, co2, unserved
+
+
+def _midnights(site: Site, split: str) -> np.ndarray:
+    """Steps of the split that start a local day."""
+    local = site.split(split).time.tz_convert(site.config.timezone)
+    return np.flatnonzero((local.hour == 0) & (local.minute == 0))
+
+
+class PlannerEnv(gym.Env):
+    """``EVHubPlanner-v0``: one step is a day of the planner acting through EVHub-v0 (module docstring).
+
+    Args:
+        site: a shipped site name or a site TOML (None: ``EVHUB_SITE``, else ``caltech``).
+        split: the split episodes are drawn from.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, site: str | None = None, split: str = "train"):
+        self.site = load_site(site or os.environ.get("EVHUB_SITE", "caltech"))
+        if self.site.config.episode.session_keep_min < 1.0:  # episodes keep every session, like an evaluation
+            cfg = self.site.config.replace(episode={"session_keep_min": 1.0})
+            self.site = Site(cfg, self.site.hourly, self.site.sessions, dict(self.site.source))
+        self.split = split
+        self.base = PlannerParams.of_site(self.site)
+        self.steps = EPISODE_DAYS * max(1, int(round(24 / self.site.config.dt_h)))
+        self.starts = _midnights(self.site, split)
+        # the window is one step longer than the episode, so the env does not start a new window at the episode's end
+        self.starts = self.starts[(self.starts >= 7 * 24) & (self.starts + self.steps + 1 <= self.site.split(split).num_steps)]
+        if len(self.starts) == 0:
+            raise ValueError(f"split '{split}' has no whole week after its first to draw episodes from")
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (len(OBS_NAMES),), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self._state: _Day | None = None
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Start a week at a random local midnight of the split (``options={"start_step": s}`` pins it)."""
+        super().reset(seed=seed)
+        start = int(options["start_step"]) if options and "start_step" in options else int(self.np_random.choice(self.starts))
+        env = EVHubVectorEnv(1, site=self.site, split=self.split, action_mode="socket", episode_steps=self.steps + 1,
+                             dtype=torch.float64, bess_action="setpoint")  # fmt: skip
+        self._obs, _ = env.reset(seed=0, options={"start_steps": [start]})
+        self._state = _Day(self.site, self.split, self.base, env)
+        self._days = 0
+        return self._state.observe(self._obs), {}
+
+    def step(self, action):
+        s = self._state
+        self._obs, co2, unserved = s.run_day(day_params(self.base, action), self._obs, s.day)
+        self._days += 1
+        reward = -(co2 + UNSERVED_COST * unserved) / REWARD_SCALE_KG
+        truncated = self._days >= EPISODE_DAYS
+        return s.observe(self._obs), float(reward), False, truncated, {"co2_kg": co2, "unserved_kwh": unserved}
+
+
+if ENV_ID not in gym.registry:
+    gym.register(id=ENV_ID, entry_point="pipeline.control.rl_planner:PlannerEnv")
+
+
+class DailyPolicyPlanner:
+    """A policy ``(obs, env) -> socket action`` over a whole split: at each local midnight (and at the split's first
+    step) the trained day-level policy sets the planner's parameters from the day-level observation."""
+
+    def __init__(self, site: Site, split: str, policy, base: PlannerParams):
+        self.site, self.split, self.policy, self.base = site, split, policy, base
+        self.midnights = set(_midnights(site, split).tolist()) | {0}
+        self.day_state: _Day | None = None
+        self.params: list[tuple[int, PlannerParams]] = []
+
+    @property
+    def mpc(self):
+        return self.day_state.mpc if self.day_state else None
+
+    def __call__(self, obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
+        if self.day_state is None:
+            self.day_state = _Day(self.site, self.split, self.base, env)
+        t = int(env.t[0])
+        if t in self.midnights:
+            x = torch.as_tensor(self.day_state.observe(obs))[None]
+            with torch.no_grad():
+                a = self.policy(x, env)[0].numpy()
+            p = day_params(self.base, a)
+            m = self.day_state.mpc
+            m.expected_demand_weight, m.terminal_value = p.expected_demand_weight, p.terminal_value
+            self.params.append((t, p))
+        return self.day_state.mpc(obs, env)
+
+
+def ppo_args(days: int) -> tuple[str, ...]:
+    """``algos/ppo.py``'s flags for ``mpc_rl`` (besides seed, output folder and ``--total-timesteps days``): two async
+    workers (each day is 24 LP solves), rollouts of one week per worker, a small net, gamma 0.9 (a day's parameters
+    matter mostly that day and the next)."""
+    steps = EPISODE_DAYS
+    return ("--env-id", f"pipeline.control.rl_planner:{ENV_ID}", "--vector-mode", "async", "--num-envs", "2",
+            "--num-steps", str(steps), "--num-minibatches", "1", "--update-epochs", "8", "--hidden-size", "32",
+            "--gamma", "0.9", "--learning-rate", "0.0003", "--num-threads", "1", "--checkpoint-every", "5",
+            "--eval-split", "none")  # fmt: skip
+
+
+def policy_file(run_dir: str | Path) -> Path:
+    """The exported day-level policy of an ``mpc_rl`` training run."""
+    return Path(run_dir) / "policy.pt2"
+
+
+def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_rl`` of ``seed`` over a whole split: ``(kpi_row, traces)``, from the policy trained into
+    ``<tuned_dir>/mpc_rl_seed<seed>/`` (its day-level CO2 tracked per day in the planner).
+
+    Raises:
+        FileNotFoundError: no trained policy there (the message says how to train one).
+    """
+    from envs.kpis import load_policy
+
+    path = policy_file(Path(tuned_dir) / f"mpc_rl_seed{seed}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no trained mpc_rl policy for seed {seed} (run `doit run tune` or the pipeline)")
+    policy = load_policy(path)
+    if site.config.episode.session_keep_min < 1.0:
+        site = Site(site.config.replace(episode={"session_keep_min": 1.0}), site.hourly, site.sessions, dict(site.source))
+    p = DailyPolicyPlanner(site, split, policy, PlannerParams.of_site(site))
+    kpis, traces = evaluate_policy(p, site, split, "mpc_rl", action_mode="socket", bess_action="setpoint",
+                                   train_wall_s=0.0, seed=float(seed))  # fmt: skip
+    weights = np.array([q.expected_demand_weight for _, q in p.params])
+    print(f"mpc_rl seed {seed} {split}: daily weight mean {weights.mean():.2f} (min {weights.min():.2f}, max "
+          f"{weights.max():.2f}); CO2 {traces.co2_kg.sum():.1f} kg, unserved {traces.unserved_kwh.sum():.3f} kWh",
+          flush=True)  # fmt: skip
+    return kpis, traces
