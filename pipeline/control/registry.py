@@ -46,6 +46,17 @@ def _mpc_enabled(cfg: SiteConfig) -> bool:
     return cfg.mpc.enabled
 
 
+LEARNED_MIN_TRAIN_DAYS = 15
+"""The learned planners need this many days in the train split: a week that warms the forecasts up, then a whole
+week to tune on and to draw ``mpc_rl``'s week-long episodes from (and the hour that ends the last). A site with a
+shorter train split runs without them."""
+
+
+def _learned_enabled(cfg: SiteConfig) -> bool:
+    start, end = cfg.split_bounds("train")
+    return cfg.mpc.enabled and (end - start) >= pd.Timedelta(days=LEARNED_MIN_TRAIN_DAYS)
+
+
 @dataclass(frozen=True)
 class Controller:
     """One row of :data:`CONTROLLERS`.
@@ -59,7 +70,8 @@ class Controller:
         runner: ``"module:function"`` that simulates it over a split (imported when run, so that the table can be
             read without loading HiGHS or torch); ``None`` for the agents (trained and evaluated by the study).
         runner_args: extra positional arguments of the runner after ``(site, split)``.
-        enabled: whether a site runs it (the MPC family can be switched off with ``[mpc] enabled = false``).
+        enabled: whether a site runs it (the MPC family can be switched off with ``[mpc] enabled = false``; the learned
+            planners also need :data:`LEARNED_MIN_TRAIN_DAYS` in the train split).
         retries: Dask retries of its task (every simulation is deterministic and safe to repeat).
         seeded: runs once per seed of the study (its result files carry the seed, the report averages them).
         tuned: reads the planner parameters tuned on the train split (``<experiment>/tuned/``,
@@ -126,13 +138,13 @@ CONTROLLERS: dict[str, Controller] = {
                    "pipeline.control.mpc:simulate", ("mpc",), _mpc_enabled),
         Controller("mpc_tuned", "learned planner", True, True,
                    "mpc, its parameters tuned by CMA-ES in closed loop on the train split's weeks",
-                   "pipeline.control.learned:simulate_tuned", (), _mpc_enabled, seeded=True, tuned=True),
+                   "pipeline.control.learned:simulate_tuned", (), _learned_enabled, seeded=True, tuned=True),
         Controller("mpc_adaptive", "learned planner", True, True,
                    "mpc_tuned, its demand weight re-chosen each week by replaying the split's last weeks",
-                   "pipeline.control.learned:simulate_adaptive", (), _mpc_enabled, seeded=True, tuned=True),
+                   "pipeline.control.learned:simulate_adaptive", (), _learned_enabled, seeded=True, tuned=True),
         Controller("mpc_rl", "learned planner", True, True,
                    "mpc, its demand weight and terminal value set each day by a PPO policy trained on the train split",
-                   "pipeline.control.rl_planner:simulate_rl", (), _mpc_enabled, seeded=True, tuned=True),
+                   "pipeline.control.rl_planner:simulate_rl", (), _learned_enabled, seeded=True, tuned=True),
         *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
                    "pipeline.control.mpc:simulate", ("mpc_perfect",), _mpc_enabled),

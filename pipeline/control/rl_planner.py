@@ -17,7 +17,8 @@ optimiser rather than replacing it; e.g. Arroyo et al., Applied Energy 2022), on
 - reward: ``-(CO2 kg + UNSERVED_COST * unserved kWh) / REWARD_SCALE_KG`` of the day;
 - observation (:data:`OBS_NAMES`, about ``[-1, 1]``): the day of week (sin, cos), the battery's SOC, the energy the
   plugged cars still need, the past week's mean daily arrivals, yesterday's arrivals against that mean, the
-  planner's mean MOER outlook for the day against the last week's mean MOER, and yesterday's CO2 per kWh charged.
+  planner's mean MOER outlook for the day against the last week's mean MOER, and yesterday's CO2 per kWh charged
+  (energies in units of the train split's mean daily arrivals, whichever split it acts on).
 
 The site is ``site`` or the environment variable ``EVHUB_SITE`` (as the study sets it), default ``caltech``;
 ``split`` the split its episodes are drawn from.
@@ -67,7 +68,8 @@ class _Day:
         self.day = max(1, int(round(24 / site.config.dt_h)))
         arrivals = self.data.arrival_need_kwh.sum(1).astype(np.float64)  # (T,) kWh arriving per step
         self._arrivals = arrivals
-        self._scale = max(float(np.mean(arrivals)) * self.day, 1.0)  # a typical day's arrivals, kWh (normaliser)
+        # the normaliser: a typical day's arrivals, kWh, of the train split (known before any split is acted on)
+        self._scale = max(float(site.split("train").arrival_need_kwh.sum(1).mean()) * self.day, 1.0)
         self.last_co2 = self.last_kwh = 0.0
 
     def observe(self, obs: torch.Tensor) -> np.ndarray:
@@ -75,7 +77,7 @@ class _Day:
         t = int(self.env.t[0])
         d, day = self.data, self.day
         local = d.time[min(t, d.num_steps - 1)].tz_convert(self.site.config.timezone)
-        dow = 2 * np.pi * local.dayofweek / 7.0
+        dow = 2 * np.pi * local.day_of_week / 7.0
         b = self.site.config.bess
         soc = float(self.env.energy_kwh[0]) / max(b.capacity_kwh, 1e-9)
         need = float(self.env.ev_need_kwh[0].sum()) / self._scale
@@ -83,7 +85,7 @@ class _Day:
         week = past.sum() / max(len(past) / day, 1.0) if len(past) else 0.0
         yesterday = self._arrivals[max(0, t - day) : t].sum()
         moer_week = float(np.mean(d.moer[max(0, t - 7 * day) : t])) if t > 0 else float(d.moer_fc[0, 0])
-        outlook = float(np.mean(self.mpc.moer_outlook(t, min(day, d.num_steps - t))))
+        outlook = float(np.mean(self.mpc.moer_outlook(t, min(day, self.mpc.H, d.num_steps - t))))
         co2_per_kwh = self.last_co2 / self.last_kwh if self.last_kwh > 1e-9 else moer_week
         return np.array([
             np.sin(dow), np.cos(dow), 2.0 * soc - 1.0, np.tanh(need), np.tanh(week / self._scale),

@@ -9,9 +9,9 @@ Here they are tuned where they act: in closed loop, through the env, on sampled 
 planner's forecasts warm up) and evaluates every candidate on the same weeks (common random numbers: CMA-ES only
 ranks the candidates of a generation), each (candidate, week) one Dask task. The result is the distribution's mean
 after the last generation (``xfavorite``), not the best candidate seen (which would favour an easy sample of
-weeks), if it costs less than the starting point over a fixed set of validation weeks of the train split (else the
-starting point: the parameters' effects are small beside the weeks' noise, so a short tuning can drift). Nothing
-here reads the test split.
+weeks): of the means after the last :data:`VALIDATED_MEANS` generations and the starting point, the one that costs
+least over a fixed set of validation weeks of the train split (the parameters' effects are small beside the weeks'
+noise, so a tuning can drift; it never ends worse on those weeks than it began). Nothing here reads the test split.
 
 Budgets (:data:`BUDGETS`): ``small`` runs inside ``doit run pipeline``, ``full`` is ``doit run tune``; the pipeline
 uses the largest budget whose result is cached for the same site, data and code (:func:`cached`).
@@ -59,12 +59,16 @@ contrast as a factor on the outlook's deviation from its mean; the bias as a sha
 demand is drawn from past days of the hour's own day type (weekday or weekend) as a yes/no (above 0.5: yes)."""
 
 
+VALIDATED_MEANS = 3
+"""CMA-ES's means after the last this many generations are validated beside the starting point."""
+
+
 @dataclass(frozen=True)
 class Budget:
     """How much closed-loop evaluation one tuning spends: ``generations`` x ``popsize`` candidates, each replayed
     on ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step in the ``[0, 1]`` box; ``validation_weeks``: the weeks,
-    spread evenly over the split, on which CMA-ES's final mean is compared with the starting point (the better one
-    is the result); ``rl_days``: the days (env steps) ``mpc_rl``'s PPO trains for (:mod:`pipeline.control.rl_planner`)."""
+    spread evenly over the split, on which CMA-ES's means after the last :data:`VALIDATED_MEANS` generations are
+    compared with the starting point (the cheapest one is the result); ``rl_days``: the days (env steps) ``mpc_rl``'s PPO trains for (:mod:`pipeline.control.rl_planner`)."""
 
     generations: int
     popsize: int
@@ -75,16 +79,16 @@ class Budget:
 
     @property
     def replays(self) -> int:
-        """Week replays the tuning runs."""
-        return self.generations * self.popsize * self.weeks + 2 * self.validation_weeks
+        """Week replays the tuning runs (at most: the validation replays each distinct mean once)."""
+        return self.generations * self.popsize * self.weeks + (1 + min(VALIDATED_MEANS, self.generations)) * self.validation_weeks
 
 
 BUDGETS = {
     "small": Budget(generations=4, popsize=6, weeks=3, rl_days=140, validation_weeks=6),
     "full": Budget(generations=10, popsize=8, weeks=4, rl_days=700, validation_weeks=16),
 }
-"""``small``: inside ``doit run pipeline`` (84 week replays and 140 days of PPO a seed); ``full``: ``doit run tune``
-(352 week replays and 700 days, about three times the train split's)."""
+"""``small``: inside ``doit run pipeline`` (at most 96 week replays and 140 days of PPO a seed); ``full``: ``doit run
+tune`` (at most 384 week replays and 700 days, about three times the train split's)."""
 
 
 def encode(params: PlannerParams, space: Sequence[Param] = SPACE, undecided: bool = False) -> np.ndarray:
@@ -128,13 +132,13 @@ class TuningResult:
     """One tuning: the chosen parameters, the seed and budget, and every candidate evaluated.
 
     Attributes:
-        params: the chosen :class:`PlannerParams`: CMA-ES's mean after the last generation, or the starting point
-            where that mean does not cost less on the validation weeks.
+        params: the chosen :class:`PlannerParams`: of CMA-ES's means after the last generations and the starting
+            point, the one that costs least on the validation weeks.
         start: the parameters it started from (the site's ``[mpc]`` values).
         seed: CMA-ES's seed. budget: the :data:`BUDGETS` name (``"custom"`` for another :class:`Budget`).
         budget_spec: the :class:`Budget` itself.
         history: one row per (generation, candidate): ``generation``, ``candidate`` (its index in the generation, str;
-            ``start`` and ``final mean`` in the validation rows after the last generation), the parameters, ``cost_kg``
+            ``start`` and ``mean after generation g`` in the validation rows after the last one), the parameters, ``cost_kg``
             (CO2 plus the unserved penalty summed over the weeks), ``weeks`` (their indices in the split, str).
         wall_s: seconds of the whole tuning; solves, solve_s: LP solves of its replays and their seconds.
     """
@@ -223,7 +227,8 @@ def tune(
     for seed in seeds:
         es = cma.CMAEvolutionStrategy(x0, b.sigma0, {"seed": int(seed), "popsize": b.popsize, "bounds": [0.0, 1.0],
                                                      "verbose": -9, "maxiter": b.generations})  # fmt: skip
-        runs.append({"seed": seed, "es": es, "rng": np.random.default_rng(int(seed)), "rows": [], "solves": 0, "solve_s": 0.0})
+        runs.append({"seed": seed, "es": es, "rng": np.random.default_rng(int(seed)), "rows": [], "solves": 0, "solve_s": 0.0,
+                     "means": []})
     for g in range(b.generations):
         batch, layout = [], []
         for r in runs:
@@ -245,27 +250,30 @@ def tune(
                                   "weeks": ",".join(str(i + 1) for i in picked)})  # fmt: skip
             r["es"].tell(X, costs)
             best = decode(r["es"].result.xfavorite, start, space)
+            r["means"].append(best)
             progress(f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
                      f"median {float(np.median(costs)):.1f} kg over {n} weeks; mean now {_short(best)}")  # fmt: skip
-    # the final mean against the starting point on the same validation weeks: the tuning never ends worse than it began
+    # the means of the last generations against the starting point on the same validation weeks: the tuning never
+    # ends worse than it began, and a last generation that drifted does not decide alone
     step = max(1, len(pool) // max(1, b.validation_weeks))
     valid = pool[::step][: b.validation_weeks]
-    finals = [decode(r["es"].result.xfavorite, start, space) for r in runs]
-    batch = [(c, s, n) for f in finals for c in (start, f) for s, n in valid]
-    results = evaluate(batch) if valid else []
     out = []
-    for i, (r, final) in enumerate(zip(runs, finals)):
-        res = results[2 * i * len(valid) : 2 * (i + 1) * len(valid)]
-        cost_start, cost_final = sum(x.cost for x in res[: len(valid)]), sum(x.cost for x in res[len(valid) :])
+    for r in runs:
+        cands = [("start", start)]
+        for g, m in enumerate(r["means"][-VALIDATED_MEANS:], start=b.generations - len(r["means"][-VALIDATED_MEANS:]) + 1):
+            if all(m != c for _, c in cands):
+                cands.append((f"mean after generation {g}", m))
+        res = evaluate([(c, s, n) for _, c in cands for s, n in valid]) if valid else []
+        costs = [sum(x.cost for x in res[k * len(valid) : (k + 1) * len(valid)]) for k in range(len(cands))]
         r["solves"] += sum(x.solves for x in res)
         r["solve_s"] += sum(x.solve_s for x in res)
-        chosen = final if cost_final < cost_start else start
-        for label, params, cost in (("start", start, cost_start), ("final mean", final, cost_final)):
+        best = int(np.argmin(costs))  # ties: the start
+        for (label, params), cost in zip(cands, costs):
             r["rows"].append({"generation": b.generations, "candidate": label, **params.as_dict(), "cost_kg": cost,
                               "weeks": ",".join(str(pool.index(w) + 1) for w in valid)})  # fmt: skip
-        progress(f"tune seed {r['seed']} validation over {len(valid)} weeks: start {cost_start:.1f} kg, final mean "
-                 f"{cost_final:.1f} kg; keeps the {'final mean' if chosen is final else 'start'}")  # fmt: skip
-        out.append(TuningResult(chosen, start, int(r["seed"]), name, b, pd.DataFrame(r["rows"]),
+        progress(f"tune seed {r['seed']} validation over {len(valid)} weeks: "
+                 + ", ".join(f"{label} {c:.1f} kg" for (label, _), c in zip(cands, costs)) + f"; keeps the {cands[best][0]}")
+        out.append(TuningResult(cands[best][1], start, int(r["seed"]), name, b, pd.DataFrame(r["rows"]),
                                 time.perf_counter() - t0, r["solves"], r["solve_s"]))  # fmt: skip
     return out
 
