@@ -47,8 +47,8 @@ from pathlib import Path
 from doit.exceptions import InvalidDodoFile
 
 from envs.errors import ExpectedError, one_message
-from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study import depends
+from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study.failures import doit_action, quiet_worker_failures
 from pipeline.study.graph import outputs, run
 from pipeline.study.runstate import current_doit_command, doit_config
@@ -152,8 +152,7 @@ def task_validate():
 
 
 def task_baselines():
-    """Simulate uncontrolled and rule-based control, model predictive control (mpc, mpc_perfect) and solve the
-    perfect-foresight oracle on each split."""
+    """Simulate uncontrolled, rule_based, mpc and mpc_perfect, and solve the oracle LP, on each split."""
     return {
         "actions": [_stage("baselines")],
         "file_dep": _targets("validate") + _site_files() + CONTROLLER_CODE,
@@ -177,7 +176,9 @@ TUNE_CFG = replace(CFG, tune_budget=_tune_budget())
 
 
 def task_tune():
-    """Tune the planner's parameters by CMA-ES in closed loop on the train split, once per seed (pipeline.control.tuning).
+    """Tune the planner's parameters by CMA-ES in closed loop on the train split, once per seed.
+
+    Its code is pipeline.control.tuning.
 
     Inside ``doit run pipeline`` with the ``small`` budget; ``doit run tune`` runs the ``full`` one (``tune_budget=``
     chooses). A tuning is cached in ``<experiment>/tuned/`` for the site, its data and the control code it was made
@@ -203,7 +204,7 @@ def task_tune():
 
 
 def task_planners():
-    """Run the learned planners (mpc_tuned, mpc_adaptive) on both splits, once per seed, from the tuning."""
+    """Run the learned planners (mpc_tuned, mpc_adaptive, mpc_rl) on both splits, once per seed, from the tuning."""
     return {
         "actions": [_stage("planners")],
         "file_dep": _targets("tune") + _targets("validate") + _site_files() + CONTROLLER_CODE,
@@ -242,7 +243,9 @@ def task_report():
     """Write the CO2 comparison report: report.md, co2_comparison.parquet and figures."""
     return {
         "actions": [_stage("report")],
-        "file_dep": _targets("baselines") + _targets("planners") + _targets("evaluate")
+        "file_dep": _targets("baselines")
+        + _targets("planners")
+        + _targets("evaluate")
         + depends.as_strings(depends.files(*depends.REPORT)),
         "targets": _targets("report"),
         "uptodate": [_sizing_results_changed()],  # the report shows a sizing study's headline once one has run
@@ -260,7 +263,7 @@ def _sizing_results_changed():
 
 
 def task_pipeline():
-    """The whole study: ingest -> validate -> baselines, tune -> planners, train -> evaluate -> report (the default task)."""
+    """The whole study (the default task): ingest, validate, baselines, tune, planners, train, evaluate, report."""
     return {
         "actions": [lambda: print(f"report: {Path(_targets('report')[0])}")],
         "task_dep": ["report"],
@@ -270,7 +273,7 @@ def task_pipeline():
 
 
 def task_sizing():
-    """Size PV and battery: controllers on both splits over a PV kWp x BESS kWh grid, cost per t CO2 avoided (not in pipeline).
+    """Size PV and battery (not in pipeline): controllers on a PV kWp x BESS kWh grid, cost per t CO2 avoided.
 
     ``doit run sizing`` runs ``uncontrolled``, ``rule_based``, ``mpc`` and the ``oracle`` on both splits at every
     point of the grid, one Dask task per point (``pipeline.study.sizing``), and writes ``<experiment>/sizing/``:
@@ -300,7 +303,8 @@ def task_sizing():
 
     return {
         "actions": [doit_action(action)],
-        "file_dep": _site_files() + CONTROLLER_CODE
+        "file_dep": _site_files()
+        + CONTROLLER_CODE
         + depends.as_strings(depends.files("pipeline/study/sizing.py", "pipeline/study/document.py")),
         "targets": targets,
         "uptodate": [config_changed(spec.as_dict())],
@@ -310,8 +314,10 @@ def task_sizing():
 
 
 def task_bench():
-    """Speed benchmarks side by side: envs (EVHub, Snake) vs gymnasium/SB3 vector envs, sync vs async on an
-    I/O-bound env, PPO/SAC vs SB3, speed switches (GPU)."""
+    """Speed benchmarks side by side: our envs and agents against gymnasium/SB3, sync vs async, speed switches.
+
+    Envs (EVHub, Snake) vs gymnasium/SB3 vector envs, sync vs async on an I/O-bound env, PPO/SAC vs SB3, the speed
+    switches (GPU)."""
 
     def action():
         import os
@@ -337,15 +343,23 @@ def task_bench():
             vector_io.run()
             training.run(device="cpu")
         if gpu:
-            env_throughput.run(device="cuda", num_envs=(1, 256, 4096, 65536), impls=(*ours, "ours_cudagraph"),
-                               out_name="env_throughput_graphs_cuda")
+            env_throughput.run(
+                device="cuda",
+                num_envs=(1, 256, 4096, 65536),
+                impls=(*ours, "ours_cudagraph"),
+                out_name="env_throughput_graphs_cuda",
+            )
             env_throughput.run(device="cuda")
             env_throughput.run(device="cuda", env_id="Snake-v0")
             switches.run(device="cuda")
             training.run(device="cuda")
             for n in (4096, 65536):
-                profile.run(("env_eager", "env_compile", "env_cudagraph"), device="cuda", num_envs=n,
-                            name=f"profile_env_cuda_{n}")
+                profile.run(
+                    ("env_eager", "env_compile", "env_cudagraph"),
+                    device="cuda",
+                    num_envs=n,
+                    name=f"profile_env_cuda_{n}",
+                )
             profile.run(("ppo", "sac"), device="cuda", num_envs=16384)
         report.write()
 

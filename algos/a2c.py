@@ -189,17 +189,20 @@ def check_spaces(env_id: str, observation_space: gym.Space, action_space: gym.Sp
         raise ValueError(
             f"A2C supports Box actions (Gaussian policy) and Discrete actions (Categorical policy), but {env_id} has "
             f"action space {action_space}; wrap the env to expose a Box or a Discrete action space (e.g. flatten a "
-            f"MultiDiscrete space into one Discrete space)")  # fmt: skip
+            f"MultiDiscrete space into one Discrete space)"
+        )
     if not isinstance(observation_space, gym.spaces.Box):
         raise ValueError(
             f"A2C supports flat Box observations and images (C, H, W) only, but {env_id} has observation space "
-            f"{observation_space}; flatten it with a wrapper (e.g. gymnasium.wrappers.FlattenObservation)")
+            f"{observation_space}; flatten it with a wrapper (e.g. gymnasium.wrappers.FlattenObservation)"
+        )
     if len(observation_space.shape) > 3:
         raise ValueError(
             f"A2C takes flat observations (MLPs) or images (C, H, W) (CNN torso), but {env_id} has observations of "
             f"{len(observation_space.shape)} dims {observation_space}; stack extra axes into the channels, e.g. "
             f"(T, C, H, W) frames as (T * C, H, W) (gymnasium.wrappers.ReshapeObservation), or flatten them "
-            f"(gymnasium.wrappers.FlattenObservation)")  # fmt: skip
+            f"(gymnasium.wrappers.FlattenObservation)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- agent
@@ -209,10 +212,12 @@ def mlp(obs_dim: int, inputs: list[int] | None, hidden: int, n_out: int, out_std
     n_in = obs_dim if inputs is None else len(inputs)
     return nn.Sequential(
         harness.select(inputs, obs_dim),
-        harness.layer_init(nn.Linear(n_in, hidden)), nn.Tanh(),
-        harness.layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+        harness.layer_init(nn.Linear(n_in, hidden)),
+        nn.Tanh(),
+        harness.layer_init(nn.Linear(hidden, hidden)),
+        nn.Tanh(),
         harness.layer_init(nn.Linear(hidden, n_out), std=out_std),
-    )  # fmt: skip
+    )
 
 
 class Agent(nn.Module):
@@ -231,9 +236,18 @@ class Agent(nn.Module):
         ValueError: ``obs_shape`` has neither 1 nor 3 dims.
     """
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden: int, init_logstd: float = 0.0, norm_obs: bool = True,
-                 inputs: list[int] | None = None, discrete: bool = False, obs_shape: tuple[int, ...] | None = None,
-                 cnn_channels: tuple[int, int] = (32, 64)):  # fmt: skip
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int,
+        hidden: int,
+        init_logstd: float = 0.0,
+        norm_obs: bool = True,
+        inputs: list[int] | None = None,
+        discrete: bool = False,
+        obs_shape: tuple[int, ...] | None = None,
+        cnn_channels: tuple[int, int] = (32, 64),
+    ):
         super().__init__()
         if obs_shape is not None and len(obs_shape) not in (1, 3):
             raise ValueError(f"Agent takes flat (obs_dim,) or image (C, H, W) observations, got shape {obs_shape}")
@@ -290,8 +304,9 @@ class GreedyActor(nn.Module):
         return out.argmax(-1) if self.discrete else out.clamp(-1.0, 1.0)
 
 
-def make_optimizer(params, name: str, lr: torch.Tensor | float, alpha: float = 0.99, eps: float = 1e-5,
-                   capturable: bool = False) -> torch.optim.Optimizer:  # fmt: skip
+def make_optimizer(
+    params, name: str, lr: torch.Tensor | float, alpha: float = 0.99, eps: float = 1e-5, capturable: bool = False
+) -> torch.optim.Optimizer:
     """``"rmsprop"`` (PyTorch RMSprop with ``alpha``, ``eps``, as SB3/CleanRL A2C) or ``"adam"``; ``lr`` may be a device
     tensor annealed in place (:func:`harness.device_lr`), ``capturable`` keeps the state on the device (CUDA graphs).
 
@@ -305,8 +320,14 @@ def make_optimizer(params, name: str, lr: torch.Tensor | float, alpha: float = 0
     raise ValueError(f"unknown optimizer {name!r}: expected 'rmsprop' or 'adam'")
 
 
-def make_storage(num_steps: int, num_envs: int, obs_dim: int | tuple[int, ...], act_dim: int, device: torch.device,
-                 discrete: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+def make_storage(
+    num_steps: int,
+    num_envs: int,
+    obs_dim: int | tuple[int, ...],
+    act_dim: int,
+    device: torch.device,
+    discrete: bool = False,
+) -> dict[str, torch.Tensor]:
     """Preallocated rollout storage on ``device``, ``(num_steps, num_envs, ...)``: ``obs`` float32 ``(.., *obs_dim)``
     (``obs_dim`` an int or a shape such as ``(C, H, W)``), ``actions`` float32 ``(.., act_dim)`` or, with ``discrete``,
     int64 ``(num_steps, num_envs)``, and float32 ``rewards``, ``values``, ``terminals`` (step ``t`` does not bootstrap
@@ -314,13 +335,26 @@ def make_storage(num_steps: int, num_envs: int, obs_dim: int | tuple[int, ...], 
     shape = (obs_dim,) if isinstance(obs_dim, int) else tuple(obs_dim)
     zeros = functools.partial(torch.zeros, num_steps, num_envs, device=device)
     actions = zeros(dtype=torch.int64) if discrete else zeros(act_dim)
-    return {"obs": zeros(*shape), "actions": actions, "rewards": zeros(), "values": zeros(), "terminals": zeros(),
-            "dones": zeros()}  # fmt: skip
+    return {
+        "obs": zeros(*shape),
+        "actions": actions,
+        "rewards": zeros(),
+        "values": zeros(),
+        "terminals": zeros(),
+        "dones": zeros(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- returns
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, next_value: torch.Tensor, terminals: torch.Tensor,
-                dones: torch.Tensor, gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_value: torch.Tensor,
+    terminals: torch.Tensor,
+    dones: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A2C's generalised advantage estimation over a rollout, flags per transition; ``gae_lambda=1``: n-step returns.
 
     Args:
@@ -382,8 +416,9 @@ def act_and_step(act, env, obs: torch.Tensor):
     return obs_n, action, value, next_obs, reward, terminated, truncated, info["final_obs"]
 
 
-def rollout(step, next_obs: torch.Tensor, *, storage: dict, gamma: float, bootstrap_truncation: bool,
-            value_fn=None) -> torch.Tensor:  # fmt: skip
+def rollout(
+    step, next_obs: torch.Tensor, *, storage: dict, gamma: float, bootstrap_truncation: bool, value_fn=None
+) -> torch.Tensor:
     """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``step`` (:func:`act_and_step`,
     bound); returns the raw observation after the last step. No host sync on torch-batched envs, so there
     ``--cudagraphs`` replays the whole rollout as one CUDA graph (:func:`harness.capture`).
@@ -408,10 +443,25 @@ def rollout(step, next_obs: torch.Tensor, *, storage: dict, gamma: float, bootst
     return next_obs
 
 
-def update(agent: Agent, optimizer: torch.optim.Optimizer, obs: torch.Tensor, actions: torch.Tensor,
-           rewards: torch.Tensor, values: torch.Tensor, terminals: torch.Tensor, dones: torch.Tensor,
-           next_obs: torch.Tensor, *, gamma: float, gae_lambda: float, vf_coef: float, ent_coef: float,
-           max_grad_norm: float, norm_adv: bool, amp: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+def update(
+    agent: Agent,
+    optimizer: torch.optim.Optimizer,
+    obs: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    terminals: torch.Tensor,
+    dones: torch.Tensor,
+    next_obs: torch.Tensor,
+    *,
+    gamma: float,
+    gae_lambda: float,
+    vf_coef: float,
+    ent_coef: float,
+    max_grad_norm: float,
+    norm_adv: bool,
+    amp: bool,
+) -> dict[str, torch.Tensor]:
     """One A2C update: the bootstrap value of raw ``next_obs`` ``(num_envs, *obs_shape)``, :func:`compute_gae` and one
     gradient step on the whole rollout (the tensors of :func:`make_storage`, observations normalised).
 
@@ -444,14 +494,17 @@ def update(agent: Agent, optimizer: torch.optim.Optimizer, obs: torch.Tensor, ac
     with torch.no_grad():
         out = torch.stack([v_loss, pg_loss, entropy, grad_norm]).detach()
         named = dict(zip(LOSS_NAMES, out))
-        return {**named, "explained_variance": harness.explained_variance(values.reshape(-1), b_returns),
-                "bad": ~torch.isfinite(out)}  # fmt: skip
+        return {
+            **named,
+            "explained_variance": harness.explained_variance(values.reshape(-1), b_returns),
+            "bad": ~torch.isfinite(out),
+        }
 
 
 # ---------------------------------------------------------------------------------------------- training
 def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
-    """Train to ``args.total_timesteps`` at ``sizes``, from the live ``state`` an out-of-memory restart hands over,
-    else from ``--resume``'s checkpoint or afresh; then :meth:`harness.Run.finish`. Returns its result with the sizes."""
+    """Train to ``args.total_timesteps`` at ``sizes``, from the live ``state`` an out-of-memory restart hands over, else
+    from ``--resume``'s checkpoint or afresh; then :meth:`harness.Run.finish`. Returns its result with the sizes."""
     args, device = run.args, run.device
     # TRY NOT TO MODIFY: env setup
     env = harness.make_env(args, sizes.num_envs, device, args.action_mode)
@@ -464,12 +517,26 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         storage = make_storage(args.num_steps, sizes.num_envs, obs_shape, act_dim, device, discrete)
 
         image, obs_dim = len(obs_shape) == 3, int(np.prod(obs_shape))
-        agent = Agent(obs_dim, act_dim, args.hidden_size, args.init_logstd, args.norm_obs,
-                      harness.network_inputs(env, args), discrete, obs_shape if image else None,
-                      args.cnn_channels).to(device)  # fmt: skip
+        agent = Agent(
+            obs_dim,
+            act_dim,
+            args.hidden_size,
+            args.init_logstd,
+            args.norm_obs,
+            harness.network_inputs(env, args),
+            discrete,
+            obs_shape if image else None,
+            args.cnn_channels,
+        ).to(device)
         lr = harness.device_lr(args.learning_rate, device)
-        optimizer = make_optimizer(agent.parameters(), args.optimizer, lr, args.rmsprop_alpha, args.optimizer_eps,
-                                   capturable=device.type == "cuda")  # fmt: skip
+        optimizer = make_optimizer(
+            agent.parameters(),
+            args.optimizer,
+            lr,
+            args.rmsprop_alpha,
+            args.optimizer_eps,
+            capturable=device.type == "cuda",
+        )
         # TRY NOT TO MODIFY: start the game (or take it up where the checkpoint or the out-of-memory restart left it)
         loaded = run.restore(state, {"agent": agent}, {"optimizer": optimizer}, env, {"optimizer": lr})
         if loaded is not None and loaded["env_restored"]:
@@ -481,9 +548,21 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         left = (args.total_timesteps - run.global_step) // sizes.batch_size
         num_iterations = run.iteration + max(int(run.global_step == 0), left)
         end_step = run.global_step + (num_iterations - run.iteration) * sizes.batch_size
-        (learn,) = harness.bind(args, learn=functools.partial(
-            update, agent, optimizer, gamma=args.gamma, gae_lambda=args.gae_lambda, vf_coef=args.vf_coef,
-            ent_coef=args.ent_coef, max_grad_norm=args.max_grad_norm, norm_adv=args.norm_adv, amp=args.amp))
+        (learn,) = harness.bind(
+            args,
+            learn=functools.partial(
+                update,
+                agent,
+                optimizer,
+                gamma=args.gamma,
+                gae_lambda=args.gae_lambda,
+                vf_coef=args.vf_coef,
+                ent_coef=args.ent_coef,
+                max_grad_norm=args.max_grad_norm,
+                norm_adv=args.norm_adv,
+                amp=args.amp,
+            ),
+        )
         act = functools.partial(policy_step, agent, amp=args.amp)
         if env.torch_batched:  # policy and env step compiled as one graph, the whole rollout replayed as one CUDA graph
             (step,) = harness.bind(args, graphs=False, step=functools.partial(act_and_step, act, env))
@@ -492,25 +571,48 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             step = functools.partial(act_and_step, act, env)
         # eager: only at gymnasium envs' truncations
         value_fn = functools.partial(state_value, agent, amp=args.amp) if env.has_final_obs else None
-        collect = functools.partial(rollout, step, storage=storage, gamma=args.gamma,
-                                    bootstrap_truncation=args.bootstrap_truncation, value_fn=value_fn)
+        collect = functools.partial(
+            rollout,
+            step,
+            storage=storage,
+            gamma=args.gamma,
+            bootstrap_truncation=args.bootstrap_truncation,
+            value_fn=value_fn,
+        )
         collect = harness.capture(args, collect) if env.torch_batched else collect
         actor, guard = GreedyActor(agent), run.new_guard()
         net = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]}" if image else "MLP"
-        run.announce(f"obs {obs_shape} ({net}), {sizes.num_envs} envs x {args.num_steps} steps, {num_iterations} "
-                     f"updates, {args.total_timesteps:,} steps", env, dataclasses.asdict(sizes))  # fmt: skip
+        run.announce(
+            f"obs {obs_shape} ({net}), {sizes.num_envs} envs x {args.num_steps} steps, {num_iterations} "
+            f"updates, {args.total_timesteps:,} steps",
+            env,
+            dataclasses.asdict(sizes),
+        )
 
         def checkpoint_state() -> dict:
-            return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "env": env.state_dict(),
-                    "next_obs": next_obs, **dataclasses.asdict(sizes), "sizes": dataclasses.asdict(sizes)}  # fmt: skip
+            return {
+                "agent": agent.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "env": env.state_dict(),
+                "next_obs": next_obs,
+                **dataclasses.asdict(sizes),
+                "sizes": dataclasses.asdict(sizes),
+            }
 
         for iteration in run.iterations(num_iterations):
             if args.anneal_lr:
                 lr.fill_((1.0 - run.global_step / end_step) * args.learning_rate)
             try:
                 next_obs = collect(next_obs)
-                out = learn(storage["obs"], storage["actions"], storage["rewards"], storage["values"],
-                            storage["terminals"], storage["dones"], next_obs)  # fmt: skip
+                out = learn(
+                    storage["obs"],
+                    storage["actions"],
+                    storage["rewards"],
+                    storage["values"],
+                    storage["terminals"],
+                    storage["dones"],
+                    next_obs,
+                )
             except RuntimeError as exc:  # TRY NOT TO MODIFY: CUDA out of memory: restart smaller from the live state
                 run.out_of_memory(exc, f"at global_step {run.global_step} (iteration {iteration})", checkpoint_state)
             run.global_step += sizes.batch_size

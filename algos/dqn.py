@@ -58,7 +58,10 @@ except ModuleNotFoundError:  # run as `python algos/dqn.py` from a checkout that
 from envs.evhub import discrete_action_table
 
 NonFiniteLossError, OutOfMemoryBackoffError, CheckpointError = (
-    harness.NonFiniteLossError, harness.OutOfMemoryBackoffError, harness.CheckpointError)  # fmt: skip
+    harness.NonFiniteLossError,
+    harness.OutOfMemoryBackoffError,
+    harness.CheckpointError,
+)
 
 PRESETS = {
     # 2 CPU cores: a few dozen envs, a small net, a replay ratio of 8 samples per env step
@@ -183,8 +186,15 @@ class QNetwork(nn.Module):
     :func:`harness.cnn_torso` (torch's default init) and ``Linear(hidden, n_actions)``.
     """
 
-    def __init__(self, obs_shape: tuple[int, ...], n_actions: int, hidden: int, norm_obs: bool = True,
-                 inputs: list[int] | None = None, cnn_channels: tuple[int, int] = (32, 64)):  # fmt: skip
+    def __init__(
+        self,
+        obs_shape: tuple[int, ...],
+        n_actions: int,
+        hidden: int,
+        norm_obs: bool = True,
+        inputs: list[int] | None = None,
+        cnn_channels: tuple[int, int] = (32, 64),
+    ):
         super().__init__()
         if len(obs_shape) == 3:
             self.obs_norm, self.select = nn.Identity(), nn.Identity()
@@ -236,8 +246,13 @@ def linear_schedule(start_e: float, end_e: float, duration: float, t: torch.Tens
     return eps.clamp(min(start_e, end_e), max(start_e, end_e))
 
 
-def td_target(rewards: torch.Tensor, dones: torch.Tensor, next_q_target: torch.Tensor,
-              next_q_online: torch.Tensor | None, gamma: float) -> torch.Tensor:  # fmt: skip
+def td_target(
+    rewards: torch.Tensor,
+    dones: torch.Tensor,
+    next_q_target: torch.Tensor,
+    next_q_online: torch.Tensor | None,
+    gamma: float,
+) -> torch.Tensor:
     """One-step TD target ``r + gamma * (1 - done) * Q_target(s', a*)``, float32 ``(B,)``.
 
     ``a* = argmax Q_online(s', .)`` (double DQN) when ``next_q_online`` is given, else ``argmax Q_target(s', .)``.
@@ -265,8 +280,9 @@ BUFFER_FIELDS = ("obs", "next_obs", "actions", "rewards", "dones")
 """The per-transition tensors of the replay buffer (:func:`make_replay_buffer`)."""
 
 
-def make_replay_buffer(size: int, obs_dim: int | tuple[int, ...], device: torch.device,
-                       obs_dtype: torch.dtype = torch.float32) -> dict:  # fmt: skip
+def make_replay_buffer(
+    size: int, obs_dim: int | tuple[int, ...], device: torch.device, obs_dtype: torch.dtype = torch.float32
+) -> dict:
     """Circular replay memory preallocated on ``device``.
 
     Tensors ``obs``, ``next_obs`` ``(size, *obs_shape)`` (``obs_dim``: an int or a shape), ``actions`` int64,
@@ -283,9 +299,12 @@ def make_replay_buffer(size: int, obs_dim: int | tuple[int, ...], device: torch.
         "actions": torch.zeros(size, device=device, dtype=torch.int64),
         "rewards": torch.zeros(size, device=device),
         "dones": torch.zeros(size, device=device),
-        "pos": 0, "count": 0, "count_t": torch.zeros((), device=device), "size": size,
+        "pos": 0,
+        "count": 0,
+        "count_t": torch.zeros((), device=device),
+        "size": size,
         "pos_t": torch.zeros(1, device=device, dtype=torch.int64),
-    }  # fmt: skip
+    }
 
 
 def buffer_add(rb: dict, obs, actions, rewards, next_obs, dones) -> None:
@@ -345,8 +364,10 @@ def load_buffer_state(rb: dict, state: dict) -> None:
     n, old_size, pos = int(state["count"]), int(state["size"]), int(state["pos"])
     for key in BUFFER_FIELDS:
         if state[key].shape[0] != n or state[key].shape[1:] != rb[key].shape[1:]:
-            raise ValueError(f"stored replay buffer field {key!r} has shape {tuple(state[key].shape)}, expected "
-                             f"({n}, {', '.join(map(str, rb[key].shape[1:]))}) for this buffer")  # fmt: skip
+            raise ValueError(
+                f"stored replay buffer field {key!r} has shape {tuple(state[key].shape)}, expected "
+                f"({n}, {', '.join(map(str, rb[key].shape[1:]))}) for this buffer"
+            )
     if old_size == rb["size"]:
         for key in BUFFER_FIELDS:
             rb[key][:n].copy_(state[key])
@@ -372,8 +393,17 @@ def act(qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Tensor, amp: bool = Fa
     return torch.where(explore, random_actions, greedy)
 
 
-def update(qnet: QNetwork, target: QNetwork, optimizer: optim.Optimizer, rb: dict, batch_size: int, gamma: float,
-           double_q: bool, max_grad_norm: float, amp: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+def update(
+    qnet: QNetwork,
+    target: QNetwork,
+    optimizer: optim.Optimizer,
+    rb: dict,
+    batch_size: int,
+    gamma: float,
+    double_q: bool,
+    max_grad_norm: float,
+    amp: bool = False,
+) -> dict[str, torch.Tensor]:
     """One gradient step of the Huber TD loss on a uniform replay sample.
 
     Returns device scalars ``td_loss``, ``q_values`` (mean Q of the taken actions), ``grad_norm`` (before clipping)
@@ -407,8 +437,9 @@ def choose_actions(act_fn, qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Ten
     return act_fn(obs, epsilon)
 
 
-def record_step(rb: dict, obs: torch.Tensor, action: torch.Tensor, result: tuple, bootstrap_truncation: bool,
-                reward_scale: float) -> torch.Tensor:  # fmt: skip
+def record_step(
+    rb: dict, obs: torch.Tensor, action: torch.Tensor, result: tuple, bootstrap_truncation: bool, reward_scale: float
+) -> torch.Tensor:
     """Store the transition of one env step (``result``: the env's ``(obs2, reward, terminated, truncated, info)``)
     and return ``obs2``. The stored next state is ``info["final_obs"]`` (the episode's last observation where the env
     gives one, else ``obs2``); the stored reward is scaled by ``reward_scale``. No host sync."""
@@ -418,8 +449,18 @@ def record_step(rb: dict, obs: torch.Tensor, action: torch.Tensor, result: tuple
     return obs2
 
 
-def act_step_store(act_fn, qnet: QNetwork, env, rb: dict, obs: torch.Tensor, epsilon: torch.Tensor, *,
-                   update_norm: bool, bootstrap_truncation: bool, reward_scale: float) -> torch.Tensor:  # fmt: skip
+def act_step_store(
+    act_fn,
+    qnet: QNetwork,
+    env,
+    rb: dict,
+    obs: torch.Tensor,
+    epsilon: torch.Tensor,
+    *,
+    update_norm: bool,
+    bootstrap_truncation: bool,
+    reward_scale: float,
+) -> torch.Tensor:
     """One epsilon-greedy step of every env of a torch-batched ``env``: :func:`choose_actions` (``act_fn``:
     :func:`act`, bound), the env step and :func:`buffer_write` of the transitions (the caller then calls
     :func:`buffer_advance`); returns the next observation. ``epsilon`` a device scalar, ``update_norm`` a host flag
@@ -432,8 +473,18 @@ def act_step_store(act_fn, qnet: QNetwork, env, rb: dict, obs: torch.Tensor, eps
     return obs2
 
 
-def rollout(env, act_fn, qnet: QNetwork, next_obs: torch.Tensor, rb: dict, epsilon: torch.Tensor, num_steps: int,
-            update_norm: bool, args: Args, step=None) -> tuple[torch.Tensor, tuple | None]:  # fmt: skip
+def rollout(
+    env,
+    act_fn,
+    qnet: QNetwork,
+    next_obs: torch.Tensor,
+    rb: dict,
+    epsilon: torch.Tensor,
+    num_steps: int,
+    update_norm: bool,
+    args: Args,
+    step=None,
+) -> tuple[torch.Tensor, tuple | None]:
     """Step every env ``num_steps`` times epsilon-greedily, storing the transitions; returns ``(last obs, pending)``.
 
     ``step`` (:func:`act_step_store` bound, for a torch-batched env; ``act_fn`` and ``update_norm`` are then unused)
@@ -484,18 +535,25 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
     env = harness.make_env(args, sizes.num_envs, device, action_mode="discrete")
     try:
         if not isinstance(env.single_action_space, gym.spaces.Discrete):
-            raise ValueError(f"DQN needs a Discrete action space; {args.env_id} has {env.single_action_space}. Use "
-                             "algos/ppo.py, algos/a2c.py or algos/sac.py for continuous (Box) actions.")
+            raise ValueError(
+                f"DQN needs a Discrete action space; {args.env_id} has {env.single_action_space}. Use "
+                "algos/ppo.py, algos/a2c.py or algos/sac.py for continuous (Box) actions."
+            )
         obs_shape, n_actions = tuple(env.obs_shape), int(env.single_action_space.n)
 
-        qnet = QNetwork(obs_shape, n_actions, args.hidden_size, args.norm_obs, harness.network_inputs(env, args),
-                        args.cnn_channels).to(device)  # fmt: skip
+        qnet = QNetwork(
+            obs_shape, n_actions, args.hidden_size, args.norm_obs, harness.network_inputs(env, args), args.cnn_channels
+        ).to(device)
         target = copy.deepcopy(qnet).requires_grad_(False)
         lr = harness.device_lr(args.learning_rate, device) if args.cudagraphs else args.learning_rate
         optimizer = optim.Adam(qnet.parameters(), lr=lr, capturable=args.cudagraphs)
         rb, sizes.buffer_size = harness.allocate_halving(
-            run, lambda size: make_replay_buffer(size, obs_shape, device), sizes.buffer_size,
-            max(sizes.num_envs, sizes.batch_size), "buffer_size")  # fmt: skip
+            run,
+            lambda size: make_replay_buffer(size, obs_shape, device),
+            sizes.buffer_size,
+            max(sizes.num_envs, sizes.batch_size),
+            "buffer_size",
+        )
 
         # TRY NOT TO MODIFY: start the game, or continue it
         next_obs, _ = env.reset(seed=args.seed)
@@ -512,8 +570,11 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
             else:  # refill the buffer for learning_starts steps first
                 learn_from = run.global_step + args.learning_starts
             if handed is None:
-                print(f"replay buffer {rb['count']:,} rows restored" if loaded.get("replay_buffer") is not None
-                      else "replay buffer not stored, refilling it")  # fmt: skip
+                print(
+                    f"replay buffer {rb['count']:,} rows restored"
+                    if loaded.get("replay_buffer") is not None
+                    else "replay buffer not stored, refilling it"
+                )
         norm_frozen = run.global_step >= args.learning_starts
         iteration_steps = sizes.num_envs * args.num_steps
         num_iterations = run.iteration + max(0, args.total_timesteps - run.global_step) // iteration_steps
@@ -521,15 +582,38 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
 
         act_fn = partial(act, qnet, amp=args.amp)
         (update_fn,) = harness.bind(
-            args, update=partial(update, qnet, target, optimizer, rb, sizes.batch_size, args.gamma, args.double_q,
-                                 args.max_grad_norm, args.amp))  # fmt: skip
+            args,
+            update=partial(
+                update,
+                qnet,
+                target,
+                optimizer,
+                rb,
+                sizes.batch_size,
+                args.gamma,
+                args.double_q,
+                args.max_grad_norm,
+                args.amp,
+            ),
+        )
         steps = None  # a torch-batched env: act, env step and buffer write as one graph, one per update_norm
         if env.torch_batched:
             steps = {}
             for update_norm in (True, False):  # compiled and captured at its first call
-                (fn,) = harness.bind(args, graphs=False, step=partial(
-                    act_step_store, act_fn, qnet, env, rb, update_norm=update_norm,
-                    bootstrap_truncation=args.bootstrap_truncation, reward_scale=args.reward_scale))
+                (fn,) = harness.bind(
+                    args,
+                    graphs=False,
+                    step=partial(
+                        act_step_store,
+                        act_fn,
+                        qnet,
+                        env,
+                        rb,
+                        update_norm=update_norm,
+                        bootstrap_truncation=args.bootstrap_truncation,
+                        reward_scale=args.reward_scale,
+                    ),
+                )
                 steps[update_norm] = harness.capture(args, fn)
         else:  # a host env steps between the device calls
             (act_fn,) = harness.bind(args, act=act_fn)
@@ -544,21 +628,43 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
             """What a checkpoint holds besides ``run.counters()``; the replay buffer with ``--save-buffer``, and
             always in the ``live`` state handed over after an out-of-memory error."""
             buffer = buffer_state(rb) if live or args.save_buffer else None
-            return {"qnet": qnet.state_dict(), "target": target.state_dict(), "optimizer": optimizer.state_dict(),
-                    "env": env.state_dict(), "num_envs": sizes.num_envs, "next_obs": next_obs, "learn_from": learn_from,
-                    "sizes": dataclasses.asdict(sizes), "replay_buffer": buffer}  # fmt: skip
+            return {
+                "qnet": qnet.state_dict(),
+                "target": target.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "env": env.state_dict(),
+                "num_envs": sizes.num_envs,
+                "next_obs": next_obs,
+                "learn_from": learn_from,
+                "sizes": dataclasses.asdict(sizes),
+                "replay_buffer": buffer,
+            }
 
         cnn = "CNN" if len(obs_shape) == 3 else "MLP"
         overlap = ", env steps overlapped with the gradient steps" if env.overlap else ""
-        run.announce(f"{n_actions} discrete actions, obs {obs_shape} ({cnn}), {sizes.num_envs} envs x "
-                     f"{args.num_steps} steps + {args.gradient_steps} gradient steps per iteration{overlap}, "
-                     f"{num_iterations} iterations, {args.total_timesteps:,} steps", env, dataclasses.asdict(sizes))
+        run.announce(
+            f"{n_actions} discrete actions, obs {obs_shape} ({cnn}), {sizes.num_envs} envs x "
+            f"{args.num_steps} steps + {args.gradient_steps} gradient steps per iteration{overlap}, "
+            f"{num_iterations} iterations, {args.total_timesteps:,} steps",
+            env,
+            dataclasses.asdict(sizes),
+        )
 
         for iteration in run.iterations(num_iterations):
             epsilon.copy_(linear_schedule(args.start_e, args.end_e, duration, step_t))
             try:
-                next_obs, pending = rollout(env, act_fn, qnet, next_obs, rb, epsilon, args.num_steps, not norm_frozen,
-                                            args, None if steps is None else steps[not norm_frozen])  # fmt: skip
+                next_obs, pending = rollout(
+                    env,
+                    act_fn,
+                    qnet,
+                    next_obs,
+                    rb,
+                    epsilon,
+                    args.num_steps,
+                    not norm_frozen,
+                    args,
+                    None if steps is None else steps[not norm_frozen],
+                )
             except RuntimeError as exc:  # TRY NOT TO MODIFY: out of memory: the iteration is repeated with fewer envs
                 run.iteration -= 1
                 where = f"at global_step {run.global_step} (iteration {iteration}), stepping the envs"

@@ -161,8 +161,8 @@ def check_args(args: Args) -> Sizes:
     """The run's :class:`Sizes`, after checking the arguments.
 
     Raises:
-        ValueError: a size below 1 or bad ``--cnn-channels``; more minibatches than rows; ``--cudagraphs`` with ``--target-kl`` (its early stop
-            reads the device) or with unequal minibatches.
+        ValueError: a size below 1 or bad ``--cnn-channels``; more minibatches than rows; ``--cudagraphs`` with
+            ``--target-kl`` (its early stop reads the device) or with unequal minibatches.
     """
     sizes = Sizes(args.num_envs, args.num_steps, args.num_minibatches)
     if len(args.cnn_channels) != 2 or min(args.cnn_channels) < 1:
@@ -172,11 +172,15 @@ def check_args(args: Args) -> Sizes:
     if sizes.minibatch_size < 1:
         raise ValueError(f"num_minibatches={args.num_minibatches} exceeds the batch size {sizes.batch_size}")
     if args.cudagraphs and args.target_kl is not None:
-        raise ValueError("--cudagraphs cannot be combined with --target-kl: its early stop reads approx_kl on the host "
-                         "after every epoch; drop one of the two")
+        raise ValueError(
+            "--cudagraphs cannot be combined with --target-kl: its early stop reads approx_kl on the host "
+            "after every epoch; drop one of the two"
+        )
     if args.cudagraphs and sizes.batch_size % args.num_minibatches:
-        raise ValueError(f"--cudagraphs needs equal minibatches: the batch size {sizes.batch_size} (num_envs * "
-                         f"num_steps) must be a multiple of num_minibatches={args.num_minibatches}")
+        raise ValueError(
+            f"--cudagraphs needs equal minibatches: the batch size {sizes.batch_size} (num_envs * "
+            f"num_steps) must be a multiple of num_minibatches={args.num_minibatches}"
+        )
     return sizes
 
 
@@ -191,22 +195,31 @@ def halve_num_envs(sizes: Sizes, in_update: bool, cudagraphs: bool = False) -> t
     if new.num_envs < 1 or new.batch_size < sizes.num_minibatches:
         raise ValueError(f"num_envs {sizes.num_envs} cannot be halved (num_minibatches={sizes.num_minibatches})")
     if cudagraphs and new.batch_size % sizes.num_minibatches:
-        raise ValueError(f"--cudagraphs needs equal minibatches and {new.num_envs} envs x {sizes.num_steps} steps do "
-                         f"not split into num_minibatches={sizes.num_minibatches}")
-    return new, f"num_envs {sizes.num_envs} -> {new.num_envs} (batch {sizes.batch_size} -> {new.batch_size}, " \
-                f"minibatch {sizes.minibatch_size} -> {new.minibatch_size})"
+        raise ValueError(
+            f"--cudagraphs needs equal minibatches and {new.num_envs} envs x {sizes.num_steps} steps do "
+            f"not split into num_minibatches={sizes.num_minibatches}"
+        )
+    return (
+        new,
+        f"num_envs {sizes.num_envs} -> {new.num_envs} (batch {sizes.batch_size} -> {new.batch_size}, "
+        f"minibatch {sizes.minibatch_size} -> {new.minibatch_size})",
+    )
 
 
 def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:
     """Raise ValueError unless PPO can drive these single-env spaces: a Box or Discrete action space, a Box
     observation space of at most 3 dimensions (flat ones go to the MLP, images ``(C, H, W)`` to the CNN torso)."""
     if not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise ValueError(f"PPO supports a Box (Gaussian policy) or a Discrete (Categorical policy) action space, but "
-                         f"{env_id} has {act_space}; algos/sac.py (Box) and algos/dqn.py (Discrete) take no other kind "
-                         f"either: wrap the env to expose a single Box or Discrete action space")
+        raise ValueError(
+            f"PPO supports a Box (Gaussian policy) or a Discrete (Categorical policy) action space, but "
+            f"{env_id} has {act_space}; algos/sac.py (Box) and algos/dqn.py (Discrete) take no other kind "
+            f"either: wrap the env to expose a single Box or Discrete action space"
+        )
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) > 3:
-        raise ValueError(f"PPO takes flat Box observations (an MLP) or images (C, H, W) (a CNN torso), but {env_id} "
-                         f"has {obs_space}; wrap the env to give (C, H, W) images or flat vectors")
+        raise ValueError(
+            f"PPO takes flat Box observations (an MLP) or images (C, H, W) (a CNN torso), but {env_id} "
+            f"has {obs_space}; wrap the env to give (C, H, W) images or flat vectors"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- agent
@@ -234,8 +247,14 @@ class Agent(nn.Module):
             n_in = obs_shape[0] if inputs is None else len(inputs)
 
             def mlp(n_out: int, std: float) -> nn.Sequential:
-                return nn.Sequential(harness.select(inputs, obs_shape[0]), init(nn.Linear(n_in, hidden)), nn.Tanh(),
-                                     init(nn.Linear(hidden, hidden)), nn.Tanh(), init(nn.Linear(hidden, n_out), std=std))
+                return nn.Sequential(
+                    harness.select(inputs, obs_shape[0]),
+                    init(nn.Linear(n_in, hidden)),
+                    nn.Tanh(),
+                    init(nn.Linear(hidden, hidden)),
+                    nn.Tanh(),
+                    init(nn.Linear(hidden, n_out), std=std),
+                )
 
             self.network = nn.Identity()
             self.critic = mlp(1, 1.0)
@@ -268,7 +287,9 @@ class Agent(nn.Module):
         if self.discrete:
             return Categorical(logits=head.float(), validate_args=False), value.float().squeeze(-1)
         mean = head.float()
-        return Normal(mean, torch.exp(self.actor_logstd.expand_as(mean)), validate_args=False), value.float().squeeze(-1)
+        return Normal(mean, torch.exp(self.actor_logstd.expand_as(mean)), validate_args=False), value.float().squeeze(
+            -1
+        )
 
 
 class DeterministicActor(nn.Module):
@@ -344,8 +365,9 @@ def bootstrap_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch
         return agent.get_value(agent.obs_norm(obs), amp)
 
 
-def estimate_advantages(agent: Agent, next_obs, next_done, rewards, values, dones, *, gamma: float, gae_lambda: float,
-                        amp: bool = False):
+def estimate_advantages(
+    agent: Agent, next_obs, next_done, rewards, values, dones, *, gamma: float, gae_lambda: float, amp: bool = False
+):
     """Bootstrap value of the raw ``next_obs``, then :func:`compute_gae`: ``(advantages, returns)``, float32
     ``(num_steps, num_envs)``; no host sync."""
     with torch.no_grad():
@@ -353,9 +375,24 @@ def estimate_advantages(agent: Agent, next_obs, next_done, rewards, values, done
         return compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda)
 
 
-def update_minibatch(agent: Agent, optimizer, obs, actions, logprobs, advantages, returns, values, *, clip_coef: float,
-                     norm_adv: bool, clip_vloss: bool, ent_coef: float, vf_coef: float, max_grad_norm: float,
-                     amp: bool = False) -> dict[str, torch.Tensor]:
+def update_minibatch(
+    agent: Agent,
+    optimizer,
+    obs,
+    actions,
+    logprobs,
+    advantages,
+    returns,
+    values,
+    *,
+    clip_coef: float,
+    norm_adv: bool,
+    clip_vloss: bool,
+    ent_coef: float,
+    vf_coef: float,
+    max_grad_norm: float,
+    amp: bool = False,
+) -> dict[str, torch.Tensor]:
     """PPO's clipped-surrogate loss and one gradient step on one minibatch of ``M`` rows; no host sync.
 
     ``obs`` normalised float32 ``(M, *obs_shape)``; ``actions`` float32 ``(M, act_dim)`` or int64 ``(M,)``; the rest
@@ -397,12 +434,30 @@ def update_minibatch(agent: Agent, optimizer, obs, actions, logprobs, advantages
     optimizer.step()
     with torch.no_grad():
         out = torch.stack([v_loss, pg_loss, entropy_loss, grad_norm]).detach()
-        return {"value_loss": out[0], "policy_loss": out[1], "entropy": out[2], "old_approx_kl": old_approx_kl,
-                "approx_kl": approx_kl, "clipfrac": clipfrac, "bad": ~torch.isfinite(out)}
+        return {
+            "value_loss": out[0],
+            "policy_loss": out[1],
+            "entropy": out[2],
+            "old_approx_kl": old_approx_kl,
+            "approx_kl": approx_kl,
+            "clipfrac": clipfrac,
+            "bad": ~torch.isfinite(out),
+        }
 
 
-def update(learn, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, *, update_epochs: int,
-           minibatch_size: int, target_kl: float | None = None) -> dict[str, torch.Tensor]:
+def update(
+    learn,
+    b_obs,
+    b_actions,
+    b_logprobs,
+    b_advantages,
+    b_returns,
+    b_values,
+    *,
+    update_epochs: int,
+    minibatch_size: int,
+    target_kl: float | None = None,
+) -> dict[str, torch.Tensor]:
     """``update_epochs`` epochs over the flattened batch of ``B`` rows, one ``learn`` step (:func:`update_minibatch`,
     bound, compiled or graphed) per minibatch of a device-side permutation (the last one shorter when the size does
     not divide ``B``). No host sync unless ``target_kl`` is set (one read per epoch).
@@ -502,30 +557,52 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         final_value = functools.partial(bootstrap_value, agent, amp=args.amp)
     gae = functools.partial(estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp)
     learn = functools.partial(
-        update_minibatch, agent, optimizer, clip_coef=args.clip_coef, norm_adv=args.norm_adv,
-        clip_vloss=args.clip_vloss, ent_coef=args.ent_coef, vf_coef=args.vf_coef, max_grad_norm=args.max_grad_norm,
+        update_minibatch,
+        agent,
+        optimizer,
+        clip_coef=args.clip_coef,
+        norm_adv=args.norm_adv,
+        clip_vloss=args.clip_vloss,
+        ent_coef=args.ent_coef,
+        vf_coef=args.vf_coef,
+        max_grad_norm=args.max_grad_norm,
         amp=args.amp,
-    )  # fmt: skip
+    )
     gae, learn = harness.bind(args, gae=gae, learn=learn)
     if env.torch_batched:  # policy and env step compiled as one graph, the whole rollout replayed as one CUDA graph
         (step,) = harness.bind(args, graphs=False, step=functools.partial(act_and_step, act, env))
     else:  # a host env steps between the device calls
         act, final_value = harness.bind(args, act=act, final_value=final_value)
         step = functools.partial(act_and_step, act, env)
-    collect = functools.partial(rollout, step, storage=storage, gamma=args.gamma,
-                                bootstrap_truncation=args.bootstrap_truncation, final_value=final_value)
+    collect = functools.partial(
+        rollout,
+        step,
+        storage=storage,
+        gamma=args.gamma,
+        bootstrap_truncation=args.bootstrap_truncation,
+        final_value=final_value,
+    )
     collect = harness.capture(args, collect) if env.torch_batched else collect
 
     def live_state() -> dict:
-        return {"agent": agent.state_dict(), "optimizer": optimizer.state_dict(), "env": env.state_dict(),
-                "num_envs": sizes.num_envs, "sizes": dataclasses.asdict(sizes), "next_obs": next_obs,
-                "next_done": next_done}
+        return {
+            "agent": agent.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "env": env.state_dict(),
+            "num_envs": sizes.num_envs,
+            "sizes": dataclasses.asdict(sizes),
+            "next_obs": next_obs,
+            "next_done": next_done,
+        }
 
     policy = DeterministicActor(agent)  # shares the agent's weights
     torso = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]} channels" if agent.image else "MLP"
-    run.announce(f"obs {obs_shape} ({torso}) {'Categorical' if discrete else 'Gaussian'} policy, {sizes.num_envs} envs "
-                 f"x {sizes.num_steps} steps, {num_iterations} iterations, {args.total_timesteps:,} steps", env,
-                 dataclasses.asdict(sizes))
+    run.announce(
+        f"obs {obs_shape} ({torso}) {'Categorical' if discrete else 'Gaussian'} policy, {sizes.num_envs} envs "
+        f"x {sizes.num_steps} steps, {num_iterations} iterations, {args.total_timesteps:,} steps",
+        env,
+        dataclasses.asdict(sizes),
+    )
     guard = run.new_guard()
     for iteration in run.iterations(num_iterations):
         if args.anneal_lr:
@@ -534,12 +611,17 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             next_obs, next_done = collect(next_obs, next_done)
             advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
             out = update(
-                learn, storage["obs"].reshape(-1, *obs_shape),
+                learn,
+                storage["obs"].reshape(-1, *obs_shape),
                 storage["actions"].reshape(-1) if discrete else storage["actions"].reshape(-1, act_dim),
-                storage["logprobs"].reshape(-1), advantages.reshape(-1), returns.reshape(-1),
-                storage["values"].reshape(-1), update_epochs=args.update_epochs,
-                minibatch_size=sizes.minibatch_size, target_kl=args.target_kl,
-            )  # fmt: skip
+                storage["logprobs"].reshape(-1),
+                advantages.reshape(-1),
+                returns.reshape(-1),
+                storage["values"].reshape(-1),
+                update_epochs=args.update_epochs,
+                minibatch_size=sizes.minibatch_size,
+                target_kl=args.target_kl,
+            )
         except RuntimeError as exc:
             run.out_of_memory(exc, f"at global_step {run.global_step} (iteration {iteration})", live_state)
         run.global_step += sizes.batch_size
@@ -547,8 +629,12 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
 
         # TRY NOT TO MODIFY: record losses and episode statistics for plotting
         if run.logging_now():
-            run.log(env, guard, {**{f"losses/{k}": v for k, v in out.items()}, "charts/learning_rate": lr},
-                    num_envs=sizes.num_envs)
+            run.log(
+                env,
+                guard,
+                {**{f"losses/{k}": v for k, v in out.items()}, "charts/learning_rate": lr},
+                num_envs=sizes.num_envs,
+            )
         run.eval_during_training(policy, args.action_mode)
         if run.every(args.checkpoint_every):
             run.check_finite(guard)
@@ -574,7 +660,8 @@ def main(args: Args) -> dict:
     run = harness.Run("ppo", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS, num_threads=args.num_threads)
     try:
         return harness.train_with_oom_restarts(
-            train, run, sizes, lambda s, in_update: halve_num_envs(s, in_update, args.cudagraphs))
+            train, run, sizes, lambda s, in_update: halve_num_envs(s, in_update, args.cudagraphs)
+        )
     finally:
         run.close()
 

@@ -168,26 +168,33 @@ def shrink(sizes: Sizes, in_update: bool, gradient_steps: int = 1) -> tuple[Size
     if n < 2:
         floor = f" and batch_size {b} would drop below {OOM_MIN_BATCH_SIZE}" if in_update else ""
         raise ValueError(f"num_envs {n} cannot be halved{floor}")
-    return (dataclasses.replace(sizes, num_envs=n // 2),
-            f"num_envs {n} -> {n // 2} (update-to-data ratio {g / n:.3g} -> {g / (n // 2):.3g})")
+    return (
+        dataclasses.replace(sizes, num_envs=n // 2),
+        f"num_envs {n} -> {n // 2} (update-to-data ratio {g / n:.3g} -> {g / (n // 2):.3g})",
+    )
 
 
 def check_action_space(env_id: str, space: gym.Space) -> None:
     """Raise ValueError (naming ``env_id`` and ``space``) unless it is a ``Box`` with finite bounds."""
     if not isinstance(space, gym.spaces.Box):
-        raise ValueError(f"SAC needs a continuous (Box) action space, but {env_id} has {space}; use algos/dqn.py for "
-                         f"discrete actions")
+        raise ValueError(
+            f"SAC needs a continuous (Box) action space, but {env_id} has {space}; use algos/dqn.py for "
+            f"discrete actions"
+        )
     if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
-        raise ValueError(f"SAC squashes its actions into the action bounds, but {env_id} has an unbounded action "
-                         f"space {space}")
+        raise ValueError(
+            f"SAC squashes its actions into the action bounds, but {env_id} has an unbounded action space {space}"
+        )
 
 
 def check_observation_space(env_id: str, space: gym.Space) -> None:
     """Raise ValueError (naming ``env_id`` and ``space``) unless it is a 1-D ``Box``: SAC's networks are MLPs."""
     if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
         kind = "image observations (3-D)" if isinstance(space, gym.spaces.Box) and len(space.shape) == 3 else "this"
-        raise ValueError(f"SAC's networks take flat observations (a 1-D Box), but {env_id} has {space}: {kind} is not "
-                         f"supported (algos/dqn.py has a CNN torso for image observations)")
+        raise ValueError(
+            f"SAC's networks take flat observations (a 1-D Box), but {env_id} has {space}: {kind} is not "
+            f"supported (algos/dqn.py has a CNN torso for image observations)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- replay buffer
@@ -281,8 +288,9 @@ class SoftQNetwork(nn.Module):
         super().__init__()
         self.select = harness.select(inputs, obs_dim)
         n_in = obs_dim if inputs is None else len(inputs)
-        self.net = nn.Sequential(nn.Linear(n_in + act_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(n_in + act_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+        )
 
     def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat([self.select(obs), act.to(obs.dtype)], -1)).squeeze(-1)
@@ -333,9 +341,23 @@ def sample_action(actor: Actor, obs: torch.Tensor, amp: bool = False) -> torch.T
         return actor.get_action(obs)[0]
 
 
-def update_critic(obs, actions, rewards, next_obs, dones, *, actor: Actor, qf1: SoftQNetwork, qf2: SoftQNetwork,
-                  qf1_target: SoftQNetwork, qf2_target: SoftQNetwork, log_alpha: torch.Tensor,
-                  q_optimizer: torch.optim.Optimizer, gamma: float, amp: bool = False) -> dict[str, torch.Tensor]:
+def update_critic(
+    obs,
+    actions,
+    rewards,
+    next_obs,
+    dones,
+    *,
+    actor: Actor,
+    qf1: SoftQNetwork,
+    qf2: SoftQNetwork,
+    qf1_target: SoftQNetwork,
+    qf2_target: SoftQNetwork,
+    log_alpha: torch.Tensor,
+    q_optimizer: torch.optim.Optimizer,
+    gamma: float,
+    amp: bool = False,
+) -> dict[str, torch.Tensor]:
     """One gradient step of both Q networks on the soft Bellman target of the target networks; no host sync.
 
     A batch of ``B`` rows: ``obs``, ``next_obs`` ``(B, obs_dim)``, ``actions`` ``(B, act_dim)``, ``rewards`` and
@@ -359,13 +381,28 @@ def update_critic(obs, actions, rewards, next_obs, dones, *, actor: Actor, qf1: 
     q_optimizer.zero_grad(set_to_none=True)
     torch.autograd.backward(qf_loss, inputs=[p for group in q_optimizer.param_groups for p in group["params"]])
     q_optimizer.step()
-    return {"qf1_values": q1.detach().mean(), "qf2_values": q2.detach().mean(), "qf1_loss": qf1_loss.detach(),
-            "qf2_loss": qf2_loss.detach(), "qf_loss": qf_loss.detach() / 2.0, "bad": ~torch.isfinite(qf_loss.detach())}
+    return {
+        "qf1_values": q1.detach().mean(),
+        "qf2_values": q2.detach().mean(),
+        "qf1_loss": qf1_loss.detach(),
+        "qf2_loss": qf2_loss.detach(),
+        "qf_loss": qf_loss.detach() / 2.0,
+        "bad": ~torch.isfinite(qf_loss.detach()),
+    }
 
 
-def update_actor(obs, *, actor: Actor, qf1: SoftQNetwork, qf2: SoftQNetwork, log_alpha: torch.Tensor,
-                 actor_optimizer: torch.optim.Optimizer, a_optimizer: torch.optim.Optimizer | None,
-                 target_entropy: float, amp: bool = False) -> dict[str, torch.Tensor]:
+def update_actor(
+    obs,
+    *,
+    actor: Actor,
+    qf1: SoftQNetwork,
+    qf2: SoftQNetwork,
+    log_alpha: torch.Tensor,
+    actor_optimizer: torch.optim.Optimizer,
+    a_optimizer: torch.optim.Optimizer | None,
+    target_entropy: float,
+    amp: bool = False,
+) -> dict[str, torch.Tensor]:
     """One gradient step of the actor (maximise ``min Q - alpha log pi``) on ``obs`` ``(B, obs_dim)`` and, with
     autotune (``a_optimizer``), of ``log_alpha``; no host sync. Returns device scalars ``actor_loss``, ``alpha``,
     ``alpha_loss`` and ``bad`` ``(2,)`` (which of the two losses is non-finite)."""
@@ -384,12 +421,17 @@ def update_actor(obs, *, actor: Actor, qf1: SoftQNetwork, qf2: SoftQNetwork, log
         a_optimizer.step()
     else:
         alpha_loss = torch.zeros((), device=obs.device)
-    return {"actor_loss": actor_loss.detach(), "alpha": log_alpha.detach().exp(), "alpha_loss": alpha_loss.detach(),
-            "bad": ~torch.isfinite(torch.stack([actor_loss.detach(), alpha_loss.detach()]))}
+    return {
+        "actor_loss": actor_loss.detach(),
+        "alpha": log_alpha.detach().exp(),
+        "alpha_loss": alpha_loss.detach(),
+        "bad": ~torch.isfinite(torch.stack([actor_loss.detach(), alpha_loss.detach()])),
+    }
 
 
-def act_step_store(policy, env, rb: ReplayBuffer, obs: torch.Tensor, *, reward_scale: float,
-                   bootstrap_truncation: bool) -> torch.Tensor:  # fmt: skip
+def act_step_store(
+    policy, env, rb: ReplayBuffer, obs: torch.Tensor, *, reward_scale: float, bootstrap_truncation: bool
+) -> torch.Tensor:
     """One iteration's env step on a torch-batched env: ``policy`` (:func:`sample_action`, bound) acts on ``obs``, the
     env steps, and the transitions go into ``rb`` (:meth:`ReplayBuffer.write`; the caller then calls
     :meth:`ReplayBuffer.advance`). Returns the next observation. Tensors only, every state updated in place, no host
@@ -442,8 +484,12 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         "a_optimizer": adam([log_alpha], lr=lrs["a_optimizer"]) if args.autotune else None,
     }
     rb, sizes.buffer_size = harness.allocate_halving(
-        run, lambda n: ReplayBuffer(n, obs_dim, act_dim, device), sizes.buffer_size,
-        max(sizes.num_envs, sizes.batch_size), "buffer_size")
+        run,
+        lambda n: ReplayBuffer(n, obs_dim, act_dim, device),
+        sizes.buffer_size,
+        max(sizes.num_envs, sizes.batch_size),
+        "buffer_size",
+    )
 
     # TRY NOT TO MODIFY: start the game, or resume it
     obs, _ = env.reset(seed=args.seed)
@@ -466,29 +512,65 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
 
     policy = functools.partial(sample_action, actor, amp=args.amp)
     critic_step = functools.partial(
-        update_critic, actor=actor, qf1=qf1, qf2=qf2, qf1_target=qf1_target, qf2_target=qf2_target,
-        log_alpha=log_alpha, q_optimizer=optimizers["q_optimizer"], gamma=args.gamma, amp=args.amp)
+        update_critic,
+        actor=actor,
+        qf1=qf1,
+        qf2=qf2,
+        qf1_target=qf1_target,
+        qf2_target=qf2_target,
+        log_alpha=log_alpha,
+        q_optimizer=optimizers["q_optimizer"],
+        gamma=args.gamma,
+        amp=args.amp,
+    )
     actor_step = functools.partial(
-        update_actor, actor=actor, qf1=qf1, qf2=qf2, log_alpha=log_alpha,
-        actor_optimizer=optimizers["actor_optimizer"], a_optimizer=optimizers["a_optimizer"],
-        target_entropy=-float(act_dim), amp=args.amp)
-    target_step = functools.partial(soft_update, [*qf1_target.parameters(), *qf2_target.parameters()],
-                                    [*qf1.parameters(), *qf2.parameters()], args.tau)
+        update_actor,
+        actor=actor,
+        qf1=qf1,
+        qf2=qf2,
+        log_alpha=log_alpha,
+        actor_optimizer=optimizers["actor_optimizer"],
+        a_optimizer=optimizers["a_optimizer"],
+        target_entropy=-float(act_dim),
+        amp=args.amp,
+    )
+    target_step = functools.partial(
+        soft_update,
+        [*qf1_target.parameters(), *qf2_target.parameters()],
+        [*qf1.parameters(), *qf2.parameters()],
+        args.tau,
+    )
     critic_step, actor_step, target_step = harness.bind(args, critic=critic_step, actor=actor_step, target=target_step)
     step = None  # a torch-batched env: act, env step and buffer write as one graph (from learning_starts on)
     if env.torch_batched:
-        (step,) = harness.bind(args, graphs=False, step=functools.partial(
-            act_step_store, policy, env, rb, reward_scale=args.reward_scale,
-            bootstrap_truncation=args.bootstrap_truncation))
+        (step,) = harness.bind(
+            args,
+            graphs=False,
+            step=functools.partial(
+                act_step_store,
+                policy,
+                env,
+                rb,
+                reward_scale=args.reward_scale,
+                bootstrap_truncation=args.bootstrap_truncation,
+            ),
+        )
         step = harness.capture(args, step)
     else:  # a host env steps between the device calls
         (policy,) = harness.bind(args, policy=policy)
 
     def live_state(buffer: bool = True) -> dict:
-        return {**{name: net.state_dict() for name, net in nets.items()}, "log_alpha": log_alpha.detach(),
-                **{name: None if o is None else o.state_dict() for name, o in optimizers.items()},
-                "n_updates": n_updates, "env": env.state_dict(), "num_envs": sizes.num_envs, "obs": obs,
-                "sizes": dataclasses.asdict(sizes), "replay_buffer": rb.state_dict() if buffer else None}
+        return {
+            **{name: net.state_dict() for name, net in nets.items()},
+            "log_alpha": log_alpha.detach(),
+            **{name: None if o is None else o.state_dict() for name, o in optimizers.items()},
+            "n_updates": n_updates,
+            "env": env.state_dict(),
+            "num_envs": sizes.num_envs,
+            "obs": obs,
+            "sizes": dataclasses.asdict(sizes),
+            "replay_buffer": rb.state_dict() if buffer else None,
+        }
 
     nan = torch.full((), math.nan, device=device)
     out_q = dict.fromkeys(("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss"), nan)
@@ -512,10 +594,13 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             run.flag(guard, bad)
 
     evaluator = DeterministicActor(actor)
-    run.announce(f"{sizes.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD "
-                 f"{args.gradient_steps / sizes.num_envs:.3g}), batch {sizes.batch_size}, buffer "
-                 f"{sizes.buffer_size:,}, {num_iterations} iterations, {args.total_timesteps:,} steps", env,
-                 dataclasses.asdict(sizes))
+    run.announce(
+        f"{sizes.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD "
+        f"{args.gradient_steps / sizes.num_envs:.3g}), batch {sizes.batch_size}, buffer "
+        f"{sizes.buffer_size:,}, {num_iterations} iterations, {args.total_timesteps:,} steps",
+        env,
+        dataclasses.asdict(sizes),
+    )
     guard = run.new_guard()
     for iteration in run.iterations(num_iterations):
         stepped = in_update = False
@@ -558,20 +643,34 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             where = f"at global_step {run.global_step} (iteration {iteration}), "
             where += "in the gradient steps" if in_update else "stepping the envs"
             done = iteration if stepped else iteration - 1  # an overlapped step in flight is dropped with its iteration
-            run.out_of_memory(exc, where, lambda: {**live_state(), "iteration": done}, in_update)
+            run.out_of_memory(exc, where, lambda done=done: {**live_state(), "iteration": done}, in_update)
 
         # TRY NOT TO MODIFY: record rewards and losses for plotting purposes
         if run.logging_now():
-            run.log(env, guard, {f"losses/{k}": v for k, v in {**out_q, **out_pi}.items() if k != "bad"},
-                    learning_rate=args.q_lr, policy_lr=args.policy_lr, gradient_steps=n_updates,
-                    num_envs=sizes.num_envs, batch_size=sizes.batch_size)
+            run.log(
+                env,
+                guard,
+                {f"losses/{k}": v for k, v in {**out_q, **out_pi}.items() if k != "bad"},
+                learning_rate=args.q_lr,
+                policy_lr=args.policy_lr,
+                gradient_steps=n_updates,
+                num_envs=sizes.num_envs,
+                batch_size=sizes.batch_size,
+            )
         run.eval_during_training(evaluator, args.action_mode)
         if run.every(args.checkpoint_every):
             run.check_finite(guard)
             run.save(live_state(args.save_buffer))
     run.check_finite(guard)
-    return run.finish(live_state(args.save_buffer), evaluator, env, args.action_mode, num_envs=sizes.num_envs,
-                      batch_size=sizes.batch_size, buffer_size=sizes.buffer_size)
+    return run.finish(
+        live_state(args.save_buffer),
+        evaluator,
+        env,
+        args.action_mode,
+        num_envs=sizes.num_envs,
+        batch_size=sizes.batch_size,
+        buffer_size=sizes.buffer_size,
+    )
 
 
 def main(args: Args) -> dict:
@@ -594,7 +693,8 @@ def main(args: Args) -> dict:
     run = harness.Run("sac", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS, num_threads=args.threads)
     try:
         return harness.train_with_oom_restarts(
-            train, run, sizes, functools.partial(shrink, gradient_steps=args.gradient_steps))
+            train, run, sizes, functools.partial(shrink, gradient_steps=args.gradient_steps)
+        )
     finally:
         run.close()
 

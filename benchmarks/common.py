@@ -158,11 +158,17 @@ def run_worker(module: str, args: list[str], timeout_s: float) -> dict:
         subprocess.TimeoutExpired: it ran longer than ``timeout_s`` seconds.
     """
     path = os.pathsep.join(filter(None, (str(PROJECT_ROOT), os.environ.get("PYTHONPATH"))))
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          timeout=timeout_s, env=os.environ | {"PYTHONPATH": path})
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=os.environ | {"PYTHONPATH": path},
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines() or [""]
         print("\n".join(tail[-15:]), flush=True)
         raise RuntimeError(f"exit code {proc.returncode}: {tail[-1]}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])

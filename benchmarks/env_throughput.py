@@ -67,7 +67,15 @@ from benchmarks.common import (
     synced,
 )
 
-ALL_IMPLS: tuple[str, ...] = ("ours", "ours_compile", "ours_cudagraph", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
+ALL_IMPLS: tuple[str, ...] = (
+    "ours",
+    "ours_compile",
+    "ours_cudagraph",
+    "gym_sync",
+    "gym_async",
+    "sb3_dummy",
+    "sb3_subproc",
+)
 """Every implementation this benchmark knows (see the module docstring)."""
 DEFAULT_IMPLS: tuple[str, ...] = ("ours", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc")
 """Implementations measured unless ``impls`` says otherwise (``ours_compile`` is opt-in: it compiles per N)."""
@@ -207,8 +215,11 @@ def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Ge
         return env, step, env.close
 
     one_thread = impl in SUBPROCESS_IMPLS
-    factory = (SingleEnvFactory(None, one_thread, env_id) if snake
-               else SingleEnvFactory(site, one_thread, env_id, split="train", bess_action="surplus"))
+    factory = (
+        SingleEnvFactory(None, one_thread, env_id)
+        if snake
+        else SingleEnvFactory(site, one_thread, env_id, split="train", bess_action="surplus")
+    )
     fns = [factory] * n
     if impl == "gym_sync":
         import gymnasium as gym
@@ -236,7 +247,11 @@ def _build(impl: str, n: int, site: Any, device: torch.device, rng: np.random.Ge
         else:
             env.seed(0)
             env.reset()
-        pool = list(rng.integers(0, 4, (ACTION_POOL, n)) if snake else rng.uniform(-1.0, 1.0, (ACTION_POOL, n, 2)).astype(np.float32))
+        pool = list(
+            rng.integers(0, 4, (ACTION_POOL, n))
+            if snake
+            else rng.uniform(-1.0, 1.0, (ACTION_POOL, n, 2)).astype(np.float32)
+        )
     except BaseException:
         env.close()
         raise
@@ -272,8 +287,9 @@ def _free_memory() -> None:
         pass
 
 
-def _skip_reason(impl: str, n: int, max_inprocess_envs: int, max_subprocess_envs: int, sb3: bool,
-                 device: torch.device | None = None) -> str | None:
+def _skip_reason(
+    impl: str, n: int, max_inprocess_envs: int, max_subprocess_envs: int, sb3: bool, device: torch.device | None = None
+) -> str | None:
     if impl == "ours_cudagraph" and (device is None or device.type != "cuda"):
         return "a CUDA graph needs a CUDA device"
     if impl in SB3_IMPLS and not sb3:
@@ -297,8 +313,9 @@ def markdown(df: pd.DataFrame) -> str:
     for r in df.itertuples(index=False):
         span = "" if not np.isfinite(r.steps_per_s_min) else f"{r.steps_per_s_min:,.0f}..{r.steps_per_s_max:,.0f}"
         lines.append(
-            f"| {r.impl} | {int(r.num_envs):,} | {fmt_num(r.steps_per_s, ',.0f')} | {span} | {fmt_num(r.speedup_vs, ',.1f')} | "
-            f"{fmt_num(r.peak_rss_mb, ',.0f')} | {fmt_num(r.cuda_peak_mb, ',.0f')} | {r.status} |"
+            f"| {r.impl} | {int(r.num_envs):,} | {fmt_num(r.steps_per_s, ',.0f')} | {span} | "
+            f"{fmt_num(r.speedup_vs, ',.1f')} | {fmt_num(r.peak_rss_mb, ',.0f')} | {fmt_num(r.cuda_peak_mb, ',.0f')} | "
+            f"{r.status} |"
         )
     return "\n".join(lines)
 
@@ -423,13 +440,11 @@ def run(
                 rows.append(row)
                 print(f"  {impl:<12} N={n:<6,} ERROR {type(e).__name__}: {e}", flush=True)
                 continue
-            row.update(
-                steps_per_s=median, steps_per_s_min=min(rates), steps_per_s_max=max(rates), repeats=len(rates)
-            )
+            row.update(steps_per_s=median, steps_per_s_min=min(rates), steps_per_s_max=max(rates), repeats=len(rates))
             rows.append(row)
             print(
-                f"  {impl:<12} N={n:<6,} {median:>14,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f}; "
-                f"build {t_build:.1f} s, total {time.perf_counter() - t0:.1f} s, peak RSS {row['peak_rss_mb']:,.0f} MiB)",
+                f"  {impl:<12} N={n:<6,} {median:>14,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f}; build "
+                f"{t_build:.1f} s, total {time.perf_counter() - t0:.1f} s, peak RSS {row['peak_rss_mb']:,.0f} MiB)",
                 flush=True,
             )
 
@@ -469,7 +484,9 @@ class Args:
     """numbers of parallel envs N (None: 1 16 256 4096 on cpu, plus 16384 on cuda)"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """device of the batched env ('auto': cuda when available); the baselines always run on the cpu"""
-    impls: tuple[Literal["ours", "ours_compile", "ours_cudagraph", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc"], ...] = DEFAULT_IMPLS  # type: ignore[assignment]
+    impls: tuple[
+        Literal["ours", "ours_compile", "ours_cudagraph", "gym_sync", "gym_async", "sb3_dummy", "sb3_subproc"], ...
+    ] = DEFAULT_IMPLS  # type: ignore[assignment]
     """implementations to measure ('ours' is needed for the speed-up column; 'ours_compile', the batched env's step
     under torch.compile, and 'ours_cudagraph', that step replayed from a CUDA graph (CUDA only), are opt-in)"""
     repeats: int = 5

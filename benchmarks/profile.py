@@ -43,10 +43,18 @@ def _summarise(prof, wall: float, steps: int, device: torch.device) -> dict:
     """Kernel time, launches and top operators of a finished profile."""
     events = prof.key_averages()
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    cuda_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events if e.device_type == torch.autograd.DeviceType.CUDA) \
-        if device.type == "cuda" else 0.0
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                                                        "cudaGraphLaunch", "cuLaunchKernelEx"))
+    cuda_us = (
+        sum(
+            getattr(e, "self_device_time_total", 0.0) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        if device.type == "cuda"
+        else 0.0
+    )
+    launches = sum(
+        e.count
+        for e in events
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch", "cuLaunchKernelEx")
+    )
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     top = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:5]
     return {
@@ -89,15 +97,27 @@ def profile_env(num_envs: int, device: torch.device, steps: int = 50, mode: str 
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
     ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::") or "Compiled" in e.key)
-    return {"target": f"env_{mode}", "num_envs": num_envs, "steps": steps, "ops_per_step": ops / steps,
-            **_summarise(prof, wall, steps, device)}
+    return {
+        "target": f"env_{mode}",
+        "num_envs": num_envs,
+        "steps": steps,
+        "ops_per_step": ops / steps,
+        **_summarise(prof, wall, steps, device),
+    }
 
 
 def profile_algo(algo: str, device: torch.device, iterations: int = 2, out_dir: Path = BENCH_DIR) -> dict:
     """Profile a short eager run of ``algos/<algo>.py`` with its device preset (``iterations`` iterations)."""
     module = importlib.import_module(f"algos.{algo}")
-    argv = ["--eval-split", "none", "--checkpoint-every", "0", "--output-dir", str(out_dir / "runs" / f"profile_{algo}"),
-            "--cuda" if device.type == "cuda" else "--no-cuda"]
+    argv = [
+        "--eval-split",
+        "none",
+        "--checkpoint-every",
+        "0",
+        "--output-dir",
+        str(out_dir / "runs" / f"profile_{algo}"),
+        "--cuda" if device.type == "cuda" else "--no-cuda",
+    ]
     args = harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv)
     sized = args  # the preset's values are the parsed defaults
     per_iteration = sized.num_envs * getattr(sized, "num_steps", 1)  # env steps per iteration
@@ -136,14 +156,18 @@ def run(
         elif t in ("ppo", "a2c", "sac", "dqn"):
             r = profile_algo(t, dev, out_dir=out)
         else:
-            raise ValueError(f"unknown profile target {t!r}: env (env_eager), env_compile, env_cudagraph, ppo, a2c, sac "
-                             f"or dqn")
+            raise ValueError(
+                f"unknown profile target {t!r}: env (env_eager), env_compile, env_cudagraph, ppo, a2c, sac or dqn"
+            )
         write_text(out / f"profile_{t}_{device}.txt", r.pop("table") + "\n")
         rows.append({"device": device, **r})
-        print(f"[profile {t} {device}] wall {r['wall_s']:.2f} s, kernels {r['cuda_kernel_s']:.2f} s, "
-              f"launches per step {r['launches_per_step']:.0f}"
-              + (f", host ops per step {r['ops_per_step']:.0f}" if "ops_per_step" in r else "")
-              + f"; top: {r['top_ops']}", flush=True)
+        print(
+            f"[profile {t} {device}] wall {r['wall_s']:.2f} s, kernels {r['cuda_kernel_s']:.2f} s, "
+            f"launches per step {r['launches_per_step']:.0f}"
+            + (f", host ops per step {r['ops_per_step']:.0f}" if "ops_per_step" in r else "")
+            + f"; top: {r['top_ops']}",
+            flush=True,
+        )
     df = pd.DataFrame(rows)
     df["machine"] = json.dumps(machine_info(dev))
     save_table(df, name or ("profile" if device == "cpu" else f"profile_{device}"), out)

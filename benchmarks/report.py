@@ -50,8 +50,12 @@ def targets(out: Path) -> pd.DataFrame:
         best = graphs[graphs.status == "ok"].groupby("num_envs")["steps_per_s"].max()
         for n, goal in ((65536, 1e8), (4096, 2e7)):
             v = float(best.get(n, math.nan))
-            add(f"GPU: env >= {goal:.0e} steps/s at {n:,} envs (best of eager, compiled, CUDA-graphed)", v, bool(v >= goal),
-                " steps/s")
+            add(
+                f"GPU: env >= {goal:.0e} steps/s at {n:,} envs (best of eager, compiled, CUDA-graphed)",
+                v,
+                bool(v >= goal),
+                " steps/s",
+            )
     prof_gpu = [_read(out, f"profile_env_cuda_{n}") for n in (4096, 65536)]
     for n, p in zip((4096, 65536), prof_gpu):
         if p is None:
@@ -70,7 +74,9 @@ def targets(out: Path) -> pd.DataFrame:
         for algo in ("sac", "dqn"):
             r = sw[(sw.algo == algo) & (sw.switches == "compile+cudagraphs") & (sw.status == "ok")]
             v = float(r.speedup_vs_eager.iloc[0]) if len(r) else None
-            add(f"GPU: {algo.upper()} --compile --cudagraphs >= 3x eager (steady SPS)", v, v is not None and v >= 3, "x")
+            add(
+                f"GPU: {algo.upper()} --compile --cudagraphs >= 3x eager (steady SPS)", v, v is not None and v >= 3, "x"
+            )
     return pd.DataFrame(rows, columns=["target", "measured", "met"])
 
 
@@ -81,7 +87,10 @@ def write(out_dir: str | Path | None = None) -> Path:
     t = targets(out)
     if len(t):
         parts += ["## Targets", "", "| target | measured | met |", "|---|---|---|"]
-        parts += [f"| {r.target} | {r.measured} | {'' if r.met is None else ('yes' if r.met else 'no')} |" for r in t.itertuples()]
+        parts += [
+            f"| {r.target} | {r.measured} | {'' if r.met is None else ('yes' if r.met else 'no')} |"
+            for r in t.itertuples()
+        ]
         parts.append("")
     sections = (
         ("Environment throughput", "env_throughput", env_throughput.markdown),
@@ -105,14 +114,21 @@ def write(out_dir: str | Path | None = None) -> Path:
     names = ("profile", "profile_cuda", "profile_env_cuda_4096", "profile_env_cuda_65536")
     prof = [p for p in (_read(out, n) for n in names) if p is not None]
     if prof:
-        parts += ["## Profiles", "", "| target | device | envs | wall s | CUDA kernels s | GPU busy % | launches per step | "
-                  "host ops per step | top ops |", "|---|---|---|---|---|---|---|---|---|"]
+        parts += [
+            "## Profiles",
+            "",
+            "| target | device | envs | wall s | CUDA kernels s | GPU busy % | launches per step | "
+            "host ops per step | top ops |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for p in prof:
             for r in p.itertuples():
                 busy = "" if not math.isfinite(r.gpu_busy_pct) else f"{r.gpu_busy_pct:.0f}"
                 ops = getattr(r, "ops_per_step", math.nan)
-                parts.append(f"| {r.target} | {r.device} | {r.num_envs} | {r.wall_s:.2f} | {r.cuda_kernel_s:.2f} | {busy} | "
-                             f"{r.launches_per_step:.0f} | {'' if not math.isfinite(ops) else f'{ops:.0f}'} | {r.top_ops} |")
+                parts.append(
+                    f"| {r.target} | {r.device} | {r.num_envs} | {r.wall_s:.2f} | {r.cuda_kernel_s:.2f} | {busy} | "
+                    f"{r.launches_per_step:.0f} | {'' if not math.isfinite(ops) else f'{ops:.0f}'} | {r.top_ops} |"
+                )
         parts.append("")
     path = write_text(out / "benchmarks.md", "\n".join(parts) + "\n")
     print(f"benchmark report: {path}")

@@ -15,7 +15,6 @@ skipped). Run: ``python -m benchmarks.switches --help``.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import math
@@ -30,7 +29,17 @@ import pandas as pd
 import torch
 
 from algos import harness
-from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, fmt_num, machine_info, peak_rss_mb, resolve_device, run_worker, save_table
+from benchmarks.common import (
+    BENCH_DIR,
+    RESULT_PREFIX,
+    cuda_peak_mb,
+    fmt_num,
+    machine_info,
+    peak_rss_mb,
+    resolve_device,
+    run_worker,
+    save_table,
+)
 
 ALGOS = ("ppo", "a2c", "dqn", "sac")
 SWITCHES: dict[str, tuple[str, ...]] = {
@@ -51,9 +60,20 @@ BUDGET_STEPS = {
 def run_one(algo: str, switches: str, device: str, steps: int, seed: int, out_dir: Path) -> dict:
     """Train ``algos/<algo>.py`` with ``switches`` in this process; returns its speed and memory (JSON-able)."""
     module = importlib.import_module(f"algos.{algo}")
-    argv = [*SWITCHES[switches], "--seed", str(seed), "--total-timesteps", str(steps), "--eval-split", "none",
-            "--checkpoint-every", "0", "--output-dir", str(out_dir / "runs" / f"switches_{algo}_{switches}_{device}"),
-            "--cuda" if device == "cuda" else "--no-cuda"]
+    argv = [
+        *SWITCHES[switches],
+        "--seed",
+        str(seed),
+        "--total-timesteps",
+        str(steps),
+        "--eval-split",
+        "none",
+        "--checkpoint-every",
+        "0",
+        "--output-dir",
+        str(out_dir / "runs" / f"switches_{algo}_{switches}_{device}"),
+        "--cuda" if device == "cuda" else "--no-cuda",
+    ]
     args = harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv)
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -116,8 +136,20 @@ def run(
             if "--cudagraphs" in SWITCHES[s] and device != "cuda":
                 rows.append(base | {"status": "skipped: CUDA graphs need CUDA"})
                 continue
-            cmd = ["--one", a, "--switches", s, "--device", device, "--seed", str(seed), "--budget-steps", str(steps),
-                   "--out-dir", str(out)]
+            cmd = [
+                "--one",
+                a,
+                "--switches",
+                s,
+                "--device",
+                device,
+                "--seed",
+                str(seed),
+                "--budget-steps",
+                str(steps),
+                "--out-dir",
+                str(out),
+            ]
             t0 = time.perf_counter()
             try:
                 rows.append(base | run_worker("benchmarks.switches", cmd, timeout_s) | {"status": "ok"})
@@ -126,8 +158,11 @@ def run(
             _save(rows, device, out)
             r = rows[-1]
             if r["status"] == "ok":
-                print(f"[{a} {s} {device}] {r['env_steps']:,} steps, {r['sps']:,.0f} SPS, {r['sps_steady']:,.0f} steady "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(
+                    f"[{a} {s} {device}] {r['env_steps']:,} steps, {r['sps']:,.0f} SPS, {r['sps_steady']:,.0f} steady "
+                    f"({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
             else:
                 print(f"[{a} {s} {device}] {r['status']}", flush=True)
     return _save(rows, device, out)
@@ -150,12 +185,17 @@ def _save(rows: list[dict], device: str, out: Path) -> pd.DataFrame:
 def markdown(df: pd.DataFrame) -> str:
     """Markdown table of a :func:`run` result (env steps per second, MiB)."""
 
-    lines = ["| algo | switches | device | envs | SPS (whole run) | SPS (steady) | × eager | peak RSS MiB | CUDA peak MiB | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| algo | switches | device | envs | SPS (whole run) | SPS (steady) | × eager | peak RSS MiB "
+        "| CUDA peak MiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in df.itertuples():
-        lines.append(f"| {r.algo} | {r.switches} | {r.device} | {fmt_num(r.num_envs, '.0f')} | {fmt_num(r.sps, ',.0f')} | "
-                     f"{fmt_num(r.sps_steady, ',.0f')} | {fmt_num(r.speedup_vs_eager, '.2f')} | {fmt_num(r.peak_rss_mb, '.0f')} | "
-                     f"{fmt_num(r.cuda_peak_mb, '.0f')} | {r.status} |")
+        lines.append(
+            f"| {r.algo} | {r.switches} | {r.device} | {fmt_num(r.num_envs, '.0f')} | {fmt_num(r.sps, ',.0f')} | "
+            f"{fmt_num(r.sps_steady, ',.0f')} | {fmt_num(r.speedup_vs_eager, '.2f')} | {fmt_num(r.peak_rss_mb, '.0f')} "
+            f"| {fmt_num(r.cuda_peak_mb, '.0f')} | {r.status} |"
+        )
     return "\n".join(lines)
 
 

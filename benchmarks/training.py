@@ -13,10 +13,10 @@ configuration:
 - ``peak_rss_mb`` (MiB, the training process; SB3's SubprocVecEnv workers not included) and
   ``cuda_peak_mb`` (MiB allocated by torch, CUDA only).
 
-Configurations (:data:`CONFIGS`): ``study`` uses the settings of the Stable-Baselines3 study this project
-replaces (PPO: 8 envs in subprocesses, n_steps 512, batch 256, 10 epochs, [256, 256] networks; SAC: batch
-256, 1 env, [256, 256]); ``preset`` is our script's own device preset; ``gpu_max`` is our PPO or SAC sized
-for throughput on a GPU (tens of thousands of envs, CUDA graphs). Hyperparameters not named here are each library's defaults.
+Configurations (:data:`CONFIGS`): ``study`` uses the settings of the Stable-Baselines3 study this project replaces (PPO:
+8 envs in subprocesses, n_steps 512, batch 256, 10 epochs, [256, 256] networks; SAC: batch 256, 1 env, [256, 256]);
+``preset`` is our script's own device preset; ``gpu_max`` is our PPO or SAC sized for throughput on a GPU (tens of
+thousands of envs, CUDA graphs). Hyperparameters not named here are each library's defaults.
 
 Run: ``python -m benchmarks.training --help``.
 """
@@ -38,7 +38,17 @@ import pandas as pd
 import torch
 
 from algos import harness
-from benchmarks.common import BENCH_DIR, RESULT_PREFIX, cuda_peak_mb, fmt_num, machine_info, peak_rss_mb, resolve_device, run_worker, save_table
+from benchmarks.common import (
+    BENCH_DIR,
+    RESULT_PREFIX,
+    cuda_peak_mb,
+    fmt_num,
+    machine_info,
+    peak_rss_mb,
+    resolve_device,
+    run_worker,
+    save_table,
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,30 @@ class Config:
     args: tuple[str, ...] = ()
 
 
-STUDY_PPO = ("--num-envs", "8", "--num-steps", "512", "--num-minibatches", "16", "--update-epochs", "10", "--hidden-size", "256")
-STUDY_SAC = ("--num-envs", "1", "--batch-size", "256", "--hidden-size", "256", "--gradient-steps", "1", "--learning-starts", "5000")
+STUDY_PPO = (
+    "--num-envs",
+    "8",
+    "--num-steps",
+    "512",
+    "--num-minibatches",
+    "16",
+    "--update-epochs",
+    "10",
+    "--hidden-size",
+    "256",
+)
+STUDY_SAC = (
+    "--num-envs",
+    "1",
+    "--batch-size",
+    "256",
+    "--hidden-size",
+    "256",
+    "--gradient-steps",
+    "1",
+    "--learning-starts",
+    "5000",
+)
 
 CONFIGS: dict[str, Config] = {
     c.name: c
@@ -71,15 +103,49 @@ CONFIGS: dict[str, Config] = {
         Config("sb3_ppo_study", "sb3", "ppo", "study", ("cpu",)),
         Config("ours_ppo_study", "ours", "ppo", "study", ("cpu",), STUDY_PPO),
         Config("ours_ppo_preset", "ours", "ppo", "preset"),
-        Config("ours_ppo_gpu_max", "ours", "ppo", "gpu_max", ("cuda",),
-               ("--num-envs", "32768", "--num-steps", "32", "--num-minibatches", "4", "--update-epochs", "2",
-                "--compile", "--cudagraphs")),
+        Config(
+            "ours_ppo_gpu_max",
+            "ours",
+            "ppo",
+            "gpu_max",
+            ("cuda",),
+            (
+                "--num-envs",
+                "32768",
+                "--num-steps",
+                "32",
+                "--num-minibatches",
+                "4",
+                "--update-epochs",
+                "2",
+                "--compile",
+                "--cudagraphs",
+            ),
+        ),
         Config("sb3_sac_study", "sb3", "sac", "study", ("cpu", "cuda")),
         Config("ours_sac_study", "ours", "sac", "study", ("cpu",), STUDY_SAC),
         Config("ours_sac_preset", "ours", "sac", "preset"),
-        Config("ours_sac_gpu_max", "ours", "sac", "gpu_max", ("cuda",),
-               ("--num-envs", "8192", "--batch-size", "4096", "--gradient-steps", "1", "--buffer-size", "4000000",
-                "--learning-starts", "81920", "--compile", "--cudagraphs")),
+        Config(
+            "ours_sac_gpu_max",
+            "ours",
+            "sac",
+            "gpu_max",
+            ("cuda",),
+            (
+                "--num-envs",
+                "8192",
+                "--batch-size",
+                "4096",
+                "--gradient-steps",
+                "1",
+                "--buffer-size",
+                "4000000",
+                "--learning-starts",
+                "81920",
+                "--compile",
+                "--cudagraphs",
+            ),
+        ),
     )
 }
 """The benchmark's configurations by name."""
@@ -107,8 +173,18 @@ def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int
     import importlib
 
     module = importlib.import_module(f"algos.{cfg.algo}")
-    argv = [*cfg.args, "--seed", str(seed), "--total-timesteps", str(budget_steps), "--output-dir", str(out),
-            "--checkpoint-every", "0", "--cuda" if device == "cuda" else "--no-cuda"]
+    argv = [
+        *cfg.args,
+        "--seed",
+        str(seed),
+        "--total-timesteps",
+        str(budget_steps),
+        "--output-dir",
+        str(out),
+        "--checkpoint-every",
+        "0",
+        "--cuda" if device == "cuda" else "--no-cuda",
+    ]
     args = harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv)
     sized = args  # the preset's values are the parsed defaults
     per_iteration = sized.num_envs * getattr(sized, "num_steps", 1)  # env steps per iteration
@@ -123,7 +199,9 @@ def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int
     return curve
 
 
-def _run_sb3(cfg: Config, device: str, budget_steps: int, budget_s: float, eval_every_steps: int, seed: int) -> pd.DataFrame:
+def _run_sb3(
+    cfg: Config, device: str, budget_steps: int, budget_s: float, eval_every_steps: int, seed: int
+) -> pd.DataFrame:
     """Train Stable-Baselines3 in this process; returns its eval curve (global_step, train_wall_s, co2_kg)."""
     from stable_baselines3 import PPO, SAC
     from stable_baselines3.common.callbacks import BaseCallback
@@ -170,20 +248,43 @@ def _run_sb3(cfg: Config, device: str, budget_steps: int, budget_s: float, eval_
                 return torch.as_tensor(action, dtype=obs.dtype)
 
             row, _ = evaluate_policy(policy, site, "test", cfg.name, "hub", bess_action="surplus")
-            rows.append({"global_step": int(self.num_timesteps), "train_wall_s": wall, "co2_kg": float(row.co2_kg.iloc[0]),
-                         "unserved_kwh": float(row.unserved_kwh.iloc[0])})
+            rows.append(
+                {
+                    "global_step": int(self.num_timesteps),
+                    "train_wall_s": wall,
+                    "co2_kg": float(row.co2_kg.iloc[0]),
+                    "unserved_kwh": float(row.unserved_kwh.iloc[0]),
+                }
+            )
             self.paused += time.perf_counter() - t
 
     cb = EvalCallback()
     if cfg.algo == "ppo":
         venv = SubprocVecEnv([make_env] * 8, start_method="forkserver")
-        model = PPO("MlpPolicy", venv, n_steps=512, batch_size=256, n_epochs=10, policy_kwargs={"net_arch": [256, 256]},
-                    seed=seed, device="cpu", verbose=0)  # SB3 runs MLP PPO on the CPU (its own advice)
+        model = PPO(
+            "MlpPolicy",
+            venv,
+            n_steps=512,
+            batch_size=256,
+            n_epochs=10,
+            policy_kwargs={"net_arch": [256, 256]},
+            seed=seed,
+            device="cpu",
+            verbose=0,
+        )  # SB3 runs MLP PPO on the CPU (its own advice)
         num_envs = 8
     else:
         venv = DummyVecEnv([make_env])
-        model = SAC("MlpPolicy", venv, batch_size=256, learning_starts=5000, policy_kwargs={"net_arch": [256, 256]},
-                    seed=seed, device=device, verbose=0)
+        model = SAC(
+            "MlpPolicy",
+            venv,
+            batch_size=256,
+            learning_starts=5000,
+            policy_kwargs={"net_arch": [256, 256]},
+            seed=seed,
+            device=device,
+            verbose=0,
+        )
         num_envs = 1
     try:
         model.learn(total_timesteps=budget_steps, callback=cb)
@@ -196,7 +297,9 @@ def _run_sb3(cfg: Config, device: str, budget_steps: int, budget_s: float, eval_
     return curve
 
 
-def run_one(name: str, device: str, budget_steps: int, budget_s: float, eval_every_steps: int, seed: int, out_dir: Path) -> dict:
+def run_one(
+    name: str, device: str, budget_steps: int, budget_s: float, eval_every_steps: int, seed: int, out_dir: Path
+) -> dict:
     """Run configuration ``name`` in this process and return its summary (JSON-able) with its eval curve.
 
     Raises:
@@ -288,16 +391,37 @@ def run(
     out = Path(out_dir or BENCH_DIR)
     ref = reference or reference_co2()
     target = ref["uncontrolled_kg"] - target_share * (ref["uncontrolled_kg"] - ref["oracle_kg"])
-    print(f"training benchmark on {device}: target test CO2 <= {target:.1f} kg ({target_share:.0%} of the oracle's "
-          f"saving; uncontrolled {ref['uncontrolled_kg']:.1f}, oracle {ref['oracle_kg']:.1f})", flush=True)
+    print(
+        f"training benchmark on {device}: target test CO2 <= {target:.1f} kg ({target_share:.0%} of the oracle's "
+        f"saving; uncontrolled {ref['uncontrolled_kg']:.1f}, oracle {ref['oracle_kg']:.1f})",
+        flush=True,
+    )
     rows, curves = [], []
     for n in names:
         cfg = CONFIGS[n]
         steps, secs, every = BUDGETS[(cfg.settings, cfg.algo, device)]
         steps, secs, every = max(int(steps * scale), 1), secs * scale, max(int(every * scale), 1)
-        cmd = ["--one", n, "--device", device, "--seed", str(seed), "--budget-steps", str(steps), "--budget-s", str(secs),
-               "--eval-every-steps", str(every), "--out-dir", str(out)]
-        print(f"[{n} on {device}] {steps:,} env steps (SB3: at most {secs:.0f} s of training), evaluation every {every:,} steps", flush=True)
+        cmd = [
+            "--one",
+            n,
+            "--device",
+            device,
+            "--seed",
+            str(seed),
+            "--budget-steps",
+            str(steps),
+            "--budget-s",
+            str(secs),
+            "--eval-every-steps",
+            str(every),
+            "--out-dir",
+            str(out),
+        ]
+        print(
+            f"[{n} on {device}] {steps:,} env steps (SB3: at most {secs:.0f} s of training), evaluation every "
+            f"{every:,} steps",
+            flush=True,
+        )
         t0 = time.perf_counter()
         base = {"config": n, "library": cfg.library, "algo": cfg.algo, "settings": cfg.settings, "device": device}
         try:
@@ -310,19 +434,29 @@ def run(
         curve = pd.DataFrame(res.pop("curve"))
         curves.append(curve.assign(config=n, device=device))
         tt_s, tt_steps = time_to_target(curve, target)
-        rows.append(base | {k: res[k] for k in ("num_envs", "env_steps", "train_wall_s", "sps", "sps_steady", "peak_rss_mb", "cuda_peak_mb")} | {
-            "target_co2_kg": target,
-            "time_to_target_s": tt_s,
-            "steps_to_target": tt_steps,
-            "best_co2_kg": float(curve.co2_kg.min()),
-            "final_co2_kg": float(curve.co2_kg.iloc[-1]),
-            "status": "ok",
-        })
+        rows.append(
+            base
+            | {
+                k: res[k]
+                for k in ("num_envs", "env_steps", "train_wall_s", "sps", "sps_steady", "peak_rss_mb", "cuda_peak_mb")
+            }
+            | {
+                "target_co2_kg": target,
+                "time_to_target_s": tt_s,
+                "steps_to_target": tt_steps,
+                "best_co2_kg": float(curve.co2_kg.min()),
+                "final_co2_kg": float(curve.co2_kg.iloc[-1]),
+                "status": "ok",
+            }
+        )
         r = rows[-1]
         reached = f"{tt_s:.1f} s" if math.isfinite(tt_s) else "not reached"
         _save(rows, curves, device, out)
-        print(f"[{n}] {r['env_steps']:,.0f} steps, {r['sps']:,.0f} SPS, target {reached}, best CO2 {r['best_co2_kg']:.1f} kg "
-              f"({time.perf_counter() - t0:.0f} s with evaluations)", flush=True)
+        print(
+            f"[{n}] {r['env_steps']:,.0f} steps, {r['sps']:,.0f} SPS, target {reached}, best CO2 "
+            f"{r['best_co2_kg']:.1f} kg ({time.perf_counter() - t0:.0f} s with evaluations)",
+            flush=True,
+        )
     return _save(rows, curves, device, out)
 
 
@@ -330,15 +464,30 @@ def _save(rows: list[dict], curves: list[pd.DataFrame], device: str, out: Path) 
     """Summary and curves tables of the runs so far, written to ``out`` (after every run, so a killed
     benchmark keeps what it measured)."""
     summary = pd.DataFrame(rows)
-    for col in ("num_envs", "env_steps", "train_wall_s", "sps", "sps_steady", "peak_rss_mb", "cuda_peak_mb", "target_co2_kg",
-                "time_to_target_s", "steps_to_target", "best_co2_kg", "final_co2_kg"):
+    for col in (
+        "num_envs",
+        "env_steps",
+        "train_wall_s",
+        "sps",
+        "sps_steady",
+        "peak_rss_mb",
+        "cuda_peak_mb",
+        "target_co2_kg",
+        "time_to_target_s",
+        "steps_to_target",
+        "best_co2_kg",
+        "final_co2_kg",
+    ):
         if col not in summary:
             summary[col] = math.nan
     sb3 = {r.algo: r.sps for r in summary.itertuples() if r.library == "sb3" and r.status == "ok"}
     summary["sps_vs_sb3"] = [r.sps / sb3[r.algo] if r.algo in sb3 else math.nan for r in summary.itertuples()]
     summary["machine"] = json.dumps(machine_info(device))
-    curves_df = pd.concat(curves, ignore_index=True) if curves else pd.DataFrame(
-        columns=["global_step", "train_wall_s", "co2_kg", "config", "device"])
+    curves_df = (
+        pd.concat(curves, ignore_index=True)
+        if curves
+        else pd.DataFrame(columns=["global_step", "train_wall_s", "co2_kg", "config", "device"])
+    )
     suffix = "" if device == "cpu" else f"_{device}"
     save_table(summary, f"training{suffix}", out)
     save_table(curves_df, f"training_curves{suffix}", out)
@@ -347,15 +496,20 @@ def _save(rows: list[dict], curves: list[pd.DataFrame], device: str, out: Path) 
 
 def markdown(summary: pd.DataFrame) -> str:
     """Markdown table of a :func:`run` summary (SPS in env steps per second, times in s, CO2 in kg, memory in MiB)."""
-    head = ("| config | device | envs | env steps | SPS | SPS steady | ours ÷ SB3 | time to target s | steps to target | "
-            "best CO2 kg | peak RSS MiB | CUDA peak MiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| config | device | envs | env steps | SPS | SPS steady | ours ÷ SB3 | time to target s | steps to target | "
+        "best CO2 kg | peak RSS MiB | CUDA peak MiB | status |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
 
     lines = [head]
     for r in summary.itertuples():
         tt = fmt_num(r.time_to_target_s, ".1f") or ("not reached" if r.status == "ok" else "")
-        lines.append(f"| {r.config} | {r.device} | {fmt_num(r.num_envs, '.0f')} | {fmt_num(r.env_steps, ',.0f')} | {fmt_num(r.sps, ',.0f')} | {fmt_num(r.sps_steady, ',.0f')} | "
-                     f"{fmt_num(r.sps_vs_sb3, '.1f')} | {tt} | {fmt_num(r.steps_to_target, ',.0f')} | {fmt_num(r.best_co2_kg, '.1f')} | "
-                     f"{fmt_num(r.peak_rss_mb, '.0f')} | {fmt_num(r.cuda_peak_mb, '.0f')} | {r.status} |")
+        lines.append(
+            f"| {r.config} | {r.device} | {fmt_num(r.num_envs, '.0f')} | {fmt_num(r.env_steps, ',.0f')} | "
+            f"{fmt_num(r.sps, ',.0f')} | {fmt_num(r.sps_steady, ',.0f')} | {fmt_num(r.sps_vs_sb3, '.1f')} | {tt} | "
+            f"{fmt_num(r.steps_to_target, ',.0f')} | {fmt_num(r.best_co2_kg, '.1f')} | {fmt_num(r.peak_rss_mb, '.0f')} "
+            f"| {fmt_num(r.cuda_peak_mb, '.0f')} | {r.status} |"
+        )
     return "\n".join(lines)
 
 
@@ -394,11 +548,20 @@ def main() -> None:
     args = tyro.cli(Args)
     device = resolve_device(args.device)
     if args.one:
-        res = run_one(args.one, device, args.budget_steps, args.budget_s, args.eval_every_steps, args.seed,
-                      Path(args.out_dir or BENCH_DIR))
+        res = run_one(
+            args.one,
+            device,
+            args.budget_steps,
+            args.budget_s,
+            args.eval_every_steps,
+            args.seed,
+            Path(args.out_dir or BENCH_DIR),
+        )
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
-    summary, _ = run(args.configs or None, device, args.seed, args.target_share, args.scale, args.out_dir, args.timeout_s)
+    summary, _ = run(
+        args.configs or None, device, args.seed, args.target_share, args.scale, args.out_dir, args.timeout_s
+    )
     print(markdown(summary))
 
 

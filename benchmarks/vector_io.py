@@ -66,7 +66,9 @@ def run(
     """
     num_envs = [int(n) for n in num_envs]
     if not num_envs or min(num_envs) < 1 or repeats < 1 or not min_seconds > 0:
-        raise ValueError(f"need positive num_envs, repeats >= 1 and min_seconds > 0, got {num_envs}, {repeats}, {min_seconds}")
+        raise ValueError(
+            f"need positive num_envs, repeats >= 1 and min_seconds > 0, got {num_envs}, {repeats}, {min_seconds}"
+        )
     cpu = torch.device("cpu")
     rows = []
     t_start = time.perf_counter()
@@ -78,7 +80,7 @@ def run(
                 actions = np.zeros((n, 2), np.float32)
                 env.step(actions)
 
-                def step(k: int) -> int:
+                def step(k: int, env=env, actions=actions, n=n) -> int:
                     for _ in range(k):
                         env.step(actions)
                     return k * n
@@ -86,15 +88,32 @@ def run(
                 median, rates = median_rate(step, repeats, min_seconds, cpu)
             finally:
                 env.close()
-            rows.append({"mode": mode, "num_envs": n, "latency_ms": latency_s * 1e3, "steps_per_s": median,
-                         "steps_per_s_min": min(rates), "steps_per_s_max": max(rates), "repeats": len(rates)})
-            print(f"  {mode:<5} N={n:<3} {median:>10,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f})", flush=True)
+            rows.append(
+                {
+                    "mode": mode,
+                    "num_envs": n,
+                    "latency_ms": latency_s * 1e3,
+                    "steps_per_s": median,
+                    "steps_per_s_min": min(rates),
+                    "steps_per_s_max": max(rates),
+                    "repeats": len(rates),
+                }
+            )
+            print(
+                f"  {mode:<5} N={n:<3} {median:>10,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f})",
+                flush=True,
+            )
     df = pd.DataFrame(rows)
     sync = df[df["mode"] == "sync"].set_index("num_envs")["steps_per_s"]
     df["speedup"] = np.where(df["mode"] == "async", df["steps_per_s"] / df["num_envs"].map(sync), np.nan)
     df = df[list(COLUMNS)]
     info = machine_info(cpu)
-    df.attrs = {"benchmark": "vector_io", "unit": "env steps per second", "latency_s": latency_s, **{f"machine_{k}": v for k, v in info.items()}}
+    df.attrs = {
+        "benchmark": "vector_io",
+        "unit": "env steps per second",
+        "latency_s": latency_s,
+        **{f"machine_{k}": v for k, v in info.items()},
+    }
     df["machine"] = json.dumps(info)
     path = save_table(df, "vector_io", out_dir)
     print(f"vector_io: {time.perf_counter() - t_start:.0f} s; wrote {path}\n{markdown(df)}", flush=True)
@@ -107,9 +126,11 @@ def markdown(df: pd.DataFrame) -> str:
     for n, g in df.groupby("num_envs", sort=True):
         s, a = g[g["mode"] == "sync"].iloc[0], g[g["mode"] == "async"].iloc[0]
         lines.append(
-            f"| {n} | {fmt_num(s.steps_per_s, ',.0f')} ({fmt_num(s.steps_per_s_min, ',.0f')}..{fmt_num(s.steps_per_s_max, ',.0f')}) "
-            f"| {fmt_num(a.steps_per_s, ',.0f')} ({fmt_num(a.steps_per_s_min, ',.0f')}..{fmt_num(a.steps_per_s_max, ',.0f')}) "
-            f"| {fmt_num(a.speedup, '.1f')} |"
+            f"| {n} | {fmt_num(s.steps_per_s, ',.0f')} "
+            f"({fmt_num(s.steps_per_s_min, ',.0f')}..{fmt_num(s.steps_per_s_max, ',.0f')}) | "
+            f"{fmt_num(a.steps_per_s, ',.0f')} "
+            f"({fmt_num(a.steps_per_s_min, ',.0f')}..{fmt_num(a.steps_per_s_max, ',.0f')}) | "
+            f"{fmt_num(a.speedup, '.1f')} |"
         )
     return "\n".join(lines)
 

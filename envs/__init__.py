@@ -12,8 +12,8 @@ Importing this package registers ``EVHub-v0``, ``Snake-v0`` (:mod:`envs.snake`) 
 
 import gymnasium as gym
 
-from envs.evhub import INFO_KEYS, EVHubEnv, EVHubVectorEnv
 from envs.config import ConfigError, SiteConfig, load_config
+from envs.evhub import INFO_KEYS, EVHubEnv, EVHubVectorEnv
 from envs.site import Site, SplitData, load_site
 
 __all__ = [

@@ -211,7 +211,8 @@ class MPCConfig:
     """The model-predictive controllers (``[mpc]``): whether they run, their horizon and expected demand."""
 
     enabled: bool = True
-    """Run the model-predictive controllers (``mpc`` and ``mpc_perfect``, ``pipeline/control/mpc.py``) in the pipeline."""
+    """Run the model-predictive controllers (``mpc`` and ``mpc_perfect``, ``pipeline/control/mpc.py``) in the
+    pipeline."""
     horizon_h: int = 24
     """Look-ahead of each MPC solve, hours (clipped at the split's end)."""
     expected_demand_days: int = 7
@@ -287,7 +288,12 @@ class SiteConfig:
         return config_from_dict(raw, source="<replace>")
 
 
-SAPM_MODELS = ("open_rack_glass_glass", "close_mount_glass_glass", "open_rack_glass_polymer", "insulated_back_glass_polymer")
+SAPM_MODELS = (
+    "open_rack_glass_glass",
+    "close_mount_glass_glass",
+    "open_rack_glass_polymer",
+    "insulated_back_glass_polymer",
+)
 """Values of ``pv.temperature_model``: the SAPM parameter sets of ``pvlib.temperature.TEMPERATURE_MODEL_PARAMETERS``."""
 
 _FRACTION = Range(ge=0, le=1, what="a fraction")
@@ -470,7 +476,9 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
             f"= {cfg.grid.export_credit!r} needs grid.export_allowed = true (nothing is exported to credit)",
         )
     if cfg.grid.base_load_kw > cfg.grid.import_limit_kw:
-        raise bad("grid.base_load_kw", f"({cfg.grid.base_load_kw}) exceeds grid.import_limit_kw ({cfg.grid.import_limit_kw})")
+        raise bad(
+            "grid.base_load_kw", f"({cfg.grid.base_load_kw}) exceeds grid.import_limit_kw ({cfg.grid.import_limit_kw})"
+        )
     ranges = {}
     for split in ("train", "test"):
         start, end = getattr(cfg.splits, split)
@@ -511,5 +519,3 @@ def load_config(site: str | Path) -> tuple[SiteConfig, Path]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     return config_from_dict(raw, source=str(path)), path.resolve()
-
-

@@ -17,8 +17,9 @@ Physics per step of ``dt`` hours (units: kW, kWh, kg CO2/kWh; see the project's 
 * BESS: ``a_bess`` in [-1, 1] times the power limit, positive charges; clipped so SOC stays in
   [SOC_min, SOC_max]; discharge is also limited to the site's deficit (the battery never exports).
   ``E' = E + eta_c * P_ch * dt - P_dis * dt / eta_d``.
-* Grid: ``G_imp - G_exp - P_curt = L + sum_i P_i + P_ch - P_pv - P_dis``; a surplus is exported if
-  allowed, else curtailed. Import above the limit cuts battery charging first, then EV power above the deadline floors, then the floors (a battery never takes energy that a waiting car needs).
+* Grid: ``G_imp - G_exp - P_curt = L + sum_i P_i + P_ch - P_pv - P_dis``; a surplus is exported if allowed, else
+  curtailed. Import above the limit cuts battery charging first, then EV power above the deadline floors, then the
+  floors (a battery never takes energy that a waiting car needs).
 * Emissions ``CO2 = G_imp * MOER * dt``, or ``(G_imp - G_exp) * MOER * dt`` with ``grid.export_credit = "moer"``
   (exported energy credited at its hour's MOER; CO2 may then be negative); reward
   ``-scale * (w_co2 * CO2 + w_unserved * unserved + w_peak * max(0, G_imp - peak_threshold))``.
@@ -29,17 +30,16 @@ shared earliest-deadline-first. EV actions are clipped to [0, 1] (negative means
 ``"discrete"``: one integer per env choosing a hub action from a grid of BESS levels x EV levels
 (:func:`discrete_action_table`), for value-based agents such as DQN.
 
-Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per kWp now and 3 steps
-ahead (4), MOER of the last step (at the split's first step: the data's forecast for it) and its forecasts for
-this and the next two steps (4), SOC (1), aggregates (occupied fraction, energy needed, floor and cap power;
-4), outlook (PV energy of the next 24 h per kWp, and the EV energy requested per day over the past 7 days; 2),
-then per socket (occupied, energy needed, steps to departure; 3 * n_sockets). Energy needed is scaled per
-socket by its own power, ``e_i / (8 h * Pmax_i)`` (hours of full-power charging left / 8: the same range for a
-3.3 kW and a 50 kW socket); the floor and cap aggregates by the site's total socket power ``sum_i Pmax_i``, the demand outlook
-by ``24 h * sum_i Pmax_i / 8`` (with one kind of socket, ``sum_i Pmax_i = n_sockets * socket_kw`` exactly).
-The PV look-ahead reads the modelled PV series itself (a perfect forecast, as the PV comes from a
-typical year); the demand feature is causal (sessions that already arrived; since the split start when
-that is less than 7 days back).
+Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per kWp now and 3 steps ahead (4), MOER of
+the last step (at the split's first step: the data's forecast for it) and its forecasts for this and the next two steps
+(4), SOC (1), aggregates (occupied fraction, energy needed, floor and cap power; 4), outlook (PV energy of the next 24 h
+per kWp, and the EV energy requested per day over the past 7 days; 2), then per socket (occupied, energy needed, steps
+to departure; 3 * n_sockets). Energy needed is scaled per socket by its own power, ``e_i / (8 h * Pmax_i)`` (hours of
+full-power charging left / 8: the same range for a 3.3 kW and a 50 kW socket); the floor and cap aggregates by the
+site's total socket power ``sum_i Pmax_i``, the demand outlook by ``24 h * sum_i Pmax_i / 8`` (with one kind of socket,
+``sum_i Pmax_i = n_sockets * socket_kw`` exactly). The PV look-ahead reads the modelled PV series itself (a perfect
+forecast, as the PV comes from a typical year); the demand feature is causal (sessions that already arrived; since the
+split start when that is less than 7 days back).
 
 Episodes: training draws a random window of ``episode.train_steps`` steps of the split per env;
 ``full_split=True`` runs the whole split once from its first step (evaluation). With
@@ -381,7 +381,8 @@ class EVHubVectorEnv(VectorEnv):
         return obs.clamp(-OBS_BOUND, OBS_BOUND)
 
     STATE_KEYS = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left", "session_keep", "rng")
-    """Tensors that make up the dynamic state of all envs, the per-env random streams among them (:meth:`state_dict`)."""
+    """Tensors that make up the dynamic state of all envs, the per-env random streams among them
+    (:meth:`state_dict`)."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the dynamic state tensors (:data:`STATE_KEYS`, each ``(num_envs, ...)``): what a checkpoint needs
@@ -525,7 +526,9 @@ class EVHubVectorEnv(VectorEnv):
         curtailed = zero if cfg.grid.export_allowed else surplus
 
         self.energy_kwh.copy_(
-            (self.energy_kwh + b.eta_charge * charge * dt - discharge * dt / b.eta_discharge).clamp(self._e_min, self._e_max)
+            (self.energy_kwh + b.eta_charge * charge * dt - discharge * dt / b.eta_discharge).clamp(
+                self._e_min, self._e_max
+            )
         )
         co2 = (grid_import - grid_export * self._export_credit) * moer * dt  # credit: 0 or 1, a config value
         self.ev_need_kwh.copy_((self.ev_need_kwh - ev * dt).clamp(min=0.0))

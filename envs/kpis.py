@@ -95,7 +95,13 @@ def rollout_traces(
             (names the step's time).
     """
     env = EVHubVectorEnv(
-        1, site=site, split=split, action_mode=action_mode, device=device, full_split=True, dtype=dtype,
+        1,
+        site=site,
+        split=split,
+        action_mode=action_mode,
+        device=device,
+        full_split=True,
+        dtype=dtype,
         bess_action=bess_action,
     )
     obs, _ = env.reset(seed=0)
@@ -178,7 +184,7 @@ def add_relative_kpis(table: pd.DataFrame) -> pd.DataFrame:
     out = table.copy()
     out["co2_reduction_pct"] = math.nan
     out["oracle_gap_closed_pct"] = math.nan
-    for split, rows in out.groupby("split"):
+    for _split, rows in out.groupby("split"):
         base = rows.loc[rows.controller == "uncontrolled", "co2_kg"]
         oracle = rows.loc[rows.controller == "oracle", "co2_kg"]
         if len(base):

@@ -194,7 +194,10 @@ class SnakeVectorEnv(VectorEnv):
         self._const = {
             name: torch.tensor(value, dtype=torch.int64, device=dev)
             for name, value in (
-                ("length", initial_length), ("head", self._start_head), ("direction", _START_DIRECTION), ("zero", 0)
+                ("length", initial_length),
+                ("head", self._start_head),
+                ("direction", _START_DIRECTION),
+                ("zero", 0),
             )
         }
 

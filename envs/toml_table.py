@@ -123,9 +123,13 @@ class TomlTable:
     """
 
     def __init__(
-        self, raw: Any, key: str, source: str | Path, error: type[Exception] = ValueError,
+        self,
+        raw: Any,
+        key: str,
+        source: str | Path,
+        error: type[Exception] = ValueError,
         origins: Mapping[str, str] | None = None,
-    ):  # fmt: skip
+    ):
         self.key, self.source, self.error = key, str(source), error
         self.origins = dict(origins or {})
         if not isinstance(raw, Mapping):
@@ -177,7 +181,8 @@ class TomlTable:
                 hint = did_you_mean(str(k), known, prefix=f"{self.key}." if self.key else "")
                 inside = f" in {self.label}" if self.label else ""
                 raise self.error(
-                    f"{self.source}: unknown key '{self.dotted(str(k))}'{hint} (known{what}{inside}: {', '.join(known)})"
+                    f"{self.source}: unknown key '{self.dotted(str(k))}'{hint} (known{what}{inside}: "
+                    f"{', '.join(known)})"
                 )
 
     def require(self, *keys: str, why: str = "") -> None:
@@ -266,7 +271,9 @@ class TomlTable:
             raise self.err(k, f"must be one of {', '.join(map(repr, choices))}, got {v!r}{hint}")
         return v
 
-    def string(self, k: str, default: Any = REQUIRED, choices: Iterable[str] | None = None, nonempty: bool = False) -> Any:
+    def string(
+        self, k: str, default: Any = REQUIRED, choices: Iterable[str] | None = None, nonempty: bool = False
+    ) -> Any:
         """A string, one of ``choices`` when given.
 
         Raises:
@@ -306,9 +313,16 @@ class TomlTable:
         return list(items)
 
     def numbers(
-        self, k: str, default: Any = REQUIRED, range: Range | None = None, *, length: int | None = None,
-        scalar: bool = False, expect: str | None = None, empty: str | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        k: str,
+        default: Any = REQUIRED,
+        range: Range | None = None,
+        *,
+        length: int | None = None,
+        scalar: bool = False,
+        expect: str | None = None,
+        empty: str | None = None,
+    ) -> Any:
         """A non-empty list of numbers (or, with ``scalar``, one number standing for a list of one), as a tuple
         of floats.
 
@@ -326,9 +340,12 @@ class TomlTable:
             return default
         if expect is None:
             expect = (
-                f"a list of {length} numbers" if length else
-                "a number or a non-empty list of numbers" if scalar else "a non-empty list of numbers"
-            )  # fmt: skip
+                f"a list of {length} numbers"
+                if length
+                else "a number or a non-empty list of numbers"
+                if scalar
+                else "a non-empty list of numbers"
+            )
         v = self.raw[k]
         items = self._items(k, v, scalar, length, expect, empty)
         if not all(is_number(x) and math.isfinite(x) for x in items):
@@ -336,9 +353,15 @@ class TomlTable:
         return tuple(self._number(k, x, range, True) for x in items)
 
     def strings(
-        self, k: str, default: Any = REQUIRED, choices: Iterable[str] | None = None, *, length: int | None = None,
-        scalar: bool = False, expect: str | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        k: str,
+        default: Any = REQUIRED,
+        choices: Iterable[str] | None = None,
+        *,
+        length: int | None = None,
+        scalar: bool = False,
+        expect: str | None = None,
+    ) -> Any:
         """A non-empty list of non-blank strings (or, with ``scalar``, one string standing for a list of one), as a
         tuple, each one of ``choices`` when given.
 
@@ -350,9 +373,12 @@ class TomlTable:
             return default
         if expect is None:
             expect = (
-                f"a list of {length} strings" if length else
-                "a string or a non-empty list of strings" if scalar else "a non-empty list of strings"
-            )  # fmt: skip
+                f"a list of {length} strings"
+                if length
+                else "a string or a non-empty list of strings"
+                if scalar
+                else "a non-empty list of strings"
+            )
         v = self.raw[k]
         items = self._items(k, v, scalar, length, expect, None)
         if not all(isinstance(x, str) and x.strip() for x in items):

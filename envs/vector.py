@@ -242,9 +242,19 @@ class GymTorchVecEnv(_VectorEnv):
         t = lambda x, dtype: torch.as_tensor(np.asarray(x, dtype)).to(self.device)  # noqa: E731
         info = {k: v for k, v in info.items() if k not in ("final_obs", "_final_obs", "final_info", "_final_info")}
         # numeric per-env entries (gymnasium stacks them as NumPy arrays) become device tensors, as the batched envs'
-        info = {k: t(v, np.float64) if isinstance(v, np.ndarray) and v.dtype.kind in "fiu" and v.shape == (self.num_envs,)
-                else v for k, v in info.items()}  # fmt: skip
-        return next_obs, t(reward, np.float32), t(terminated, bool), t(truncated, bool), {**info, "final_obs": final_obs}
+        info = {
+            k: t(v, np.float64)
+            if isinstance(v, np.ndarray) and v.dtype.kind in "fiu" and v.shape == (self.num_envs,)
+            else v
+            for k, v in info.items()
+        }
+        return (
+            next_obs,
+            t(reward, np.float32),
+            t(terminated, bool),
+            t(truncated, bool),
+            {**info, "final_obs": final_obs},
+        )
 
     def step(self, action: torch.Tensor):
         """:meth:`step_async` then :meth:`step_wait`."""
@@ -280,7 +290,9 @@ def make_vec(
     """
     device = torch.device(device)
     if is_torch_batched(env_id):
-        env = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", device=device, **env_kwargs)
+        env = gym.make_vec(
+            env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", device=device, **env_kwargs
+        )
         env = TorchVecEnv(getattr(env, "unwrapped", env), device)
         env.warning = None
         return env
@@ -347,8 +359,8 @@ class RecordEpisodeStatistics(_Wrapper):
 
     Each step adds the (raw) reward, 1 to the length and the info entries named in ``info_keys`` (``(num_envs,)``
     tensors; ``EVHub-v0``'s ``co2_kg`` in kg and ``unserved_kwh`` in kWh; absent keys add 0); an episode that ends
-    (terminated or truncated) moves its sums into the totals. :meth:`pop` returns the totals as one stacked tensor
-    and zeroes them. State in float64: ``ep`` ``(num_envs, 2 + len(info_keys))`` and ``totals`` ``(3 + len(info_keys),)``.
+    (terminated or truncated) moves its sums into the totals. :meth:`pop` returns the totals as one stacked tensor and
+    zeroes them. State in float64: ``ep`` ``(num_envs, 2 + len(info_keys))`` and ``totals`` ``(3 + len(info_keys),)``.
     """
 
     def __init__(self, env, info_keys: tuple[str, ...] = ("co2_kg", "unserved_kwh")):

@@ -147,9 +147,19 @@ def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timest
     for label, flags in (("eager", []), ("compile", ["--compile"])):
         out = tmp_path / label
         proc = run_algo(
-            name, "--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", str(total_timesteps),
-            "--eval-split", "none", *flags, *tiny, timeout=600,
-        )  # fmt: skip
+            name,
+            "--site",
+            str(site_toml),
+            "--output-dir",
+            str(out),
+            "--total-timesteps",
+            str(total_timesteps),
+            "--eval-split",
+            "none",
+            *flags,
+            *tiny,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert (out / "policy.pt2").is_file()
         metrics[label] = pd.read_parquet(out / "metrics.parquet").drop(columns=["wall_s", "sps"])
@@ -202,7 +212,9 @@ def tiny_run(name: str, site_toml, tmp_path_factory, *args: str):
     return out, run_algo(name, "--site", str(site_toml), "--output-dir", str(out), *args)
 
 
-TINY_PPO_ARGS = "--num-envs 4 --num-steps 48 --num-minibatches 2 --update-epochs 2 --hidden-size 16 --checkpoint-every 2 --no-cuda"
+TINY_PPO_ARGS = (
+    "--num-envs 4 --num-steps 48 --num-minibatches 2 --update-epochs 2 --hidden-size 16 --checkpoint-every 2 --no-cuda"
+)
 """PPO flags (``algo_args``) of the pipeline fault tests: 192 env steps per iteration, a checkpoint every 2."""
 
 
@@ -210,8 +222,15 @@ def tiny_ppo_pipeline_env(site_toml, out, total_timesteps: int, scheduler: str |
     """Environment of a ``doit run pipeline`` that trains only PPO (seed 1) with :data:`TINY_PPO_ARGS`."""
     import os
 
-    env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo",
-           "EVHUB_SEEDS": "1", "EVHUB_TOTAL_TIMESTEPS": str(total_timesteps), "EVHUB_ALGO_ARGS": TINY_PPO_ARGS}
+    env = {
+        **os.environ,
+        "EVHUB_SITE": str(site_toml),
+        "EVHUB_OUTPUT_DIR": str(out),
+        "EVHUB_ALGOS": "ppo",
+        "EVHUB_SEEDS": "1",
+        "EVHUB_TOTAL_TIMESTEPS": str(total_timesteps),
+        "EVHUB_ALGO_ARGS": TINY_PPO_ARGS,
+    }
     env.pop("DASK_SCHEDULER_ADDRESS", None)
     if scheduler:
         env["DASK_SCHEDULER_ADDRESS"] = scheduler
@@ -229,15 +248,20 @@ def wait_for_checkpoint(ckpt, proc, iteration: int, log=None, timeout: float = 2
         if ckpt.is_file() and torch.load(ckpt, weights_only=False)["iteration"] >= iteration:
             return
         time.sleep(0.2)
-    raise AssertionError(f"no checkpoint at iteration {iteration} while running: {log.read_text()[-3000:] if log else ''}")
+    raise AssertionError(
+        f"no checkpoint at iteration {iteration} while running: {log.read_text()[-3000:] if log else ''}"
+    )
 
 
 def training_process(run_dir):
     """The running ``algos/*.py`` process writing into ``run_dir`` (a ``psutil.Process``)."""
     import psutil
 
-    return next(p for p in psutil.process_iter(["cmdline"])
-                if str(run_dir) in " ".join(p.info["cmdline"] or []) and "algos" in " ".join(p.info["cmdline"]))
+    return next(
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(run_dir) in " ".join(p.info["cmdline"] or []) and "algos" in " ".join(p.info["cmdline"])
+    )
 
 
 def assert_resumed_once_to_the_end(run_dir, killed_at: int, total_timesteps: int) -> None:
@@ -326,8 +350,9 @@ def tiny_runs(tiny_site_toml, tmp_path_factory):
 
     def get(name: str):
         if name not in done:
-            done[name] = tiny_run(name, tiny_site_toml, tmp_path_factory, "--total-timesteps", str(TINY_RUN_STEPS[name]),
-                                  *ALGO_TINY[name])  # fmt: skip
+            done[name] = tiny_run(
+                name, tiny_site_toml, tmp_path_factory, "--total-timesteps", str(TINY_RUN_STEPS[name]), *ALGO_TINY[name]
+            )
         return done[name]
 
     return get

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from functools import partial
 import math
 import re
 import subprocess
 import types
+from functools import partial
 from pathlib import Path
 
 import gymnasium as gym
@@ -149,10 +149,23 @@ def test_update_takes_one_finite_step(amp):
     opt = a2c.make_optimizer(agent.parameters(), "rmsprop", torch.tensor(1e-3))
     before = [p.detach().clone() for p in agent.parameters()]
     out = a2c.update(
-        agent, opt, torch.randn(T, N, obs_dim), torch.randn(T, N, 2), torch.randn(T, N), torch.randn(T, N),
-        torch.zeros(T, N), torch.zeros(T, N), torch.randn(N, obs_dim),
-        gamma=0.9, gae_lambda=1.0, vf_coef=0.5, ent_coef=0.01, max_grad_norm=0.5, norm_adv=True, amp=amp,
-    )  # fmt: skip
+        agent,
+        opt,
+        torch.randn(T, N, obs_dim),
+        torch.randn(T, N, 2),
+        torch.randn(T, N),
+        torch.randn(T, N),
+        torch.zeros(T, N),
+        torch.zeros(T, N),
+        torch.randn(N, obs_dim),
+        gamma=0.9,
+        gae_lambda=1.0,
+        vf_coef=0.5,
+        ent_coef=0.01,
+        max_grad_norm=0.5,
+        norm_adv=True,
+        amp=amp,
+    )
     assert not out["bad"].any()
     for key in ("value_loss", "policy_loss", "entropy", "grad_norm", "explained_variance"):
         assert out[key].shape == () and torch.isfinite(out[key]), key
@@ -218,9 +231,16 @@ def test_act_and_step_compiles_as_one_graph_and_the_rollout_follows_the_eager_on
 def test_speed_switches_on_cuda(site_toml, tmp_path, flags):
     tiny_cuda = [a for a in TINY if a != "--no-cuda"]
     proc = run_a2c(
-        "--site", str(site_toml), "--output-dir", str(tmp_path / "g"), "--total-timesteps", "384", *flags, *tiny_cuda,
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(tmp_path / "g"),
+        "--total-timesteps",
+        "384",
+        *flags,
+        *tiny_cuda,
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "device=cuda" in proc.stdout
     metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
@@ -258,8 +278,17 @@ def train_in_process(out, *argv: str) -> dict:
 @pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_pendulum_trains_in_both_vector_modes(mode, tmp_path):
     out = tmp_path / mode
-    proc = run_a2c("--env-id", "Pendulum-v1", "--vector-mode", mode, "--output-dir", str(out), "--total-timesteps",
-                   "480", *GYM_TINY)  # fmt: skip
+    proc = run_a2c(
+        "--env-id",
+        "Pendulum-v1",
+        "--vector-mode",
+        mode,
+        "--output-dir",
+        str(out),
+        "--total-timesteps",
+        "480",
+        *GYM_TINY,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"vector_mode={mode}" in proc.stdout
     assert "no split evaluation for Pendulum-v1" in proc.stdout  # eval_split is left at "test": a note, no evaluation
@@ -290,23 +319,39 @@ def test_unsupported_spaces_are_a_clear_error():
     a2c.check_spaces("Image-v0", gym.spaces.Box(0.0, 1.0, (3, 8, 8), np.float32), gym.spaces.Discrete(4))
     a2c.check_spaces("Matrix-v0", gym.spaces.Box(-1.0, 1.0, (2, 5), np.float32), gym.spaces.Discrete(4))
     frames = gym.spaces.Box(0.0, 1.0, (4, 3, 8, 8), np.float32)
-    with pytest.raises(ValueError, match=r"flat observations \(MLPs\) or images \(C, H, W\) \(CNN torso\), but "
-                                         r"Frames-v0 has observations of 4 dims .*ReshapeObservation"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"flat observations \(MLPs\) or images \(C, H, W\) \(CNN torso\), but "
+        r"Frames-v0 has observations of 4 dims .*ReshapeObservation",
+    ):
         a2c.check_spaces("Frames-v0", frames, gym.spaces.Discrete(4))
-    with pytest.raises(ValueError, match=r"takes flat \(obs_dim,\) or image \(C, H, W\) observations, got shape "
-                                         r"\(4, 3, 8, 8\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"takes flat \(obs_dim,\) or image \(C, H, W\) observations, got shape "
+        r"\(4, 3, 8, 8\)",
+    ):
         a2c.Agent(4 * 3 * 8 * 8, 4, 8, discrete=True, obs_shape=(4, 3, 8, 8))
-    for space in (gym.spaces.MultiDiscrete([3, 2]), gym.spaces.MultiBinary(3),
-                  gym.spaces.Dict({"a": gym.spaces.Discrete(2)})):  # fmt: skip
-        with pytest.raises(ValueError, match=r"supports Box actions .* and Discrete actions .*, but Toy-v0 has "
-                                             r"action space (MultiDiscrete|MultiBinary|Dict)"):  # fmt: skip
+    for space in (
+        gym.spaces.MultiDiscrete([3, 2]),
+        gym.spaces.MultiBinary(3),
+        gym.spaces.Dict({"a": gym.spaces.Discrete(2)}),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"supports Box actions .* and Discrete actions .*, but Toy-v0 has "
+            r"action space (MultiDiscrete|MultiBinary|Dict)",
+        ):
             a2c.check_spaces("Toy-v0", flat, space)
-    with pytest.raises(ValueError, match=r"flat Box observations and images .* only, but Toy-v0 has observation "
-                                         r"space Dict"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"flat Box observations and images .* only, but Toy-v0 has observation "
+        r"space Dict",
+    ):
         a2c.check_spaces("Toy-v0", gym.spaces.Dict({"x": flat}), gym.spaces.Discrete(2))
     # torch-batched envs get the indices as they are: a Discrete space must start at 0 there (the vector env says so)
-    shifted = types.SimpleNamespace(num_envs=1, single_observation_space=flat,
-                                    single_action_space=gym.spaces.Discrete(3, start=-1))  # fmt: skip
+    shifted = types.SimpleNamespace(
+        num_envs=1, single_observation_space=flat, single_action_space=gym.spaces.Discrete(3, start=-1)
+    )
     with pytest.raises(ValueError, match=r"takes the action indices 0\.\.n-1"):
         TorchVecEnv(shifted, torch.device("cpu"))
     a2c.check_spaces("Toy-v0", flat, gym.spaces.Discrete(3, start=-1))  # gymnasium envs: the vector env adds start
@@ -317,8 +362,18 @@ def test_async_that_cannot_start_falls_back_to_sync(tmp_path, monkeypatch, capsy
         raise OSError("cannot start worker processes here")
 
     monkeypatch.setattr(gym.vector, "AsyncVectorEnv", no_subprocesses)
-    result = train_in_process(tmp_path, "--env-id", "Pendulum-v1", "--vector-mode", "async", "--total-timesteps",
-                              "240", "--eval-split", "none", *GYM_TINY)  # fmt: skip
+    result = train_in_process(
+        tmp_path,
+        "--env-id",
+        "Pendulum-v1",
+        "--vector-mode",
+        "async",
+        "--total-timesteps",
+        "240",
+        "--eval-split",
+        "none",
+        *GYM_TINY,
+    )
     captured = capsys.readouterr()
     assert "warning: --vector-mode async could not start 2 worker processes for Pendulum-v1" in captured.err
     assert "cannot start worker processes here" in captured.err and "falling back to --vector-mode sync" in captured.err
@@ -342,8 +397,13 @@ def test_resume_with_a_gymnasium_env_starts_new_episodes(tmp_path, capsys):
 
 def test_gym_env_rescales_actions_and_truncations_bootstrap_from_final_obs():
     a2c = load_a2c()
-    vec = gym.make_vec("Pendulum-v1", 2, vectorization_mode="sync", max_episode_steps=3,
-                       vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})  # fmt: skip
+    vec = gym.make_vec(
+        "Pendulum-v1",
+        2,
+        vectorization_mode="sync",
+        max_episode_steps=3,
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+    )
     vec = GymTorchVecEnv(vec, torch.device("cpu"), "sync")
     np.testing.assert_allclose(vec.action_to_env(torch.tensor([[-1.0], [0.5]])), [[-2.0], [1.0]])
     np.testing.assert_allclose(vec.action_to_env(torch.tensor([[-3.0], [1.5]])), [[-2.0], [2.0]])  # clipped first
@@ -357,8 +417,14 @@ def test_gym_env_rescales_actions_and_truncations_bootstrap_from_final_obs():
         assert obs.dtype == torch.float32 and obs.shape == (2, 3)
         storage = a2c.make_storage(4, 2, 3, 1, torch.device("cpu"))
         torch.manual_seed(1)
-        a2c.rollout(functools.partial(a2c.act_and_step, act, env), obs, storage=storage, gamma=0.9,
-                    bootstrap_truncation=True, value_fn=value_fn)
+        a2c.rollout(
+            functools.partial(a2c.act_and_step, act, env),
+            obs,
+            storage=storage,
+            gamma=0.9,
+            bootstrap_truncation=True,
+            value_fn=value_fn,
+        )
         n_done, _, length = env.pop().tolist()
         assert n_done == 2 and length == 6
         storages.append(storage)
@@ -373,8 +439,21 @@ def test_gym_env_rescales_actions_and_truncations_bootstrap_from_final_obs():
 
 
 # ---------------------------------------------------------------------------------------------- Discrete actions
-CARTPOLE_TINY = ["--env-id", "CartPole-v1", "--num-envs", "4", "--num-steps", "5", "--hidden-size", "16",
-                 "--log-every", "25", "--eval-split", "none", "--no-cuda"]  # fmt: skip
+CARTPOLE_TINY = [
+    "--env-id",
+    "CartPole-v1",
+    "--num-envs",
+    "4",
+    "--num-steps",
+    "5",
+    "--hidden-size",
+    "16",
+    "--log-every",
+    "25",
+    "--eval-split",
+    "none",
+    "--no-cuda",
+]
 """CartPole-v1 with 4 envs x 5 steps per update: a log row every 25 updates = 500 steps."""
 
 
@@ -437,9 +516,25 @@ def test_cartpole_greedy_policy_beats_a_random_one(tmp_path):
     policy.pt2 on 20 CartPole-v1 episodes. Measured with seeds 1, 2, 3: mean greedy return 500, 241, 484; a
     uniform-random policy gets about 22."""
     result = train_in_process(
-        tmp_path, "--env-id", "CartPole-v1", "--num-envs", "8", "--num-steps", "5", "--gamma", "0.99",
-        "--hidden-size", "64", "--total-timesteps", "30000", "--log-every", "250", "--eval-split", "none", "--no-cuda",
-    )  # fmt: skip
+        tmp_path,
+        "--env-id",
+        "CartPole-v1",
+        "--num-envs",
+        "8",
+        "--num-steps",
+        "5",
+        "--gamma",
+        "0.99",
+        "--hidden-size",
+        "64",
+        "--total-timesteps",
+        "30000",
+        "--log-every",
+        "250",
+        "--eval-split",
+        "none",
+        "--no-cuda",
+    )
     assert result["global_step"] == 30000
     policy = torch.export.load(tmp_path / "policy.pt2").module()
     start = gym.make("CartPole-v1").action_space.start
@@ -476,8 +571,7 @@ class RecordActions(gym.Env):
 def test_gym_env_gets_discrete_actions_as_ints_offset_by_start():
     a2c = load_a2c()
     log: list = []
-    vec = gym.vector.SyncVectorEnv([lambda: RecordActions(log)] * 3,
-                                   autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)  # fmt: skip
+    vec = gym.vector.SyncVectorEnv([lambda: RecordActions(log)] * 3, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     env = RecordEpisodeStatistics(GymTorchVecEnv(vec, torch.device("cpu"), "sync"), info_keys=())
     np.testing.assert_array_equal(env.action_to_env(torch.tensor([0, 1, 2])), [-1, 0, 1])
     assert env.action_to_env(torch.tensor([2, 0, 1])).dtype == np.int64
@@ -500,15 +594,29 @@ def test_gym_env_gets_discrete_actions_as_ints_offset_by_start():
 
 
 # ---------------------------------------------------------------------------------------------- image observations
-SNAKE_TINY = ["--env-id", "Snake-v0", "--num-envs", "4", "--num-steps", "8", "--hidden-size", "16", "--cnn-channels",
-              "4", "8", "--log-every", "4", "--no-cuda"]  # fmt: skip
+SNAKE_TINY = [
+    "--env-id",
+    "Snake-v0",
+    "--num-envs",
+    "4",
+    "--num-steps",
+    "8",
+    "--hidden-size",
+    "16",
+    "--cnn-channels",
+    "4",
+    "8",
+    "--log-every",
+    "4",
+    "--no-cuda",
+]
 """Snake-v0 (10 x 10 boards) with 4 envs x 8 steps per update and a tiny CNN: a log row every 4 updates = 128 steps."""
 
 
 def shown_args(stdout: str) -> dict[str, str]:
     """The ``args: k=v, ...`` line a run prints, as a dict of the printed values."""
     line = next(line for line in stdout.splitlines() if line.startswith("args: "))
-    pairs = re.split(r", (?=\w+=)", line[len("args: "):])
+    pairs = re.split(r", (?=\w+=)", line[len("args: ") :])
     return dict(pair.split("=", 1) for pair in pairs)
 
 
@@ -530,8 +638,11 @@ def test_snake_trains_through_the_cnn_and_exports_an_action_policy(snake_run):
 
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert list(metrics.global_step) == [128, 256]
-    assert np.isfinite(metrics[["episodic_return", "episodic_length", "value_loss", "policy_loss", "entropy",
-                                "grad_norm", "learning_rate"]].to_numpy()).all(), metrics.T  # fmt: skip
+    assert np.isfinite(
+        metrics[
+            ["episodic_return", "episodic_length", "value_loss", "policy_loss", "entropy", "grad_norm", "learning_rate"]
+        ].to_numpy()
+    ).all(), metrics.T
     assert (metrics.episodic_length >= 1).all() and (metrics.episodic_return >= -1).all()
     assert (metrics.entropy <= math.log(4) + 1e-6).all()  # a Categorical over Snake's 4 actions
     assert metrics[["episodic_co2_kg", "episodic_unserved_kwh", *a2c_gpu_columns()]].isna().all().all()
@@ -557,8 +668,15 @@ def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake_run, train
     a2c = load_a2c()
     out, proc = snake_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert set(harness.EVHUB_ONLY_ARGS) == {"site", "action_mode", "bess_action", "socket_features",
-                                            "weekday_features", "eval_split", "eval_every"}  # fmt: skip
+    assert set(harness.EVHUB_ONLY_ARGS) == {
+        "site",
+        "action_mode",
+        "bess_action",
+        "socket_features",
+        "weekday_features",
+        "eval_split",
+        "eval_every",
+    }
     assert set(harness.EVHUB_ONLY_ARGS) <= {f.name for f in dataclasses.fields(a2c.Args)}
     shown = shown_args(proc.stdout)
     assert shown["env_id"] == "Snake-v0" and shown["cnn_channels"] == "(4, 8)" and shown["gamma"] == "0.99"
@@ -569,7 +687,11 @@ def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake_run, train
     evhub_shown = shown_args(trained[1].stdout)
     assert set(harness.EVHUB_ONLY_ARGS) <= set(evhub_shown)
     assert (evhub_shown["gamma"], evhub_shown["ent_coef"], evhub_shown["norm_obs"], evhub_shown["norm_reward"]) == (
-        "0.98", "0.0", "True", "True")  # fmt: skip
+        "0.98",
+        "0.0",
+        "True",
+        "True",
+    )
 
 
 def test_resume_of_a_snake_run_reaches_the_full_step_count(snake_run, tmp_path, capsys):
@@ -580,8 +702,9 @@ def test_resume_of_a_snake_run_reaches_the_full_step_count(snake_run, tmp_path, 
     for name in ("checkpoint.pt", "metrics.parquet"):
         (run / name).write_bytes((out / name).read_bytes())
     before = torch.load(run / "checkpoint.pt", weights_only=False)
-    result = train_in_process(run, "--total-timesteps", "512", "--resume", "--checkpoint-every", "4",
-                              "--eval-split", "none", *SNAKE_TINY)  # fmt: skip
+    result = train_in_process(
+        run, "--total-timesteps", "512", "--resume", "--checkpoint-every", "4", "--eval-split", "none", *SNAKE_TINY
+    )
     stdout = capsys.readouterr().out
     assert "resumed from" in stdout and "global_step 256" in stdout and "start new episodes" not in stdout
     assert result["global_step"] == 512
@@ -602,8 +725,16 @@ def test_snake_defaults_come_from_env_defaults_and_every_flag_wins():
         assert getattr(args, key) == value, key
     assert (args.gamma, args.norm_obs, args.norm_reward, args.learning_rate) == (0.99, False, False, 7e-4)
     assert args.log_every == a2c.PRESETS["cpu"]["log_every"]  # what the env leaves open comes from the preset
-    flags = dict(gamma=0.9, ent_coef=0.0, norm_obs=True, norm_reward=True, cnn_channels=(2, 3), num_envs=3,
-                 total_timesteps=96, hidden_size=8)  # fmt: skip
+    flags = dict(
+        gamma=0.9,
+        ent_coef=0.0,
+        norm_obs=True,
+        norm_reward=True,
+        cnn_channels=(2, 3),
+        num_envs=3,
+        total_timesteps=96,
+        hidden_size=8,
+    )
     args = preset_args(env_id="Snake-v0", **flags)
     assert {k: getattr(args, k) for k in flags} == flags
     gpu = preset_args(env_id="envs:Snake-v0", preset="gpu")  # a module prefix is fine
@@ -640,10 +771,23 @@ def test_cnn_agent_shares_its_torso_and_takes_box_actions_too():
     assert obs_n.shape == (N, 3, 6, 5) and action.shape == (N, 2)
     before = box.network[0].weight.detach().clone()
     out = a2c.update(
-        box, opt, torch.rand(T, N, 3, 6, 5), torch.randn(T, N, 2), torch.randn(T, N), torch.randn(T, N),
-        torch.zeros(T, N), torch.zeros(T, N), torch.rand(N, 3, 6, 5),
-        gamma=0.9, gae_lambda=1.0, vf_coef=0.5, ent_coef=0.01, max_grad_norm=0.5, norm_adv=True, amp=False,
-    )  # fmt: skip
+        box,
+        opt,
+        torch.rand(T, N, 3, 6, 5),
+        torch.randn(T, N, 2),
+        torch.randn(T, N),
+        torch.randn(T, N),
+        torch.zeros(T, N),
+        torch.zeros(T, N),
+        torch.rand(N, 3, 6, 5),
+        gamma=0.9,
+        gae_lambda=1.0,
+        vf_coef=0.5,
+        ent_coef=0.01,
+        max_grad_norm=0.5,
+        norm_adv=True,
+        amp=False,
+    )
     assert not out["bad"].any() and not torch.equal(before, box.network[0].weight)
 
 

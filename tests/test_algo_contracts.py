@@ -31,8 +31,15 @@ from envs.vector import RecordEpisodeStatistics
 GPU_COLUMNS = ["gpu_mem_allocated_gb", "gpu_mem_reserved_gb", "gpu_mem_peak_gb", "gpu_util_pct"]
 """metrics.parquet columns of :func:`harness.gpu_stats` (NaN on the CPU)."""
 
-COLUMNS = ("global_step", "wall_s", "sps", "episodic_return", "episodic_length", "episodic_co2_kg",
-           "episodic_unserved_kwh")  # fmt: skip
+COLUMNS = (
+    "global_step",
+    "wall_s",
+    "sps",
+    "episodic_return",
+    "episodic_length",
+    "episodic_co2_kg",
+    "episodic_unserved_kwh",
+)
 """metrics.parquet columns of every agent."""
 
 TAGS = ("charts/SPS", "charts/episodic_return", "charts/episodic_co2_kg", "charts/episodic_unserved_kwh")
@@ -81,38 +88,84 @@ class Algo:
 
 ALGOS = {
     "ppo": Algo(
-        "ppo", steps=[192, 384], resumed_to=576, resumed_iteration=3, printed=("num_envs=4",),
+        "ppo",
+        steps=[192, 384],
+        resumed_to=576,
+        resumed_iteration=3,
+        printed=("num_envs=4",),
         columns=("value_loss", "policy_loss", "entropy", "learning_rate"),
-        non_finite=("--learning-rate", "inf"), non_finite_steps=384, non_finite_at=192,
+        non_finite=("--learning-rate", "inf"),
+        non_finite_steps=384,
+        non_finite_at=192,
         non_finite_losses=("value_loss", "policy_loss"),
-        help_phrases=("the surrogate clipping coefficient",), compile_steps=576,
+        help_phrases=("the surrogate clipping coefficient",),
+        compile_steps=576,
     ),
     "a2c": Algo(
-        "a2c", steps=[192, 384], resumed_to=576, resumed_iteration=18, printed=("num_envs=4",),
+        "a2c",
+        steps=[192, 384],
+        resumed_to=576,
+        resumed_iteration=18,
+        printed=("num_envs=4",),
         columns=("value_loss", "policy_loss", "entropy", "explained_variance", "learning_rate"),
-        tags=("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/explained_variance",
-              "charts/learning_rate"),
-        non_finite=("--learning-rate", "inf", "--no-anneal-lr"), non_finite_steps=384, non_finite_at=64,
-        help_phrases=("the lambda of the generalised advantage estimation", "the smoothing constant alpha of RMSprop",
-                      "rmsprop", "adam"),
+        tags=(
+            "losses/value_loss",
+            "losses/policy_loss",
+            "losses/entropy",
+            "losses/explained_variance",
+            "charts/learning_rate",
+        ),
+        non_finite=("--learning-rate", "inf", "--no-anneal-lr"),
+        non_finite_steps=384,
+        non_finite_at=64,
+        help_phrases=(
+            "the lambda of the generalised advantage estimation",
+            "the smoothing constant alpha of RMSprop",
+            "rmsprop",
+            "adam",
+        ),
         compile_steps=384,
     ),
     "sac": Algo(
-        "sac", steps=[192, 384], resumed_to=576, resumed_iteration=144, printed=("batch_size=32",),
-        columns=("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss", "actor_loss", "alpha", "alpha_loss",
-                 "learning_rate"),
+        "sac",
+        steps=[192, 384],
+        resumed_to=576,
+        resumed_iteration=144,
+        printed=("batch_size=32",),
+        columns=(
+            "qf1_values",
+            "qf2_values",
+            "qf1_loss",
+            "qf2_loss",
+            "qf_loss",
+            "actor_loss",
+            "alpha",
+            "alpha_loss",
+            "learning_rate",
+        ),
         tags=("losses/qf1_values", "losses/qf_loss", "losses/actor_loss", "losses/alpha", "losses/alpha_loss"),
-        non_finite=("--q-lr", "inf"), non_finite_steps=192, non_finite_losses=("qf_loss",),
-        help_phrases=("target smoothing coefficient",), compile_steps=384,
+        non_finite=("--q-lr", "inf"),
+        non_finite_steps=192,
+        non_finite_losses=("qf_loss",),
+        help_phrases=("target smoothing coefficient",),
+        compile_steps=384,
     ),
     "dqn": Algo(
         # 32 iterations of 8 steps, a row every 8; the 48-step episodes of the 4 envs end at step 192
-        "dqn", steps=[64, 128, 192, 256], resumed_to=320, resumed_iteration=40, printed=("num_envs=4",),
-        columns=("td_loss", "q_values", "epsilon", "learning_rate"), episodes_end=(192,),
-        finite=("td_loss", "q_values", "epsilon", "sps"), non_increasing=("epsilon",), discrete_hub=True,
-        help_phrases=("the target network update rate", "use the double-DQN target"), compile_steps=256,
+        "dqn",
+        steps=[64, 128, 192, 256],
+        resumed_to=320,
+        resumed_iteration=40,
+        printed=("num_envs=4",),
+        columns=("td_loss", "q_values", "epsilon", "learning_rate"),
+        episodes_end=(192,),
+        finite=("td_loss", "q_values", "epsilon", "sps"),
+        non_increasing=("epsilon",),
+        discrete_hub=True,
+        help_phrases=("the target network update rate", "use the double-DQN target"),
+        compile_steps=256,
     ),
-}  # fmt: skip
+}
 
 SLOW_RUN = {"ppo"}
 """The agents whose tiny run is slow: every check of that run is marked slow."""
@@ -200,8 +253,9 @@ def test_exported_policy_reproduces_the_eval(name, tiny_runs, tiny_site_toml):
     spec = read_policy_spec(out)  # what the pipeline's evaluation reads
     assert spec == {"action_mode": "hub", "bess_action": "surplus"}
     policy = load_policy(out / "policy.pt2")
-    row, _ = evaluate_policy(policy, envs.load_site(tiny_site_toml), "test", name, spec["action_mode"],
-                             bess_action=spec["bess_action"])  # fmt: skip
+    row, _ = evaluate_policy(
+        policy, envs.load_site(tiny_site_toml), "test", name, spec["action_mode"], bess_action=spec["bess_action"]
+    )
     kpi = pd.read_parquet(out / "eval_test.parquet")
     assert row.co2_kg.iloc[0] == pytest.approx(kpi.co2_kg.iloc[0], rel=1e-4)
 
@@ -214,9 +268,18 @@ def test_resume_continues_from_the_checkpoint(name, tiny_runs, tiny_site_toml, t
     out = tmp_path / "run"
     shutil.copytree(trained, out)  # the shared run stays as it is
     proc = run_algo(
-        name, "--site", str(tiny_site_toml), "--output-dir", str(out), "--total-timesteps", str(algo.resumed_to),
-        "--resume", "--eval-split", "none", *ALGO_TINY[name],
-    )  # fmt: skip
+        name,
+        "--site",
+        str(tiny_site_toml),
+        "--output-dir",
+        str(out),
+        "--total-timesteps",
+        str(algo.resumed_to),
+        "--resume",
+        "--eval-split",
+        "none",
+        *ALGO_TINY[name],
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed" in proc.stdout and f"global_step {TINY_RUN_STEPS[name]}" in proc.stdout
     metrics = pd.read_parquet(out / "metrics.parquet")
@@ -237,9 +300,17 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(name, tiny_run
     step = torch.load(run / "checkpoint.pt", weights_only=False)["global_step"]
     # an infinite learning rate turns the weights into inf/NaN after the first optimizer step
     proc = run_algo(
-        name, "--site", str(tiny_site_toml), "--output-dir", str(run), "--total-timesteps",
-        str(step + algo.non_finite_steps), "--resume", *algo.non_finite, *ALGO_TINY[name],
-    )  # fmt: skip
+        name,
+        "--site",
+        str(tiny_site_toml),
+        "--output-dir",
+        str(run),
+        "--total-timesteps",
+        str(step + algo.non_finite_steps),
+        "--resume",
+        *algo.non_finite,
+        *ALGO_TINY[name],
+    )
     assert proc.returncode != 0
     assert "NonFiniteLossError" in proc.stderr, proc.stderr[-2000:]
     if algo.non_finite_at is not None:
@@ -263,9 +334,14 @@ def test_help_documents_every_field(name):
     for phrase in ALGOS[name].help_phrases:
         assert phrase in text, phrase
     # ... and those of RunArgs, also where the script only gives the field its own default
-    for phrase in ("continue from output_dir/checkpoint.pt", "bf16 autocast of the network forward passes",
-                   "needs CUDA", "the name of this experiment", "iterations between host reads of the statistics",
-                   "iterations between checkpoints (0: only at the end)"):  # fmt: skip
+    for phrase in (
+        "continue from output_dir/checkpoint.pt",
+        "bf16 autocast of the network forward passes",
+        "needs CUDA",
+        "the name of this experiment",
+        "iterations between host reads of the statistics",
+        "iterations between checkpoints (0: only at the end)",
+    ):
         assert phrase in text, phrase
     for choice in ("auto", "cpu", "gpu"):
         assert choice in text
@@ -273,8 +349,9 @@ def test_help_documents_every_field(name):
 
 @pytest.mark.parametrize("name", list(ALGOS))
 def test_cudagraphs_on_cpu_stops_with_a_clear_error(name, site_toml, tmp_path):
-    proc = run_algo(name, "--site", str(site_toml), "--output-dir", str(tmp_path), "--cudagraphs", *ALGO_TINY[name],
-                    timeout=60)  # fmt: skip
+    proc = run_algo(
+        name, "--site", str(site_toml), "--output-dir", str(tmp_path), "--cudagraphs", *ALGO_TINY[name], timeout=60
+    )
     assert proc.returncode != 0 and "needs CUDA" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -288,8 +365,11 @@ def test_compile_on_cpu_reproduces_the_eager_run(name, site_toml, tmp_path):
 @pytest.mark.parametrize("name", list(ALGOS))
 def test_gpu_stats_on_cpu_are_nan(name, tmp_path):
     stats = harness.gpu_stats(torch.device("cpu"))
-    assert set(stats) == set(harness.GPU_STAT_KEYS) == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb",
-                                                        "perf/gpu_mem_peak_gb", "perf/gpu_util_pct"}  # fmt: skip
+    assert (
+        set(stats)
+        == set(harness.GPU_STAT_KEYS)
+        == {"perf/gpu_mem_allocated_gb", "perf/gpu_mem_reserved_gb", "perf/gpu_mem_peak_gb", "perf/gpu_util_pct"}
+    )
     assert all(isinstance(v, float) and math.isnan(v) for v in stats.values())
 
     class OneStep:  # every episode ends after one step of reward 0
@@ -301,8 +381,16 @@ def test_gpu_stats_on_cpu_are_nan(name, tmp_path):
 
     # one metrics row, as the agent's training loop logs it on the CPU
     module = load_algo(name)
-    args = harness.preset_args(module.Args, module.PRESETS, module.ENV_DEFAULTS, env_id="Pendulum-v1", num_envs=1,
-                               cuda=False, output_dir=str(tmp_path), eval_split="none")  # fmt: skip
+    args = harness.preset_args(
+        module.Args,
+        module.PRESETS,
+        module.ENV_DEFAULTS,
+        env_id="Pendulum-v1",
+        num_envs=1,
+        cuda=False,
+        output_dir=str(tmp_path),
+        eval_split="none",
+    )
     run = harness.Run(name, args, module.LOSS_NAMES, module.PRESETS, module.ENV_DEFAULTS)
     try:
         env = RecordEpisodeStatistics(OneStep())

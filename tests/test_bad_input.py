@@ -11,9 +11,9 @@ no other task starts; a defect in the site config or in a doit variable already 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -70,7 +70,9 @@ KINDS = {
     "wrong-dtype": Bad(
         sessions=lambda s: s.assign(energy_kwh=s.energy_kwh.astype(str)),
         needles=lambda s, t: [
-            _sessions(t), "column 'energy_kwh' has dtype", "expected float32",
+            _sessions(t),
+            "column 'energy_kwh' has dtype",
+            "expected float32",
             f"row 0 (session {s.sessions.session_id[0]})",
         ],
     ),
@@ -81,7 +83,10 @@ KINDS = {
     "negative-energy": Bad(
         sessions=lambda s: s.assign(energy_kwh=s.energy_kwh.where(s.index != 3, np.float32(-5.0))),
         needles=lambda s, t: [
-            _sessions(t), "column 'energy_kwh' row 3", f"(session {s.sessions.session_id[3]})", "-5.0"
+            _sessions(t),
+            "column 'energy_kwh' row 3",
+            f"(session {s.sessions.session_id[3]})",
+            "-5.0",
         ],
     ),
     "duplicate-timestamps": Bad(
@@ -95,7 +100,10 @@ KINDS = {
     "departure-not-after-arrival": Bad(
         sessions=lambda s: s.assign(departure=s.departure.where(s.index != 5, s.arrival)),
         needles=lambda s, t: [
-            _sessions(t), "column 'departure' row 5", f"(session {s.sessions.session_id[5]})", "departure > arrival"
+            _sessions(t),
+            "column 'departure' row 5",
+            f"(session {s.sessions.session_id[5]})",
+            "departure > arrival",
         ],
     ),
     "carbon-in-g-per-kwh": Bad(

@@ -110,13 +110,22 @@ def test_cli_help():
     cmd = [sys.executable, "-m", "benchmarks.env_throughput", "--help"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--num-envs", "--device", "--impls", "--repeats", "--min-seconds", "--max-subprocess-envs", "--out-dir"):
+    for flag in (
+        "--num-envs",
+        "--device",
+        "--impls",
+        "--repeats",
+        "--min-seconds",
+        "--max-subprocess-envs",
+        "--out-dir",
+    ):
         assert flag in proc.stdout
 
 
 def test_snake_runs_side_by_side_with_its_single_env(tmp_path):
-    df = bench.run(num_envs=[2], impls=("ours", "gym_sync"), repeats=1, min_seconds=0.01, out_dir=tmp_path,
-                   env_id="Snake-v0")
+    df = bench.run(
+        num_envs=[2], impls=("ours", "gym_sync"), repeats=1, min_seconds=0.01, out_dir=tmp_path, env_id="Snake-v0"
+    )
     assert (df.status == "ok").all(), df.status.tolist()
     assert (df.steps_per_s > 0).all() and df.attrs["env_id"] == "Snake-v0"
     assert (tmp_path / "env_throughput_snake.parquet").is_file()
@@ -127,8 +136,9 @@ def test_snake_runs_side_by_side_with_its_single_env(tmp_path):
 def test_compiled_step_is_an_opt_in_row_of_its_own(tmp_path):
     """``ours_compile`` runs Snake's step under torch.compile (one graph) beside the eager ``ours``."""
     assert "ours_compile" in bench.ALL_IMPLS and "ours_compile" not in bench.DEFAULT_IMPLS
-    df = bench.run(num_envs=[2], impls=("ours", "ours_compile"), repeats=1, min_seconds=0.01, out_dir=tmp_path,
-                   env_id="Snake-v0")
+    df = bench.run(
+        num_envs=[2], impls=("ours", "ours_compile"), repeats=1, min_seconds=0.01, out_dir=tmp_path, env_id="Snake-v0"
+    )
     assert (df.status == "ok").all(), df.status.tolist()
     assert df.impl.tolist() == ["ours", "ours_compile"] and (df.device == "cpu").all()
     assert (df.steps_per_s > 0).all() and df.speedup_vs.notna().all()

@@ -14,8 +14,13 @@ REFERENCE = {"uncontrolled_kg": 1806.4, "oracle_kg": 511.2}  # test split, from 
 
 
 def test_time_to_target_is_the_first_evaluation_at_or_below_it():
-    curve = pd.DataFrame({"global_step": [10, 20, 30, 40], "train_wall_s": [1.0, 2.0, 3.0, 4.0],
-                          "co2_kg": [1500.0, 1100.0, 1200.0, 900.0]})
+    curve = pd.DataFrame(
+        {
+            "global_step": [10, 20, 30, 40],
+            "train_wall_s": [1.0, 2.0, 3.0, 4.0],
+            "co2_kg": [1500.0, 1100.0, 1200.0, 900.0],
+        }
+    )
     assert training.time_to_target(curve, 1158.8) == (2.0, 20.0)
     assert training.time_to_target(curve, 900.0) == (4.0, 40.0)
     t, s = training.time_to_target(curve, 800.0)
@@ -24,12 +29,15 @@ def test_time_to_target_is_the_first_evaluation_at_or_below_it():
 
 @pytest.mark.slow
 def test_sb3_and_ours_runs_produce_eval_curves(tmp_path):
-    sb3 = training.run_one("sb3_sac_study", "cpu", budget_steps=300, budget_s=60.0, eval_every_steps=150, seed=1,
-                           out_dir=tmp_path)
-    ours = training.run_one("ours_ppo_study", "cpu", budget_steps=8192, budget_s=0.0, eval_every_steps=4096, seed=1,
-                            out_dir=tmp_path)
-    ours_sac = training.run_one("ours_sac_preset", "cpu", budget_steps=640, budget_s=0.0, eval_every_steps=320,
-                                seed=1, out_dir=tmp_path)
+    sb3 = training.run_one(
+        "sb3_sac_study", "cpu", budget_steps=300, budget_s=60.0, eval_every_steps=150, seed=1, out_dir=tmp_path
+    )
+    ours = training.run_one(
+        "ours_ppo_study", "cpu", budget_steps=8192, budget_s=0.0, eval_every_steps=4096, seed=1, out_dir=tmp_path
+    )
+    ours_sac = training.run_one(
+        "ours_sac_preset", "cpu", budget_steps=640, budget_s=0.0, eval_every_steps=320, seed=1, out_dir=tmp_path
+    )
     for res, steps in ((sb3, 300), (ours, 8192), (ours_sac, 640)):
         curve = pd.DataFrame(res["curve"])
         assert res["env_steps"] == steps
@@ -99,21 +107,45 @@ def test_the_compiled_env_step_is_a_handful_of_host_calls(tmp_path):
 
 
 def test_report_checks_targets_against_the_tables(tmp_path):
-    env = pd.DataFrame({"impl": ["ours", "sb3_dummy"], "num_envs": [256, 256], "steps_per_s": [3e5, 3e3],
-                        "speedup_vs": [1.0, 100.0], "status": ["ok", "ok"]})
-    tr = pd.DataFrame({"config": ["sb3_ppo_study", "ours_ppo_preset"], "library": ["sb3", "ours"],
-                       "algo": ["ppo", "ppo"], "sps": [1000.0, 8000.0], "sps_vs_sb3": [1.0, 8.0], "status": ["ok", "ok"]})
+    env = pd.DataFrame(
+        {
+            "impl": ["ours", "sb3_dummy"],
+            "num_envs": [256, 256],
+            "steps_per_s": [3e5, 3e3],
+            "speedup_vs": [1.0, 100.0],
+            "status": ["ok", "ok"],
+        }
+    )
+    tr = pd.DataFrame(
+        {
+            "config": ["sb3_ppo_study", "ours_ppo_preset"],
+            "library": ["sb3", "ours"],
+            "algo": ["ppo", "ppo"],
+            "sps": [1000.0, 8000.0],
+            "sps_vs_sb3": [1.0, 8.0],
+            "status": ["ok", "ok"],
+        }
+    )
     env.to_parquet(tmp_path / "env_throughput.parquet")
     tr.to_parquet(tmp_path / "training.parquet")
     t = report.targets(tmp_path)
     assert list(t.met) == [True, False, None]  # 100x >= 50x met; 8x < 10x missed; no compiled env row
     assert t.measured.iloc[1] == "8.0x"
-    graphed = pd.DataFrame({"impl": ["ours", "ours_compile"], "num_envs": [4096, 4096], "steps_per_s": [1e5, 3e5],
-                            "speedup_vs": [1.0, 1 / 3], "status": ["ok", "ok"]})
+    graphed = pd.DataFrame(
+        {
+            "impl": ["ours", "ours_compile"],
+            "num_envs": [4096, 4096],
+            "steps_per_s": [1e5, 3e5],
+            "speedup_vs": [1.0, 1 / 3],
+            "status": ["ok", "ok"],
+        }
+    )
     pd.concat([env, graphed]).to_parquet(tmp_path / "env_throughput.parquet")
     t = report.targets(tmp_path)
     assert t.met.iloc[2] == True and t.measured.iloc[2] == "3.0x"  # noqa: E712  # compiled 3x the eager step at 4,096 envs
-    sw = pd.DataFrame({"algo": ["sac"], "switches": ["compile+cudagraphs"], "speedup_vs_eager": [np.nan], "status": ["failed: x"]})
+    sw = pd.DataFrame(
+        {"algo": ["sac"], "switches": ["compile+cudagraphs"], "speedup_vs_eager": [np.nan], "status": ["failed: x"]}
+    )
     sw.to_parquet(tmp_path / "switches_cuda.parquet")
     t = report.targets(tmp_path)
     assert t.measured.iloc[-1] == "not measured" and t.met.iloc[-1] is None

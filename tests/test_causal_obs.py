@@ -47,7 +47,9 @@ def _perturbed(site: Site, split: str, cut: int, seed: int = 1) -> Site:
     )
     for c in ("arrival", "departure"):
         new[c] = new[c].astype(sessions[c].dtype)
-    sessions = pd.concat([sessions, new], ignore_index=True).sort_values("arrival", kind="mergesort").reset_index(drop=True)
+    sessions = (
+        pd.concat([sessions, new], ignore_index=True).sort_values("arrival", kind="mergesort").reset_index(drop=True)
+    )
     return Site(site.config, hourly, sessions, dict(site.source))
 
 

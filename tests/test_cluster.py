@@ -19,23 +19,44 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import assert_resumed_once_to_the_end, make_site, tiny_ppo_pipeline_env, training_process, wait_for_checkpoint, write_site
+from conftest import (
+    assert_resumed_once_to_the_end,
+    make_site,
+    tiny_ppo_pipeline_env,
+    training_process,
+    wait_for_checkpoint,
+    write_site,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
 
 
 @contextlib.contextmanager
 def cluster(tmp_path: Path):
     """Start ``dask scheduler`` and two ``dask worker --resources GPU=1`` on 127.0.0.1; yield the address."""
     scheduler_file = tmp_path / "scheduler.json"
-    procs = [_start(["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
-                     "--scheduler-file", str(scheduler_file)], tmp_path / "scheduler.log")]
+    procs = [
+        _start(
+            [
+                "distributed.cli.dask_scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                str(scheduler_file),
+            ],
+            tmp_path / "scheduler.log",
+        )
+    ]
     try:
         deadline = time.time() + 60
         while not scheduler_file.is_file() and time.time() < deadline:
@@ -43,8 +64,22 @@ def cluster(tmp_path: Path):
         assert scheduler_file.is_file(), (tmp_path / "scheduler.log").read_text()
         address = json.loads(scheduler_file.read_text())["address"]
         for i in range(2):
-            procs.append(_start(["distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard",
-                                 "--resources", "GPU=1", "--name", f"gpu-worker-{i}"], tmp_path / f"worker{i}.log"))
+            procs.append(
+                _start(
+                    [
+                        "distributed.cli.dask_worker",
+                        address,
+                        "--nthreads",
+                        "1",
+                        "--no-dashboard",
+                        "--resources",
+                        "GPU=1",
+                        "--name",
+                        f"gpu-worker-{i}",
+                    ],
+                    tmp_path / f"worker{i}.log",
+                )
+            )
         from distributed import Client
 
         with Client(address, timeout="30s") as client:
@@ -65,30 +100,49 @@ def cluster(tmp_path: Path):
 @pytest.mark.slow
 def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
     with cluster(tmp_path) as address:
-            site_toml = write_site(make_site(days=7), tmp_path / "site")
-            out = tmp_path / "outputs"
-            env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out), "EVHUB_ALGOS": "ppo,a2c", "EVHUB_SEEDS": "1,2",
-                   "EVHUB_TOTAL_TIMESTEPS": "4096", "DASK_SCHEDULER_ADDRESS": address}
-            # doit runs two tasks at once (train:ppo and train:a2c, two seeds each); the four training runs share
-            # the two GPU workers
-            cmd = [sys.executable, "-m", "doit", "run", "-n", "2", "-P", "thread", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
-            result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-            table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
-            assert {"uncontrolled", "rule_based", "oracle", "ppo", "a2c"} <= set(table.controller)
-            agents = table[table.controller.isin(["ppo", "a2c"])]
-            assert (agents.n_seeds == 2).all() and agents.co2_kg_std.notna().all()  # mean and spread over 2 seeds
-            assert "± " in (out / "synthetic" / "report" / "report.md").read_text()
-            for algo in ("ppo", "a2c"):
-                for seed in (1, 2):
-                    assert (out / "synthetic" / "runs" / f"{algo}_seed{seed}" / "policy.pt2").is_file()
-            # the training ran in the cluster's worker processes (their output is in the workers' logs), every
-            # agent x seed exactly once, and both GPU workers trained
-            logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
-            runs = [(a, sd) for a in ("ppo", "a2c") for sd in (1, 2)]
-            where = {r: [i for i, log in enumerate(logs) if f"[{r[0]} seed {r[1]}] training:" in log] for r in runs}
-            assert all(len(w) == 1 for w in where.values()), where
-            assert {w[0] for w in where.values()} == {0, 1}, where
+        site_toml = write_site(make_site(days=7), tmp_path / "site")
+        out = tmp_path / "outputs"
+        env = {
+            **os.environ,
+            "EVHUB_SITE": str(site_toml),
+            "EVHUB_OUTPUT_DIR": str(out),
+            "EVHUB_ALGOS": "ppo,a2c",
+            "EVHUB_SEEDS": "1,2",
+            "EVHUB_TOTAL_TIMESTEPS": "4096",
+            "DASK_SCHEDULER_ADDRESS": address,
+        }
+        # doit runs two tasks at once (train:ppo and train:a2c, two seeds each); the four training runs share
+        # the two GPU workers
+        cmd = [
+            sys.executable,
+            "-m",
+            "doit",
+            "run",
+            "-n",
+            "2",
+            "-P",
+            "thread",
+            "--db-file",
+            str(tmp_path / "doit.db"),
+            "pipeline",
+        ]
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
+        assert {"uncontrolled", "rule_based", "oracle", "ppo", "a2c"} <= set(table.controller)
+        agents = table[table.controller.isin(["ppo", "a2c"])]
+        assert (agents.n_seeds == 2).all() and agents.co2_kg_std.notna().all()  # mean and spread over 2 seeds
+        assert "± " in (out / "synthetic" / "report" / "report.md").read_text()
+        for algo in ("ppo", "a2c"):
+            for seed in (1, 2):
+                assert (out / "synthetic" / "runs" / f"{algo}_seed{seed}" / "policy.pt2").is_file()
+        # the training ran in the cluster's worker processes (their output is in the workers' logs), every
+        # agent x seed exactly once, and both GPU workers trained
+        logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+        runs = [(a, sd) for a in ("ppo", "a2c") for sd in (1, 2)]
+        where = {r: [i for i, log in enumerate(logs) if f"[{r[0]} seed {r[1]}] training:" in log] for r in runs}
+        assert all(len(w) == 1 for w in where.values()), where
+        assert {w[0] for w in where.values()} == {0, 1}, where
 
 
 @pytest.mark.slow

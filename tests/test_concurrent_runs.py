@@ -49,15 +49,27 @@ def test_two_experiments_run_side_by_side_and_a_second_run_of_one_is_refused(tmp
     sites = {n: write_site(make_site(days=7, seed=seed), tmp_path / f"site_{n}") for n, seed in (("a", 0), ("b", 1))}
     logs = {name: (tmp_path / f"{name}.log").open("w") for name in sites}
     runs = {
-        name: subprocess.Popen([*DOIT, "run", "pipeline"], cwd=ROOT, env=_env(site, out, name), stdout=logs[name],
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        name: subprocess.Popen(
+            [*DOIT, "run", "pipeline"],
+            cwd=ROOT,
+            env=_env(site, out, name),
+            stdout=logs[name],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         for name, site in sites.items()
-    }  # fmt: skip
+    }
     try:
         _wait_for_holder(out / "a", runs["a"])
         started = time.time()
-        second = subprocess.run([*DOIT, "run", "pipeline"], cwd=ROOT, env=_env(sites["a"], out, "a"),
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        second = subprocess.run(
+            [*DOIT, "run", "pipeline"],
+            cwd=ROOT,
+            env=_env(sites["a"], out, "a"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         refused_in = time.time() - started
         for run in runs.values():
             run.wait(timeout=480)
@@ -86,8 +98,14 @@ def test_two_experiments_run_side_by_side_and_a_second_run_of_one_is_refused(tmp
         assert "train:ppo" in {row[0] for row in db.execute("select task_id from doit")}
 
     # the state of experiment a is its own: a new run of it finds every task up to date
-    again = subprocess.run([*DOIT, "run", "pipeline"], cwd=ROOT, env=_env(sites["a"], out, "a"),
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    again = subprocess.run(
+        [*DOIT, "run", "pipeline"],
+        cwd=ROOT,
+        env=_env(sites["a"], out, "a"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     for task in ("validate", "baselines", "train:ppo", "evaluate", "report"):
         assert f"-- {task}" in again.stdout, again.stdout
@@ -97,8 +115,14 @@ def test_two_experiments_run_side_by_side_and_a_second_run_of_one_is_refused(tmp
 def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "outputs"
     env = _env(write_site(make_site(days=7), tmp_path / "site"), out, "k")
-    first = subprocess.Popen([*DOIT, "run", "pipeline"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    first = subprocess.Popen(
+        [*DOIT, "run", "pipeline"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         _wait_for_holder(out / "k", first)
     finally:

@@ -78,7 +78,9 @@ def test_committed_data_pass(full):
     assert sessions.session_id.is_unique
     assert HOURLY.stat().st_size + SESSIONS.stat().st_size < 5_000_000
     # PV: a plausible San Diego year (per kWp), zero at night
-    year = hourly[(hourly.time >= pd.Timestamp("2020-05-01", tz=TZ)) & (hourly.time < pd.Timestamp("2021-05-01", tz=TZ))]
+    year = hourly[
+        (hourly.time >= pd.Timestamp("2020-05-01", tz=TZ)) & (hourly.time < pd.Timestamp("2021-05-01", tz=TZ))
+    ]
     assert 1_500 < year.pv_kw_per_kwp.astype(np.float64).sum() < 2_100
     local_hour = hourly.time.dt.tz_convert("Etc/GMT+8").dt.hour
     assert hourly.pv_kw_per_kwp[(local_hour <= 3) | (local_hour >= 21)].max() == 0.0

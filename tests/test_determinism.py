@@ -18,8 +18,8 @@ from test_dqn import TINY as DQN_TINY
 from test_ppo import TINY as PPO_TINY
 from test_sac import TINY as SAC_TINY
 
-from pipeline.study import tasks
 from pipeline.control.baselines import POLICIES
+from pipeline.study import tasks
 
 TIMING = ["wall_s", "sps"]
 """Metrics columns that measure the machine, not the run."""
@@ -30,8 +30,9 @@ def _baselines_in_a_subprocess(site_toml, out) -> None:
         "import sys; from pipeline.study import tasks; from pipeline.control.baselines import POLICIES\n"
         "for c in (*POLICIES, 'oracle'): tasks.run_controller(sys.argv[1], c, 'test', sys.argv[2])\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(site_toml), str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(site_toml), str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -58,8 +59,22 @@ def test_same_seed_gives_the_same_training_curve_and_policy(algo, budget, tiny, 
     # the second run also switches PyTorch to its deterministic algorithms: on the CPU that changes nothing
     for attempt, flags in (("first", []), ("second", ["--deterministic-algorithms"])):
         out = tmp_path / attempt
-        proc = run_algo(algo, "--site", str(site_toml), "--output-dir", str(out), "--seed", "7",
-                        "--total-timesteps", str(budget), "--eval-split", "none", *tiny, *flags, timeout=600)
+        proc = run_algo(
+            algo,
+            "--site",
+            str(site_toml),
+            "--output-dir",
+            str(out),
+            "--seed",
+            "7",
+            "--total-timesteps",
+            str(budget),
+            "--eval-split",
+            "none",
+            *tiny,
+            *flags,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         curves.append(pd.read_parquet(out / "metrics.parquet").drop(columns=TIMING))
         policies.append(torch.export.load(str(out / "policy.pt2")).state_dict)

@@ -111,7 +111,10 @@ def defines(source: Path, name: str) -> bool:
     if source.is_dir():
         return module_file([*source.relative_to(ROOT).parts, name]) is not None
     text = source.read_text(encoding="utf-8")
-    return re.search(rf"^(?:async\s+def|def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", text, re.M) is not None
+    return (
+        re.search(rf"^(?:async\s+def|def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", text, re.M)
+        is not None
+    )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
@@ -158,7 +161,7 @@ def test_project_paths_exist(page):
                 if path.split("/")[0] in CHECKED_DIRS and "<" not in path and not project_path_exists(path):
                     bad.append(path)
             py = re.fullmatch(r"([\w.]+\.py)(?:::\w+)?", token)
-            if py and not "/" in token and py.group(1) in CHECKED_FILES and not (ROOT / py.group(1)).exists():
+            if py and "/" not in token and py.group(1) in CHECKED_FILES and not (ROOT / py.group(1)).exists():
                 bad.append(token)
     assert not bad, f"{page.name}: paths that do not exist: {sorted(set(bad))}"
 

@@ -31,7 +31,8 @@ def _folder_site(folder: Path, template: Path) -> Path:
     toml.write_text(toml.read_text().replace(TWO_FILES, 'files = "sessions/*.csv"'))
     raw = folder / "raw"
     session_rows(pd.date_range("2024-11-01", "2024-11-06", freq="D"), offsets=True).to_csv(
-        raw / "sessions" / "2024-11.csv", index=False)  # fmt: skip
+        raw / "sessions" / "2024-11.csv", index=False
+    )
     moer_frame("2022-10-01", "2022-10-05").to_csv(raw / "moer_de" / "DE_2022.csv", index=False)
     return toml
 
@@ -44,16 +45,19 @@ def test_a_folder_with_files_outside_the_period_ingests_and_says_which_it_skippe
     assert skipped == [
         "ingest: skipped sessions/2024-11.csv: all 30 sessions arrive outside the site's period 2023-10-23..2023-11-07"
         " (Europe/Berlin, from the splits): they arrive 2024-11-01..2024-11-06",
-        f"ingest: skipped moer_de/DE_2022.csv: all {4 * 288:,} rows lie outside the site's period 2023-10-23..2023-11-07"
-        " (Europe/Berlin, from the splits): they cover 2022-10-01..2022-10-05",
+        f"ingest: skipped moer_de/DE_2022.csv: all {4 * 288:,} rows lie outside the site's period "
+        "2023-10-23..2023-11-07 (Europe/Berlin, from the splits): they cover 2022-10-01..2022-10-05",
     ], out
     info = summary["info"]
     assert [s["file"] for s in info["sessions"]["skipped"]] == ["sessions/2024-11.csv"]
     assert [s["file"] for s in info["carbon"]["skipped"]] == ["moer_de/DE_2022.csv"]
     assert [r["file"] for r in info["sessions"]["report"]] == ["sessions/november.csv", "sessions/october.csv"]
     readme = (tmp_path / "folder" / "garage" / "README.md").read_text()
-    for needle in ("| `sessions/2024-11.csv` (skipped) |", "| `moer_de/DE_2022.csv` (skipped) |",
-                   "Skipped: 2 raw file(s) none of whose rows lies in the site's period 2023-10-23..2023-11-07"):  # fmt: skip
+    for needle in (
+        "| `sessions/2024-11.csv` (skipped) |",
+        "| `moer_de/DE_2022.csv` (skipped) |",
+        "Skipped: 2 raw file(s) none of whose rows lies in the site's period 2023-10-23..2023-11-07",
+    ):
         assert needle in readme, needle
     assert "(skipped)" not in readme.split("`moer_de/DE_part1.csv`")[1].splitlines()[0]
 
@@ -65,12 +69,15 @@ def test_a_folder_with_files_outside_the_period_ingests_and_says_which_it_skippe
     pd.testing.assert_frame_equal(read_carbon(folder, index)[0], read_carbon(clean, index)[0])
     hourly = pd.read_parquet(tmp_path / "folder" / "garage" / "hourly.parquet")
     pd.testing.assert_series_equal(
-        hourly.moer_kg_per_kwh, read_carbon(clean, index)[0].moer_kg_per_kwh.astype("float32").reset_index(drop=True),
+        hourly.moer_kg_per_kwh,
+        read_carbon(clean, index)[0].moer_kg_per_kwh.astype("float32").reset_index(drop=True),
         check_names=False,
-    )  # fmt: skip
+    )
 
 
-def test_a_source_with_no_file_in_a_split_fails_naming_the_source_the_split_and_what_the_files_cover(tmp_path, template):
+def test_a_source_with_no_file_in_a_split_fails_naming_the_source_the_split_and_what_the_files_cover(
+    tmp_path, template
+):
     toml = _folder_site(tmp_path, template)
     (tmp_path / "raw" / "moer_de" / "DE_part2.csv").unlink()  # DE_part1 ends on 2023-10-31: nothing for the test split
     with pytest.raises(SourceError) as info:
@@ -79,8 +86,8 @@ def test_a_source_with_no_file_in_a_split_fails_naming_the_source_the_split_and_
     for needle in (
         f"{toml}: no file of [sources.carbon] (files = 'moer_de/*.csv') covers split 'test' (key 'splits.test' ="
         " 2023-11-01..2023-11-06, Europe/Berlin)",
-        "The files cover (Europe/Berlin dates): moer_de/DE_2022.csv 2022-10-01..2022-10-05 (1,152 rows, skipped: outside"
-        " the period), moer_de/DE_part1.csv 2023-10-21..2023-10-31",
+        "The files cover (Europe/Berlin dates): moer_de/DE_2022.csv 2022-10-01..2022-10-05 (1,152 rows, skipped: "
+        "outside the period), moer_de/DE_part1.csv 2023-10-21..2023-10-31",
         "Point key 'sources.carbon.files' at files covering the site's period 2023-10-23..2023-11-07",
     ):
         assert needle in message, f"{needle!r} not in:\n{message}"
@@ -101,7 +108,9 @@ def test_a_source_with_no_file_in_a_split_fails_naming_the_source_the_split_and_
     assert not (tmp_path / "garage").exists()
 
 
-def test_a_carbon_file_that_covers_part_of_the_period_still_names_the_first_missing_hour_and_the_files(tmp_path, template):
+def test_a_carbon_file_that_covers_part_of_the_period_still_names_the_first_missing_hour_and_the_files(
+    tmp_path, template
+):
     toml = write_garage(tmp_path, template)
     p = tmp_path / "raw" / "moer_de" / "DE_part2.csv"
     d = pd.read_csv(p, dtype=str)
@@ -109,9 +118,12 @@ def test_a_carbon_file_that_covers_part_of_the_period_still_names_the_first_miss
     with pytest.raises(SourceError) as info:
         ingest(toml)
     message = str(info.value)
-    for needle in ("does not cover the site's period", "in split 'test'",
-                   "The files of [sources.carbon] cover (Europe/Berlin dates): moer_de/DE_part1.csv",
-                   "moer_de/DE_part2.csv 2023-10-30..2023-11-05"):  # fmt: skip
+    for needle in (
+        "does not cover the site's period",
+        "in split 'test'",
+        "The files of [sources.carbon] cover (Europe/Berlin dates): moer_de/DE_part1.csv",
+        "moer_de/DE_part2.csv 2023-10-30..2023-11-05",
+    ):
         assert needle in message, f"{needle!r} not in:\n{message}"
 
 
@@ -133,7 +145,8 @@ def test_a_raw_file_cut_short_names_the_file_and_says_so(tmp_path, template):
         ingest(toml)
     message = str(info.value)
     for needle in (
-        f"{bad}: cannot be read as gzip-compressed CSV (EOFError: Compressed file ended before the end-of-stream marker",
+        f"{bad}: cannot be read as gzip-compressed CSV (EOFError: Compressed file ended before the end-of-stream "
+        "marker",
         "looks cut short (a download broken off?)",
         f"or is not what key 'sources.sessions.format' = 'csv' of {toml} says; download it again",
     ):
@@ -143,6 +156,9 @@ def test_a_raw_file_cut_short_names_the_file_and_says_so(tmp_path, template):
     shutil.copy(tmp_path / "raw" / "moer_de" / "DE_part1.csv", tmp_path / "part1.csv")
     pd.read_csv(tmp_path / "part1.csv").to_parquet(tmp_path / "raw" / "moer_de" / "DE_part1.csv")
     bad.write_bytes(gzip.compress((template / "raw" / "sessions" / "october.csv").read_bytes()))
-    with pytest.raises(SourceError, match=r"DE_part1\.csv: cannot be read as CSV \(.*\): the file looks cut short .* or is"
-                                          r" not what key 'sources\.carbon\.format' = 'watttime-moer'"):
+    with pytest.raises(
+        SourceError,
+        match=r"DE_part1\.csv: cannot be read as CSV \(.*\): the file looks cut short .* or is"
+        r" not what key 'sources\.carbon\.format' = 'watttime-moer'",
+    ):
         ingest(toml)

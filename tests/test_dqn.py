@@ -9,8 +9,8 @@ without CUDA, ``--compile`` on the CPU, ``gpu_stats`` on the CPU) is checked in 
 from __future__ import annotations
 
 import copy
-from functools import partial
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -131,8 +131,16 @@ def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
         rb, net = dqn.make_replay_buffer(10, obs.shape[1], torch.device("cpu")), copy.deepcopy(qnet)
         steps = {}
         for update_norm in (True, False):
-            steps[update_norm] = partial(dqn.act_step_store, partial(dqn.act, net), net, env, rb,
-                                         update_norm=update_norm, bootstrap_truncation=True, reward_scale=10.0)
+            steps[update_norm] = partial(
+                dqn.act_step_store,
+                partial(dqn.act, net),
+                net,
+                env,
+                rb,
+                update_norm=update_norm,
+                bootstrap_truncation=True,
+                reward_scale=10.0,
+            )
             if compiled:
                 torch._inductor.config.fallback_random = True  # eager's random numbers, as harness.bind sets
                 steps[update_norm] = torch.compile(steps[update_norm], fullgraph=True)
@@ -185,9 +193,18 @@ def test_greedy_hub_policy_equals_the_discrete_env(site):
 def test_amp_smoke_on_cpu(site_toml, tmp_path):
     """``--amp`` (bf16 autocast on CPU) trains to finite losses and exports the policy."""
     proc = run_dqn(
-        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "128", "--amp",
-        "--eval-split", "none", *TINY, timeout=300,
-    )  # fmt: skip
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(tmp_path),
+        "--total-timesteps",
+        "128",
+        "--amp",
+        "--eval-split",
+        "none",
+        *TINY,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "policy.pt2").is_file()
     metrics = pd.read_parquet(tmp_path / "metrics.parquet")
@@ -199,9 +216,16 @@ def test_amp_smoke_on_cpu(site_toml, tmp_path):
 def test_gpu_switches(site_toml, tmp_path, flags):
     tiny_gpu = [a for a in TINY if a != "--no-cuda"]
     proc = run_dqn(
-        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "256", *flags, *tiny_gpu,
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(tmp_path),
+        "--total-timesteps",
+        "256",
+        *flags,
+        *tiny_gpu,
         timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = pd.read_parquet(tmp_path / "metrics.parquet")
     assert np.isfinite(metrics[["td_loss", "q_values"]].to_numpy()).all()
@@ -212,9 +236,16 @@ def test_gpu_switches(site_toml, tmp_path, flags):
 def test_non_finite_loss_stops_without_exporting(site_toml, tmp_path):
     # an infinite learning rate turns the weights into inf/NaN after the first optimizer step
     proc = run_dqn(
-        "--site", str(site_toml), "--output-dir", str(tmp_path), "--total-timesteps", "128", "--learning-rate", "inf",
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(tmp_path),
+        "--total-timesteps",
+        "128",
+        "--learning-rate",
+        "inf",
         *TINY,
-    )  # fmt: skip
+    )
     assert proc.returncode != 0
     assert "NonFiniteLossError" in proc.stderr and "td_loss" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "policy.pt2").exists()
@@ -289,8 +320,18 @@ def evaluate_snake(policy, episodes: int = 1000, seed: int = 0, device: str = "c
 
 
 def test_snake_smoke_run_uses_the_cnn_and_exports_an_action_policy(tmp_path):
-    proc = run_dqn("--env-id", "Snake-v0", "--output-dir", str(tmp_path), "--total-timesteps", "256",
-                   "--cnn-channels", "4", "8", *GYM_TINY)  # fmt: skip
+    proc = run_dqn(
+        "--env-id",
+        "Snake-v0",
+        "--output-dir",
+        str(tmp_path),
+        "--total-timesteps",
+        "256",
+        "--cnn-channels",
+        "4",
+        "8",
+        *GYM_TINY,
+    )
     assert_generic_run(tmp_path, proc, 256)
     assert "torch-batched" in proc.stdout and "(CNN)" in proc.stdout
     line = next(line for line in proc.stdout.splitlines() if line.startswith("args: "))
@@ -317,8 +358,19 @@ def test_cartpole_smoke_run_through_gymnasium_vector_envs(tmp_path):
 
 @pytest.mark.slow
 def test_cartpole_async_overlaps_stepping_with_learning(tmp_path):
-    proc = run_dqn("--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--total-timesteps", "256",
-                   "--vector-mode", "async", *GYM_TINY, "--num-envs", "2")  # fmt: skip
+    proc = run_dqn(
+        "--env-id",
+        "CartPole-v1",
+        "--output-dir",
+        str(tmp_path),
+        "--total-timesteps",
+        "256",
+        "--vector-mode",
+        "async",
+        *GYM_TINY,
+        "--num-envs",
+        "2",
+    )
     assert_generic_run(tmp_path, proc, 256)
     assert "vector_mode=async" in proc.stdout and "overlapped with the gradient steps" in proc.stdout
 
@@ -348,8 +400,19 @@ def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeyp
         raise RuntimeError("cannot start worker processes (injected)")
 
     monkeypatch.setattr(gym.vector, "AsyncVectorEnv", broken)
-    args = cli("--env-id", "CartPole-v1", "--output-dir", str(tmp_path), "--vector-mode", "async",
-               "--total-timesteps", "64", "--eval-split", "none", *GYM_TINY)  # fmt: skip
+    args = cli(
+        "--env-id",
+        "CartPole-v1",
+        "--output-dir",
+        str(tmp_path),
+        "--vector-mode",
+        "async",
+        "--total-timesteps",
+        "64",
+        "--eval-split",
+        "none",
+        *GYM_TINY,
+    )
     result = dqn.main(args)
     assert result["global_step"] == 64 and result["vector_mode"] == "sync" and args.vector_mode == "async"
     captured = capsys.readouterr()

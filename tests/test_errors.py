@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -65,39 +65,55 @@ def _busy(toml: Path):
 
 KINDS = {
     "site-config": Kind(
-        garage=False, breaker=_edit("n_sockets = 6", "n_sockets = 0"),
+        garage=False,
+        breaker=_edit("n_sockets = 6", "n_sockets = 0"),
         needles=lambda t: [f"ERROR: {t}: key 'ev.n_sockets' must be >= 1, got 0"],
     ),
     "doit-variable": Kind(
-        garage=False, args=("algos=ppo,foo",),
+        garage=False,
+        args=("algos=ppo,foo",),
         needles=lambda t: ["ERROR: doit variable algos='ppo,foo': unknown algorithm(s) 'foo'"],
     ),
     "doit-variable-typo": Kind(
-        garage=False, args=("seed=2",),
+        garage=False,
+        args=("seed=2",),
         needles=lambda t: ["ERROR: doit variable seed='2': unknown variable", "seeds"],
     ),
     "experiment-running": Kind(
-        garage=False, breaker=_busy,
+        garage=False,
+        breaker=_busy,
         needles=lambda t: ["ERROR: ", f"experiment folder {t.parent.parent / 'outputs' / 'synthetic'} is in use by"],
     ),
     "bad-data": Kind(
-        garage=False, breaker=_negative_energy, failed="validate",
+        garage=False,
+        breaker=_negative_energy,
+        failed="validate",
         needles=lambda t: [f"{t.parent / 'synthetic' / 'sessions.parquet'}: column 'energy_kwh' row 3", "-5.0"],
     ),
     "bad-sources": Kind(
-        garage=True, breaker=_edit('unit = "kg/kWh"', 'units = "kg/kWh"'), failed="ingest",
+        garage=True,
+        breaker=_edit('unit = "kg/kWh"', 'units = "kg/kWh"'),
+        failed="ingest",
         needles=lambda t: [f"{t}: unknown key 'sources.carbon.units'", "did you mean 'sources.carbon.unit'?"],
     ),
     "raw-file-cut-short": Kind(
-        garage=True, breaker=cut_short, failed="ingest",
-        needles=lambda t: [f"{t.parent / 'raw' / 'sessions' / 'october.csv.gz'}: cannot be read as gzip-compressed CSV",
-                           "looks cut short", "key 'sources.sessions.format' = 'csv'"],
+        garage=True,
+        breaker=cut_short,
+        failed="ingest",
+        needles=lambda t: [
+            f"{t.parent / 'raw' / 'sessions' / 'october.csv.gz'}: cannot be read as gzip-compressed CSV",
+            "looks cut short",
+            "key 'sources.sessions.format' = 'csv'",
+        ],
     ),
     "split-without-a-file": Kind(
-        garage=True, failed="ingest",
+        garage=True,
+        failed="ingest",
         breaker=_edit('files = ["sessions/october.csv", "sessions/november.csv"]', 'files = ["sessions/october.csv"]'),
-        needles=lambda t: ["no file of [sources.sessions] (files = 'sessions/october.csv') covers split 'test'",
-                           "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31"],
+        needles=lambda t: [
+            "no file of [sources.sessions] (files = 'sessions/october.csv') covers split 'test'",
+            "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31",
+        ],
     ),
 }
 
@@ -122,7 +138,9 @@ def test_an_expected_error_prints_one_message_without_a_traceback(tmp_path, temp
     started = [line for line in result.stdout.splitlines() if line.startswith(".  ")]
     if k.failed is None:  # stopped while doit loads dodo.py: doit's one-line ERROR, exit 3
         assert result.returncode == 3 and started == [] and "TaskError" not in message, message[-3000:]
-        assert [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")] == [result.stderr.strip().splitlines()[0]]
+        assert [line for line in result.stderr.splitlines() if line.startswith("ERROR: ")] == [
+            result.stderr.strip().splitlines()[0]
+        ]
     else:
         assert result.returncode == 1 and started == [f".  {k.failed}"], message[-3000:]
         assert f"TaskFailed - taskid:{k.failed}" in result.stdout and "TaskError" not in message, message[-3000:]

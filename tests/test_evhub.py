@@ -307,7 +307,9 @@ def test_surplus_bess_action_spans_the_rule_to_full_charge_monotonically(site):
     levels = torch.linspace(-1, 1, num_envs, dtype=torch.float64)
     results = {}
     for mode in ("setpoint", "surplus", "rule"):
-        env = EVHubVectorEnv(num_envs, site=site, dtype=torch.float64, bess_action="setpoint" if mode == "rule" else mode)
+        env = EVHubVectorEnv(
+            num_envs, site=site, dtype=torch.float64, bess_action="setpoint" if mode == "rule" else mode
+        )
         env.reset(seed=0, options={"start_steps": [12] * num_envs})  # mid-day: PV and some EVs
         env.energy_kwh[:] = 0.5 * site.config.bess.capacity_kwh
         look = env.power_outlook()
@@ -342,8 +344,13 @@ def test_policy_spec_round_trip_and_bad_specs(tmp_path):
 
 def test_a_binding_import_limit_cuts_battery_charging_before_any_car():
     # no PV, a large battery told to charge at full power, every car asking for full power, a tight service limit
-    site = make_site(days=7, n_sockets=6, pv={"kwp": 0.0}, bess={"capacity_kwh": 400.0, "power_kw": 50.0},
-                     grid={"import_limit_kw": 14.0})
+    site = make_site(
+        days=7,
+        n_sockets=6,
+        pv={"kwp": 0.0},
+        bess={"capacity_kwh": 400.0, "power_kw": 50.0},
+        grid={"import_limit_kw": 14.0},
+    )
     env = EVHubVectorEnv(1, site=site, split="train", full_split=True, dtype=torch.float64, bess_action="setpoint")
     env.reset(seed=0)
     limit, binding, starved = 14.0, 0, 0
@@ -360,7 +367,8 @@ def test_a_binding_import_limit_cuts_battery_charging_before_any_car():
             assert ev >= min(floor, limit) - 1e-9  # the deadline floors go last
         starved += ev < floor - 1e-9
     assert binding > 10  # the limit did bind, often
-    k, _ = evaluate_policy(lambda obs, e: torch.tensor([[1.0, 1.0]], dtype=obs.dtype), site, "train", "full",
-                           bess_action="setpoint")
+    k, _ = evaluate_policy(
+        lambda obs, e: torch.tensor([[1.0, 1.0]], dtype=obs.dtype), site, "train", "full", bess_action="setpoint"
+    )
     # what is left unserved comes from floors above the limit alone: without any floor cut, nothing is unserved
     assert (k.unserved_kwh.item() > 0) == (starved > 0)

@@ -32,8 +32,10 @@ def random_actions(env: EVHubVectorEnv, steps: int, seed: int) -> list[torch.Ten
 @pytest.mark.parametrize("action_mode, edf", [("hub", "pairwise"), ("socket", "sort"), ("discrete", "sort")])
 def test_the_step_compiles_as_one_graph_and_follows_the_eager_step(action_mode, edf):
     site = make_site(days=7, n_sockets=6, **THINNED)
-    eager, graphed = (EVHubVectorEnv(8, site=site, action_mode=action_mode, edf=edf, dtype=torch.float64,
-                                     bess_action="surplus") for _ in range(2))  # fmt: skip
+    eager, graphed = (
+        EVHubVectorEnv(8, site=site, action_mode=action_mode, edf=edf, dtype=torch.float64, bess_action="surplus")
+        for _ in range(2)
+    )
     eager.reset(seed=5)
     graphed.reset(seed=5)
     step = torch.compile(graphed.step, fullgraph=True)  # any graph break raises here

@@ -19,8 +19,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import (ROOT, assert_resumed_once_to_the_end, load_algo, make_site, run_algo, tiny_ppo_pipeline_env,
-                      training_process, wait_for_checkpoint, write_site)
+from conftest import (
+    ROOT,
+    assert_resumed_once_to_the_end,
+    load_algo,
+    make_site,
+    run_algo,
+    tiny_ppo_pipeline_env,
+    training_process,
+    wait_for_checkpoint,
+    write_site,
+)
 
 from envs.files import atomic_write, write_parquet
 
@@ -47,8 +56,20 @@ class KillCase:
 
 CASES = {
     "ppo": KillCase(
-        ["--num-envs", "4", "--num-steps", "48", "--num-minibatches", "2", "--update-epochs", "2", "--hidden-size", "16",
-         "--checkpoint-every", "2"],
+        [
+            "--num-envs",
+            "4",
+            "--num-steps",
+            "48",
+            "--num-minibatches",
+            "2",
+            "--update-epochs",
+            "2",
+            "--hidden-size",
+            "16",
+            "--checkpoint-every",
+            "2",
+        ],
         total=4 * 48 * 120,  # 120 iterations: long enough to be killed in the middle
         kill_after=6,
     ),
@@ -59,8 +80,25 @@ CASES = {
     ),
     "sac": KillCase(
         # the buffer (200 rows) has wrapped around and learning has started (step 64) by the kill (iteration 64+)
-        ["--num-envs", "4", "--hidden-size", "16", "--batch-size", "32", "--buffer-size", "200", "--learning-starts",
-         "64", "--gradient-steps", "2", "--log-every", "8", "--checkpoint-every", "16", "--save-buffer"],
+        [
+            "--num-envs",
+            "4",
+            "--hidden-size",
+            "16",
+            "--batch-size",
+            "32",
+            "--buffer-size",
+            "200",
+            "--learning-starts",
+            "64",
+            "--gradient-steps",
+            "2",
+            "--log-every",
+            "8",
+            "--checkpoint-every",
+            "16",
+            "--save-buffer",
+        ],
         total=4 * 750,
         kill_after=64,
         buffer_rows="size",
@@ -69,24 +107,49 @@ CASES = {
     ),
     "dqn": KillCase(
         # 8 env steps per iteration: the buffer (200 rows) has wrapped around and learning has started by the kill
-        ["--num-envs", "4", "--num-steps", "2", "--gradient-steps", "2", "--batch-size", "32", "--buffer-size", "200",
-         "--learning-starts", "64", "--target-network-frequency", "40", "--hidden-size", "16", "--log-every", "4",
-         "--checkpoint-every", "16", "--save-buffer"],
+        [
+            "--num-envs",
+            "4",
+            "--num-steps",
+            "2",
+            "--gradient-steps",
+            "2",
+            "--batch-size",
+            "32",
+            "--buffer-size",
+            "200",
+            "--learning-starts",
+            "64",
+            "--target-network-frequency",
+            "40",
+            "--hidden-size",
+            "16",
+            "--log-every",
+            "4",
+            "--checkpoint-every",
+            "16",
+            "--save-buffer",
+        ],
         total=8 * 750,
         kill_after=48,
         buffer_rows="count",
         resume_buffer="buffer {:,} rows restored",
         loss="td_loss",
     ),
-}  # fmt: skip
+}
 
 
 def start_and_sigkill(name: str, args: list[str], ckpt, kill_after: int, timeout: float = 120) -> dict:
     """Start ``algos/<name>.py *args`` in a subprocess, SIGKILL it once ``ckpt`` holds iteration ``kill_after`` or
     later, and return the checkpoint left behind (loaded after the kill, so it is the last one written)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "algos" / f"{name}.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "algos" / f"{name}.py"), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + timeout
         while time.time() < deadline and proc.poll() is None:
@@ -109,8 +172,18 @@ def start_and_sigkill(name: str, args: list[str], ckpt, kill_after: int, timeout
 def test_sigkilled_run_resumes_to_the_full_step_count(name, site_toml, tmp_path):
     case = CASES[name]
     out = tmp_path / name
-    args = ["--site", str(site_toml), "--output-dir", str(out), "--no-cuda", "--eval-split", "none", *case.args,
-            "--total-timesteps", str(case.total)]  # fmt: skip
+    args = [
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(out),
+        "--no-cuda",
+        "--eval-split",
+        "none",
+        *case.args,
+        "--total-timesteps",
+        str(case.total),
+    ]
     ckpt = out / "checkpoint.pt"
     killed = start_and_sigkill(name, args, ckpt, case.kill_after)
     killed_at = killed["global_step"]
@@ -146,9 +219,13 @@ def filled_dqn_buffer(dqn, size: int, batches: int, obs_dim: int = 3, n: int = 4
     rb = dqn.make_replay_buffer(size, obs_dim, torch.device("cpu"))
     for _ in range(batches):
         dqn.buffer_add(
-            rb, torch.randn(n, obs_dim, generator=g), torch.randint(0, 15, (n,), generator=g),
-            torch.randn(n, generator=g), torch.randn(n, obs_dim, generator=g), (torch.rand(n, generator=g) < 0.2).float(),
-        )  # fmt: skip
+            rb,
+            torch.randn(n, obs_dim, generator=g),
+            torch.randint(0, 15, (n,), generator=g),
+            torch.randn(n, generator=g),
+            torch.randn(n, obs_dim, generator=g),
+            (torch.rand(n, generator=g) < 0.2).float(),
+        )
     return rb
 
 
@@ -176,7 +253,9 @@ def test_dqn_checkpointed_replay_buffer_restores_identically(batches, tmp_path):
     # the same writes and the same random numbers then give the same samples
     more = filled_dqn_buffer(dqn, 10, 1, seed=1)
     for rb in (saved, restored):
-        dqn.buffer_add(rb, more["obs"][:4], more["actions"][:4], more["rewards"][:4], more["next_obs"][:4], more["dones"][:4])
+        dqn.buffer_add(
+            rb, more["obs"][:4], more["actions"][:4], more["rewards"][:4], more["next_obs"][:4], more["dones"][:4]
+        )
     torch.manual_seed(3)
     a = dqn.buffer_sample(saved, 16)
     torch.manual_seed(3)

@@ -47,8 +47,14 @@ def test_an_exported_policy_gives_the_same_kpis_without_its_policy_json(name, si
 
     def kpis(run_dir) -> pd.DataFrame:
         spec = read_policy_spec(run_dir)
-        row, _ = evaluate_policy(load_policy(run_dir / "policy.pt2"), site, "test", name, spec["action_mode"],
-                                 bess_action=spec["bess_action"])
+        row, _ = evaluate_policy(
+            load_policy(run_dir / "policy.pt2"),
+            site,
+            "test",
+            name,
+            spec["action_mode"],
+            bess_action=spec["bess_action"],
+        )
         return row
 
     spec = read_policy_spec(out)
@@ -58,8 +64,9 @@ def test_an_exported_policy_gives_the_same_kpis_without_its_policy_json(name, si
     assert read_policy_spec(out) == spec  # the settings travel inside policy.pt2 too
     pd.testing.assert_frame_equal(kpis(out), with_json)
     # evaluated under the other BESS rule, the same policy gives other KPIs: the spec is what made them equal
-    other, _ = evaluate_policy(load_policy(out / "policy.pt2"), site, "test", name, spec["action_mode"],
-                               bess_action="setpoint")
+    other, _ = evaluate_policy(
+        load_policy(out / "policy.pt2"), site, "test", name, spec["action_mode"], bess_action="setpoint"
+    )
     assert not math.isclose(float(other.co2_kg.iloc[0]), float(with_json.co2_kg.iloc[0]), rel_tol=1e-9)
 
 
@@ -129,7 +136,7 @@ def test_box_actions_are_clipped_then_rescaled_to_the_bounds_and_final_obs_ends_
     assert env.has_final_obs and not env.torch_batched
     np.testing.assert_allclose(env.action_to_env(torch.tensor([[-3.0], [0.5]])), [[-2.0], [1.0]])
     obs, _ = env.reset(seed=0)
-    for t in range(200):
+    for _t in range(200):
         obs, reward, terminated, truncated, info = env.step(torch.zeros(2, 1))
     assert truncated.all() and not terminated.any()
     assert not torch.equal(info["final_obs"], obs)  # the episode's last observation, not the next one's first
@@ -142,7 +149,8 @@ def test_box_actions_are_clipped_then_rescaled_to_the_bounds_and_final_obs_ends_
 def test_episode_statistics_and_the_reward_normaliser_checkpoint_and_resume_exactly():
     site = make_site(days=3, n_sockets=3)
     make = lambda: NormalizeReward(  # noqa: E731
-        RecordEpisodeStatistics(make_vec("EVHub-v0", 4, "cpu", site=site, split="train")), 0.98, False)
+        RecordEpisodeStatistics(make_vec("EVHub-v0", 4, "cpu", site=site, split="train")), 0.98, False
+    )
     a, b = make(), make()
     a.reset(seed=1)
     b.reset(seed=9)
@@ -185,8 +193,18 @@ def trained(site_toml, tmp_path_factory):
 
 def resume(out, site_toml, tmp_path) -> str:
     """``--resume`` of a copy of ``out`` as a script; returns its stderr (it must fail)."""
-    proc = run_algo("ppo", "--site", str(site_toml), "--output-dir", str(out), "--eval-split", "none", "--resume",
-                    *TINY["ppo"][:-1], "384")  # fmt: skip
+    proc = run_algo(
+        "ppo",
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(out),
+        "--eval-split",
+        "none",
+        "--resume",
+        *TINY["ppo"][:-1],
+        "384",
+    )
     assert proc.returncode != 0, proc.stdout[-2000:]
     return proc.stderr
 
@@ -235,8 +253,10 @@ def test_presets_are_args_defaults_chosen_before_parsing(name):
     # a flag wins over the preset, and nothing is None waiting to be filled in
     first = next(iter(module.PRESETS["gpu"]))
     flag = "--" + first.replace("_", "-")
-    assert getattr(harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, ["--preset", "gpu", flag, "3"]),
-                   first) == 3
+    assert (
+        getattr(harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, ["--preset", "gpu", flag, "3"]), first)
+        == 3
+    )
     assert all(getattr(cpu, f) is not None for f in module.PRESETS["cpu"])
 
 

@@ -32,7 +32,10 @@ def _same_libraries(shipped: Path) -> bool:
     import pyarrow.parquet as pq
 
     created_by = pq.ParquetFile(shipped / "hourly.parquet").metadata.created_by
-    return f"version {pyarrow.__version__}" in created_by and f"pvlib {pvlib.__version__}" in (shipped / "README.md").read_text()
+    return (
+        f"version {pyarrow.__version__}" in created_by
+        and f"pvlib {pvlib.__version__}" in (shipped / "README.md").read_text()
+    )
 
 
 @pytest.mark.parametrize("name", ["caltech", "iquitos"])
@@ -48,9 +51,12 @@ def test_shipped_site_regenerates_byte_for_byte(tmp_path, name):
         for f in ("hourly.parquet", "sessions.parquet", "README.md"):
             assert _sha256(tmp_path / f) == _sha256(shipped / f), f
     else:
-        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "sessions.parquet"), pd.read_parquet(shipped / "sessions.parquet"))
-        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "hourly.parquet"), pd.read_parquet(shipped / "hourly.parquet"),
-                                      rtol=0, atol=1e-5)  # fmt: skip
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(tmp_path / "sessions.parquet"), pd.read_parquet(shipped / "sessions.parquet")
+        )
+        pd.testing.assert_frame_equal(
+            pd.read_parquet(tmp_path / "hourly.parquet"), pd.read_parquet(shipped / "hourly.parquet"), rtol=0, atol=1e-5
+        )
 
 
 def test_doit_ingests_then_validates_then_runs_a_users_site(tmp_path, template):
@@ -62,8 +68,10 @@ def test_doit_ingests_then_validates_then_runs_a_users_site(tmp_path, template):
     started = [line for line in first.stdout.splitlines() if line.startswith(".  ")]
     assert started == [".  ingest", ".  validate", ".  baselines"], started
     assert (tmp_path / "site" / "garage" / "hourly.parquet").is_file()
-    co2 = {c: pd.read_parquet(out / "garage" / "baselines" / f"{c}_test.parquet").co2_kg.iloc[0]
-           for c in ("uncontrolled", "rule_based", "oracle")}  # fmt: skip
+    co2 = {
+        c: pd.read_parquet(out / "garage" / "baselines" / f"{c}_test.parquet").co2_kg.iloc[0]
+        for c in ("uncontrolled", "rule_based", "oracle")
+    }
     assert co2["uncontrolled"] > co2["rule_based"] >= co2["oracle"] >= 0.0, co2
 
     second = doit(["run", "baselines"], toml, out)

@@ -12,13 +12,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from envs.config import load_config
 from envs.kpis import balance_residual, evaluate_policy
 from envs.schemas import read_table, validate_site_data
-from envs.config import load_config
 from envs.site import Site, load_site
+from pipeline.control.baselines import POLICIES
 from pipeline.data import pv as pv_model
 from pipeline.data import readers, sources, synthetic
-from pipeline.control.baselines import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "envs" / "sites" / "iquitos"
@@ -79,7 +79,7 @@ def test_splits_map_each_socket_id_to_its_own_socket(site):
         d = site.split(split)
         assert not d.sessions.rejected.any()
         assert (d.sessions.socket.to_numpy() == d.sessions.station_id.map(index).to_numpy()).all()
-    assert (site.split("test").time.min() > site.split("train").time.max())
+    assert site.split("test").time.min() > site.split("train").time.max()
 
 
 # ------------------------------------------------------------------------------------------ the generator
@@ -115,7 +115,9 @@ def test_sessions_respect_fleet_parameters(sessions):
         assert 0.85 * f.dwell_median_h <= dwell_h.median() <= 1.15 * f.dwell_median_h
         local_hour = s.arrival.dt.tz_convert(TZ).dt.hour
         peaks = {round(m) % 24 for _, m, _ in f.arrival_mix}
-        assert local_hour.value_counts().idxmax() in peaks | {(p - 1) % 24 for p in peaks} | {(p + 1) % 24 for p in peaks}
+        assert local_hour.value_counts().idxmax() in peaks | {(p - 1) % 24 for p in peaks} | {
+            (p + 1) % 24 for p in peaks
+        }
     assert (sessions.requested_energy_kwh == sessions.energy_kwh).all()
 
 
@@ -153,8 +155,16 @@ def test_pv_is_the_pvlib_clear_sky_model(site):
     week = sources.hourly_index("2023-06-01", "2023-06-08", TZ)
     pv_cfg, w = SRC.config.pv, SRC.weather
     pv, info = pv_model.clear_sky_pv_kw_per_kwp(
-        week, pv_cfg.latitude, pv_cfg.longitude, pv_cfg.altitude_m, TZ, SRC.pv, air_temp_c=w.air_temp_c,
-        wind_speed_m_s=w.wind_speed_m_s, albedo=w.albedo, substeps_per_hour=w.substeps_per_hour,
+        week,
+        pv_cfg.latitude,
+        pv_cfg.longitude,
+        pv_cfg.altitude_m,
+        TZ,
+        SRC.pv,
+        air_temp_c=w.air_temp_c,
+        wind_speed_m_s=w.wind_speed_m_s,
+        albedo=w.albedo,
+        substeps_per_hour=w.substeps_per_hour,
     )
     stored = site.hourly.set_index("time").loc[week, "pv_kw_per_kwp"].to_numpy()
     np.testing.assert_allclose(pv.to_numpy(np.float32), stored, rtol=0, atol=1e-7)

@@ -88,9 +88,11 @@ def _violations(importers, allowed) -> list[str]:
     imported)`` rejects."""
     return [
         f"{MODULES[a].relative_to(ROOT)}:{line} imports {b}"
-        for a in MODULES if importers(a)
-        for b, line in GRAPH[a].items() if not allowed(a, b)
-    ]  # fmt: skip
+        for a in MODULES
+        if importers(a)
+        for b, line in GRAPH[a].items()
+        if not allowed(a, b)
+    ]
 
 
 ALGOS = sorted(p.stem for p in (ROOT / "algos").glob("*.py") if p.stem not in ("__init__", "harness"))

@@ -46,7 +46,7 @@ def test_boosted_forecast_never_trains_on_a_target_realised_after_its_issue_time
     changed = dataclasses.replace(
         data,
         moer=np.r_[data.moer[:k], data.moer[k:][::-1] * 3.0].astype(data.moer.dtype),
-        moer_fc=np.r_[data.moer_fc[:k + 1], data.moer_fc[k + 1 :] * 2.0].astype(data.moer_fc.dtype),
+        moer_fc=np.r_[data.moer_fc[: k + 1], data.moer_fc[k + 1 :] * 2.0].astype(data.moer_fc.dtype),
     )
     H = 12
     a = MOERBoosted(data, H, refit_days=2, warmup_days=3, max_iter=20)
@@ -91,7 +91,9 @@ def test_tuning_with_a_seed_is_repeatable():
     validation = a.history.candidate.str.startswith(("start", "mean after generation"))
     assert a.params == b.params and len(a.history) - validation.sum() == FAST.generations * FAST.popsize
     assert 2 <= validation.sum() <= 1 + tuning.VALIDATED_MEANS  # the start and the distinct means validated
-    assert a.params.as_dict() in [row[list(a.params.as_dict())].to_dict() for _, row in a.history[validation].iterrows()]
+    assert a.params.as_dict() in [
+        row[list(a.params.as_dict())].to_dict() for _, row in a.history[validation].iterrows()
+    ]
     pd.testing.assert_frame_equal(a.history, b.history)
     c = tuning.tune(site, seeds=(4,), budget=FAST, progress=lambda line: None)[0]
     assert not c.history.equals(a.history)  # another seed samples other candidates
@@ -100,11 +102,18 @@ def test_tuning_with_a_seed_is_repeatable():
 def test_tuner_finds_the_demand_weight_on_a_site_whose_arrivals_repeat_daily():
     """When every day's sessions are the same, planning for the past week's mean demand is planning for the true
     demand: weight 1 is known to be best. Started from weight 0, the tuner (the weight alone) moves to it."""
-    site = _periodic_site(days=22, mpc={"horizon_h": 12, "expected_demand_weight": 0.0, "expected_demand_days": 3},
-                          bess={"capacity_kwh": 30.0, "power_kw": 10.0})  # fmt: skip
+    site = _periodic_site(
+        days=22,
+        mpc={"horizon_h": 12, "expected_demand_weight": 0.0, "expected_demand_days": 3},
+        bess={"capacity_kwh": 30.0, "power_kw": 10.0},
+    )
     start, steps = weeks(site.split("train"))[1]
-    costs = {w: replay(site, "train", start, steps, PlannerParams(horizon_h=12, expected_demand_days=3,
-                                                                  expected_demand_weight=w)).cost for w in (0.0, 1.0)}
+    costs = {
+        w: replay(
+            site, "train", start, steps, PlannerParams(horizon_h=12, expected_demand_days=3, expected_demand_weight=w)
+        ).cost
+        for w in (0.0, 1.0)
+    }
     assert costs[1.0] < costs[0.0] - 1.0  # the site is one where anticipating the demand pays
     space = (tuning.Param("expected_demand_weight", 0.0, 1.0),)
     budget = tuning.Budget(generations=4, popsize=4, weeks=2, sigma0=0.4, validation_weeks=2)
@@ -120,7 +129,9 @@ def test_adaptive_choice_reads_only_weeks_before_it():
     """The week-w choice of mpc_adaptive is the candidate of least mean cost over the weeks before w: changing the
     table's rows of week w and later leaves the choices up to w unchanged."""
     rng = np.random.default_rng(0)
-    table = pd.DataFrame([{"candidate": c, "week": w, "cost_kg": float(rng.uniform(90, 110))} for c in range(4) for w in range(12)])
+    table = pd.DataFrame(
+        [{"candidate": c, "week": w, "cost_kg": float(rng.uniform(90, 110))} for c in range(4) for w in range(12)]
+    )
     later = table.copy()
     later.loc[later.week >= 7, "cost_kg"] = later.loc[later.week >= 7, "cost_kg"][::-1].to_numpy() * 0.5
     for lookback in learned.LOOKBACKS:
@@ -134,8 +145,9 @@ def test_adaptive_choice_reads_only_weeks_before_it():
 def _actions(policy, site: Site, split: str, steps: int) -> np.ndarray:
     from envs.evhub import EVHubVectorEnv
 
-    env = EVHubVectorEnv(1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64,
-                         bess_action="setpoint")  # fmt: skip
+    env = EVHubVectorEnv(
+        1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64, bess_action="setpoint"
+    )
     obs, _ = env.reset(seed=0)
     out = []
     with torch.no_grad():
@@ -178,12 +190,14 @@ def test_learned_planners_are_causal(tmp_path):
     for s in (site, changed):
         table = learned.week_table(s, "test", cands)
         chosen = learned.schedule(table, 2)
-        runs.append({
-            "tuned": _actions(learned.planner(s.split("test"), tuned), s, "test", k + 1),
-            "adaptive": _actions(learned.AdaptivePlanner(s.split("test"), cands, chosen), s, "test", k + 1),
-            "rl": _actions(DailyPolicyPlanner(s, "test", day_policy, tuned), s, "test", k + 1),
-            "chosen": chosen,
-        })  # fmt: skip
+        runs.append(
+            {
+                "tuned": _actions(learned.planner(s.split("test"), tuned), s, "test", k + 1),
+                "adaptive": _actions(learned.AdaptivePlanner(s.split("test"), cands, chosen), s, "test", k + 1),
+                "rl": _actions(DailyPolicyPlanner(s, "test", day_policy, tuned), s, "test", k + 1),
+                "chosen": chosen,
+            }
+        )
     np.testing.assert_array_equal(runs[0]["chosen"][:3], runs[1]["chosen"][:3])
     for name in ("tuned", "adaptive", "rl"):
         np.testing.assert_array_equal(runs[0][name], runs[1][name], err_msg=name)

@@ -1,5 +1,5 @@
-"""The model-predictive controllers (pipeline/control/mpc.py): equal to the oracle with perfect information over the whole
-window, causal, consistent with the env's physics, sensible tie-breaks, and their place in the pipeline."""
+"""The model-predictive controllers (pipeline/control/mpc.py): equal to the oracle with perfect information over the
+whole window, causal, consistent with the env's physics, sensible tie-breaks, and their place in the pipeline."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 from conftest import make_site, write_site
 
-from envs.kpis import balance_residual, evaluate_policy
 from envs.config import ConfigError
+from envs.kpis import balance_residual, evaluate_policy
 from envs.site import Site
 from pipeline.control.baselines import uncontrolled
 from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
@@ -63,7 +63,11 @@ def test_perfect_with_a_day_ahead_is_close_to_the_oracle(tiny):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"grid": {"import_limit_kw": 9.0}, "bess": {"power_kw": 5.0}}, {"grid": {"export_allowed": True}, "pv": {"kwp": 25.0}}],
+    [
+        {},
+        {"grid": {"import_limit_kw": 9.0}, "bess": {"power_kw": 5.0}},
+        {"grid": {"export_allowed": True}, "pv": {"kwp": 25.0}},
+    ],
     ids=["default", "binding_import_limit", "export"],
 )
 @pytest.mark.parametrize("perfect", [False, True], ids=["mpc", "mpc_perfect"])
@@ -190,7 +194,9 @@ def test_expected_demand_is_the_past_days_sessions():
             share = 1.0 if key[0] == 0 else weight  # the plugged EVs are real
             assert got[key][0] == pytest.approx(share * e) and got[key][1] == pytest.approx(share * w), key
     for days, weight in ((0, 1.0), (3, 0.0)):
-        arr, *_ = MPCController(periodic, H, expected_demand_days=days, expected_demand_weight=weight).sessions(t, H, *plugged)
+        arr, *_ = MPCController(periodic, H, expected_demand_days=days, expected_demand_weight=weight).sessions(
+            t, H, *plugged
+        )
         assert (arr == 0).all() and len(arr) == 2
 
 

@@ -79,8 +79,21 @@ def train(name: str, site_toml, out, total: int, *extra: str) -> dict:
     """Run ``algos/<name>.py``'s ``main`` in this process with the case's tiny settings; returns its result."""
     module = load_algo(name)
     case = CASES[name]
-    argv = ["--site", str(site_toml), "--output-dir", str(out), "--total-timesteps", str(total), "--eval-split", "none",
-            "--seed", "3", *case.args, *case.extra, *extra]  # fmt: skip
+    argv = [
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(out),
+        "--total-timesteps",
+        str(total),
+        "--eval-split",
+        "none",
+        "--seed",
+        "3",
+        *case.args,
+        *case.extra,
+        *extra,
+    ]
     return module.main(harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv))
 
 
@@ -103,11 +116,11 @@ def assert_finished(out, total: int) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------- mid-training
 MID_TRAINING = {
     # (algorithm, function, failing call, the halving the warning reports, the sizes at the end)
-    "ppo": ("ppo", "update", 2, "at global_step 192 (iteration 2): num_envs 4 -> 2 (batch 192 -> 96, minibatch 96 -> 48)",
+    "ppo": ("ppo", "update", 2, "at global_step 192 (iteration 2): num_envs 4 -> 2 (batch 192 -> 96, minibatch 96 -> 48)",  # noqa: E501
             {"num_envs": 2}),
     "a2c": ("a2c", "update", 4, "at global_step 96 (iteration 4): num_envs 4 -> 2 (batch 32 -> 16)", {"num_envs": 2}),
     # in the gradient steps: the batch halves first
-    "sac-update": ("sac", "update_critic", 5, "at global_step 72 (iteration 18), in the gradient steps: batch_size 128 -> 64",
+    "sac-update": ("sac", "update_critic", 5, "at global_step 72 (iteration 18), in the gradient steps: batch_size 128 -> 64",  # noqa: E501
                    {"num_envs": 4, "batch_size": 64}),
     "dqn-update": ("dqn", "update", 5, "at global_step 80 (iteration 10), in the gradient steps: batch_size 128 -> 64",
                    {"num_envs": 4, "batch_size": 64}),
@@ -192,7 +205,7 @@ def test_repeated_ooms_stop_with_an_explanatory_error_and_the_run_resumes_from_i
 # ---------------------------------------------------------------------------------------------- setup
 @pytest.mark.parametrize("name", list(CASES))
 def test_an_oom_at_setup_halves_num_envs(name, site_toml, tmp_path, monkeypatch, capsys):
-    module = load_algo(name)
+    load_algo(name)
     case = CASES[name]
     seen = inject_oom(monkeypatch, harness, "make_env", lambda n: n == 1)
     result = train(name, site_toml, tmp_path, case.total)
@@ -205,8 +218,9 @@ def test_an_oom_at_setup_halves_num_envs(name, site_toml, tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("name, buffer", [("sac", "ReplayBuffer"), ("dqn", "make_replay_buffer")])
-def test_a_replay_buffer_that_does_not_fit_is_halved_down_to_its_floor(name, buffer, site_toml, tmp_path, monkeypatch,
-                                                                       capsys):
+def test_a_replay_buffer_that_does_not_fit_is_halved_down_to_its_floor(
+    name, buffer, site_toml, tmp_path, monkeypatch, capsys
+):
     module = load_algo(name)
     case = CASES[name]
     inject_oom(monkeypatch, module, buffer, lambda n: n <= 2)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import make_site
+
 from envs.kpis import TRACE_COLUMNS, balance_residual, evaluate_policy
 from pipeline.control.oracle import UNSERVED_PENALTY, solve_oracle
 
@@ -28,7 +28,7 @@ def random_policy(seed: int, dim: int):
     gen = torch.Generator().manual_seed(seed)
 
     def policy(obs, env):
-        return (torch.rand(1, dim, generator=gen, dtype=torch.float64) * 2.0 - 1.0)
+        return torch.rand(1, dim, generator=gen, dtype=torch.float64) * 2.0 - 1.0
 
     return policy
 

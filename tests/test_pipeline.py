@@ -20,7 +20,7 @@ def test_tiny_pipeline_end_to_end_then_up_to_date_then_config_change(tmp_path):
     table = pd.read_parquet(report / "co2_comparison.parquet")
     assert {"uncontrolled", "rule_based", "oracle", "ppo"} <= set(table.controller)
     assert set(table.split) == {"train", "test"}
-    for split, rows in table.groupby("split"):
+    for _split, rows in table.groupby("split"):
         oracle = rows.loc[rows.controller == "oracle", "co2_kg"].iloc[0]
         assert (rows.co2_kg >= oracle - 1e-6).all(), rows[["controller", "co2_kg"]]
         assert rows.loc[rows.controller == "uncontrolled", "co2_reduction_pct"].iloc[0] == pytest.approx(0.0)

@@ -8,10 +8,10 @@ a synthetic site, resume, the non-finite stop, ``--help``, ``--compile`` on the 
 
 from __future__ import annotations
 
-from functools import partial
 import functools
 import math
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import gymnasium as gym
@@ -40,8 +40,16 @@ def preset_args(**fields):
     return harness.preset_args(ppo.Args, ppo.PRESETS, ppo.ENV_DEFAULTS, **fields)
 
 
-def make_agent(obs_shape: tuple[int, ...], act_dim: int, hidden: int, *, discrete: bool = False, norm_obs: bool = True,
-               init_logstd: float = 0.0, cnn_channels: tuple[int, int] = (32, 64)):
+def make_agent(
+    obs_shape: tuple[int, ...],
+    act_dim: int,
+    hidden: int,
+    *,
+    discrete: bool = False,
+    norm_obs: bool = True,
+    init_logstd: float = 0.0,
+    cnn_channels: tuple[int, int] = (32, 64),
+):
     """A PPO ``Agent`` for one env's observation shape and action width, with these network settings."""
     ppo = load_ppo()
     args = ppo.Args(hidden_size=hidden, norm_obs=norm_obs, init_logstd=init_logstd, cnn_channels=cnn_channels)
@@ -162,8 +170,15 @@ def test_update_covers_the_batch_in_minibatches_and_stops_at_target_kl():
     def learn(obs, *rest):  # a stand-in for the bound update_minibatch
         seen.append(obs)
         z = torch.zeros(())
-        return {"value_loss": z, "policy_loss": z, "entropy": z, "old_approx_kl": z, "approx_kl": torch.tensor(0.5),
-                "clipfrac": torch.tensor(0.25), "bad": torch.zeros(len(ppo.LOSS_NAMES), dtype=torch.bool)}  # fmt: skip
+        return {
+            "value_loss": z,
+            "policy_loss": z,
+            "entropy": z,
+            "old_approx_kl": z,
+            "approx_kl": torch.tensor(0.5),
+            "clipfrac": torch.tensor(0.25),
+            "bad": torch.zeros(len(ppo.LOSS_NAMES), dtype=torch.bool),
+        }
 
     out = ppo.update(learn, *batch, update_epochs=3, minibatch_size=4)
     assert [len(o) for o in seen] == [4, 4, 2] * 3  # the last minibatch of an epoch takes the rest
@@ -202,14 +217,22 @@ def test_resumed_optimizer_keeps_this_runs_lr_tensor_and_device_flags():
 def test_presets_and_cudagraphs_needs_cuda(monkeypatch):
     ppo = load_ppo()
     # the cpu preset keeps the sizes of the runs made before presets had names (same seed, same numbers)
-    assert ppo.PRESETS["cpu"] == {"num_envs": 128, "num_steps": 168, "total_timesteps": 4_000_000, "hidden_size": 64,
-                                  "num_threads": 1}  # fmt: skip
+    assert ppo.PRESETS["cpu"] == {
+        "num_envs": 128,
+        "num_steps": 168,
+        "total_timesteps": 4_000_000,
+        "hidden_size": 64,
+        "num_threads": 1,
+    }
     args = preset_args(cuda=False)  # auto without CUDA in use: cpu
     assert args.preset == "cpu" and (args.num_envs, args.hidden_size, args.num_threads) == (128, 64, 1)
     sizes = ppo.check_args(args)
     batch = 128 * 168
     assert (sizes.batch_size, sizes.minibatch_size, args.total_timesteps // sizes.batch_size) == (
-        batch, batch // 8, 4_000_000 // batch)  # fmt: skip
+        batch,
+        batch // 8,
+        4_000_000 // batch,
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert preset_args().preset == "gpu"  # auto picks by device
     assert preset_args(cuda=False).preset == "cpu"
@@ -239,9 +262,16 @@ def test_speed_switches_on_cuda(site_toml, tmp_path, flags):
     tiny_cuda = [a for a in TINY if a != "--no-cuda"]
     # 5 iterations: the once-per-iteration GAE is captured at its 4th call and replayed at its 5th
     proc = run_ppo(
-        "--site", str(site_toml), "--output-dir", str(tmp_path / "g"), "--total-timesteps", "960", *flags, *tiny_cuda,
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(tmp_path / "g"),
+        "--total-timesteps",
+        "960",
+        *flags,
+        *tiny_cuda,
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "device=cuda" in proc.stdout
     metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
@@ -304,8 +334,18 @@ def test_pendulum_sync_vector_env_trains_and_resumes_with_new_episodes(tmp_path)
 
 def pendulum_args(out: Path, **overrides):
     """``Args`` of a tiny in-process Pendulum run into ``out`` (preset and env defaults under these fields)."""
-    fields = dict(env_id="Pendulum-v1", num_envs=2, num_steps=100, total_timesteps=200, num_minibatches=2,
-                  update_epochs=1, hidden_size=16, cuda=False, output_dir=str(out), eval_split="none")  # fmt: skip
+    fields = dict(
+        env_id="Pendulum-v1",
+        num_envs=2,
+        num_steps=100,
+        total_timesteps=200,
+        num_minibatches=2,
+        update_epochs=1,
+        hidden_size=16,
+        cuda=False,
+        output_dir=str(out),
+        eval_split="none",
+    )
     return preset_args(**{**fields, **overrides})
 
 
@@ -358,8 +398,10 @@ class StackedFramesToy(gym.Env):
 @pytest.mark.parametrize(
     "env_id, message",
     [
-        ("StackedFramesToy-v0",
-         r"flat Box observations .* images \(C, H, W\) .* StackedFramesToy-v0 has Box\(.*\(2, 3, 8, 8\)"),
+        (
+            "StackedFramesToy-v0",
+            r"flat Box observations .* images \(C, H, W\) .* StackedFramesToy-v0 has Box\(.*\(2, 3, 8, 8\)",
+        ),
         ("MultiDiscreteToy-v0", r"a Box \(.*Gaussian.* or a Discrete .* MultiDiscreteToy-v0 has MultiDiscrete"),
     ],
 )
@@ -435,8 +477,9 @@ def test_rollout_bootstraps_truncations_from_final_obs():
     def act(obs):
         return obs, torch.zeros(2, 1), torch.zeros(2), torch.zeros(2)
 
-    storage = ppo.make_storage(ppo.Sizes(num_envs=2, num_steps=1, num_minibatches=1), (3,), 1, False,
-                               torch.device("cpu"))  # fmt: skip
+    storage = ppo.make_storage(
+        ppo.Sizes(num_envs=2, num_steps=1, num_minibatches=1), (3,), 1, False, torch.device("cpu")
+    )
     env = RecordEpisodeStatistics(TwoEnvs())  # the training env's episode statistics
     seen = []
 
@@ -445,8 +488,15 @@ def test_rollout_bootstraps_truncations_from_final_obs():
         return torch.full((2,), 10.0)
 
     step = functools.partial(ppo.act_and_step, act, env)
-    _, next_done = ppo.rollout(step, torch.zeros(2, 3), torch.zeros(2), storage=storage, gamma=0.5,
-                               bootstrap_truncation=True, final_value=final_value)
+    _, next_done = ppo.rollout(
+        step,
+        torch.zeros(2, 3),
+        torch.zeros(2),
+        storage=storage,
+        gamma=0.5,
+        bootstrap_truncation=True,
+        final_value=final_value,
+    )
     torch.testing.assert_close(storage["rewards"][0], torch.tensor([1.0 + 0.5 * 10.0, 1.0]))
     torch.testing.assert_close(next_done, torch.ones(2))
     assert float(seen[0][0, 0]) == 7.0
@@ -480,8 +530,18 @@ CARTPOLE = [
 
 def cartpole_args(out: Path, **overrides):
     """``Args`` of a tiny in-process CartPole-v1 run into ``out`` (preset and env defaults under these fields)."""
-    fields = dict(env_id="CartPole-v1", num_envs=4, num_steps=64, total_timesteps=512, num_minibatches=2,
-                  update_epochs=2, hidden_size=16, cuda=False, output_dir=str(out), eval_split="none")  # fmt: skip
+    fields = dict(
+        env_id="CartPole-v1",
+        num_envs=4,
+        num_steps=64,
+        total_timesteps=512,
+        num_minibatches=2,
+        update_epochs=2,
+        hidden_size=16,
+        cuda=False,
+        output_dir=str(out),
+        eval_split="none",
+    )
     return preset_args(**{**fields, **overrides})
 
 
@@ -593,9 +653,17 @@ def test_cartpole_greedy_policy_beats_a_random_one(tmp_path):
     greedy mean return of 500, 463, 500, 256, 500 and 450 over these 20 episodes, a random policy about 22."""
     ppo = load_ppo()
     # the cpu preset's width (64), not the tiny runs' 16
-    args = cartpole_args(tmp_path, num_envs=8, num_steps=128, total_timesteps=40_960, num_minibatches=4,
-                         update_epochs=4, hidden_size=ppo.PRESETS["cpu"]["hidden_size"], checkpoint_every=0,
-                         seed=1)  # fmt: skip
+    args = cartpole_args(
+        tmp_path,
+        num_envs=8,
+        num_steps=128,
+        total_timesteps=40_960,
+        num_minibatches=4,
+        update_epochs=4,
+        hidden_size=ppo.PRESETS["cpu"]["hidden_size"],
+        checkpoint_every=0,
+        seed=1,
+    )
     result = ppo.main(args)
     assert result["global_step"] == 40_960
     greedy = greedy_cartpole_return(torch.export.load(tmp_path / "policy.pt2").module())
@@ -653,8 +721,9 @@ def test_discrete_head_samples_scores_and_updates():
     torch.testing.assert_close(action, dist.sample(), rtol=0, atol=0)
     torch.testing.assert_close(logprob, torch.log_softmax(agent.actor(obs_n), -1).gather(1, action[:, None])[:, 0])
 
-    storage = ppo.make_storage(ppo.Sizes(num_envs=5, num_steps=2, num_minibatches=1), (7,), 3, True,
-                               torch.device("cpu"))  # fmt: skip
+    storage = ppo.make_storage(
+        ppo.Sizes(num_envs=5, num_steps=2, num_minibatches=1), (7,), 3, True, torch.device("cpu")
+    )
     assert storage["actions"].dtype == torch.int64 and storage["actions"].shape == (2, 5)
     storage["actions"][0] = action
     opt = torch.optim.Adam(agent.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64), eps=1e-5)
@@ -686,8 +755,19 @@ SNAKE = [
 def snake_args(out: Path, **overrides):
     """``Args`` of a tiny in-process Snake-v0 run into ``out`` (the fields of :data:`SNAKE`, Snake's own defaults
     under them, as on the command line)."""
-    fields = dict(env_id="Snake-v0", num_envs=4, num_steps=32, total_timesteps=256, num_minibatches=2, update_epochs=2,
-                  hidden_size=16, cnn_channels=(4, 8), checkpoint_every=1, cuda=False, output_dir=str(out))  # fmt: skip
+    fields = dict(
+        env_id="Snake-v0",
+        num_envs=4,
+        num_steps=32,
+        total_timesteps=256,
+        num_minibatches=2,
+        update_epochs=2,
+        hidden_size=16,
+        cnn_channels=(4, 8),
+        checkpoint_every=1,
+        cuda=False,
+        output_dir=str(out),
+    )
     return preset_args(**{**fields, **overrides})
 
 
@@ -793,11 +873,21 @@ def test_snake_defaults_fill_only_the_fields_left_unset(tmp_path):
     assert snake.gamma == 0.99 and snake.norm_obs is False and snake.norm_reward is False
     assert snake.num_threads == ppo.PRESETS["cpu"]["num_threads"]  # what Snake leaves unset comes from the preset
     sizes = ppo.check_args(snake)
-    assert (sizes.batch_size, sizes.minibatch_size) == (snake.num_envs * snake.num_steps,
-                                                        snake.num_envs * snake.num_steps // snake.num_minibatches)
+    assert (sizes.batch_size, sizes.minibatch_size) == (
+        snake.num_envs * snake.num_steps,
+        snake.num_envs * snake.num_steps // snake.num_minibatches,
+    )
     assert snake.total_timesteps // sizes.batch_size == 500_000 // (16 * 128)
-    custom = preset_args(env_id="Snake-v0", gamma=0.9, num_envs=3, cnn_channels=(4, 8), norm_reward=True,
-                         learning_rate=3e-4, update_epochs=1, cuda=False)  # fmt: skip
+    custom = preset_args(
+        env_id="Snake-v0",
+        gamma=0.9,
+        num_envs=3,
+        cnn_channels=(4, 8),
+        norm_reward=True,
+        learning_rate=3e-4,
+        update_epochs=1,
+        cuda=False,
+    )
     assert (custom.gamma, custom.num_envs, custom.cnn_channels, custom.norm_reward) == (0.9, 3, (4, 8), True)
     assert (custom.learning_rate, custom.update_epochs, custom.ent_coef) == (3e-4, 1, 0.01)
     gpu = preset_args(env_id="Snake-v0", preset="gpu")
@@ -806,8 +896,16 @@ def test_snake_defaults_fill_only_the_fields_left_unset(tmp_path):
     # flat observations)
     for env_id in ("EVHub-v0", "CartPole-v1", "Pendulum-v1"):
         args = preset_args(env_id=env_id, cuda=False)
-        assert (args.learning_rate, args.gamma, args.num_minibatches, args.update_epochs, args.ent_coef,
-                args.norm_reward, args.cnn_channels, args.norm_obs) == (1e-3, 0.98, 8, 5, 0.0, True, (32, 64), True)
+        assert (
+            args.learning_rate,
+            args.gamma,
+            args.num_minibatches,
+            args.update_epochs,
+            args.ent_coef,
+            args.norm_reward,
+            args.cnn_channels,
+            args.norm_obs,
+        ) == (1e-3, 0.98, 8, 5, 0.0, True, (32, 64), True)
     with pytest.raises(ValueError, match="--cnn-channels takes two positive"):
         ppo.main(snake_args(tmp_path, cnn_channels=(0, 8)))
 
@@ -823,7 +921,9 @@ def test_cnn_agent_shares_one_torso_between_its_heads(discrete, tmp_path):
     assert agent.image and isinstance(agent.obs_norm, torch.nn.Identity)
     convs = [m for m in agent.network if isinstance(m, torch.nn.Conv2d)]
     assert [(c.in_channels, c.out_channels, c.kernel_size, c.padding) for c in convs] == [
-        (3, 4, (3, 3), (1, 1)), (4, 8, (3, 3), (1, 1))]  # fmt: skip
+        (3, 4, (3, 3), (1, 1)),
+        (4, 8, (3, 3), (1, 1)),
+    ]
     assert (agent.network[5].in_features, agent.network[5].out_features) == (8 * 6 * 5, 32)
     head = (agent.actor if discrete else agent.actor_mean).weight
     torch.testing.assert_close(head @ head.T, 1e-4 * torch.eye(n))  # orthogonal rows of norm 0.01
@@ -841,8 +941,9 @@ def test_cnn_agent_shares_one_torso_between_its_heads(discrete, tmp_path):
         assert agent.network[0].weight.grad.abs().sum() > 0, loss
     torch.testing.assert_close(agent.get_value(obs), v.detach())
 
-    storage = ppo.make_storage(ppo.Sizes(num_envs=6, num_steps=2, num_minibatches=1), (3, 6, 5), n, discrete,
-                               torch.device("cpu"))  # fmt: skip
+    storage = ppo.make_storage(
+        ppo.Sizes(num_envs=6, num_steps=2, num_minibatches=1), (3, 6, 5), n, discrete, torch.device("cpu")
+    )
     assert storage["obs"].shape == (2, 6, 3, 6, 5)
     opt = torch.optim.Adam(agent.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64), eps=1e-5)
     before = agent.network[0].weight.detach().clone()

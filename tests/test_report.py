@@ -1,4 +1,5 @@
-"""The CO2 comparison report: table layout, relative KPIs, figures, Markdown and the HTML page, from real env rollouts."""
+"""The CO2 comparison report: table layout, relative KPIs, figures, Markdown and the HTML page, from real env
+rollouts."""
 
 from __future__ import annotations
 
@@ -62,7 +63,12 @@ def inputs(tmp_path_factory) -> dict:
     kpi_files, trace_files, rows = [], {}, {}
     for split in SPLITS:
         # random linear seed 3 has the lowest CO2 of seeds 0-7 on both splits: the stand-in oracle
-        policies = {"uncontrolled": _uncontrolled, "oracle": _random_linear(3), "ppo": _random_linear(1), "a2c": _latest_charging}
+        policies = {
+            "uncontrolled": _uncontrolled,
+            "oracle": _random_linear(3),
+            "ppo": _random_linear(1),
+            "a2c": _latest_charging,
+        }
         for name in CONTROLLERS:
             extra = {"train_wall_s": 12.5} if name == "ppo" else {}
             kpi, traces = evaluate_policy(policies[name], site, split, name, **extra)
@@ -82,7 +88,13 @@ def inputs(tmp_path_factory) -> dict:
         }
     )
     metrics_files = {"ppo": write_parquet(metrics, root / "ppo_metrics.parquet"), "sac": root / "missing.parquet"}
-    return {"kpi_files": kpi_files, "trace_files": trace_files, "metrics_files": metrics_files, "rows": rows, "site": site}
+    return {
+        "kpi_files": kpi_files,
+        "trace_files": trace_files,
+        "metrics_files": metrics_files,
+        "rows": rows,
+        "site": site,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +113,13 @@ def report(inputs, tmp_path_factory) -> Path:
 def test_files_exist(report: Path):
     out = report.parent
     assert report.name == "report.md"
-    for name in ("co2_comparison.parquet", "co2_by_controller.png", "test_week_traces.png", "learning_curves.png", "report.md"):
+    for name in (
+        "co2_comparison.parquet",
+        "co2_by_controller.png",
+        "test_week_traces.png",
+        "learning_curves.png",
+        "report.md",
+    ):
         assert (out / name).is_file(), name
         assert (out / name).stat().st_size > 1000 or name == "co2_comparison.parquet", name
     for name in ("co2_by_controller.png", "test_week_traces.png", "learning_curves.png"):
@@ -144,7 +162,9 @@ def test_markdown(report: Path, inputs):
     assert "CO2 (kg)" in text and "Unserved energy (kWh)" in text and "Sessions rejected" in text
     assert "lowest CO2 apart from the oracle" in text
     for split in SPLITS:  # the sentence names the non-oracle controller with the least CO2 on each split
-        co2 = {name: float(row.co2_kg) for (name, sp), row in inputs["rows"].items() if sp == split and name != "oracle"}
+        co2 = {
+            name: float(row.co2_kg) for (name, sp), row in inputs["rows"].items() if sp == split and name != "oracle"
+        }
         best = min(co2, key=co2.get)
         assert f"On the **{split}** split the lowest CO2 apart from the oracle is **{best}**'s" in text
     assert "Every agent delivers at least 99% of the EV energy" in text
@@ -160,7 +180,9 @@ def test_week_is_monday_with_most_ev_energy(report: Path, inputs):
 
 def test_missing_metrics_and_traces_are_skipped(inputs, tmp_path: Path):
     empty = write_parquet(pd.DataFrame({"global_step": pd.Series([], dtype="int64")}), tmp_path / "empty.parquet")
-    md = write_report(inputs["kpi_files"], {}, {"ppo": empty, "dqn": tmp_path / "nope.parquet"}, tmp_path / "out", "T", {})
+    md = write_report(
+        inputs["kpi_files"], {}, {"ppo": empty, "dqn": tmp_path / "nope.parquet"}, tmp_path / "out", "T", {}
+    )
     assert (tmp_path / "out" / "co2_by_controller.png").is_file()
     assert not (tmp_path / "out" / "learning_curves.png").exists()
     assert not (tmp_path / "out" / "test_week_traces.png").exists()
@@ -203,14 +225,25 @@ def test_summary_flags_agent_that_starves_evs(report: Path):
 
 def test_seeds_are_averaged_with_their_spread(tmp_path):
     def kpi(controller, co2, seed=None, served=100.0):
-        row = {"controller": controller, "split": "test", **{k: 1.0 for k in KPI_COLUMNS}, "co2_kg": co2,
-               "ev_energy_served_pct": served}
+        row = {
+            "controller": controller,
+            "split": "test",
+            **{k: 1.0 for k in KPI_COLUMNS},
+            "co2_kg": co2,
+            "ev_energy_served_pct": served,
+        }
         if seed is not None:
             row["seed"] = float(seed)
         return write_parquet(pd.DataFrame([row]), tmp_path / f"{controller}_{seed}.parquet")
 
-    files = [kpi("uncontrolled", 1000.0), kpi("oracle", 500.0), kpi("ppo", 700.0, 1), kpi("ppo", 800.0, 2),
-             kpi("ppo", 900.0, 3, served=99.0), kpi("dqn", 650.0, 1)]
+    files = [
+        kpi("uncontrolled", 1000.0),
+        kpi("oracle", 500.0),
+        kpi("ppo", 700.0, 1),
+        kpi("ppo", 800.0, 2),
+        kpi("ppo", 900.0, 3, served=99.0),
+        kpi("dqn", 650.0, 1),
+    ]
     table = read_kpi_files(files).set_index("controller")
     ppo, dqn = table.loc["ppo"], table.loc["dqn"]
     assert ppo.n_seeds == 3 and ppo.co2_kg == pytest.approx(800.0) and ppo.co2_kg_std == pytest.approx(100.0)
@@ -318,7 +351,9 @@ def test_html_page_has_the_markdown_content_and_embedded_figures(report: Path):
     assert page.texts == md["texts"]
     assert any("lowest CO2 apart from the oracle is a2c's" in t for t in page.texts)
     # every figure is embedded, byte for byte, with its alt text
-    assert [(i["alt"], i["src"].split(",")[0]) for i in page.imgs] == [(alt, "data:image/png;base64") for alt, _ in md["images"]]
+    assert [(i["alt"], i["src"].split(",")[0]) for i in page.imgs] == [
+        (alt, "data:image/png;base64") for alt, _ in md["images"]
+    ]
     for img, (_, file) in zip(page.imgs, md["images"]):
         assert base64.b64decode(img["src"].split(",", 1)[1]) == (out / file).read_bytes(), file
     # self-contained: nothing to fetch, no library
@@ -334,7 +369,12 @@ def test_html_sizing_results_data_sources_and_escaping(inputs, tmp_path: Path):
         {"pv_kwp": [20.0, 50.0], "bess_kwh": [40, 80], "co2_kg": [1234.5678, 987.0], "note": ["as built", "<larger>"]}
     ).set_index("pv_kwp")
     md_path = write_report(
-        inputs["kpi_files"], {}, {}, tmp_path / "out", "T", {"site": "x & y"},
+        inputs["kpi_files"],
+        {},
+        {},
+        tmp_path / "out",
+        "T",
+        {"site": "x & y"},
         notes=["A <b>raw</b> tag stays text."],
         data_sources=["**EV sessions**: made up, see https://example.org/data."],
         sizing=sizing,
@@ -348,7 +388,10 @@ def test_html_sizing_results_data_sources_and_escaping(inputs, tmp_path: Path):
     assert ["pv_kwp", "bess_kwh", "co2_kg", "note"] in page.rows and ["50", "80", "987", "<larger>"] in page.rows
     assert page.rows == _markdown_view(md)["rows"]
     assert "&lt;larger&gt;" in text and "A &lt;b&gt;raw&lt;/b&gt; tag" in text and "x &amp; y" in text
-    assert '<strong>EV sessions</strong>: made up, see <a href="https://example.org/data">https://example.org/data</a>.' in text
+    assert (
+        '<strong>EV sessions</strong>: made up, see <a href="https://example.org/data">https://example.org/data</a>.'
+        in text
+    )
     assert len(page.imgs) == 1 and page.imgs[0]["alt"] == "CO2 by controller"  # no traces, no metrics given
 
 
@@ -367,8 +410,19 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stab
 
 
 def _headless(browser: str, profile: Path, page: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-           f"--user-data-dir={profile}", "--window-size=1280,4200", "--virtual-time-budget=5000", *args, page.as_uri()]
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,4200",
+        "--virtual-time-budget=5000",
+        *args,
+        page.as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-2000:]}"
     return proc
@@ -377,7 +431,9 @@ def _headless(browser: str, profile: Path, page: Path, *args: str) -> subprocess
 def test_html_renders_in_headless_chromium(report: Path, tmp_path: Path):
     browser = next((b for b in BROWSERS if shutil.which(b)), None)
     if browser is None:
-        pytest.skip(f"no headless browser on PATH (looked for {', '.join(BROWSERS)}); `apt-get install chromium` runs this test")
+        pytest.skip(
+            f"no headless browser on PATH (looked for {', '.join(BROWSERS)}); `apt-get install chromium` runs this test"
+        )
     page = report.parent / "report.html"
     n_figures = len(_Page(page.read_text(encoding="utf-8")).imgs)
     assert n_figures == 3

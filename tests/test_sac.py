@@ -7,8 +7,8 @@ synthetic site, resume, the non-finite stop, ``--help``, ``--cudagraphs`` withou
 
 from __future__ import annotations
 
-from functools import partial
 import re
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -118,8 +118,9 @@ def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
         env = RecordEpisodeStatistics(make_vec("EVHub-v0", 4, "cpu", site=site, split="train", action_mode="hub"))
         obs, _ = env.reset(seed=3)
         rb = sac.ReplayBuffer(10, obs.shape[1], 2, torch.device("cpu"))
-        step = partial(sac.act_step_store, partial(sac.sample_action, actor), env, rb, reward_scale=2.0,
-                       bootstrap_truncation=True)
+        step = partial(
+            sac.act_step_store, partial(sac.sample_action, actor), env, rb, reward_scale=2.0, bootstrap_truncation=True
+        )
         if compiled:
             torch._inductor.config.fallback_random = True  # eager's random numbers, as harness.bind sets
             step = torch.compile(step, fullgraph=True)
@@ -189,17 +190,36 @@ def test_actor_and_updates_run_and_move_the_parameters():
     q_before = [p.clone() for p in qf1.parameters()]
     pi_before = [p.clone() for p in actor.parameters()]
     out = sac.update_critic(
-        obs, actions, rewards, next_obs, dones, actor=actor, qf1=qf1, qf2=qf2, qf1_target=qt1, qf2_target=qt2,
-        log_alpha=log_alpha, q_optimizer=q_opt, gamma=0.9, amp=False,
-    )  # fmt: skip
+        obs,
+        actions,
+        rewards,
+        next_obs,
+        dones,
+        actor=actor,
+        qf1=qf1,
+        qf2=qf2,
+        qf1_target=qt1,
+        qf2_target=qt2,
+        log_alpha=log_alpha,
+        q_optimizer=q_opt,
+        gamma=0.9,
+        amp=False,
+    )
     assert not bool(out["bad"]) and all(torch.isfinite(out[k]) for k in ("qf1_values", "qf_loss"))
     assert all(not torch.equal(a, b) for a, b in zip(q_before, qf1.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(pi_before, actor.parameters()))  # the critic step leaves the actor
     q_after_critic = [p.clone() for p in qf1.parameters()]
     out = sac.update_actor(
-        obs, actor=actor, qf1=qf1, qf2=qf2, log_alpha=log_alpha, actor_optimizer=pi_opt, a_optimizer=a_opt,
-        target_entropy=-float(act_dim), amp=False,
-    )  # fmt: skip
+        obs,
+        actor=actor,
+        qf1=qf1,
+        qf2=qf2,
+        log_alpha=log_alpha,
+        actor_optimizer=pi_opt,
+        a_optimizer=a_opt,
+        target_entropy=-float(act_dim),
+        amp=False,
+    )
     assert not bool(out["bad"].any())
     assert all(torch.equal(a, b) for a, b in zip(q_after_critic, qf1.parameters()))  # the actor step leaves the critics
     assert any(not torch.equal(a, b) for a, b in zip(pi_before, actor.parameters()))
@@ -216,9 +236,18 @@ def test_actor_and_updates_run_and_move_the_parameters():
 def test_cuda_speed_switches(site_toml, tmp_path, flags):
     args = [a for a in TINY if a != "--no-cuda"]
     proc = run_sac(
-        "--site", str(site_toml), "--output-dir", str(tmp_path / "g"), "--total-timesteps", "384",
-        "--eval-split", "test", *args, *flags, timeout=600,
-    )  # fmt: skip
+        "--site",
+        str(site_toml),
+        "--output-dir",
+        str(tmp_path / "g"),
+        "--total-timesteps",
+        "384",
+        "--eval-split",
+        "test",
+        *args,
+        *flags,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = pd.read_parquet(tmp_path / "g" / "metrics.parquet")
     # gpu_util_pct is NaN where pynvml is not installed
@@ -292,7 +321,9 @@ def test_async_start_failure_falls_back_to_sync_with_a_warning(tmp_path, monkeyp
 def test_a_discrete_action_space_stops_with_a_clear_error(env_id, space, tmp_path):
     sac = load_sac()
     args = parse(sac, ["--env-id", env_id, "--output-dir", str(tmp_path), "--no-cuda", "--num-envs", "2"])
-    with pytest.raises(ValueError, match=re.escape(f"SAC needs a continuous (Box) action space, but {env_id} has {space}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"SAC needs a continuous (Box) action space, but {env_id} has {space}")
+    ):
         sac.main(args)
     assert not (tmp_path / "checkpoint.pt").exists()
 
@@ -314,8 +345,14 @@ def test_gym_vector_env_rescales_actions_and_returns_the_last_obs_on_truncation(
 
     from envs.vector import GymTorchVecEnv
 
-    vec = gym.make_vec("IOBound-v0", 2, vectorization_mode="sync", latency_s=0.0, max_steps=2,
-                       vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})  # fmt: skip
+    vec = gym.make_vec(
+        "IOBound-v0",
+        2,
+        vectorization_mode="sync",
+        latency_s=0.0,
+        max_steps=2,
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+    )
     env = GymTorchVecEnv(vec, torch.device("cpu"), "sync")
     assert not env.overlap and env.state_dict() is None
     a = [[-1.0, 1.0], [0.0, 0.5]]

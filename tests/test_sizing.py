@@ -29,16 +29,26 @@ from pipeline.study.sizing import (
     workers_setting,
 )
 
-COSTS = {"capex_per_kwp": 1000.0, "capex_per_kwh": 300.0, "capex_per_kw": 100.0, "lifetime_years": 20, "discount_rate": 0.05}
+COSTS = {
+    "capex_per_kwp": 1000.0,
+    "capex_per_kwh": 300.0,
+    "capex_per_kw": 100.0,
+    "lifetime_years": 20,
+    "discount_rate": 0.05,
+}
 TOL = 1e-6
 
 
 def _doit(args: list[str], site_toml: Path, out: Path) -> subprocess.CompletedProcess:
     """``python -m doit <args>`` on ``site_toml`` with outputs under ``out`` and the experiment's own doit state."""
     env = {**os.environ, "EVHUB_SITE": str(site_toml), "EVHUB_OUTPUT_DIR": str(out)}
-    for k in ("DASK_SCHEDULER_ADDRESS", "EVHUB_EXPERIMENT", "EVHUB_WORKERS") + tuple(k for k in os.environ if k.startswith("EVHUB_SIZING_")):
+    for k in ("DASK_SCHEDULER_ADDRESS", "EVHUB_EXPERIMENT", "EVHUB_WORKERS") + tuple(
+        k for k in os.environ if k.startswith("EVHUB_SIZING_")
+    ):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "doit", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "doit", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +71,17 @@ def test_one_row_per_point_controller_and_split(study):
     assert len(table) == 2 * 2 * 4 * 2
     assert not table.duplicated(["kwp", "bess_kwh", "controller", "split"]).any()
     assert set(table.kwp) == {0.0, 10.0} and set(table.bess_kwh) == {0.0, 20.0}  # the doit variable won
-    assert set(table.controller) == {"uncontrolled", "rule_based", "mpc", "oracle"} and set(table.split) == {"train", "test"}
+    assert set(table.controller) == {"uncontrolled", "rule_based", "mpc", "oracle"} and set(table.split) == {
+        "train",
+        "test",
+    }
     np.testing.assert_allclose(table.bess_kw, 0.5 * table.bess_kwh)
     assert (table.wall_s > 0).all() and (table.task_wall_s >= table.wall_s).all()
     assert (table.unserved_kwh < 1e-6).all()
     # progress: a line per point, the workers and the wall time; the experiment's own doit state
-    assert proc.stdout.count("/4] ") == 4 and "2 Dask worker(s)" in proc.stdout and "s wall on 2 worker(s)" in proc.stdout
+    assert (
+        proc.stdout.count("/4] ") == 4 and "2 Dask worker(s)" in proc.stdout and "s wall on 2 worker(s)" in proc.stdout
+    )
     assert (root / ".doit.sqlite3").is_file()
 
 
@@ -106,11 +121,13 @@ def test_up_to_date_until_the_grid_changes_and_the_main_report_mentions_it(study
     assert info.returncode == 0 and "up-to-date" in info.stdout, info.stdout + info.stderr
     assert "PV kWp x BESS kWh grid" in info.stdout  # the line `doit list` shows
     changed = _doit(["info", "sizing", "kwp=0,20"], toml, root.parent)
-    assert changed.returncode == 1 and "status     : run" in changed.stdout and "up-to-date" not in changed.stdout, changed.stdout
+    assert changed.returncode == 1 and "status     : run" in changed.stdout and "up-to-date" not in changed.stdout, (
+        changed.stdout
+    )
 
     # the main report of the experiment shows the sizing headline and points to the sizing page
-    from envs.kpis import KPI_COLUMNS
     from envs.files import write_parquet
+    from envs.kpis import KPI_COLUMNS
     from pipeline.study.tasks import make_report
 
     kpis = []
@@ -128,11 +145,33 @@ def test_costs_per_tonne_pareto_and_headline():
     co2 = {(0, 0): 100.0, (0, 20): 100.0, (10, 0): 60.0, (10, 20): 58.0}  # kg over a 876-hour split
     for (p, e), kg in co2.items():
         for c, delta in (("uncontrolled", 0.0), ("oracle", -5.0)):
-            rows.append({"kwp": float(p), "bess_kwh": float(e), "bess_kw": 0.5 * e, "controller": c, "split": "train",
-                         "hours": 876.0, "co2_kg": kg + delta, "wall_s": 1.0, "task_wall_s": 2.0,
-                         **{k: 0.0 for k in ("unserved_kwh", "ev_energy_requested_kwh", "ev_energy_delivered_kwh",
-                            "ev_energy_served_pct", "grid_import_kwh", "grid_export_kwh", "pv_generation_kwh",
-                            "pv_self_consumption_pct", "peak_import_kw")}})  # fmt: skip
+            rows.append(
+                {
+                    "kwp": float(p),
+                    "bess_kwh": float(e),
+                    "bess_kw": 0.5 * e,
+                    "controller": c,
+                    "split": "train",
+                    "hours": 876.0,
+                    "co2_kg": kg + delta,
+                    "wall_s": 1.0,
+                    "task_wall_s": 2.0,
+                    **{
+                        k: 0.0
+                        for k in (
+                            "unserved_kwh",
+                            "ev_energy_requested_kwh",
+                            "ev_energy_delivered_kwh",
+                            "ev_energy_served_pct",
+                            "grid_import_kwh",
+                            "grid_export_kwh",
+                            "pv_generation_kwh",
+                            "pv_self_consumption_pct",
+                            "peak_import_kw",
+                        )
+                    },
+                }
+            )
     table = build_table(rows, spec).set_index(["controller", "kwp", "bess_kwh"])
     crf20 = 0.05 * 1.05**20 / (1.05**20 - 1)
     assert SizingCosts.crf(0.05, 20) == pytest.approx(crf20) and SizingCosts.crf(0.0, 20) == pytest.approx(0.05)
@@ -169,9 +208,21 @@ def test_costs_per_tonne_pareto_and_headline():
         ({"kwp": "20"}, "sizing.kwp", "number"),
         ({"capex_per_kwh": None}, "sizing.capex_per_kwh", "missing"),
     ],
-    ids=["negative-pv-cost", "negative-bess-cost", "empty-grid", "no-grid", "negative-size", "unknown-key",
-         "zero-c-rate", "zero-lifetime", "discount-rate", "unknown-controller", "string-size", "partial-costs"],
-)  # fmt: skip
+    ids=[
+        "negative-pv-cost",
+        "negative-bess-cost",
+        "empty-grid",
+        "no-grid",
+        "negative-size",
+        "unknown-key",
+        "zero-c-rate",
+        "zero-lifetime",
+        "discount-rate",
+        "unknown-controller",
+        "string-size",
+        "partial-costs",
+    ],
+)
 def test_bad_sizing_values_name_the_toml_and_the_key(tmp_path, table, key, words):
     sizing = {"kwp": [0, 10], "bess_kwh": [0, 20], **COSTS}
     for k, v in table.items():

@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import make_site, write_site
 
+from envs.config import ConfigError, config_from_dict
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import balance_residual, evaluate_policy, kpis_from_traces
-from envs.config import ConfigError, config_from_dict
 from envs.site import Site, load_site
 from pipeline.control.baselines import POLICIES, rule_based, uncontrolled
 from pipeline.control.mpc import MPCController
@@ -31,14 +31,23 @@ def _sessions(days: int, seed: int) -> pd.DataFrame:
     rows = []
     for d in range(2 * days):
         day = pd.Timestamp("2019-05-01").tz_localize(tz) + pd.Timedelta(days=d)
-        kinds = [("L2", 6, 12, 1.0, 9.0, 2.0, 25.0)] * int(rng.integers(3, 5)) + [("DC", 8, 18, 0.6, 1.4, 15.0, 45.0)] * 2
+        kinds = [("L2", 6, 12, 1.0, 9.0, 2.0, 25.0)] * int(rng.integers(3, 5)) + [
+            ("DC", 8, 18, 0.6, 1.4, 15.0, 45.0)
+        ] * 2
         for k, (kind, a0, a1, s0, s1, e0, e1) in enumerate(kinds):
             arr = day + pd.Timedelta(hours=float(rng.uniform(a0, a1)))
             dep = arr + pd.Timedelta(hours=float(rng.uniform(s0, s1)))
             station = f"L2-{rng.integers(1, 4)}" if kind == "L2" else "DC-1"
-            rows.append({"session_id": f"s{d}_{k}", "station_id": station, "arrival": arr.tz_convert("UTC"),
-                         "departure": dep.tz_convert("UTC"), "energy_kwh": np.float32(rng.uniform(e0, e1)),
-                         "requested_energy_kwh": np.float32(rng.uniform(e0, e1))})  # fmt: skip
+            rows.append(
+                {
+                    "session_id": f"s{d}_{k}",
+                    "station_id": station,
+                    "arrival": arr.tz_convert("UTC"),
+                    "departure": dep.tz_convert("UTC"),
+                    "energy_kwh": np.float32(rng.uniform(e0, e1)),
+                    "requested_energy_kwh": np.float32(rng.uniform(e0, e1)),
+                }
+            )
     s = pd.DataFrame(rows).sort_values(["arrival", "session_id"]).reset_index(drop=True)
     for c in ("arrival", "departure"):
         s[c] = pd.to_datetime(s[c], utc=True).astype("datetime64[ns, UTC]")
@@ -49,7 +58,11 @@ def group_site(days: int = 3, seed: int = 0, **overrides) -> Site:
     """The tiny two-group site (``overrides`` are config tables, as for ``make_site``)."""
     base = make_site(days=days, n_sockets=3, seed=seed, **overrides)
     cfg = base.config.replace(ev={"sockets": GROUPS})
-    source = {"config": "synthetic.toml", "hourly": "synthetic/hourly.parquet", "sessions": "synthetic/sessions.parquet"}
+    source = {
+        "config": "synthetic.toml",
+        "hourly": "synthetic/hourly.parquet",
+        "sessions": "synthetic/sessions.parquet",
+    }
     return Site(cfg, base.hourly, _sessions(days, seed), source)
 
 
@@ -115,8 +128,17 @@ def test_a_station_matching_no_group_is_an_error_before_anything_runs(site, tmp_
         with pytest.raises(ConfigError) as err:
             load_site(toml, validate=validate)
         msg = str(err.value)
-        for n in [str(toml), "key 'ev.sockets'", "station 'XX-7'", "sessions.parquet", "row 5",
-                  f"session {sessions.session_id[5]}", "2 session(s)", "'L2-*'", "'DC-*'"]:  # fmt: skip
+        for n in [
+            str(toml),
+            "key 'ev.sockets'",
+            "station 'XX-7'",
+            "sessions.parquet",
+            "row 5",
+            f"session {sessions.session_id[5]}",
+            "2 session(s)",
+            "'L2-*'",
+            "'DC-*'",
+        ]:
             assert n in msg, msg
 
 
@@ -237,14 +259,20 @@ def test_env_credits_export_at_the_moer_of_its_hour():
     for _ in range(72):
         m = moer[env.t]
         _, reward, _, _, i = env.step(torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64))
-        torch.testing.assert_close(i["co2_kg"], (i["grid_import_kw"] - i["grid_export_kw"]) * m * dt, rtol=0, atol=1e-12)
-        torch.testing.assert_close(reward, -r.scale * (r.w_co2 * i["co2_kg"] + r.w_unserved * i["unserved_kwh"]), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            i["co2_kg"], (i["grid_import_kw"] - i["grid_export_kw"]) * m * dt, rtol=0, atol=1e-12
+        )
+        torch.testing.assert_close(
+            reward, -r.scale * (r.w_co2 * i["co2_kg"] + r.w_unserved * i["unserved_kwh"]), rtol=0, atol=1e-12
+        )
         exported += float(i["grid_export_kw"].sum())
     assert exported > 1.0
     kpi, tr = evaluate_policy(uncontrolled, site, "train", "uncontrolled")
     credit = float((tr.grid_export_kw * tr.moer_kg_per_kwh).sum() * dt)
     assert credit > 0 and float(kpi.co2_export_credit_kg.iloc[0]) == pytest.approx(credit)
-    assert float(kpi.co2_kg.iloc[0]) == pytest.approx(float((tr.grid_import_kw * tr.moer_kg_per_kwh).sum() * dt) - credit)
+    assert float(kpi.co2_kg.iloc[0]) == pytest.approx(
+        float((tr.grid_import_kw * tr.moer_kg_per_kwh).sum() * dt) - credit
+    )
     none = group_site(**EXPORT)  # same flows, no credit: CO2 is the import's alone
     k0 = kpis_from_traces(evaluate_policy(uncontrolled, none, "train", "u")[1], none.split("train"))
     assert k0["co2_export_credit_kg"] == 0.0 and k0["co2_kg"] == pytest.approx(float(kpi.co2_kg.iloc[0]) + credit)
@@ -259,7 +287,10 @@ def test_oracle_with_credit_is_below_without_and_below_every_controller():
     np.testing.assert_allclose(tr.co2_kg, (tr.grid_import_kw - tr.grid_export_kw) * tr.moer_kg_per_kwh, atol=1e-9)
     assert balance_residual(tr).max() < 1e-6
     data = credit.split("train")
-    rows = [evaluate_policy(p, credit, "train", c)[0] for c, p in (("uncontrolled", uncontrolled), ("rule_based", rule_based))]
+    rows = [
+        evaluate_policy(p, credit, "train", c)[0]
+        for c, p in (("uncontrolled", uncontrolled), ("rule_based", rule_based))
+    ]
     for perfect in (False, True):
         mpc = MPCController(data, 24, perfect=perfect, keep_plans=True)
         row, trm = evaluate_policy(mpc, credit, "train", "mpc", action_mode="socket", bess_action="setpoint")
@@ -278,7 +309,9 @@ def test_oracle_with_credit_is_below_without_and_below_every_controller():
 def test_the_step_with_groups_and_credit_compiles_as_one_graph(action_mode="hub", edf="pairwise"):
     """Per-socket powers and the export credit keep the step one graph (no host sync), equal to the eager step."""
     site = group_site(grid={**EXPORT["grid"], "export_credit": "moer"}, pv=EXPORT["pv"], episode={"train_steps": 24})
-    eager, graphed = (EVHubVectorEnv(4, site=site, action_mode=action_mode, edf=edf, dtype=torch.float64) for _ in range(2))
+    eager, graphed = (
+        EVHubVectorEnv(4, site=site, action_mode=action_mode, edf=edf, dtype=torch.float64) for _ in range(2)
+    )
     eager.reset(seed=2)
     graphed.reset(seed=2)
     step = torch.compile(graphed.step, fullgraph=True)  # any graph break raises here

@@ -1,4 +1,5 @@
-"""A third site built from nothing but a TOML and small raw files (``pipeline.data.sources`` / ``pipeline.data.ingest``).
+"""A third site built from nothing but a TOML and small raw files (``pipeline.data.sources`` /
+``pipeline.data.ingest``).
 
 The "garage" site lies in Europe/Berlin (DST): its sessions are two CSV files with their own column names (one
 with naive local times, the TOML giving the zone; one with UTC offsets), its carbon a WattTime-style MOER of
@@ -25,15 +26,21 @@ import pytest
 from envs.kpis import balance_residual, evaluate_policy
 from envs.site import load_site
 from pipeline.control.baselines import POLICIES
-from pipeline.data.ingest import ingest, status, task_plan
 from pipeline.control.oracle import solve_oracle
+from pipeline.data.ingest import ingest, status, task_plan
 from pipeline.data.sources import SourceError, load_sources, parse_times, period
 
 TZ = "Europe/Berlin"
 LON, LAT = 13.4, 52.5
 FIRST, LAST = "2023-10-23", "2023-11-06"  # train 10-23..10-31 (DST ends 10-29), test 11-01..11-06
-COLS = {"station": "Charge point", "id": "Transaction", "arrival": "Plugged in", "departure": "Unplugged",
-        "energy": "Energy [kWh]", "requested": "Requested [kWh]"}  # fmt: skip
+COLS = {
+    "station": "Charge point",
+    "id": "Transaction",
+    "arrival": "Plugged in",
+    "departure": "Unplugged",
+    "energy": "Energy [kWh]",
+    "requested": "Requested [kWh]",
+}
 
 TOML = f"""
 name = "garage"
@@ -79,12 +86,12 @@ format = "csv"
 files = ["sessions/october.csv", "sessions/november.csv"]
 timezone = "{TZ}"                  # october.csv has naive local times; november.csv carries offsets
 [sources.sessions.columns]
-arrival = "{COLS['arrival']}"
-departure = "{COLS['departure']}"
-energy_kwh = "{COLS['energy']}"
-station_id = "{COLS['station']}"
-session_id = "{COLS['id']}"
-requested_energy_kwh = "{COLS['requested']}"
+arrival = "{COLS["arrival"]}"
+departure = "{COLS["departure"]}"
+energy_kwh = "{COLS["energy"]}"
+station_id = "{COLS["station"]}"
+session_id = "{COLS["id"]}"
+requested_energy_kwh = "{COLS["requested"]}"
 
 [sources.carbon]
 format = "watttime-moer"
@@ -156,8 +163,16 @@ def session_rows(days: pd.DatetimeIndex, offsets: bool) -> pd.DataFrame:
         a = arr.tz_localize(TZ)
         dep = (a.tz_convert("UTC") + dwell).tz_convert(TZ)
         fmt = (lambda x: x.isoformat(sep=" ")) if offsets else (lambda x: x.strftime("%Y-%m-%d %H:%M:%S"))
-        out.append({COLS["station"]: st, COLS["id"]: f"{'N' if offsets else 'O'}{i:04d}", COLS["arrival"]: fmt(a),
-                    COLS["departure"]: fmt(dep), COLS["energy"]: kwh, COLS["requested"]: kwh + 5.0})  # fmt: skip
+        out.append(
+            {
+                COLS["station"]: st,
+                COLS["id"]: f"{'N' if offsets else 'O'}{i:04d}",
+                COLS["arrival"]: fmt(a),
+                COLS["departure"]: fmt(dep),
+                COLS["energy"]: kwh,
+                COLS["requested"]: kwh + 5.0,
+            }
+        )
     return pd.DataFrame(out)
 
 
@@ -271,12 +286,17 @@ def test_parse_times_reads_dst_edges_and_offsets():
     ]
     aware = pd.Series(["2023-10-29 02:30:00+01:00", "2023-10-29T02:30:00+02:00", "2023-10-29 01:30:00Z"])
     assert list(parse_times(aware, tz=None, **kw)) == [
-        pd.Timestamp("2023-10-29 01:30", tz="UTC"), pd.Timestamp("2023-10-29 00:30", tz="UTC"),
         pd.Timestamp("2023-10-29 01:30", tz="UTC"),
-    ]  # fmt: skip
+        pd.Timestamp("2023-10-29 00:30", tz="UTC"),
+        pd.Timestamp("2023-10-29 01:30", tz="UTC"),
+    ]
     rfc = pd.Series(["Wed, 25 Apr 2018 11:08:04 GMT"])
-    assert parse_times(rfc, tz=None, **{**kw, "fmt": "%a, %d %b %Y %H:%M:%S %Z"}).iloc[0] == pd.Timestamp("2018-04-25 11:08:04", tz="UTC")
-    with pytest.raises(SourceError, match=r"f\.csv: column 't' row 1 \(line 3\): timestamp '2023-10-29 02:30' has no UTC"):
+    assert parse_times(rfc, tz=None, **{**kw, "fmt": "%a, %d %b %Y %H:%M:%S %Z"}).iloc[0] == pd.Timestamp(
+        "2018-04-25 11:08:04", tz="UTC"
+    )
+    with pytest.raises(
+        SourceError, match=r"f\.csv: column 't' row 1 \(line 3\): timestamp '2023-10-29 02:30' has no UTC"
+    ):
         parse_times(pd.Series(["2023-10-29 02:30+01:00", "2023-10-29 02:30"]), tz=TZ, **kw)
 
 
@@ -345,15 +365,24 @@ def test_acn_json_sessions_read_like_the_csv_ones(tmp_path, template, garage):
     items = []
     for i, r in expected.iterrows():
         ui = None if i % 3 == 0 else [{"kWhRequested": 1.0}, {"kWhRequested": float(r.requested_energy_kwh)}]
-        items.append({"sessionID": r.session_id, "stationID": r.station_id, "kWhDelivered": float(r.energy_kwh),
-                      "connectionTime": r.arrival.strftime("%a, %d %b %Y %H:%M:%S GMT"),
-                      "disconnectTime": r.departure.strftime("%a, %d %b %Y %H:%M:%S GMT"), "userInputs": ui})  # fmt: skip
+        items.append(
+            {
+                "sessionID": r.session_id,
+                "stationID": r.station_id,
+                "kWhDelivered": float(r.energy_kwh),
+                "connectionTime": r.arrival.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+                "disconnectTime": r.departure.strftime("%a, %d %b %Y %H:%M:%S GMT"),
+                "userInputs": ui,
+            }
+        )
     toml = write_garage(tmp_path, template)
     (tmp_path / "raw" / "sessions" / "acn.json").write_text(json.dumps({"_meta": {}, "_items": items[::-1]}))
     _swap_table(toml, "sources.sessions.columns", "")
     _swap_table(toml, "sources.sessions", '[sources.sessions]\nformat = "acn-json"\nfiles = "sessions/acn.json"')
     got, info = read_sessions(load_sources(toml))
-    pd.testing.assert_frame_equal(got.drop(columns="requested_energy_kwh"), expected.drop(columns="requested_energy_kwh"))
+    pd.testing.assert_frame_equal(
+        got.drop(columns="requested_energy_kwh"), expected.drop(columns="requested_energy_kwh")
+    )
     no_input = (np.arange(len(expected)) % 3 == 0)[::-1]  # items were written in reverse
     by_id = got.set_index("session_id")
     ids = [it["sessionID"] for it in items[::-1]]
@@ -370,24 +399,34 @@ def test_hourly_carbon_csv_in_g_per_kwh_gets_persistence_forecasts_and_measured_
     hours = pd.date_range("2023-10-22 20:00", "2023-11-07 00:00", freq="h", tz="UTC", inclusive="left")
     g = 300.0 + 100.0 * np.cos(np.arange(len(hours)) / 24 * 2 * np.pi)
     pd.DataFrame({"Datetime (UTC)": hours.strftime("%Y-%m-%d %H:%M:%S"), "Carbon intensity gCO2eq/kWh": g}).to_csv(
-        tmp_path / "raw" / "carbon.csv", index=False)  # fmt: skip
+        tmp_path / "raw" / "carbon.csv", index=False
+    )
     pv = np.clip(np.sin((hours.hour - 5) / 12 * np.pi), 0, None) * 0.7
     pd.DataFrame({"ts": hours.tz_convert(TZ).strftime("%Y-%m-%dT%H:%M:%S%z"), "kw_per_kwp": pv}).to_csv(
-        tmp_path / "raw" / "pv.csv", index=False)  # fmt: skip
-    _swap_table(toml, "sources.carbon", """[sources.carbon]
+        tmp_path / "raw" / "pv.csv", index=False
+    )
+    _swap_table(
+        toml,
+        "sources.carbon",
+        """[sources.carbon]
 format = "csv"
 files = "carbon.csv"
 time_column = "Datetime (UTC)"
 value_column = "Carbon intensity gCO2eq/kWh"
 unit = "g/kWh"
 timezone = "UTC"
-""")
-    _swap_table(toml, "sources.weather", """[sources.weather]
+""",
+    )
+    _swap_table(
+        toml,
+        "sources.weather",
+        """[sources.weather]
 format = "pv-csv"
 files = "pv.csv"
 time_column = "ts"
 value_column = "kw_per_kwp"
-""")
+""",
+    )
     src = load_sources(toml)
     index = period_index(src.config)
     c, info = read_carbon(src, index)
@@ -420,7 +459,11 @@ def test_pv_keys_and_fleet_tables_are_checked_naming_the_key():
     with pytest.raises(SourceError, match=r"iq\.toml: key 'sources\.sessions\.fleet\[1\]\.battery_kwh' is missing"):
         parse_sources(config_from_dict(bad, "iq.toml"), "iq.toml")
     fleet[1]["battery_kwh"], fleet[1]["dwel_h"] = 7.2, [1, 8]
-    with pytest.raises(SourceError, match=r"unknown key 'sources\.sessions\.fleet\[1\]\.dwel_h': did you mean 'sources\.sessions\.fleet\[1\]\.dwell_h'"):
+    with pytest.raises(
+        SourceError,
+        match=r"unknown key 'sources\.sessions\.fleet\[1\]\.dwel_h': did you mean "
+        r"'sources\.sessions\.fleet\[1\]\.dwell_h'",
+    ):
         parse_sources(config_from_dict(bad, "iq.toml"), "iq.toml")
 
 
@@ -464,7 +507,9 @@ def _moer_gap(folder: Path) -> None:
         p = folder / "raw" / "moer_de" / name
         d = pd.read_csv(p, dtype=str)
         t = pd.to_datetime(d.time, utc=True)
-        d[(t < pd.Timestamp("2023-11-02 10:00", tz="UTC")) | (t >= pd.Timestamp("2023-11-02 13:00", tz="UTC"))].to_csv(p, index=False)
+        d[(t < pd.Timestamp("2023-11-02 10:00", tz="UTC")) | (t >= pd.Timestamp("2023-11-02 13:00", tz="UTC"))].to_csv(
+            p, index=False
+        )
 
 
 def _shift_year(col: str):
@@ -478,7 +523,12 @@ def _shift_year(col: str):
 BAD = {
     "misnamed-column": (
         lambda f: _csv(f, "sessions/october.csv", lambda d: d.rename(columns={COLS["energy"]: "Energy (kWh)"})),
-        ["october.csv", "column 'Energy [kWh]' is missing", "did you mean 'Energy (kWh)'?", "sources.sessions.columns.energy_kwh"],
+        [
+            "october.csv",
+            "column 'Energy [kWh]' is missing",
+            "did you mean 'Energy (kWh)'?",
+            "sources.sessions.columns.energy_kwh",
+        ],
     ),
     "no-time-zone": (
         lambda f: _toml(f, f'timezone = "{TZ}"                  #', "#"),
@@ -494,8 +544,14 @@ BAD = {
     ),
     "carbon-does-not-cover-the-splits": (
         _moer_gap,
-        ["DE_part1.csv", "does not cover the site's period", "2023-11-02 10:00:00+00:00", "11:00 CET",
-         "in split 'test'", "first of 3 missing hour(s)"],
+        [
+            "DE_part1.csv",
+            "does not cover the site's period",
+            "2023-11-02 10:00:00+00:00",
+            "11:00 CET",
+            "in split 'test'",
+            "first of 3 missing hour(s)",
+        ],
     ),
     "epw-of-the-wrong-length": (
         _epw_short,
@@ -503,22 +559,34 @@ BAD = {
     ),
     "a-file-outside-the-period-leaves-a-split-uncovered": (  # the file is skipped; then no file covers the test split
         lambda f: [_csv(f, "sessions/november.csv", _shift_year(c)) for c in (COLS["arrival"], COLS["departure"])],
-        ["garage.toml", "key 'splits.test' (2023-11-01..2023-11-06, Europe/Berlin) selects none of the 45 sessions",
-         "no file of [sources.sessions] (files = ['sessions/october.csv', 'sessions/november.csv']) covers split 'test'",
-         "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31 (45 sessions), "
-         "sessions/november.csv 2024-11-01..2024-11-06 (30 sessions, skipped: outside the period)",
-         "Point key 'sources.sessions.files' at files with sessions from 2023-11-01 to 2023-11-06"],
+        [
+            "garage.toml",
+            "key 'splits.test' (2023-11-01..2023-11-06, Europe/Berlin) selects none of the 45 sessions",
+            "no file of [sources.sessions] (files = ['sessions/october.csv', 'sessions/november.csv']) covers split "
+            "'test'",
+            "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31 (45 sessions), "
+            "sessions/november.csv 2024-11-01..2024-11-06 (30 sessions, skipped: outside the period)",
+            "Point key 'sources.sessions.files' at files with sessions from 2023-11-01 to 2023-11-06",
+        ],
     ),
     "a-split-without-sessions": (
-        lambda f: _toml(f, 'files = ["sessions/october.csv", "sessions/november.csv"]', 'files = ["sessions/october.csv"]'),
-        ["garage.toml", "key 'splits.test' (2023-11-01..2023-11-06, Europe/Berlin) selects none of the 45 sessions",
-         "no file of [sources.sessions] (files = 'sessions/october.csv') covers split 'test'",
-         "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31 (45 sessions)."],
+        lambda f: _toml(
+            f, 'files = ["sessions/october.csv", "sessions/november.csv"]', 'files = ["sessions/october.csv"]'
+        ),
+        [
+            "garage.toml",
+            "key 'splits.test' (2023-11-01..2023-11-06, Europe/Berlin) selects none of the 45 sessions",
+            "no file of [sources.sessions] (files = 'sessions/october.csv') covers split 'test'",
+            "The files cover (arrivals, local dates): sessions/october.csv 2023-10-23..2023-10-31 (45 sessions).",
+        ],
     ),
     "sessions-between-the-splits": (  # the test split moved past the November sessions, which now lie in no split
         lambda f: _toml(f, 'test = ["2023-11-01", "2023-11-06"]', 'test = ["2023-11-07", "2023-11-08"]'),
-        ["garage.toml", "key 'splits.test' (2023-11-07..2023-11-08, Europe/Berlin) selects none of the 75 sessions",
-         "november.csv: 30 session(s) outside every split, first row 0 (line 2) arriving 2023-11-01 07:00:00+00:00"],
+        [
+            "garage.toml",
+            "key 'splits.test' (2023-11-07..2023-11-08, Europe/Berlin) selects none of the 75 sessions",
+            "november.csv: 30 session(s) outside every split, first row 0 (line 2) arriving 2023-11-01 07:00:00+00:00",
+        ],
     ),
     "missing-energy-column-in-the-toml": (
         lambda f: _toml(f, f'energy_kwh = "{COLS["energy"]}"\n', ""),

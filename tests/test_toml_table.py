@@ -39,13 +39,18 @@ def test_range_text(rng, text):
 
 
 def test_unknown_keys_name_the_file_the_dotted_key_and_the_closest():
-    with pytest.raises(Bad, match=r"^site\.toml: unknown key 'bess\.soc_mni': did you mean 'bess\.soc_min'\? "
-                                  r"\(known in \[bess\]: soc_min, soc_max\)$"):  # fmt: skip
+    with pytest.raises(
+        Bad,
+        match=r"^site\.toml: unknown key 'bess\.soc_mni': did you mean 'bess\.soc_min'\? "
+        r"\(known in \[bess\]: soc_min, soc_max\)$",
+    ):
         _table({"soc_mni": 0.1}).check_keys(("soc_min", "soc_max"))
     with pytest.raises(Bad, match=r"unknown key 'nmae': did you mean 'name'\? \(known: name\)$"):
         _table({"nmae": "x"}, key="").check_keys(("name",))
     groups = _table({"sockets": [{"count": 1}, {"count": 1, "kww": 2}]}, key="ev").tables("sockets")
-    with pytest.raises(Bad, match=r"'ev\.sockets\[1\]\.kww': did you mean 'ev\.sockets\[1\]\.kw'\? \(known in \[\[ev\.sockets\]\]"):
+    with pytest.raises(
+        Bad, match=r"'ev\.sockets\[1\]\.kww': did you mean 'ev\.sockets\[1\]\.kw'\? \(known in \[\[ev\.sockets\]\]"
+    ):
         groups[1].check_keys(("count", "kw"))
 
 
@@ -53,9 +58,14 @@ def test_types_ranges_and_defaults():
     t = _table({"a": 1, "b": True, "c": "x", "d": float("nan"), "e": [1, 2], "f": -1, "g": None, "h": float("inf")})
     assert t.number("a") == 1.0 and isinstance(t.number("a"), float)
     assert t.number("missing", 2.5) == 2.5 and t.number("g", None) is None
-    for k, what in (("b", "must be a number, got True"), ("c", "must be a number, got 'x'"),
-                    ("d", "must be a number, got nan"), ("h", "must be a finite number, got inf"),
-                    ("g", "must be a number, got None"), ("missing", "is missing")):  # fmt: skip
+    for k, what in (
+        ("b", "must be a number, got True"),
+        ("c", "must be a number, got 'x'"),
+        ("d", "must be a number, got nan"),
+        ("h", "must be a finite number, got inf"),
+        ("g", "must be a number, got None"),
+        ("missing", "is missing"),
+    ):
         with pytest.raises(Bad, match=rf"^site\.toml: key 'bess\.{k}' {what}"):
             t.number(k)
     assert t.number("h", finite=False) == float("inf")

@@ -19,7 +19,7 @@ def test_io_bound_env_follows_the_gymnasium_api():
     check_env(IOBoundEnv(latency_s=0.0), skip_render_check=True)
     env = gym.make("IOBound-v0", latency_s=0.0, max_steps=3)
     obs, _ = env.reset(seed=1)
-    for t in range(3):
+    for _t in range(3):
         obs, reward, terminated, truncated, _ = env.step(np.ones(2, np.float32))
         assert reward == pytest.approx(-np.linalg.norm(obs)) and not terminated
     assert truncated

@@ -41,13 +41,28 @@ except ModuleNotFoundError:  # run as `python algos/<algo>.py` from a checkout t
 
 from .backoff import allocate_halving, train_with_oom_restarts
 from .checkpoint import (
-    CHECKPOINT_FORMAT, CheckpointError, cannot_resume, load_optimizer_state, read_checkpoint, rng_states,
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    cannot_resume,
+    load_optimizer_state,
+    read_checkpoint,
+    rng_states,
     set_rng_states,
-)  # fmt: skip
+)
 from .cli import (
-    EVHUB_ONLY_ARGS, RunArgs, cli, env_own_defaults, make_env, network_inputs, output_dir, preset_args, preset_name,
-    presets_table, script, setup,
-)  # fmt: skip
+    EVHUB_ONLY_ARGS,
+    RunArgs,
+    cli,
+    env_own_defaults,
+    make_env,
+    network_inputs,
+    output_dir,
+    preset_args,
+    preset_name,
+    presets_table,
+    script,
+    setup,
+)
 from .export import EnvUnitsPolicy, export_policy
 from .gpu import GPU_STAT_KEYS, gpu_stats
 from .nets import RunningObsNorm, Select, cnn_torso, explained_variance, layer_init, select
@@ -57,22 +72,54 @@ from .speed import CudaGraphed, bind, capture, device_lr, synced_clock
 
 __all__ = [
     # cli
-    "EVHUB_ONLY_ARGS", "RunArgs", "cli", "env_own_defaults", "make_env", "network_inputs", "output_dir",
-    "preset_args", "preset_name", "presets_table", "script", "setup",
+    "EVHUB_ONLY_ARGS",
+    "RunArgs",
+    "cli",
+    "env_own_defaults",
+    "make_env",
+    "network_inputs",
+    "output_dir",
+    "preset_args",
+    "preset_name",
+    "presets_table",
+    "script",
+    "setup",
     # run
-    "NonFiniteLossError", "Run",
+    "NonFiniteLossError",
+    "Run",
     # checkpoint
-    "CHECKPOINT_FORMAT", "CheckpointError", "cannot_resume", "load_optimizer_state", "read_checkpoint", "rng_states",
+    "CHECKPOINT_FORMAT",
+    "CheckpointError",
+    "cannot_resume",
+    "load_optimizer_state",
+    "read_checkpoint",
+    "rng_states",
     "set_rng_states",
     # export
-    "EnvUnitsPolicy", "export_policy",
+    "EnvUnitsPolicy",
+    "export_policy",
     # speed
-    "CudaGraphed", "bind", "capture", "device_lr", "synced_clock",
+    "CudaGraphed",
+    "bind",
+    "capture",
+    "device_lr",
+    "synced_clock",
     # nets
-    "RunningObsNorm", "Select", "cnn_torso", "explained_variance", "layer_init", "select",
+    "RunningObsNorm",
+    "Select",
+    "cnn_torso",
+    "explained_variance",
+    "layer_init",
+    "select",
     # gpu
-    "GPU_STAT_KEYS", "gpu_stats",
+    "GPU_STAT_KEYS",
+    "gpu_stats",
     # out of memory
-    "OutOfMemoryBackoffError", "OutOfMemoryRestart", "allocate_halving", "free_device_memory",
-    "out_of_memory_message", "to_cpu", "train_with_oom_restarts",
-]  # fmt: skip
+    "OutOfMemoryBackoffError",
+    "OutOfMemoryRestart",
+    "allocate_halving",
+    "free_device_memory",
+    "out_of_memory_message",
+    "to_cpu",
+    "train_with_oom_restarts",
+]

@@ -4,7 +4,8 @@ its live state at smaller sizes (:func:`train_with_oom_restarts`), each change w
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .oom import OutOfMemoryBackoffError, OutOfMemoryRestart, free_device_memory, out_of_memory_message
 from .run import Run
@@ -74,16 +75,19 @@ def train_with_oom_restarts(train: Callable, run: Run, sizes, shrink: Callable) 
                 reason = str(exc)
         if reason is not None:
             run.close()
-            kept = f"the last good checkpoint {run.ckpt_path} is left untouched" if run.ckpt_path.exists() else (
-                "no checkpoint was written")
+            kept = (
+                f"the last good checkpoint {run.ckpt_path} is left untouched"
+                if run.ckpt_path.exists()
+                else ("no checkpoint was written")
+            )
             tried = "".join(f"\n  {h}" for h in run.oom_history) or " none"
             raise OutOfMemoryBackoffError(
                 f"CUDA out of memory {where} with {sizes}, and no further back-off: {reason}. Training stopped; "
                 f"{kept}.\nHalvings made:{tried}\nAsk for less memory: fewer --num-envs, a smaller --batch-size or "
-                f"--hidden-size, no --cudagraphs or --compile; or allow more with --max-oom-retries.\nThe error: {error}"
+                "--hidden-size, no --cudagraphs or --compile; or allow more with --max-oom-retries.\nThe error: "
+                f"{error}"
             )
         message = f"CUDA out of memory {where}: {change}; continuing"
         print(f"warning: {message}", file=sys.stderr, flush=True)
         run.oom_history.append(message)
         run.writer.add_text("oom", message, run.global_step)
-

@@ -42,8 +42,10 @@ def set_rng_states(rng: dict) -> None:
 
 def cannot_resume(path: Path, what: str) -> str:
     """The message of a checkpoint at ``path`` that cannot be resumed from because of ``what``, with the ways out."""
-    return (f"cannot resume from {path}: {what}. Delete it (rm {path}) to start afresh in "
-            f"this folder, run without --resume, or give another --output-dir")
+    return (
+        f"cannot resume from {path}: {what}. Delete it (rm {path}) to start afresh in "
+        f"this folder, run without --resume, or give another --output-dir"
+    )
 
 
 def read_checkpoint(path: Path, device: torch.device, algo: str, env_id: str) -> dict:
@@ -58,17 +60,26 @@ def read_checkpoint(path: Path, device: torch.device, algo: str, env_id: str) ->
         state = torch.load(path, map_location=device, weights_only=False)  # our own file
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, Exception) as exc:  # noqa: BLE001
         first_line = str(exc).strip().splitlines()[0] if str(exc) else "empty"
-        raise CheckpointError(cannot_resume(
-            path, f"it cannot be read ({type(exc).__name__}: {first_line}; a file cut short by a crash or a full disk, "
-                  f"or not a torch checkpoint)")) from exc
+        raise CheckpointError(
+            cannot_resume(
+                path,
+                f"it cannot be read ({type(exc).__name__}: {first_line}; a file cut short by a crash or a full disk, "
+                f"or not a torch checkpoint)",
+            )
+        ) from exc
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         found = state.get("format", "none") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(cannot_resume(
-            path, f"it was written by another version of this project (checkpoint format {found}, this one reads "
-                  f"{CHECKPOINT_FORMAT})"))
+        raise CheckpointError(
+            cannot_resume(
+                path,
+                f"it was written by another version of this project (checkpoint format {found}, this one reads "
+                f"{CHECKPOINT_FORMAT})",
+            )
+        )
     if state.get("algo") != algo or env_name(state.get("env_id", "")) != env_name(env_id):
-        raise CheckpointError(cannot_resume(
-            path, f"it is a {state.get('algo')} run on {state.get('env_id')}, not {algo} on {env_id}"))
+        raise CheckpointError(
+            cannot_resume(path, f"it is a {state.get('algo')} run on {state.get('env_id')}, not {algo} on {env_id}")
+        )
     return state
 
 
@@ -76,8 +87,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, lr=None)
     """Load a saved optimizer ``state`` but keep this run's ``capturable`` flag and learning rate ``lr`` (a float or
     the device tensor annealed in place; None keeps the current one): a checkpoint from another device, or from a
     run with another LR, would bring settings this run cannot use."""
-    groups = [{**saved, "capturable": group.get("capturable", False)}
-              for saved, group in zip(state["param_groups"], optimizer.param_groups)]
+    groups = [
+        {**saved, "capturable": group.get("capturable", False)}
+        for saved, group in zip(state["param_groups"], optimizer.param_groups)
+    ]
     current = [group["lr"] for group in optimizer.param_groups]
     optimizer.load_state_dict({**state, "param_groups": groups})
     for group, old in zip(optimizer.param_groups, current):

@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -21,7 +22,15 @@ from envs.vector import EVHUB_ID, RecordEpisodeStatistics, env_name, is_evhub, m
 
 from .checkpoint import CheckpointError
 
-EVHUB_ONLY_ARGS = ("site", "action_mode", "bess_action", "socket_features", "weekday_features", "eval_split", "eval_every")
+EVHUB_ONLY_ARGS = (
+    "site",
+    "action_mode",
+    "bess_action",
+    "socket_features",
+    "weekday_features",
+    "eval_split",
+    "eval_every",
+)
 """Arguments that only EVHub-v0 reads: left out of the printed and logged hyperparameters of other envs."""
 
 
@@ -217,7 +226,9 @@ def make_env(args, num_envs: int, device: torch.device, action_mode: str | None 
     (EVHub-v0's ``co2_kg`` and ``unserved_kwh`` besides return and length)."""
     kwargs = {}
     if is_evhub(args.env_id):
-        kwargs = dict(site=envs.load_site(args.site), split="train", action_mode=action_mode, bess_action=args.bess_action)
+        kwargs = dict(
+            site=envs.load_site(args.site), split="train", action_mode=action_mode, bess_action=args.bess_action
+        )
     return RecordEpisodeStatistics(make_vec(args.env_id, num_envs, device, args.vector_mode, **kwargs))
 
 

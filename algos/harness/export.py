@@ -42,7 +42,9 @@ class EnvUnitsPolicy(nn.Module):
         return self.center + self.scale * self.actor(obs).clamp(-1.0, 1.0)
 
 
-def export_policy(actor: nn.Module, obs_shape: tuple[int, ...], space: gym.Space, out_dir: Path, spec: dict | None) -> Path:
+def export_policy(
+    actor: nn.Module, obs_shape: tuple[int, ...], space: gym.Space, out_dir: Path, spec: dict | None
+) -> Path:
     """Save the deterministic policy for code that does not import ``algos``: ``policy.pt2``, a ``torch.export``
     program of :class:`EnvUnitsPolicy` with a dynamic batch dimension (load with ``torch.export.load(path).module()``;
     raw observations float32 ``(B, *obs_shape)`` -> actions in the env's own units). ``spec`` (EVHub-v0's env
@@ -66,4 +68,3 @@ def export_policy(actor: nn.Module, obs_shape: tuple[int, ...], space: gym.Space
     if spec:
         write_policy_spec(out_dir, spec["env_id"], spec["action_mode"], spec["bess_action"])
     return path
-

@@ -32,4 +32,3 @@ def gpu_stats(device: torch.device) -> dict[str, float]:
         except Exception:  # noqa: BLE001
             pass
     return stats
-

@@ -37,7 +37,8 @@ class RunningObsNorm(nn.Module):
 
     @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
-        """Fold a batch ``x`` float32 ``(B, *dim)`` into the running mean/variance (:func:`envs.vector.fold_moments`)."""
+        """Fold a batch ``x`` float32 ``(B, *dim)`` into the running mean/variance
+        (:func:`envs.vector.fold_moments`)."""
         fold_moments(self.mean, self.var, self.count, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,8 @@ class RunningObsNorm(nn.Module):
 
 
 class Select(nn.Module):
-    """Keeps the observation features listed in ``keep`` (the networks' inputs): ``(B, obs_dim)`` -> ``(B, len(keep))``."""
+    """Keeps the observation features listed in ``keep`` (the networks' inputs): ``(B, obs_dim)`` ->
+    ``(B, len(keep))``."""
 
     def __init__(self, keep: list[int]):
         super().__init__()
@@ -78,9 +80,14 @@ def cnn_torso(obs_shape: tuple[int, ...], channels: tuple[int, int], hidden: int
         raise ValueError(f"--cnn-channels takes two positive channel counts (C1 C2), got {channels}")
     (c, h, w), (c1, c2) = (int(x) for x in obs_shape), channels
     return nn.Sequential(
-        init(nn.Conv2d(c, c1, 3, padding=1)), nn.ReLU(), init(nn.Conv2d(c1, c2, 3, padding=1)), nn.ReLU(),
-        nn.Flatten(), init(nn.Linear(c2 * h * w, hidden)), nn.ReLU(),
-    )  # fmt: skip
+        init(nn.Conv2d(c, c1, 3, padding=1)),
+        nn.ReLU(),
+        init(nn.Conv2d(c1, c2, 3, padding=1)),
+        nn.ReLU(),
+        nn.Flatten(),
+        init(nn.Linear(c2 * h * w, hidden)),
+        nn.ReLU(),
+    )
 
 
 def explained_variance(y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -88,4 +95,3 @@ def explained_variance(y_pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     var_y = y.var()
     ev = 1.0 - (y - y_pred).var() / var_y
     return torch.where(var_y == 0, torch.full_like(var_y, float("nan")), ev)
-

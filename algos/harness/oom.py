@@ -51,4 +51,3 @@ def to_cpu(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(to_cpu(v) for v in tree)
     return tree
-

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
@@ -25,9 +25,14 @@ from envs.kpis import evaluate_policy, write_parquet
 from envs.vector import EVHUB_ID, RecordEpisodeStatistics, is_evhub
 
 from .checkpoint import (
-    CHECKPOINT_FORMAT, CheckpointError, cannot_resume, load_optimizer_state, read_checkpoint, rng_states,
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    cannot_resume,
+    load_optimizer_state,
+    read_checkpoint,
+    rng_states,
     set_rng_states,
-)  # fmt: skip
+)
 from .cli import EVHUB_ONLY_ARGS, output_dir, presets_table, setup
 from .export import export_policy
 from .gpu import gpu_stats
@@ -53,7 +58,9 @@ class Run:
         presets, env_defaults: the script's tables, printed and logged as text ``presets``.
     """
 
-    def __init__(self, algo: str, args, loss_names: tuple[str, ...], presets: dict, env_defaults: dict, num_threads: int = 0):
+    def __init__(
+        self, algo: str, args, loss_names: tuple[str, ...], presets: dict, env_defaults: dict, num_threads: int = 0
+    ):
         self.algo, self.args, self.loss_names = algo, args, tuple(loss_names)
         self.device = setup(args, num_threads)
         self.evhub = is_evhub(args.env_id)
@@ -98,14 +105,21 @@ class Run:
             print(f"note: --vector-mode {args.vector_mode} is ignored: {args.env_id} is a torch-batched env")
         if getattr(env, "warning", None):
             self.writer.add_text("warnings", env.warning, self.global_step)
-        where = f"site={args.site} action_mode={getattr(args, 'action_mode', 'discrete')}" if self.evhub else (
-            "torch-batched" if env.torch_batched else f"vector_mode={env.vector_mode}")
-        print(f"{self.algo.upper()} on {args.env_id} {where} device={self.device} preset={args.preset}: {what}; "
-              f"output {self.out_dir}")
+        where = (
+            f"site={args.site} action_mode={getattr(args, 'action_mode', 'discrete')}"
+            if self.evhub
+            else ("torch-batched" if env.torch_batched else f"vector_mode={env.vector_mode}")
+        )
+        print(
+            f"{self.algo.upper()} on {args.env_id} {where} device={self.device} preset={args.preset}: {what}; "
+            f"output {self.out_dir}"
+        )
         print(f"presets (* = {args.preset}; any field can be set on the command line):\n{self.presets_text}")
         print("args: " + ", ".join(f"{k}={v}" for k, v in self.shown_args(**sizes).items()), flush=True)
         if not self.evhub and args.eval_split.lower() != "none":
-            print(f"note: no split evaluation for {args.env_id} (eval_split={args.eval_split!r} applies to EVHub-v0 only)")
+            print(
+                f"note: no split evaluation for {args.env_id} (eval_split={args.eval_split!r} applies to EVHub-v0 only)"
+            )
         if self.oom_history:
             self.writer.add_text("hyperparameters", self.hyperparameters(**sizes), self.global_step)
 
@@ -119,12 +133,19 @@ class Run:
     def counters(self) -> dict:
         """What every checkpoint holds besides the script's state: format, algorithm, env, counters and RNGs."""
         return {
-            "format": CHECKPOINT_FORMAT, "algo": self.algo, "env_id": self.args.env_id,
-            "global_step": self.global_step, "iteration": self.iteration, "train_wall_s": self.wall(),
-            "args": dataclasses.asdict(self.args), "rng": rng_states(),
-        }  # fmt: skip
+            "format": CHECKPOINT_FORMAT,
+            "algo": self.algo,
+            "env_id": self.args.env_id,
+            "global_step": self.global_step,
+            "iteration": self.iteration,
+            "train_wall_s": self.wall(),
+            "args": dataclasses.asdict(self.args),
+            "rng": rng_states(),
+        }
 
-    def restore(self, state: dict | None, modules: dict[str, nn.Module], optimizers: dict, env, lrs: dict | None = None):
+    def restore(
+        self, state: dict | None, modules: dict[str, nn.Module], optimizers: dict, env, lrs: dict | None = None
+    ):
         """Load the live ``state`` handed over after an out-of-memory error, else, with ``--resume``, the checkpoint;
         returns the loaded dict (None for a fresh start) and sets the counters.
 
@@ -151,8 +172,12 @@ class Run:
                 if opt is not None and state.get(name) is not None:
                     load_optimizer_state(opt, state[name], (lrs or {}).get(name))
         except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(cannot_resume(path, f"it does not fit this run's networks ({type(exc).__name__}: "
-                                                 f"{str(exc).strip().splitlines()[0]})")) from exc
+            raise CheckpointError(
+                cannot_resume(
+                    path,
+                    f"it does not fit this run's networks ({type(exc).__name__}: {str(exc).strip().splitlines()[0]})",
+                )
+            ) from exc
         self.global_step, self.iteration = int(state["global_step"]), int(state["iteration"])
         self.train_wall_prev = float(state.get("train_wall_s", 0.0))
         set_rng_states(state["rng"])
@@ -161,8 +186,11 @@ class Run:
             env.load_state_dict(state["env"])
         else:
             if state.get("env") is not None or not env.torch_batched:
-                reason = (f"num_envs changed ({state.get('num_envs')} -> {env.num_envs})" if env.torch_batched
-                          else f"the state of a gymnasium env ({self.args.env_id}) cannot be checkpointed")
+                reason = (
+                    f"num_envs changed ({state.get('num_envs')} -> {env.num_envs})"
+                    if env.torch_batched
+                    else f"the state of a gymnasium env ({self.args.env_id}) cannot be checkpointed"
+                )
                 print(f"resume: {reason}; envs start new episodes")
             if state.get("env") is not None:
                 env.load_state_dict(state["env"], statistics_only=True)
@@ -200,7 +228,9 @@ class Run:
             self.bar.update()
         self.bar.close()
         end = synced_clock(self.device)
-        self.sps_steady = (self.global_step - self._steady[1]) / max(end - self._steady[0], 1e-9) if self._steady else self.sps
+        self.sps_steady = (
+            (self.global_step - self._steady[1]) / max(end - self._steady[0], 1e-9) if self._steady else self.sps
+        )
         self.train_wall_prev, self._start = self.train_wall_prev + end - self._start, None
 
     def wall(self) -> float:
@@ -217,8 +247,10 @@ class Run:
 
     def new_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Device flags of the finite-loss guard: ``(bad_any (len(loss_names),) bool, first_bad_step () int64)``."""
-        return (torch.zeros(len(self.loss_names), dtype=torch.bool, device=self.device),
-                torch.full((), -1, dtype=torch.int64, device=self.device))
+        return (
+            torch.zeros(len(self.loss_names), dtype=torch.bool, device=self.device),
+            torch.full((), -1, dtype=torch.int64, device=self.device),
+        )
 
     def flag(self, guard: tuple[torch.Tensor, torch.Tensor], bad: torch.Tensor) -> None:
         """Fold an update's ``bad`` flags into ``guard`` in place, on the device (no sync)."""
@@ -233,10 +265,14 @@ class Run:
         step = int(values[-1])
         if step >= 0:
             names = [n for n, b in zip(self.loss_names, values[:-1]) if b]
-            kept = f"the last good checkpoint {self.ckpt_path} is left untouched" if self.ckpt_path.exists() else (
-                "no checkpoint was written")
+            kept = (
+                f"the last good checkpoint {self.ckpt_path} is left untouched"
+                if self.ckpt_path.exists()
+                else ("no checkpoint was written")
+            )
             raise NonFiniteLossError(
-                f"non-finite {', '.join(names)} in the update at global_step {step}; training stopped, {kept}")
+                f"non-finite {', '.join(names)} in the update at global_step {step}; training stopped, {kept}"
+            )
 
     def log(self, env: RecordEpisodeStatistics, guard, scalars: dict[str, torch.Tensor | float], **row: float) -> dict:
         """One log interval, with one host read: the episode totals of ``env``, the guard and the device
@@ -251,7 +287,11 @@ class Run:
         parts += [scalars[k].detach().double().reshape(1) for k in tags]
         values = torch.cat([p.to(self.device) for p in parts]).tolist()  # the one host read
         n_totals = 1 + len(env.names)
-        totals, flags, rest = values[:n_totals], values[n_totals : n_totals + len(self.loss_names) + 1], values[n_totals + len(self.loss_names) + 1 :]
+        totals, flags, rest = (
+            values[:n_totals],
+            values[n_totals : n_totals + len(self.loss_names) + 1],
+            values[n_totals + len(self.loss_names) + 1 :],
+        )
         self.check_finite(guard, flags)
         host = {k: float(v) for k, v in scalars.items() if not isinstance(v, torch.Tensor)} | dict(zip(tags, rest))
         ep = env.episode_means(totals)
@@ -266,10 +306,15 @@ class Run:
         for tag, value in {**host, "charts/SPS": int(self.sps), **gpu}.items():
             if math.isfinite(value):
                 self.writer.add_scalar(tag, value, step)
-        metrics = {"global_step": step, "wall_s": self.train_wall_prev + wall, "sps": self.sps,
-                   **{f"episodic_{k}": ep.get(k, math.nan) for k in ("return", "length", "co2_kg", "unserved_kwh")},
-                   **{tag.split("/", 1)[-1]: value for tag, value in host.items()}, **row,
-                   **{key.removeprefix("perf/"): value for key, value in gpu.items()}}  # fmt: skip
+        metrics = {
+            "global_step": step,
+            "wall_s": self.train_wall_prev + wall,
+            "sps": self.sps,
+            **{f"episodic_{k}": ep.get(k, math.nan) for k in ("return", "length", "co2_kg", "unserved_kwh")},
+            **{tag.split("/", 1)[-1]: value for tag, value in host.items()},
+            **row,
+            **{key.removeprefix("perf/"): value for key, value in gpu.items()},
+        }
         self.rows.append(metrics)
         write_parquet(pd.DataFrame(self.rows), self.out_dir / "metrics.parquet")
         self.bar.set_postfix(sps=int(self.sps), ret=f"{ep['return']:.1f}", refresh=False)
@@ -278,8 +323,11 @@ class Run:
         if last or (self.bar.disable and (self.iteration // max(1, self.args.log_every)) % tenth == 0):
             site = f"co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} " if self.evhub else ""
             shown = " ".join(f"{t.split('/', 1)[-1]} {v:.4g}" for t, v in host.items() if t.startswith("losses/"))
-            print(f"iter {self.iteration}/{self.num_iterations} step {step} SPS {int(self.sps)} return "
-                  f"{ep['return']:.2f} length {ep['length']:.1f} {site}{shown}", flush=True)
+            print(
+                f"iter {self.iteration}/{self.num_iterations} step {step} SPS {int(self.sps)} return "
+                f"{ep['return']:.2f} length {ep['length']:.1f} {site}{shown}",
+                flush=True,
+            )
         return metrics
 
     # -- evaluation and the end
@@ -297,8 +345,16 @@ class Run:
             with torch.no_grad():
                 return actor(obs.float()).to(obs.dtype)
 
-        return evaluate_policy(policy, self.site(), self.args.eval_split, self.algo, action_mode, self.device,
-                               bess_action=self.args.bess_action, **extra)
+        return evaluate_policy(
+            policy,
+            self.site(),
+            self.args.eval_split,
+            self.algo,
+            action_mode,
+            self.device,
+            bess_action=self.args.bess_action,
+            **extra,
+        )
 
     def eval_during_training(self, actor: nn.Module, action_mode: str) -> None:
         """With ``--eval-every`` on EVHub-v0, on its iterations: evaluate, log ``eval/*``, append to
@@ -316,8 +372,13 @@ class Run:
 
     def _curve_row(self, kpis: pd.DataFrame, train_wall_s: float) -> None:
         k = kpis.iloc[0]
-        self.curve.append({"global_step": int(self.global_step), "train_wall_s": float(train_wall_s),
-                           **{c: float(k[c]) for c in ("co2_kg", "unserved_kwh", "ev_energy_served_pct")}})
+        self.curve.append(
+            {
+                "global_step": int(self.global_step),
+                "train_wall_s": float(train_wall_s),
+                **{c: float(k[c]) for c in ("co2_kg", "unserved_kwh", "ev_energy_served_pct")},
+            }
+        )
         write_parquet(pd.DataFrame(self.curve), self.out_dir / "eval_curve.parquet")
         self.writer.add_scalar("eval/co2_kg", self.curve[-1]["co2_kg"], self.global_step)
         self.writer.add_scalar("eval/unserved_kwh", self.curve[-1]["unserved_kwh"], self.global_step)
@@ -343,21 +404,40 @@ class Run:
             spec = {"env_id": EVHUB_ID, "action_mode": mode, "bess_action": args.bess_action}
         path = export_policy(actor, tuple(env.obs_shape), space, self.out_dir, spec)
         train_wall = self.train_wall_prev
-        print(f"training: {self.global_step:,} steps in {train_wall:.1f} s ({self.sps:.0f} SPS, {self.sps_steady:.0f} "
-              f"over the second half); policy saved to {path}")
-        out = {"global_step": self.global_step, "train_wall_s": train_wall, "sps": self.sps,
-               "sps_steady": self.sps_steady, "policy": str(path),
-               "vector_mode": None if env.torch_batched else env.vector_mode, **result}  # fmt: skip
+        print(
+            f"training: {self.global_step:,} steps in {train_wall:.1f} s ({self.sps:.0f} SPS, {self.sps_steady:.0f} "
+            f"over the second half); policy saved to {path}"
+        )
+        out = {
+            "global_step": self.global_step,
+            "train_wall_s": train_wall,
+            "sps": self.sps,
+            "sps_steady": self.sps_steady,
+            "policy": str(path),
+            "vector_mode": None if env.torch_batched else env.vector_mode,
+            **result,
+        }
         self.close_env()
         if self.evhub and args.eval_split.lower() != "none":
-            row, traces = self.evaluate(actor, spec["action_mode"], train_wall_s=train_wall,
-                                        env_steps=float(self.global_step), steps_per_s=self.sps)
+            row, traces = self.evaluate(
+                actor,
+                spec["action_mode"],
+                train_wall_s=train_wall,
+                env_steps=float(self.global_step),
+                steps_per_s=self.sps,
+            )
             write_parquet(row, self.out_dir / f"eval_{args.eval_split}.parquet")
             write_parquet(traces, self.out_dir / f"eval_{args.eval_split}_traces.parquet")
             kpis = row.iloc[0]
             print(f"deterministic evaluation on the {args.eval_split} split:")
-            for key in ("co2_kg", "grid_import_kwh", "pv_self_consumption_pct", "ev_energy_served_pct", "unserved_kwh",
-                        "peak_import_kw"):
+            for key in (
+                "co2_kg",
+                "grid_import_kwh",
+                "pv_self_consumption_pct",
+                "ev_energy_served_pct",
+                "unserved_kwh",
+                "peak_import_kw",
+            ):
                 print(f"  {key:<26} {kpis[key]:.2f}")
                 self.writer.add_scalar(f"eval/{key}", float(kpis[key]), self.global_step)
             out["eval"] = row

@@ -144,10 +144,16 @@ def _boosted_features(data: SplitData, horizon: int) -> np.ndarray:
     target_dow = (dow[:, None] + (sod[:, None] + k[None, :]) // day) % 7
     per_t = np.concatenate([fc, lags], 1)  # (T, 3 + lags)
     X = np.concatenate(
-        [np.broadcast_to(per_t[:, None, :], (T, H, per_t.shape[1])), prof[..., None], target_sod[..., None],
-         target_dow[..., None], np.broadcast_to(k[None, :, None], (T, H, 1)), np.broadcast_to(sod[:, None, None], (T, H, 1))],
+        [
+            np.broadcast_to(per_t[:, None, :], (T, H, per_t.shape[1])),
+            prof[..., None],
+            target_sod[..., None],
+            target_dow[..., None],
+            np.broadcast_to(k[None, :, None], (T, H, 1)),
+            np.broadcast_to(sod[:, None, None], (T, H, 1)),
+        ],
         axis=2,
-    )  # fmt: skip
+    )
     return X.astype(np.float64)
 
 
@@ -168,8 +174,16 @@ class MOERBoosted:
         max_iter, max_leaf_nodes: the trees' budget.
     """
 
-    def __init__(self, data: SplitData, horizon: int, prior: SplitData | None = None, refit_days: int = 7,
-                 warmup_days: int = 7, max_iter: int = 200, max_leaf_nodes: int = 31):  # fmt: skip
+    def __init__(
+        self,
+        data: SplitData,
+        horizon: int,
+        prior: SplitData | None = None,
+        refit_days: int = 7,
+        warmup_days: int = 7,
+        max_iter: int = 200,
+        max_leaf_nodes: int = 31,
+    ):
         self.day = max(1, int(round(DAY / data.config.dt_h)))
         self.H, self.refit_days, self.warmup_days = horizon, max(1, int(refit_days)), warmup_days
         self.max_iter, self.max_leaf_nodes = max_iter, max_leaf_nodes
@@ -202,8 +216,9 @@ class MOERBoosted:
         if self._prior is None and end < (self.warmup_days + 1) * self.day or len(y) == 0:
             self._model = None
             return
-        model = HistGradientBoostingRegressor(max_iter=self.max_iter, max_leaf_nodes=self.max_leaf_nodes,
-                                              learning_rate=0.1, random_state=0)  # fmt: skip
+        model = HistGradientBoostingRegressor(
+            max_iter=self.max_iter, max_leaf_nodes=self.max_leaf_nodes, learning_rate=0.1, random_state=0
+        )
         self._model = model.fit(X, y)
         self.fits += 1
 
@@ -243,6 +258,12 @@ def scores(data: SplitData, forecaster, horizon: int, from_step: int | None = No
     for k in range(horizon):
         p, y = np.asarray(pred[k]), np.asarray(true[k])
         r2 = 1.0 - float(((y - p) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12) if len(y) else np.nan
-        rows.append({"lead_h": k * data.config.dt_h, "r2": r2, "mae_kg_per_kwh": float(np.abs(y - p).mean()) if len(y) else np.nan,
-                     "n": len(y)})  # fmt: skip
+        rows.append(
+            {
+                "lead_h": k * data.config.dt_h,
+                "r2": r2,
+                "mae_kg_per_kwh": float(np.abs(y - p).mean()) if len(y) else np.nan,
+                "n": len(y),
+            }
+        )
     return pd.DataFrame(rows)

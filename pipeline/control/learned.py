@@ -43,7 +43,11 @@ def candidates(tuned: PlannerParams) -> list[PlannerParams]:
     """``mpc_adaptive``'s candidates: ``tuned`` first, then ``tuned`` at each weight of :data:`ADAPTIVE_WEIGHTS`
     that differs from its own."""
     out = [tuned]
-    out += [replace(tuned, expected_demand_weight=w) for w in ADAPTIVE_WEIGHTS if abs(w - tuned.expected_demand_weight) > 1e-9]
+    out += [
+        replace(tuned, expected_demand_weight=w)
+        for w in ADAPTIVE_WEIGHTS
+        if abs(w - tuned.expected_demand_weight) > 1e-9
+    ]
     return out
 
 
@@ -65,8 +69,17 @@ def week_table(site: Site | str, split: str, cands: list[PlannerParams], evaluat
     rows = []
     for i, r in enumerate(res):
         c, w = divmod(i, len(wk))
-        rows.append({"candidate": c, "week": w, "start": r.start, "steps": r.steps, "co2_kg": r.co2_kg,
-                     "unserved_kwh": r.unserved_kwh, "cost_kg": r.cost})  # fmt: skip
+        rows.append(
+            {
+                "candidate": c,
+                "week": w,
+                "start": r.start,
+                "steps": r.steps,
+                "co2_kg": r.co2_kg,
+                "unserved_kwh": r.unserved_kwh,
+                "cost_kg": r.cost,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -126,12 +139,24 @@ class AdaptivePlanner:
 
 def _run(site: Site, split: str, name: str, policy, seed: int, **extra) -> tuple[pd.DataFrame, pd.DataFrame]:
     t0 = time.perf_counter()
-    kpis, traces = evaluate_policy(policy, site, split, name, action_mode="socket", bess_action="setpoint",
-                                   train_wall_s=0.0, seed=float(seed), **extra)  # fmt: skip
+    kpis, traces = evaluate_policy(
+        policy,
+        site,
+        split,
+        name,
+        action_mode="socket",
+        bess_action="setpoint",
+        train_wall_s=0.0,
+        seed=float(seed),
+        **extra,
+    )
     mpc = getattr(policy, "mpc", policy)
-    print(f"{name} seed {seed} {split}: {mpc.solves} solves, {mpc.solve_s:.1f} s solving, "
-          f"{time.perf_counter() - t0:.1f} s in all; CO2 {traces.co2_kg.sum():.1f} kg, "
-          f"unserved {traces.unserved_kwh.sum():.3f} kWh", flush=True)  # fmt: skip
+    print(
+        f"{name} seed {seed} {split}: {mpc.solves} solves, {mpc.solve_s:.1f} s solving, "
+        f"{time.perf_counter() - t0:.1f} s in all; CO2 {traces.co2_kg.sum():.1f} kg, "
+        f"unserved {traces.unserved_kwh.sum():.3f} kWh",
+        flush=True,
+    )
     return kpis, traces
 
 
@@ -150,7 +175,9 @@ def table_file(tuned_dir: str | Path, split: str, seed: int) -> Path:
     return Path(tuned_dir) / f"mpc_adaptive_seed{seed}_{split}_weeks.parquet"
 
 
-def table_windows(site: Site | str, tuned: PlannerParams, splits=("train", "test")) -> list[tuple[str, int, PlannerParams, int, int]]:
+def table_windows(
+    site: Site | str, tuned: PlannerParams, splits=("train", "test")
+) -> list[tuple[str, int, PlannerParams, int, int]]:
     """Every replay the week tables of ``splits`` need: ``(split, candidate index, params, start, steps)``."""
     site = load_site(site)
     cands = candidates(tuned)
@@ -166,8 +193,17 @@ def write_week_tables(results: list, windows: list, tuned_dir: str | Path, seed:
     count: dict[tuple[str, int], int] = {}
     for (sp, c, *_), r in zip(windows, results):
         w = count[sp, c] = count.get((sp, c), -1) + 1  # the windows of a candidate come week after week
-        rows.setdefault(sp, []).append({"candidate": c, "week": w, "start": r.start, "steps": r.steps, "co2_kg": r.co2_kg,
-                                        "unserved_kwh": r.unserved_kwh, "cost_kg": r.cost})  # fmt: skip
+        rows.setdefault(sp, []).append(
+            {
+                "candidate": c,
+                "week": w,
+                "start": r.start,
+                "steps": r.steps,
+                "co2_kg": r.co2_kg,
+                "unserved_kwh": r.unserved_kwh,
+                "cost_kg": r.cost,
+            }
+        )
     return [str(write_parquet(pd.DataFrame(v), table_file(tuned_dir, sp, seed))) for sp, v in rows.items()]
 
 
@@ -198,6 +234,9 @@ def simulate_adaptive(site: Site, split: str, seed: int, tuned_dir: str | Path) 
     lookback = choose_lookback(table("train"))
     chosen = schedule(table(split), lookback)
     weights = ", ".join(f"{cands[c].expected_demand_weight:g}" for c in chosen)
-    print(f"mpc_adaptive seed {seed} {split}: lookback {lookback} weeks (chosen on the train split); weekly weights {weights}",
-          flush=True)  # fmt: skip
+    print(
+        f"mpc_adaptive seed {seed} {split}: lookback {lookback} weeks (chosen on the train split); weekly weights "
+        f"{weights}",
+        flush=True,
+    )
     return _run(site, split, "mpc_adaptive", AdaptivePlanner(site.split(split), cands, chosen), seed)

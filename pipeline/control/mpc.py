@@ -7,18 +7,17 @@ Two controllers share the code and differ only in what they know (:data:`PERFECT
 
   - the BESS energy and every plugged EV's remaining energy and steps to departure (the env's state
     ``energy_kwh``, ``ev_need_kwh``, ``ev_steps_left``; the sessions arriving at ``t`` are plugged in by then);
-  - MOER: a causal regression forecast (:class:`pipeline.control.forecast.MOERRegression`) for each step of the window: per lead ``k``, a
-    least-squares fit of the MOER at ``t + k`` on what is known at ``t`` (the data's forecasts ``moer_fc_h0..h2``
-    issued at ``t``, the realised MOER of the last two steps, the same-hour profile below and the local hour of
-    ``t + k``), refit at the start of every day of the split on the pairs whose MOER was realised before that
-    day. Before it has ``REGRESSION_WARMUP_DAYS`` days of pairs, the data's forecasts for ``t, t+1, t+2`` and
-    beyond them the profile forecast: the mean realised MOER at the same hour of day over the last 7 days before
-    ``t`` (``PROFILE_DAYS``), shifted by the last data forecast's deviation from that profile, which decays with
-    an e-folding time of 6 h (``LEVEL_DECAY_H``); before any past day exists, ``moer_fc_h2`` held flat.
-    On the caltech splits (after the first week) it explains more of the MOER than the data's forecasts and the
-    profile at every lead up to 12 h: R^2 0.65 against 0.47 one hour ahead on the train split, 0.79 against 0.65
-    on the test split (``docs/agents.md``); it took ``mpc`` from 8034.6 to 7759.9 kg on the train split and from
-    2924.3 to 2908.4 kg on the test split;
+  - MOER: a causal regression forecast (:class:`pipeline.control.forecast.MOERRegression`) for each step of the window:
+    per lead ``k``, a least-squares fit of the MOER at ``t + k`` on what is known at ``t`` (the data's forecasts
+    ``moer_fc_h0..h2`` issued at ``t``, the realised MOER of the last two steps, the same-hour profile below and the
+    local hour of ``t + k``), refit at the start of every day of the split on the pairs whose MOER was realised before
+    that day. Before it has ``REGRESSION_WARMUP_DAYS`` days of pairs, the data's forecasts for ``t, t+1, t+2`` and
+    beyond them the profile forecast: the mean realised MOER at the same hour of day over the last 7 days before ``t``
+    (``PROFILE_DAYS``), shifted by the last data forecast's deviation from that profile, which decays with an e-folding
+    time of 6 h (``LEVEL_DECAY_H``); before any past day exists, ``moer_fc_h2`` held flat. On the caltech splits (after
+    the first week) it explains more of the MOER than the data's forecasts and the profile at every lead up to 12 h: R^2
+    0.65 against 0.47 one hour ahead on the train split, 0.79 against 0.65 on the test split (``docs/agents.md``); it
+    took ``mpc`` from 8034.6 to 7759.9 kg on the train split and from 2924.3 to 2908.4 kg on the test split;
   - PV: the modelled series itself over the horizon (the PV of a typical year is known ahead: it is the same
     series the agents' observation reads its 3-step and next-24-h PV look-ahead from); base load: the
     config's constant;
@@ -56,15 +55,15 @@ balance, storage, EV energy with an unserved slack at the oracle's penalty) with
   energy would be worthless past the window. The battery then charges from the grid only in hours below about
   ``eta_c * eta_d`` times the window's mean MOER and discharges in hours above it (unless the window itself
   shows a better use).
-* Tie-breaks, each far below any MOER difference (a few 1e-4 kg/kWh at most) so that they only choose between
-  plans of equal CO2: ``EPS_CYCLE`` per kWh charged and per kWh discharged (no charge and discharge in one step,
-  no battery energy burnt into curtailment, no cycling without a CO2 gain); ``EPS_CURTAIL`` per kWh curtailed or exported
-  (with ``grid.export_credit = "none"`` the CO2 objective gives export no value; with ``"moer"`` export earns its
-  step's MOER forecast, as in the oracle, and the tie-break only orders plans of equal CO2), falling linearly to
-  half of it at the window's end (PV is used
-  rather than curtailed, and used now rather than later: a PV surplus goes into the battery or the plugged EVs
-  when it occurs, even where the window's later PV would fill them anyway, as the env's ``surplus_to_ev`` does); the import cost is discounted by ``IMPORT_DISCOUNT`` (relative)
-  linearly over the window (equal-MOER import happens as late as possible, keeping room for PV and new cars).
+* Tie-breaks, each far below any MOER difference (a few 1e-4 kg/kWh at most) so that they only choose between plans of
+  equal CO2: ``EPS_CYCLE`` per kWh charged and per kWh discharged (no charge and discharge in one step, no battery
+  energy burnt into curtailment, no cycling without a CO2 gain); ``EPS_CURTAIL`` per kWh curtailed or exported (with
+  ``grid.export_credit = "none"`` the CO2 objective gives export no value; with ``"moer"`` export earns its step's MOER
+  forecast, as in the oracle, and the tie-break only orders plans of equal CO2), falling linearly to half of it at the
+  window's end (PV is used rather than curtailed, and used now rather than later: a PV surplus goes into the battery or
+  the plugged EVs when it occurs, even where the window's later PV would fill them anyway, as the env's
+  ``surplus_to_ev`` does); the import cost is discounted by ``IMPORT_DISCOUNT`` (relative) linearly over the window
+  (equal-MOER import happens as late as possible, keeping room for PV and new cars).
 
 Action mapping (``action_mode="socket"``, ``bess_action="setpoint"``): ``a_bess = (ch - dis) / power_kw``;
 socket ``i``: ``a_i = (P_i - floor_i) / (cap_i - floor_i)`` (0 where ``cap_i = floor_i``), inverting the env's
@@ -102,6 +101,8 @@ TERMINAL_VALUE = 1.0
 ``eta_discharge * mean(MOER outlook of the window)`` (kg): the CO2 a kWh stored displaces when discharged at an
 average hour later. Without it the battery's energy would be worthless beyond the window (the controller knows no
 future arrivals), so it would curtail PV rather than store it."""
+
+
 @dataclass
 class Plan:
     """The first step of one MPC solve: LP flows (kW) and the env action that applies them."""
@@ -209,7 +210,9 @@ class MPCController:
             profile = self._same_hour_mean(t, k)
             level = d.moer_fc[t, last] - self._same_hour_mean(t, np.array([last]))[0]
             fallback = d.moer_fc[t, last]
-            out[n_fc:] = np.where(np.isnan(profile), fallback, profile + np.nan_to_num(level) * np.exp(-(k - last) / LEVEL_DECAY_H))
+            out[n_fc:] = np.where(
+                np.isnan(profile), fallback, profile + np.nan_to_num(level) * np.exp(-(k - last) / LEVEL_DECAY_H)
+            )
         return out
 
     def _same_hour_mean(self, t: int, k: np.ndarray) -> np.ndarray:
@@ -318,7 +321,12 @@ class MPCController:
         is_plugged = sock >= 0
         col0, s0 = first[is_plugged], sock[is_plugged]
         floor = floor_all[s0]
-        room = cfg.grid.import_limit_kw + pv[0] - load[0] + min(b.power_kw, max(energy_kwh - b.soc_min * b.capacity_kwh, 0.0) * b.eta_discharge / dt)
+        room = (
+            cfg.grid.import_limit_kw
+            + pv[0]
+            - load[0]
+            + min(b.power_kw, max(energy_kwh - b.soc_min * b.capacity_kwh, 0.0) * b.eta_discharge / dt)
+        )
         if floor.sum() > max(room, 0.0):  # the env cuts the floors too when the import limit binds
             floor = floor * max(room, 0.0) / floor.sum()
         bounds[col0, 0] = floor
@@ -338,8 +346,15 @@ class MPCController:
         action[1:][ok] = np.clip((ev[ok] - floor_all[ok]) / span[ok], 0.0, 1.0)
         g = z[off["g"] : off["g"] + H] - z[off["x"] : off["x"] + H] * (cfg.grid.export_credit == "moer")
         plan = Plan(
-            t=t, action=action, grid_import_kw=step0("g"), grid_export_kw=step0("x"), pv_curtailed_kw=step0("u"),
-            bess_charge_kw=ch, bess_discharge_kw=dis, ev_kw=ev, co2_planned_kg=float((g * moer).sum() * dt),
+            t=t,
+            action=action,
+            grid_import_kw=step0("g"),
+            grid_export_kw=step0("x"),
+            pv_curtailed_kw=step0("u"),
+            bess_charge_kw=ch,
+            bess_discharge_kw=dis,
+            ev_kw=ev,
+            co2_planned_kg=float((g * moer).sum() * dt),
         )
         self.solves += 1
         self.solve_s += time.perf_counter() - t0
@@ -382,7 +397,9 @@ class MPCController:
             if zz is not None and (best is None or c @ zz < c @ best):
                 best = zz
         if best is None:
-            raise RuntimeError(f"MPC LP at step {t} of split '{self.data.split}' not solved under the env's dispatch rules")
+            raise RuntimeError(
+                f"MPC LP at step {t} of split '{self.data.split}' not solved under the env's dispatch rules"
+            )
         return best
 
     def _solve(self, c, A_eq, b_eq, bounds, t: int, strict: bool = True) -> np.ndarray | None:
@@ -427,7 +444,9 @@ class MPCController:
         return torch.as_tensor(plan.action, dtype=obs.dtype, device=obs.device)[None]
 
 
-def run_mpc(site: Site | str, split: str, controller: str = "mpc", horizon_h: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame, MPCController]:
+def run_mpc(
+    site: Site | str, split: str, controller: str = "mpc", horizon_h: int | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame, MPCController]:
     """Run an MPC controller over a whole split through the env (socket actions, set-point BESS).
 
     Args:
@@ -450,7 +469,9 @@ def run_mpc(site: Site | str, split: str, controller: str = "mpc", horizon_h: in
     horizon = site.config.mpc.horizon_h if horizon_h is None else horizon_h
     mpc = MPCController(site.split(split), horizon, perfect=PERFECT[controller])
     t0 = time.perf_counter()
-    kpis, traces = evaluate_policy(mpc, site, split, controller, action_mode="socket", bess_action="setpoint", train_wall_s=0.0)
+    kpis, traces = evaluate_policy(
+        mpc, site, split, controller, action_mode="socket", bess_action="setpoint", train_wall_s=0.0
+    )
     wall = time.perf_counter() - t0
     print(
         f"{controller} {split}: horizon {horizon} h, {mpc.solves} solves, {mpc.solve_s:.1f} s solving "

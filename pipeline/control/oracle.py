@@ -53,8 +53,8 @@ import pandas as pd
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from envs.kpis import TRACE_COLUMNS, check_balance, kpi_row
 from envs.config import SiteConfig
+from envs.kpis import TRACE_COLUMNS, check_balance, kpi_row
 from envs.site import Site, SplitData, load_site
 
 UNSERVED_PENALTY = 1e3
@@ -183,9 +183,7 @@ def assemble_lp(
     if defer_kwh is not None:
         add(2 * T + np.arange(S), off["defer"] + np.arange(S), 1.0)
 
-    A_eq = sp.csr_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(2 * T + S, n)
-    )
+    A_eq = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(2 * T + S, n))
     b_eq = np.zeros(2 * T + S)
     b_eq[:T] = load_kw - pv_kw
     b_eq[T] = energy_init_kwh

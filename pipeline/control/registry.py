@@ -95,7 +95,9 @@ class Controller:
         """Whether the study simulates it over a split itself (everything but the agents)."""
         return self.runner is not None
 
-    def simulate(self, site: Site, split: str, seed: int | None = None, tuned_dir=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    def simulate(
+        self, site: Site, split: str, seed: int | None = None, tuned_dir=None
+    ) -> tuple[pd.DataFrame, pd.DataFrame]:
         """Run it over one whole split; returns ``(kpi_row, traces)`` (:func:`envs.kpis.evaluate_policy`'s).
 
         Args:
@@ -162,7 +164,9 @@ def get(name: str) -> Controller:
         KeyError: an unknown name; the message gives the closest known one and every known name.
     """
     if name not in CONTROLLERS:
-        raise KeyError(f"unknown controller {name!r}{did_you_mean(name, CONTROLLERS)} (known: {', '.join(CONTROLLERS)})")
+        raise KeyError(
+            f"unknown controller {name!r}{did_you_mean(name, CONTROLLERS)} (known: {', '.join(CONTROLLERS)})"
+        )
     return CONTROLLERS[name]
 
 
@@ -175,9 +179,10 @@ def simulated(cfg: SiteConfig | None = None, tuned: bool | None = None) -> tuple
     """The controllers the study simulates itself, in report order; with ``cfg``, those that site runs; with
     ``tuned``, only those that do (True) or do not (False) read tuned parameters."""
     return tuple(
-        n for n, c in CONTROLLERS.items()
+        n
+        for n, c in CONTROLLERS.items()
         if c.simulated and (cfg is None or c.enabled(cfg)) and (tuned is None or c.tuned == tuned)
-    )  # fmt: skip
+    )
 
 
 def is_agent(name: str) -> bool:

@@ -54,18 +54,21 @@ class PlannerParams:
     demand_day_type: bool = False
 
     @classmethod
-    def of_site(cls, site: Site) -> "PlannerParams":
+    def of_site(cls, site: Site) -> PlannerParams:
         """The site's ``[mpc]`` table (what ``mpc`` runs with), the other parameters at their defaults."""
         m = site.config.mpc
-        return cls(horizon_h=int(m.horizon_h), expected_demand_days=int(m.expected_demand_days),
-                   expected_demand_weight=float(m.expected_demand_weight))  # fmt: skip
+        return cls(
+            horizon_h=int(m.horizon_h),
+            expected_demand_days=int(m.expected_demand_days),
+            expected_demand_weight=float(m.expected_demand_weight),
+        )
 
     def as_dict(self) -> dict:
         """Plain dict (JSON, Parquet columns)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PlannerParams":
+    def from_dict(cls, d: dict) -> PlannerParams:
         """From :meth:`as_dict`'s dict; integer fields rounded.
 
         Raises:
@@ -83,10 +86,17 @@ def planner(data: SplitData, params: PlannerParams, **kwargs) -> MPCController:
     """The causal MPC of ``data`` with ``params`` (HiGHS presolve off: these replays are what tuning spends its
     time on); ``kwargs`` go to :class:`~pipeline.control.mpc.MPCController`."""
     kw = dict(presolve=False) | kwargs
-    return MPCController(data, horizon_h=params.horizon_h, expected_demand_days=params.expected_demand_days,
-                         expected_demand_weight=params.expected_demand_weight, terminal_value=params.terminal_value,
-                         moer_contrast=params.moer_contrast, moer_bias=params.moer_bias,
-                         demand_day_type=params.demand_day_type, **kw)  # fmt: skip
+    return MPCController(
+        data,
+        horizon_h=params.horizon_h,
+        expected_demand_days=params.expected_demand_days,
+        expected_demand_weight=params.expected_demand_weight,
+        terminal_value=params.terminal_value,
+        moer_contrast=params.moer_contrast,
+        moer_bias=params.moer_bias,
+        demand_day_type=params.demand_day_type,
+        **kw,
+    )
 
 
 def weeks(data: SplitData) -> list[tuple[int, int]]:
@@ -148,10 +158,19 @@ def replay(site: Site | str, split: str, start: int, steps: int, params: Planner
     if start < 0 or steps < 1 or start + steps > data.num_steps:
         raise ValueError(f"window [{start}, {start + steps}) lies outside split '{split}' of {data.num_steps} steps")
     if site.config.episode.session_keep_min < 1.0:  # windows keep every session, like an evaluation
-        site = Site(site.config.replace(episode={"session_keep_min": 1.0}), site.hourly, site.sessions, dict(site.source))
+        site = Site(
+            site.config.replace(episode={"session_keep_min": 1.0}), site.hourly, site.sessions, dict(site.source)
+        )
         data = site.split(split)
-    env = EVHubVectorEnv(1, site=site, split=split, action_mode="socket", episode_steps=steps, dtype=torch.float64,
-                         bess_action="setpoint")  # fmt: skip
+    env = EVHubVectorEnv(
+        1,
+        site=site,
+        split=split,
+        action_mode="socket",
+        episode_steps=steps,
+        dtype=torch.float64,
+        bess_action="setpoint",
+    )
     mpc = planner(data, params)
     obs, _ = env.reset(seed=0, options={"start_steps": [start]})
     co2 = unserved = 0.0

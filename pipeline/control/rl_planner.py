@@ -47,8 +47,16 @@ ENV_ID = "EVHubPlanner-v0"
 REWARD_SCALE_KG = 50.0
 """A day's CO2 on the shipped caltech site is of this order (kg); rewards are divided by it."""
 EPISODE_DAYS = 7
-OBS_NAMES = ("dow_sin", "dow_cos", "soc", "plugged_need", "week_arrivals", "yesterday_vs_week", "moer_outlook_vs_week",
-             "yesterday_co2_per_kwh")  # fmt: skip
+OBS_NAMES = (
+    "dow_sin",
+    "dow_cos",
+    "soc",
+    "plugged_need",
+    "week_arrivals",
+    "yesterday_vs_week",
+    "moer_outlook_vs_week",
+    "yesterday_co2_per_kwh",
+)
 """The observation's features, in order (module docstring)."""
 
 
@@ -87,11 +95,19 @@ class _Day:
         moer_week = float(np.mean(d.moer[max(0, t - 7 * day) : t])) if t > 0 else float(d.moer_fc[0, 0])
         outlook = float(np.mean(self.mpc.moer_outlook(t, min(day, self.mpc.H, d.num_steps - t))))
         co2_per_kwh = self.last_co2 / self.last_kwh if self.last_kwh > 1e-9 else moer_week
-        return np.array([
-            np.sin(dow), np.cos(dow), 2.0 * soc - 1.0, np.tanh(need), np.tanh(week / self._scale),
-            np.tanh((yesterday - week) / self._scale), np.tanh(outlook / max(moer_week, 1e-3) - 1.0),
-            np.tanh(co2_per_kwh / max(moer_week, 1e-3) - 1.0),
-        ], np.float32)  # fmt: skip
+        return np.array(
+            [
+                np.sin(dow),
+                np.cos(dow),
+                2.0 * soc - 1.0,
+                np.tanh(need),
+                np.tanh(week / self._scale),
+                np.tanh((yesterday - week) / self._scale),
+                np.tanh(outlook / max(moer_week, 1e-3) - 1.0),
+                np.tanh(co2_per_kwh / max(moer_week, 1e-3) - 1.0),
+            ],
+            np.float32,
+        )
 
     def run_day(self, params: PlannerParams, obs: torch.Tensor, steps: int):
         """Set the planner's parameters and act ``steps`` steps; returns ``(obs, co2_kg, unserved_kwh)``."""
@@ -134,7 +150,9 @@ class PlannerEnv(gym.Env):
         self.steps = EPISODE_DAYS * max(1, int(round(24 / self.site.config.dt_h)))
         self.starts = _midnights(self.site, split)
         # the window is one step longer than the episode, so the env does not start a new window at the episode's end
-        self.starts = self.starts[(self.starts >= 7 * 24) & (self.starts + self.steps + 1 <= self.site.split(split).num_steps)]
+        self.starts = self.starts[
+            (self.starts >= 7 * 24) & (self.starts + self.steps + 1 <= self.site.split(split).num_steps)
+        ]
         if len(self.starts) == 0:
             raise ValueError(f"split '{split}' has no whole week after its first to draw episodes from")
         self.observation_space = gym.spaces.Box(-1.0, 1.0, (len(OBS_NAMES),), np.float32)
@@ -144,9 +162,20 @@ class PlannerEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         """Start a week at a random local midnight of the split (``options={"start_step": s}`` pins it)."""
         super().reset(seed=seed)
-        start = int(options["start_step"]) if options and "start_step" in options else int(self.np_random.choice(self.starts))
-        env = EVHubVectorEnv(1, site=self.site, split=self.split, action_mode="socket", episode_steps=self.steps + 1,
-                             dtype=torch.float64, bess_action="setpoint")  # fmt: skip
+        start = (
+            int(options["start_step"])
+            if options and "start_step" in options
+            else int(self.np_random.choice(self.starts))
+        )
+        env = EVHubVectorEnv(
+            1,
+            site=self.site,
+            split=self.split,
+            action_mode="socket",
+            episode_steps=self.steps + 1,
+            dtype=torch.float64,
+            bess_action="setpoint",
+        )
         self._obs, _ = env.reset(seed=0, options={"start_steps": [start]})
         self._state = _Day(self.site, self.split, self.base, env)
         self._days = 0
@@ -199,10 +228,32 @@ def ppo_args(days: int) -> tuple[str, ...]:
     workers (each day is 24 LP solves), rollouts of one week per worker, a small net, gamma 0.9 (a day's parameters
     matter mostly that day and the next)."""
     steps = EPISODE_DAYS
-    return ("--env-id", f"pipeline.control.rl_planner:{ENV_ID}", "--vector-mode", "async", "--num-envs", "2",
-            "--num-steps", str(steps), "--num-minibatches", "1", "--update-epochs", "8", "--hidden-size", "32",
-            "--gamma", "0.9", "--learning-rate", "0.0003", "--num-threads", "1", "--checkpoint-every", "5",
-            "--eval-split", "none")  # fmt: skip
+    return (
+        "--env-id",
+        f"pipeline.control.rl_planner:{ENV_ID}",
+        "--vector-mode",
+        "async",
+        "--num-envs",
+        "2",
+        "--num-steps",
+        str(steps),
+        "--num-minibatches",
+        "1",
+        "--update-epochs",
+        "8",
+        "--hidden-size",
+        "32",
+        "--gamma",
+        "0.9",
+        "--learning-rate",
+        "0.0003",
+        "--num-threads",
+        "1",
+        "--checkpoint-every",
+        "5",
+        "--eval-split",
+        "none",
+    )
 
 
 def policy_file(run_dir: str | Path) -> Path:
@@ -221,15 +272,22 @@ def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tup
 
     path = policy_file(Path(tuned_dir) / f"mpc_rl_seed{seed}")
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no trained mpc_rl policy for seed {seed} (run `doit run tune` or the pipeline)")
+        raise FileNotFoundError(
+            f"{path}: no trained mpc_rl policy for seed {seed} (run `doit run tune` or the pipeline)"
+        )
     policy = load_policy(path)
     if site.config.episode.session_keep_min < 1.0:
-        site = Site(site.config.replace(episode={"session_keep_min": 1.0}), site.hourly, site.sessions, dict(site.source))
+        site = Site(
+            site.config.replace(episode={"session_keep_min": 1.0}), site.hourly, site.sessions, dict(site.source)
+        )
     p = DailyPolicyPlanner(site, split, policy, PlannerParams.of_site(site))
-    kpis, traces = evaluate_policy(p, site, split, "mpc_rl", action_mode="socket", bess_action="setpoint",
-                                   train_wall_s=0.0, seed=float(seed))  # fmt: skip
+    kpis, traces = evaluate_policy(
+        p, site, split, "mpc_rl", action_mode="socket", bess_action="setpoint", train_wall_s=0.0, seed=float(seed)
+    )
     weights = np.array([q.expected_demand_weight for _, q in p.params])
-    print(f"mpc_rl seed {seed} {split}: daily weight mean {weights.mean():.2f} (min {weights.min():.2f}, max "
-          f"{weights.max():.2f}); CO2 {traces.co2_kg.sum():.1f} kg, unserved {traces.unserved_kwh.sum():.3f} kWh",
-          flush=True)  # fmt: skip
+    print(
+        f"mpc_rl seed {seed} {split}: daily weight mean {weights.mean():.2f} (min {weights.min():.2f}, max "
+        f"{weights.max():.2f}); CO2 {traces.co2_kg.sum():.1f} kg, unserved {traces.unserved_kwh.sum():.3f} kWh",
+        flush=True,
+    )
     return kpis, traces

@@ -5,13 +5,14 @@ The causal planner (:class:`pipeline.control.mpc.MPCController`) has parameters 
 energy, the MOER outlook's contrast and bias, the horizon; and one it does not use, the expected demand by day type).
 Here they are tuned where they act: in closed loop, through the env, on sampled weeks of the **train split**
 (:func:`pipeline.control.replay.replay`), by CMA-ES (Hansen's ``cma`` package) in the box :data:`SPACE` scaled to
-``[0, 1]`` per parameter, starting at the site's ``[mpc]`` values (a yes/no parameter undecided, at 0.5). Each generation samples :attr:`Budget.weeks` weeks of the split (after its first, in which the
-planner's forecasts warm up) and evaluates every candidate on the same weeks (common random numbers: CMA-ES only
-ranks the candidates of a generation), each (candidate, week) one Dask task. The result is the distribution's mean
-after the last generation (``xfavorite``), not the best candidate seen (which would favour an easy sample of
-weeks): of the means after the last :data:`VALIDATED_MEANS` generations and the starting point, the one that costs
-least over a fixed set of validation weeks of the train split (the parameters' effects are small beside the weeks'
-noise, so a tuning can drift; it never ends worse on those weeks than it began). Nothing here reads the test split.
+``[0, 1]`` per parameter, starting at the site's ``[mpc]`` values (a yes/no parameter undecided, at 0.5). Each
+generation samples :attr:`Budget.weeks` weeks of the split (after its first, in which the planner's forecasts warm up)
+and evaluates every candidate on the same weeks (common random numbers: CMA-ES only ranks the candidates of a
+generation), each (candidate, week) one Dask task. The result is the distribution's mean after the last generation
+(``xfavorite``), not the best candidate seen (which would favour an easy sample of weeks): of the means after the last
+:data:`VALIDATED_MEANS` generations and the starting point, the one that costs least over a fixed set of validation
+weeks of the train split (the parameters' effects are small beside the weeks' noise, so a tuning can drift; it never
+ends worse on those weeks than it began). Nothing here reads the test split.
 
 Budgets (:data:`BUDGETS`): ``small`` runs inside ``doit run pipeline``, ``full`` is ``doit run tune``; the pipeline
 uses the largest budget whose result is cached for the same site, data and code (:func:`cached`).
@@ -65,10 +66,11 @@ VALIDATED_MEANS = 3
 
 @dataclass(frozen=True)
 class Budget:
-    """How much closed-loop evaluation one tuning spends: ``generations`` x ``popsize`` candidates, each replayed
-    on ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step in the ``[0, 1]`` box; ``validation_weeks``: the weeks,
-    spread evenly over the split, on which CMA-ES's means after the last :data:`VALIDATED_MEANS` generations are
-    compared with the starting point (the cheapest one is the result); ``rl_days``: the days (env steps) ``mpc_rl``'s PPO trains for (:mod:`pipeline.control.rl_planner`)."""
+    """How much closed-loop evaluation one tuning spends: ``generations`` x ``popsize`` candidates, each replayed on
+    ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step in the ``[0, 1]`` box; ``validation_weeks``: the weeks, spread
+    evenly over the split, on which CMA-ES's means after the last :data:`VALIDATED_MEANS` generations are compared with
+    the starting point (the cheapest one is the result); ``rl_days``: the days (env steps) ``mpc_rl``'s PPO trains for
+    (:mod:`pipeline.control.rl_planner`)."""
 
     generations: int
     popsize: int
@@ -80,7 +82,10 @@ class Budget:
     @property
     def replays(self) -> int:
         """Week replays the tuning runs (at most: the validation replays each distinct mean once)."""
-        return self.generations * self.popsize * self.weeks + (1 + min(VALIDATED_MEANS, self.generations)) * self.validation_weeks
+        return (
+            self.generations * self.popsize * self.weeks
+            + (1 + min(VALIDATED_MEANS, self.generations)) * self.validation_weeks
+        )
 
 
 BUDGETS = {
@@ -95,8 +100,14 @@ def encode(params: PlannerParams, space: Sequence[Param] = SPACE, undecided: boo
     """``(len(space),)`` float64 in ``[0, 1]``: each tuned parameter's place in its range (clipped); with
     ``undecided`` a yes/no parameter sits at 0.5, where either answer is as likely (CMA-ES's start)."""
     d = params.as_dict()
-    return np.array([0.5 if undecided and isinstance(d[p.name], bool) else
-                     np.clip((float(d[p.name]) - p.low) / (p.high - p.low), 0.0, 1.0) for p in space])  # fmt: skip
+    return np.array(
+        [
+            0.5
+            if undecided and isinstance(d[p.name], bool)
+            else np.clip((float(d[p.name]) - p.low) / (p.high - p.low), 0.0, 1.0)
+            for p in space
+        ]
+    )
 
 
 def decode(x: Sequence[float], base: PlannerParams, space: Sequence[Param] = SPACE) -> PlannerParams:
@@ -138,8 +149,9 @@ class TuningResult:
         seed: CMA-ES's seed. budget: the :data:`BUDGETS` name (``"custom"`` for another :class:`Budget`).
         budget_spec: the :class:`Budget` itself.
         history: one row per (generation, candidate): ``generation``, ``candidate`` (its index in the generation, str;
-            ``start`` and ``mean after generation g`` in the validation rows after the last one), the parameters, ``cost_kg``
-            (CO2 plus the unserved penalty summed over the weeks), ``weeks`` (their indices in the split, str).
+            ``start`` and ``mean after generation g`` in the validation rows after the last one), the parameters,
+            ``cost_kg`` (CO2 plus the unserved penalty summed over the weeks), ``weeks`` (their indices in the split,
+            str).
         wall_s: seconds of the whole tuning; solves, solve_s: LP solves of its replays and their seconds.
     """
 
@@ -155,9 +167,16 @@ class TuningResult:
 
     def summary(self) -> dict:
         """JSON-able summary (no history)."""
-        return {"params": self.params.as_dict(), "start": self.start.as_dict(), "seed": self.seed,
-                "budget": self.budget, "budget_spec": asdict(self.budget_spec), "wall_s": self.wall_s,
-                "solves": self.solves, "solve_s": self.solve_s}  # fmt: skip
+        return {
+            "params": self.params.as_dict(),
+            "start": self.start.as_dict(),
+            "seed": self.seed,
+            "budget": self.budget,
+            "budget_spec": asdict(self.budget_spec),
+            "wall_s": self.wall_s,
+            "solves": self.solves,
+            "solve_s": self.solve_s,
+        }
 
 
 Evaluate = Callable[[list[tuple[PlannerParams, int, int]]], list[WindowResult]]
@@ -225,10 +244,22 @@ def tune(
     if len(x0) == 1:  # cma needs two dimensions at least: a second one that decode() ignores
         x0 = np.r_[x0, 0.5]
     for seed in seeds:
-        es = cma.CMAEvolutionStrategy(x0, b.sigma0, {"seed": int(seed), "popsize": b.popsize, "bounds": [0.0, 1.0],
-                                                     "verbose": -9, "maxiter": b.generations})  # fmt: skip
-        runs.append({"seed": seed, "es": es, "rng": np.random.default_rng(int(seed)), "rows": [], "solves": 0, "solve_s": 0.0,
-                     "means": []})
+        es = cma.CMAEvolutionStrategy(
+            x0,
+            b.sigma0,
+            {"seed": int(seed), "popsize": b.popsize, "bounds": [0.0, 1.0], "verbose": -9, "maxiter": b.generations},
+        )
+        runs.append(
+            {
+                "seed": seed,
+                "es": es,
+                "rng": np.random.default_rng(int(seed)),
+                "rows": [],
+                "solves": 0,
+                "solve_s": 0.0,
+                "means": [],
+            }
+        )
     for g in range(b.generations):
         batch, layout = [], []
         for r in runs:
@@ -246,13 +277,22 @@ def tune(
                 costs.append(float(sum(x.cost for x in res)))
                 r["solves"] += sum(x.solves for x in res)
                 r["solve_s"] += sum(x.solve_s for x in res)
-                r["rows"].append({"generation": g, "candidate": str(k), **c.as_dict(), "cost_kg": costs[-1],
-                                  "weeks": ",".join(str(i + 1) for i in picked)})  # fmt: skip
+                r["rows"].append(
+                    {
+                        "generation": g,
+                        "candidate": str(k),
+                        **c.as_dict(),
+                        "cost_kg": costs[-1],
+                        "weeks": ",".join(str(i + 1) for i in picked),
+                    }
+                )
             r["es"].tell(X, costs)
             best = decode(r["es"].result.xfavorite, start, space)
             r["means"].append(best)
-            progress(f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
-                     f"median {float(np.median(costs)):.1f} kg over {n} weeks; mean now {_short(best)}")  # fmt: skip
+            progress(
+                f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
+                f"median {float(np.median(costs)):.1f} kg over {n} weeks; mean now {_short(best)}"
+            )
     # the means of the last generations against the starting point on the same validation weeks: the tuning never
     # ends worse than it began, and a last generation that drifted does not decide alone
     step = max(1, len(pool) // max(1, b.validation_weeks))
@@ -260,7 +300,9 @@ def tune(
     out = []
     for r in runs:
         cands = [("start", start)]
-        for g, m in enumerate(r["means"][-VALIDATED_MEANS:], start=b.generations - len(r["means"][-VALIDATED_MEANS:]) + 1):
+        for g, m in enumerate(
+            r["means"][-VALIDATED_MEANS:], start=b.generations - len(r["means"][-VALIDATED_MEANS:]) + 1
+        ):
             if all(m != c for _, c in cands):
                 cands.append((f"mean after generation {g}", m))
         res = evaluate([(c, s, n) for _, c in cands for s, n in valid]) if valid else []
@@ -269,12 +311,33 @@ def tune(
         r["solve_s"] += sum(x.solve_s for x in res)
         best = int(np.argmin(costs))  # ties: the start
         for (label, params), cost in zip(cands, costs):
-            r["rows"].append({"generation": b.generations, "candidate": label, **params.as_dict(), "cost_kg": cost,
-                              "weeks": ",".join(str(pool.index(w) + 1) for w in valid)})  # fmt: skip
-        progress(f"tune seed {r['seed']} validation over {len(valid)} weeks: "
-                 + ", ".join(f"{label} {c:.1f} kg" for (label, _), c in zip(cands, costs)) + f"; keeps the {cands[best][0]}")
-        out.append(TuningResult(cands[best][1], start, int(r["seed"]), name, b, pd.DataFrame(r["rows"]),
-                                time.perf_counter() - t0, r["solves"], r["solve_s"]))  # fmt: skip
+            r["rows"].append(
+                {
+                    "generation": b.generations,
+                    "candidate": label,
+                    **params.as_dict(),
+                    "cost_kg": cost,
+                    "weeks": ",".join(str(pool.index(w) + 1) for w in valid),
+                }
+            )
+        progress(
+            f"tune seed {r['seed']} validation over {len(valid)} weeks: "
+            + ", ".join(f"{label} {c:.1f} kg" for (label, _), c in zip(cands, costs))
+            + f"; keeps the {cands[best][0]}"
+        )
+        out.append(
+            TuningResult(
+                cands[best][1],
+                start,
+                int(r["seed"]),
+                name,
+                b,
+                pd.DataFrame(r["rows"]),
+                time.perf_counter() - t0,
+                r["solves"],
+                r["solve_s"],
+            )
+        )
     return out
 
 
@@ -291,8 +354,10 @@ def result_files(folder: str | Path, seed: int) -> tuple[Path, Path]:
 def write(result: TuningResult, folder: str | Path, fingerprint_hex: str) -> list[Path]:
     """Write a tuning's summary (JSON, with the fingerprint it was made for) and history atomically."""
     js, hist = result_files(folder, result.seed)
-    return [write_parquet(result.history, hist),
-            write_text(js, json.dumps(result.summary() | {"fingerprint": fingerprint_hex}, indent=2))]  # fmt: skip
+    return [
+        write_parquet(result.history, hist),
+        write_text(js, json.dumps(result.summary() | {"fingerprint": fingerprint_hex}, indent=2)),
+    ]
 
 
 def cached(folder: str | Path, seed: int, fingerprint_hex: str, budget: str = "small") -> dict | None:
@@ -319,5 +384,7 @@ def load_params(folder: str | Path, seed: int) -> PlannerParams:
     """
     js, _ = result_files(folder, seed)
     if not js.is_file():
-        raise FileNotFoundError(f"{js}: no tuned planner parameters for seed {seed} (run `doit run tune` or the pipeline)")
+        raise FileNotFoundError(
+            f"{js}: no tuned planner parameters for seed {seed} (run `doit run tune` or the pipeline)"
+        )
     return PlannerParams.from_dict(json.loads(js.read_text())["params"])

@@ -41,15 +41,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+import envs
 from envs import files
+from envs.config import SITES_DIR
 from envs.errors import is_expected, one_message
 from envs.schemas import validate_site_data
-import envs
-from envs.config import SITES_DIR
 from pipeline.data.pv import read_pv
-from pipeline.paths import shown_path
 from pipeline.data.readers import read_carbon, read_sessions
 from pipeline.data.sources import SourceError, Sources, load_sources, period, period_index
+from pipeline.paths import shown_path
 
 OUTPUTS = ("hourly.parquet", "sessions.parquet", "README.md")
 """What ingestion writes into a site's data folder."""
@@ -86,7 +86,9 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def split_summary(hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str, splits: dict[str, tuple[str, str]]) -> list[dict]:
+def split_summary(
+    hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str, splits: dict[str, tuple[str, str]]
+) -> list[dict]:
     """Hours, sessions, energy (kWh), PV (kWh/kWp) and mean carbon intensity (kg/kWh) of each split.
 
     ``splits`` maps split names to inclusive local dates of ``tz``; sessions count by arrival. Where ``sessions``
@@ -131,6 +133,7 @@ def _shown(path: Path) -> str:
 
 def _months_without_sessions(hourly: pd.DataFrame, sessions: pd.DataFrame, tz: str) -> str:
     """Local months of the period without any session arrival, as ``2024-01, 2024-03..2024-05``."""
+
     def local_months(t: pd.Series) -> pd.Series:
         return t.dt.tz_convert(tz).dt.tz_localize(None).dt.to_period("M")
 
@@ -168,12 +171,16 @@ def _pv_lines(src: Sources, info: dict) -> list[str]:
         f"Cell temperature: `pvlib.temperature.sapm_cell`, SAPM `{p.temperature_model}`, TEMPERATURE.",
         f"DC: `pvlib.pvsystem.pvwatts_dc`, pdc0 = 1 kW, gamma_pdc = {p.gamma_pdc}/K; DC losses"
         f" {p.system_losses_pct:.2f}% (`pvlib.pvsystem.pvwatts_losses()` defaults: soiling, shading, mismatch,"
-        " wiring, connections, LID, nameplate, availability)." if abs(p.system_losses_pct - _default_losses()) < 1e-12
-        else f"DC: `pvlib.pvsystem.pvwatts_dc`, pdc0 = 1 kW, gamma_pdc = {p.gamma_pdc}/K; DC losses {p.system_losses_pct:.2f}%.",
+        " wiring, connections, LID, nameplate, availability)."
+        if abs(p.system_losses_pct - _default_losses()) < 1e-12
+        else (
+            f"DC: `pvlib.pvsystem.pvwatts_dc`, pdc0 = 1 kW, gamma_pdc = {p.gamma_pdc}/K; DC losses "
+            f"{p.system_losses_pct:.2f}%."
+        ),
         f"AC: `pvlib.inverter.pvwatts`, eta_inv_nom = {p.eta_inv_nom}, DC/AC ratio {p.dc_ac_ratio:g} (inverter pdc0 ="
         f" {1 / p.dc_ac_ratio:.4f} kW per kWp, so AC output is capped at {p.eta_inv_nom / p.dc_ac_ratio:.3f}"
         " kW/kWp), floored at 0.",
-    ]  # fmt: skip
+    ]
     if w.format == "epw":
         meta = info["metadata"]
         lo, hi = info["albedo_range"]
@@ -188,8 +195,12 @@ def _pv_lines(src: Sources, info: dict) -> list[str]:
             " values. The same typical year therefore repeats every calendar year: PV is not the weather of the"
             " calendar years of the period.",
         ]
-        steps = [s.replace("ALBEDO", f"ground albedo from the EPW ({lo:.2f}..{hi:.2f})").replace(
-            "TEMPERATURE", "EPW air temperature and wind speed") for s in steps]  # fmt: skip
+        steps = [
+            s.replace("ALBEDO", f"ground albedo from the EPW ({lo:.2f}..{hi:.2f})").replace(
+                "TEMPERATURE", "EPW air temperature and wind speed"
+            )
+            for s in steps
+        ]
         head = [
             f"PV (pvlib {pvlib.__version__} PVWatts chain, per kWp DC), from the typical year of the weather file"
             f" (WMO {meta.get('WMO_code', '?')}, {meta.get('city', '?')}, {meta.get('data_type', '')}, lat"
@@ -206,23 +217,32 @@ def _pv_lines(src: Sources, info: dict) -> list[str]:
         lt = info["linke_turbidity_range"]
         n = w.substeps_per_hour
         steps = [
-            f"`pvlib.location.Location({c.latitude}, {c.longitude}, tz=\"{src.config.timezone}\", altitude="
+            f'`pvlib.location.Location({c.latitude}, {c.longitude}, tz="{src.config.timezone}", altitude='
             f"{info['altitude']:g})` (`[pv]` latitude, longitude, altitude_m); every {60 / n:g}-minute sub-step (at its"
-            " middle) gets solar position and Ineichen clear-sky GHI/DNI/DHI (`Location.get_clearsky(model=\"ineichen\")`,"
-            " Linke turbidity from `pvlib.clearsky.lookup_linke_turbidity`, pvlib's monthly climatology file"
-            f" `LinkeTurbidities.h5` (SoDa service, Remund et al. 2003), interpolated to the day: {lt[0]:.2f}..{lt[1]:.2f}"
-            " at this site).",
+            " middle) gets solar position and Ineichen clear-sky GHI/DNI/DHI "
+            '(`Location.get_clearsky(model="ineichen")`,'
+            " Linke turbidity from `pvlib.clearsky.lookup_linke_turbidity`, pvlib's monthly climatology file "
+            "`LinkeTurbidities.h5` (SoDa service, Remund et al. 2003), interpolated to the day: "
+            f"{lt[0]:.2f}..{lt[1]:.2f} at this site).",
             *chain,
         ]
-        steps = [s.replace("ALBEDO", f"albedo {w.albedo:g} (`[sources.weather] albedo`)").replace(
-            "TEMPERATURE", f"constant air temperature {w.air_temp_c:g} C and wind {w.wind_speed_m_s:g} m/s"
-            " (`[sources.weather]` air_temp_c, wind_speed_m_s: clear-sky data carry no weather)") for s in steps]  # fmt: skip
+        steps = [
+            s.replace("ALBEDO", f"albedo {w.albedo:g} (`[sources.weather] albedo`)").replace(
+                "TEMPERATURE",
+                f"constant air temperature {w.air_temp_c:g} C and wind {w.wind_speed_m_s:g} m/s"
+                " (`[sources.weather]` air_temp_c, wind_speed_m_s: clear-sky data carry no weather)",
+            )
+            for s in steps
+        ]
         steps[-1] = steps[-1].replace("floored at 0.", f"floored at 0; then the mean of the hour's {n} sub-steps.")
-        head = [f"PV (pvlib {pvlib.__version__} clear-sky model through the PVWatts chain, per kWp DC; every day cloudless):"]
+        head = [
+            f"PV (pvlib {pvlib.__version__} clear-sky model through the PVWatts chain, per kWp DC; every day "
+            "cloudless):"
+        ]
         tail = [
-            f"Clear-sky yield over the period: **{info['annual_kwh_per_kwp']:,.0f} kWh AC per kWp** (clear-sky GHI"
-            f" {info['annual_ghi_kwh_per_m2']:,.0f} kWh/m2, plane of array {info['annual_poa_kwh_per_m2']:,.0f} kWh/m2)."
-            " Real years are cloudier: this is an upper bound of what the array can give."
+            f"Clear-sky yield over the period: **{info['annual_kwh_per_kwp']:,.0f} kWh AC per kWp** (clear-sky GHI "
+            f"{info['annual_ghi_kwh_per_m2']:,.0f} kWh/m2, plane of array {info['annual_poa_kwh_per_m2']:,.0f} "
+            "kWh/m2). Real years are cloudier: this is an upper bound of what the array can give."
         ]
     else:
         return [
@@ -245,7 +265,8 @@ def _carbon_lines(src: Sources, info: dict) -> tuple[list[str], list[str]]:
     if c.format == "constant":
         k = c.kg_per_kwh
         rows = [
-            f"| `moer_kg_per_kwh` | float32 | kg CO2/kWh | constant grid factor {k:g} (`[sources.carbon] kg_per_kwh`) |",
+            "| `moer_kg_per_kwh` | float32 | kg CO2/kWh "
+            f"| constant grid factor {k:g} (`[sources.carbon] kg_per_kwh`) |",
             "| `moer_fc_h0`, `moer_fc_h1`, `moer_fc_h2` | float32 | kg CO2/kWh | the same constant (a constant is its"
             " own perfect forecast) |",
         ]
@@ -256,8 +277,8 @@ def _carbon_lines(src: Sources, info: dict) -> tuple[list[str], list[str]]:
         return rows, para
     unit = "" if c.unit == "kg/kWh" else f", converted from {c.unit}"
     rows = [
-        f"| `moer_kg_per_kwh` | float32 | kg CO2/kWh | mean of the raw `{c.value_column}` values{unit} whose `{c.time_column}`"
-        " (UTC) falls in the hour |"
+        f"| `moer_kg_per_kwh` | float32 | kg CO2/kWh | mean of the raw `{c.value_column}` values{unit} whose "
+        f"`{c.time_column}` (UTC) falls in the hour |"
     ]
     if info["forecast"] == "file":
         rows += [
@@ -267,8 +288,11 @@ def _carbon_lines(src: Sources, info: dict) -> tuple[list[str], list[str]]:
             "| `moer_fc_h2` | float32 | kg CO2/kWh | same row: mean of `f25..f36`, the forecast for the hour after |",
         ]
     else:
-        first = ("the hour before the period in the file" if not info["first_hour_own_value"]
-                 else "its own value: the file has nothing earlier")  # fmt: skip
+        first = (
+            "the hour before the period in the file"
+            if not info["first_hour_own_value"]
+            else "its own value: the file has nothing earlier"
+        )
         rows += [
             "| `moer_fc_h0`, `moer_fc_h1`, `moer_fc_h2` | float32 | kg CO2/kWh | persistence (the file has no"
             " forecasts): at each hour start, the mean of the previous hour, the latest hour known then, for all"
@@ -285,8 +309,11 @@ def _carbon_lines(src: Sources, info: dict) -> tuple[list[str], list[str]]:
         )
         + (
             "Where an hour start has no raw row of its own, the forecast comes from the nearest earlier row: "
-            + ("this happens for no hour in this dataset." if info["forecast_rows_from_earlier"] == 0
-               else f"this happens for {info['forecast_rows_from_earlier']:,} hour(s).")  # fmt: skip
+            + (
+                "this happens for no hour in this dataset."
+                if info["forecast_rows_from_earlier"] == 0
+                else f"this happens for {info['forecast_rows_from_earlier']:,} hour(s)."
+            )
             if info["forecast"] == "file"
             else ""
         )
@@ -300,11 +327,20 @@ def _session_lines(src: Sources, sessions: pd.DataFrame, info: dict) -> list[str
         return _fleet_lines(src, sessions, info["stats"])
     cols = s.columns
     how = {"acn-csv": "ACN-Data CSV", "acn-json": "ACN-Data JSON (`_items`)", "csv": "CSV"}[s.format]
-    tz_note = (f"; times without a UTC offset are local times of {s.timezone} (a repeated local time when clocks go"
-               " back is read as its first occurrence)") if s.timezone else ""  # fmt: skip
+    tz_note = (
+        (
+            f"; times without a UTC offset are local times of {s.timezone} (a repeated local time when clocks go"
+            " back is read as its first occurrence)"
+        )
+        if s.timezone
+        else ""
+    )
     unit = "" if s.energy_unit == "kWh" else f", converted from {s.energy_unit}"
-    req = (f"raw `{cols['requested_energy_kwh']}`{unit}: what the driver asked for" if "requested_energy_kwh" in cols
-           else "equal to `energy_kwh` (the source has no requested energy)")  # fmt: skip
+    req = (
+        f"raw `{cols['requested_energy_kwh']}`{unit}: what the driver asked for"
+        if "requested_energy_kwh" in cols
+        else "equal to `energy_kwh` (the source has no requested energy)"
+    )
     sid = f"raw `{cols['session_id']}` (unique)" if "session_id" in cols else "`<file>:<row>` (the source has no id)"
     lines = [
         f"One row per charging session, {len(sessions):,} rows, sorted by arrival (then session id);"
@@ -329,7 +365,8 @@ def _session_lines(src: Sources, sessions: pd.DataFrame, info: dict) -> list[str
         " column (they stay in the table, unused by the splits)."
         + (f" {filled:,} kept session(s) without a requested energy take their delivered energy." if filled else ""),
         "",
-        "| raw file | read | departure <= arrival | zero energy | outside the period | repeated id | kept | in no split |",
+        "| raw file | read | departure <= arrival | zero energy | outside the period | repeated id | kept "
+        "| in no split |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report:
@@ -372,7 +409,10 @@ def _fleet_lines(src: Sources, sessions: pd.DataFrame, stats: dict) -> list[str]
     def energy(f):
         lo, hi = f.energy_kwh
         b = f"({f.energy_beta[0]:g}, {f.energy_beta[1]:g})"
-        return f"{f.battery_kwh:g} kWh x Beta{b} clipped to [{f.energy_frac[0]:g}, {f.energy_frac[1]:g}] = {lo:.2f}..{hi:.2f} kWh"
+        return (
+            f"{f.battery_kwh:g} kWh x Beta{b} clipped to [{f.energy_frac[0]:g}, {f.energy_frac[1]:g}] = "
+            f"{lo:.2f}..{hi:.2f} kWh"
+        )
 
     for label, get in (
         ("sockets (ids)", lambda f: f"{f.n_sockets} (`{f.station_ids()[0]}`..`{f.station_ids()[-1]}`)"),
@@ -380,10 +420,15 @@ def _fleet_lines(src: Sources, sessions: pd.DataFrame, stats: dict) -> list[str]
         ("arrival, local hour (mixture of normals, wrapped to 0..24 h)", mix),
         ("battery (usable), kWh", lambda f: f"{f.battery_kwh:g}"),
         ("energy per session", energy),
-        ("dwell (log-normal)", lambda f: f"median {f.dwell_median_h:g} h, log-sd {f.dwell_sigma:g}, clipped to"
-                                         f" {f.dwell_h[0]:g}..{f.dwell_h[1]:g} h"),
+        (
+            "dwell (log-normal)",
+            lambda f: (
+                f"median {f.dwell_median_h:g} h, log-sd {f.dwell_sigma:g}, clipped to"
+                f" {f.dwell_h[0]:g}..{f.dwell_h[1]:g} h"
+            ),
+        ),
         ("turnaround on a socket", lambda f: f"{f.turnaround_h:g} h"),
-    ):  # fmt: skip
+    ):
         lines.append(f"| {label} | " + " | ".join(get(f) for f in fl) + " |")
     days = max(1, len(pd.date_range(*period(src.config), freq="D", inclusive="left")))
     lines += [
@@ -427,8 +472,8 @@ def render_readme(src: Sources, hourly: pd.DataFrame, sessions: pd.DataFrame, in
     lines = [
         f"# Processed data of the `{cfg.name}` site" + (" (synthetic EV sessions)" if generated else ""),
         "",
-        f"Written by `python -m pipeline.data.ingest --site {_shown(src.toml)}` from the sources named in the `[sources]`"
-        " table of the site TOML; do not edit by hand. Rerunning it rewrites the same data.",
+        f"Written by `python -m pipeline.data.ingest --site {_shown(src.toml)}` from the sources named in the "
+        "`[sources]` table of the site TOML; do not edit by hand. Rerunning it rewrites the same data.",
         "",
         "## Sources and attribution",
         "",
@@ -439,7 +484,7 @@ def render_readme(src: Sources, hourly: pd.DataFrame, sessions: pd.DataFrame, in
     skipped = [(k, s) for k in ("sessions", "carbon") for s in info[k].get("skipped", [])]
     if raw:
         lines += [
-            f"Raw files (relative to the raw folder, `[sources] root = \"{src.root_text}\"` beside the TOML, SHA-256):",
+            f'Raw files (relative to the raw folder, `[sources] root = "{src.root_text}"` beside the TOML, SHA-256):',
             "",
             "| file | bytes | sha256 |",
             "| --- | ---: | --- |",
@@ -454,14 +499,21 @@ def render_readme(src: Sources, hourly: pd.DataFrame, sessions: pd.DataFrame, in
         lines += [
             f"Skipped: {len(skipped)} raw file(s) none of whose rows lies in the site's period {first}..{end} ({tz}),"
             " read but unused: "
-            + "; ".join(f"`{s['file']}` (`[sources.{k}]`, {s['rows']:,} {'sessions' if k == 'sessions' else 'rows'},"
-                        f" {s['first']}..{s['last']})" for k, s in skipped)
+            + "; ".join(
+                f"`{s['file']}` (`[sources.{k}]`, {s['rows']:,} {'sessions' if k == 'sessions' else 'rows'},"
+                f" {s['first']}..{s['last']})"
+                for k, s in skipped
+            )
             + ".",
             "",
-        ]  # fmt: skip
+        ]
     months = _months_without_sessions(hourly, sessions, tz)
-    offsets = {t.utcoffset() for t in pd.DatetimeIndex(hourly.time).tz_convert(tz)[:: 24 * 7].append(
-        pd.DatetimeIndex(hourly.time).tz_convert(tz)[-1:])}  # fmt: skip
+    offsets = {
+        t.utcoffset()
+        for t in pd.DatetimeIndex(hourly.time)
+        .tz_convert(tz)[:: 24 * 7]
+        .append(pd.DatetimeIndex(hourly.time).tz_convert(tz)[-1:])
+    }
     dst = (
         "Local days with a DST change have 23 or 25 rows."
         if len(offsets) > 1
@@ -497,7 +549,8 @@ def render_readme(src: Sources, hourly: pd.DataFrame, sessions: pd.DataFrame, in
     lines += [
         f"## Splits of the site TOML (inclusive local dates, {tz})",
         "",
-        "| split | dates | hours | sessions (by arrival) |" + (" by kind |" if kinds else "")
+        "| split | dates | hours | sessions (by arrival) |"
+        + (" by kind |" if kinds else "")
         + " energy kWh | PV kWh/kWp | mean carbon kg/kWh |",
         "| --- | --- | ---: | ---: |" + (" --- |" if kinds else "") + " ---: | ---: | ---: |",
     ]
@@ -574,7 +627,10 @@ def task_plan(site: str | Path) -> dict:
 
     cfg, path = load_config(site)
     if not cfg.sources:
-        return {"state": "none", "line": f"ingest: {_shown(path)} names no [sources]: its processed data are the inputs"}
+        return {
+            "state": "none",
+            "line": f"ingest: {_shown(path)} names no [sources]: its processed data are the inputs",
+        }
     try:
         state, line = status(path)
         src = load_sources(path)
@@ -623,7 +679,9 @@ def ingest(site: str | Path, out_dir: str | Path | None = None) -> dict:
         print(line, flush=True)
         return {"skipped": True, "paths": {}, "written": []}
     if state == "shipped":
-        raise FileNotFoundError(f"{src.toml}: raw sources not found ({src.availability()[1]}): nothing to build into {out_dir}")
+        raise FileNotFoundError(
+            f"{src.toml}: raw sources not found ({src.availability()[1]}): nothing to build into {out_dir}"
+        )
     if state == "missing":
         raise FileNotFoundError(line)
     out = Path(out_dir) if out_dir is not None else src.data_dir
@@ -641,7 +699,9 @@ def ingest(site: str | Path, out_dir: str | Path | None = None) -> dict:
     if not paths["readme"].is_file() or paths["readme"].read_text(encoding="utf-8") != readme:
         files.write_text(paths["readme"], readme)
         written.append(paths["readme"])
-    splits = split_summary(hourly, sessions, src.config.timezone, {"train": src.config.splits.train, "test": src.config.splits.test})
+    splits = split_summary(
+        hourly, sessions, src.config.timezone, {"train": src.config.splits.train, "test": src.config.splits.test}
+    )
     _print_summary(hourly, sessions, info, splits, paths, written)
     return {
         "skipped": False,
@@ -655,22 +715,26 @@ def ingest(site: str | Path, out_dir: str | Path | None = None) -> dict:
 def _print_summary(hourly, sessions, info, splits, paths, written) -> None:
     pv = info["pv"]
     if "annual_kwh_per_kwp" in pv:
-        print(f"PV: {pv['format']}, {pv['annual_kwh_per_kwp']:,.0f} kWh/kWp over a year of the model; peak {pv['peak_kw_per_kwp']:.3f} kW/kWp")
+        print(
+            f"PV: {pv['format']}, {pv['annual_kwh_per_kwp']:,.0f} kWh/kWp over a year of the model; peak "
+            f"{pv['peak_kw_per_kwp']:.3f} kW/kWp"
+        )
     c = info["carbon"]
     print(f"carbon: {c['format']}, forecasts: {c['forecast']}" + (f", {c['rows']:,} raw rows" if "rows" in c else ""))
     for r in info["sessions"].get("report", []):
         print(
             f"  {r['file']}: read {r['read']:,}, dropped {r['dropped_departure_not_after_arrival']} (departure <= "
             f"arrival), {r['dropped_zero_energy']} (zero energy), {r['dropped_outside_period']} (outside the period), "
-            f"{r['dropped_duplicate_id']} (repeated id); kept {r['kept']:,}, of which {r['outside_splits']:,} in no split"
+            f"{r['dropped_duplicate_id']} (repeated id); kept {r['kept']:,}, of which {r['outside_splits']:,} in no "
+            "split"
         )
     for k, v in info["sessions"].get("stats", {}).items():
         print(f"  {k}: drawn {v['drawn']:,}, dropped {v['dropped']:,} (no free socket), kept {v['kept']:,}")
     print(f"hourly: {len(hourly):,} rows {hourly.time.iloc[0]} .. {hourly.time.iloc[-1]}; sessions: {len(sessions):,}")
     for s in splits:
         print(
-            f"  split {s['split']} {s['dates']}: {s['hours']:,} h, {s['sessions']:,} sessions, "
-            f"{s['energy_kwh']:,.0f} kWh, PV {s['pv_kwh_per_kwp']:,.0f} kWh/kWp, mean carbon {s['moer_mean']:.3f} kg/kWh"
+            f"  split {s['split']} {s['dates']}: {s['hours']:,} h, {s['sessions']:,} sessions, {s['energy_kwh']:,.0f} "
+            f"kWh, PV {s['pv_kwh_per_kwp']:,.0f} kWh/kWp, mean carbon {s['moer_mean']:.3f} kg/kWh"
         )
     for p in paths.values():
         print(f"{'wrote' if p in written else 'unchanged'} {p} ({p.stat().st_size:,} bytes)")
@@ -688,9 +752,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Build a site's processed data (hourly.parquet, sessions.parquet, README.md) from the raw "
         "sources its TOML names in [sources] (EV sessions, grid carbon, weather or a location); see "
         "pipeline/data/sources.py for the format. Everything is checked before anything is written.",
-        epilog="Examples: python -m pipeline.data.ingest --site my_site.toml; python -m pipeline.data.ingest --site my_site.toml "
-        "--out-dir /tmp/check. Without the raw files of a shipped site, its shipped processed data are used as they "
-        "are (one line says so).",
+        epilog="Examples: python -m pipeline.data.ingest --site my_site.toml; python -m pipeline.data.ingest --site "
+        "my_site.toml --out-dir /tmp/check. Without the raw files of a shipped site, its shipped processed data are "
+        "used as they are (one line says so).",
     )
     shipped = ", ".join(sorted(p.stem for p in SITES_DIR.glob("*.toml")))
     ap.add_argument("--site", required=True, help=f"the path of a site TOML, or the name of a shipped site ({shipped})")

@@ -13,10 +13,19 @@ import pandas as pd
 
 from envs.schemas import PV_MAX_KW_PER_KWP
 from pipeline.data.sources import (
-    PV_UNITS, PVParams, SourceError, Sources, check_coverage, check_range, column, files_of, numbers, parse_times,
-    read_csv, rel_path,
+    PV_UNITS,
+    PVParams,
+    SourceError,
+    Sources,
+    check_coverage,
+    check_range,
+    column,
+    files_of,
+    numbers,
+    parse_times,
+    read_csv,
+    rel_path,
 )
-
 
 # -------------------------------------------------------------------------------------------------- PV
 
@@ -61,7 +70,10 @@ def pvwatts_chain(params, solpos, dni, ghi, dhi, dni_extra, albedo, temp_air, wi
     return poa_global, pdc, np.clip(np.nan_to_num(np.asarray(pac, dtype=np.float64)), 0.0, None)
 
 
-def tmy_pv_kw_per_kwp(epw_path: str | Path, params: PVParams = PVParams()) -> tuple[pd.Series, dict]:
+def tmy_pv_kw_per_kwp(
+    epw_path: str | Path,
+    params: PVParams = PVParams(),  # noqa: B008 - a frozen dataclass: one shared default is safe
+) -> tuple[pd.Series, dict]:
     """Model the AC output of 1 kWp DC of PV over the typical year of an EPW file, hour by hour.
 
     EPW records are hour-ending in the file's local standard time (its header's ``TZ``, a fixed UTC offset);
@@ -101,7 +113,11 @@ def tmy_pv_kw_per_kwp(epw_path: str | Path, params: PVParams = PVParams()) -> tu
     if len(data) != 8760 or pd.Index(keys).has_duplicates:
         raise SourceError(
             f"{epw_path}: expected 8,760 distinct hourly records (one non-leap year), got {len(data):,}"
-            + (f" ({len(data) - pd.Index(keys).nunique():,} repeated month/day/hour)" if pd.Index(keys).has_duplicates else "")
+            + (
+                f" ({len(data) - pd.Index(keys).nunique():,} repeated month/day/hour)"
+                if pd.Index(keys).has_duplicates
+                else ""
+            )
         )
     mid = data.index + pd.Timedelta(minutes=30)
     solpos = pvlib.solarposition.get_solarposition(
@@ -160,9 +176,18 @@ def map_tmy_to_calendar(tmy: pd.Series, index: pd.DatetimeIndex) -> np.ndarray:
 
 
 def clear_sky_pv_kw_per_kwp(
-    index: pd.DatetimeIndex, latitude: float, longitude: float, altitude: float | None, tz: str,
-    params: PVParams = PVParams(), *, air_temp_c: float = 20.0, wind_speed_m_s: float = 1.0, albedo: float = 0.2,
-    substeps_per_hour: int = 12, name: str | None = None,
+    index: pd.DatetimeIndex,
+    latitude: float,
+    longitude: float,
+    altitude: float | None,
+    tz: str,
+    params: PVParams = PVParams(),  # noqa: B008 - a frozen dataclass: one shared default is safe
+    *,
+    air_temp_c: float = 20.0,
+    wind_speed_m_s: float = 1.0,
+    albedo: float = 0.2,
+    substeps_per_hour: int = 12,
+    name: str | None = None,
 ) -> tuple[pd.Series, dict]:
     """Clear-sky AC output of 1 kWp DC of PV at a location, as hourly means.
 
@@ -193,13 +218,17 @@ def clear_sky_pv_kw_per_kwp(
         raise ValueError("index must be tz-aware (UTC hour starts)")
     n = substeps_per_hour
     offsets = pd.to_timedelta((np.arange(n) + 0.5) * 60.0 / n, unit="min")
-    fine = pd.DatetimeIndex((index.tz_convert(None).to_numpy()[:, None] + offsets.to_numpy()[None, :]).ravel()).tz_localize("UTC")
+    fine = pd.DatetimeIndex(
+        (index.tz_convert(None).to_numpy()[:, None] + offsets.to_numpy()[None, :]).ravel()
+    ).tz_localize("UTC")
     loc = pvlib.location.Location(latitude, longitude, tz=tz, altitude=altitude, name=name)
     solpos = loc.get_solarposition(fine)
     linke = pvlib.clearsky.lookup_linke_turbidity(fine, latitude, longitude)
     cs = loc.get_clearsky(fine, model="ineichen", solar_position=solpos, linke_turbidity=linke)
     dni_extra = pvlib.irradiance.get_extra_radiation(fine)
-    poa_global, _, pac = pvwatts_chain(params, solpos, cs["dni"], cs["ghi"], cs["dhi"], dni_extra, albedo, air_temp_c, wind_speed_m_s)
+    poa_global, _, pac = pvwatts_chain(
+        params, solpos, cs["dni"], cs["ghi"], cs["dhi"], dni_extra, albedo, air_temp_c, wind_speed_m_s
+    )
     hourly = pd.Series(pac.reshape(len(index), n).mean(axis=1), index=index)
     info = {
         "annual_kwh_per_kwp": float(hourly.sum()),
@@ -238,9 +267,18 @@ def read_pv(src: Sources, index: pd.DatetimeIndex) -> tuple[np.ndarray, dict]:
     if w.format == "clear-sky":
         p = cfg.pv
         pv, info = clear_sky_pv_kw_per_kwp(
-            index, p.latitude, p.longitude, p.altitude_m, cfg.timezone, src.pv, air_temp_c=w.air_temp_c,
-            wind_speed_m_s=w.wind_speed_m_s, albedo=w.albedo, substeps_per_hour=w.substeps_per_hour, name=cfg.name,
-        )  # fmt: skip
+            index,
+            p.latitude,
+            p.longitude,
+            p.altitude_m,
+            cfg.timezone,
+            src.pv,
+            air_temp_c=w.air_temp_c,
+            wind_speed_m_s=w.wind_speed_m_s,
+            albedo=w.albedo,
+            substeps_per_hour=w.substeps_per_hour,
+            name=cfg.name,
+        )
         return pv.to_numpy(np.float64), {**info, "format": "clear-sky"}
     files = files_of(src, "weather")
     frames = []
@@ -248,18 +286,34 @@ def read_pv(src: Sources, index: pd.DatetimeIndex) -> tuple[np.ndarray, dict]:
         d = read_csv(f)
         tcol = column(d, w.time_column, str(f), "sources.weather.time_column", src.toml)
         vcol = column(d, w.value_column, str(f), "sources.weather.value_column", src.toml)
-        t = parse_times(tcol, file=str(f), column_name=w.time_column, key="sources.weather", toml=src.toml,
-                        tz=w.timezone, fmt=w.time_format)  # fmt: skip
+        t = parse_times(
+            tcol,
+            file=str(f),
+            column_name=w.time_column,
+            key="sources.weather",
+            toml=src.toml,
+            tz=w.timezone,
+            fmt=w.time_format,
+        )
         v = numbers(vcol, file=str(f), column_name=w.value_column) * PV_UNITS[w.unit]
         check_range(
-            v.to_numpy(), PV_MAX_KW_PER_KWP, file=str(f), column_name=w.value_column, unit_key="sources.weather.unit",
-            unit=w.unit, what="kW per kWp",
-            hint_hi=": looks like W per kWp (set unit = \"W/kWp\") or the whole array's kW (divide by its kWp)",
-        )  # fmt: skip
+            v.to_numpy(),
+            PV_MAX_KW_PER_KWP,
+            file=str(f),
+            column_name=w.value_column,
+            unit_key="sources.weather.unit",
+            unit=w.unit,
+            what="kW per kWp",
+            hint_hi=': looks like W per kWp (set unit = "W/kWp") or the whole array\'s kW (divide by its kWp)',
+        )
         frames.append(pd.DataFrame({"time": t, "pv": v}))
     m = pd.concat(frames, ignore_index=True).drop_duplicates("time").set_index("time").sort_index()
     mean = m["pv"].groupby(m.index.floor("h")).mean().reindex(index)
     label = ", ".join(rel_path(f, src.root) for f in files)
     check_coverage(mean, index, cfg, f"PV column '{w.value_column}'", label)
-    return mean.to_numpy(np.float64), {"format": "pv-csv", "rows": len(m), "annual_kwh_per_kwp": float(mean.sum()),
-                                       "peak_kw_per_kwp": float(mean.max())}  # fmt: skip
+    return mean.to_numpy(np.float64), {
+        "format": "pv-csv",
+        "rows": len(m),
+        "annual_kwh_per_kwp": float(mean.sum()),
+        "peak_kw_per_kwp": float(mean.max()),
+    }

@@ -29,11 +29,24 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from envs.schemas import MOER_MAX_KG_PER_KWH
 from envs.config import SiteConfig
+from envs.schemas import MOER_MAX_KG_PER_KWH
 from pipeline.data.sources import (
-    CARBON_UNITS, ENERGY_UNITS, MOER_FORECAST_COLUMNS, SourceError, Sources, check_coverage, check_range, column,
-    files_of, numbers, parse_times, period, period_index, rel_path, row_label,
+    CARBON_UNITS,
+    ENERGY_UNITS,
+    MOER_FORECAST_COLUMNS,
+    SourceError,
+    Sources,
+    check_coverage,
+    check_range,
+    column,
+    files_of,
+    numbers,
+    parse_times,
+    period,
+    period_index,
+    rel_path,
+    row_label,
 )
 from pipeline.data.synthetic import generate_sessions
 
@@ -83,21 +96,36 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
         d, kind = _session_table(f, src)
         label = rel_path(f, src.root)
         col = {
-            k: column(d, name, str(f), f"sources.sessions.columns.{k}" if s.format == "csv" else "sources.sessions.format",
-                      src.toml)
+            k: column(
+                d,
+                name,
+                str(f),
+                f"sources.sessions.columns.{k}" if s.format == "csv" else "sources.sessions.format",
+                src.toml,
+            )
             for k, name in s.columns.items()
-        }  # fmt: skip
+        }
         times = {
-            k: parse_times(col[k], file=str(f), column_name=s.columns[k], key="sources.sessions", toml=src.toml,
-                           tz=s.timezone, fmt=s.time_format, kind=kind)
+            k: parse_times(
+                col[k],
+                file=str(f),
+                column_name=s.columns[k],
+                key="sources.sessions",
+                toml=src.toml,
+                tz=s.timezone,
+                fmt=s.time_format,
+                kind=kind,
+            )
             for k in ("arrival", "departure")
-        }  # fmt: skip
+        }
         arr, dep = times["arrival"], times["departure"]
         span = _local_span(arr, cfg.timezone)
         inside = ((arr >= t0) & (arr < t1)).to_numpy()
         if len(d) and not inside.any():
-            why = (f"all {len(d):,} sessions arrive outside the site's period {first}..{end} ({cfg.timezone}, from the "
-                   f"splits): they arrive {span[0]}..{span[1]}")  # fmt: skip
+            why = (
+                f"all {len(d):,} sessions arrive outside the site's period {first}..{end} ({cfg.timezone}, from the "
+                f"splits): they arrive {span[0]}..{span[1]}"
+            )
             skipped.append({"file": label, "rows": len(d), "first": span[0], "last": span[1], "why": why})
             cover.append((label, len(d), span, "sessions", True))
             if log is not None:
@@ -112,8 +140,13 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
         else:
             ids = pd.Series([f"{label}:{i}" for i in range(len(d))], index=d.index)
         if "requested_energy_kwh" in col:
-            req = numbers(col["requested_energy_kwh"], file=str(f), column_name=s.columns["requested_energy_kwh"],
-                           kind=kind, allow_nan=True)  # fmt: skip
+            req = numbers(
+                col["requested_energy_kwh"],
+                file=str(f),
+                column_name=s.columns["requested_energy_kwh"],
+                kind=kind,
+                allow_nan=True,
+            )
             if ENERGY_UNITS[s.energy_unit] != 1.0:
                 req = req * ENERGY_UNITS[s.energy_unit]
         else:
@@ -162,15 +195,18 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
         a, b = cfg.split_bounds(split)
         if not ((sessions.arrival >= a) & (sessions.arrival < b)).any():
             lines = "; ".join(
-                f"{f}: {n:,} session(s) outside every split, first {row_label(r, k)} arriving {t}" for f, k, n, r, t in outside
+                f"{f}: {n:,} session(s) outside every split, first {row_label(r, k)} arriving {t}"
+                for f, k, n, r, t in outside
             )
             dates = getattr(cfg.splits, split)
             raise SourceError(
                 f"{src.toml}: key 'splits.{split}' ({dates[0]}..{dates[1]}, {cfg.timezone}) selects none of the "
-                f"{len(sessions):,} sessions read from [sources.sessions]" + (f" ({lines})" if lines else "")
-                + f": no file of [sources.sessions] (files = {_patterns(s.files)}) covers split '{split}'. The files"
-                f" cover (arrivals, local dates): {_cover_text(cover)}. Point key 'sources.sessions.files' at files with"
-                f" sessions from {dates[0]} to {dates[1]}, or move key 'splits.{split}' into the dates the files cover"
+                f"{len(sessions):,} sessions read from [sources.sessions]"
+                + (f" ({lines})" if lines else "")
+                + f": no file of [sources.sessions] (files = {_patterns(s.files)}) covers split '{split}'. The files "
+                f"cover (arrivals, local dates): {_cover_text(cover)}. Point key 'sources.sessions.files' at files "
+                f"with sessions from {dates[0]} to {dates[1]}, or move key 'splits.{split}' into the dates the files "
+                "cover"
             )
     return sessions, {"report": report, "skipped": skipped}
 
@@ -183,9 +219,9 @@ def _session_table(f: Path, src: Sources) -> tuple[pd.DataFrame, str]:
             doc = json.loads(Path(f).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise SourceError(
-                f"{f}: not readable as ACN-Data JSON ({type(exc).__name__}: {exc}): it looks cut short (a download broken"
-                f" off?) or is not what key 'sources.sessions.format' = 'acn-json' of {src.toml} says; download it"
-                " again, or fix the format"
+                f"{f}: not readable as ACN-Data JSON ({type(exc).__name__}: {exc}): it looks cut short (a download "
+                f"broken off?) or is not what key 'sources.sessions.format' = 'acn-json' of {src.toml} says; download "
+                "it again, or fix the format"
             ) from exc
         items = doc.get("_items") if isinstance(doc, dict) else doc
         if not isinstance(items, list):
@@ -221,8 +257,16 @@ def read_raw_csv(path: Path, src: Sources, name: str, dtype: dict | None = None)
     """
     try:
         return pd.read_csv(path, dtype=dtype)
-    except (EOFError, zlib.error, lzma.LZMAError, zipfile.BadZipFile, OSError, UnicodeDecodeError,
-            pd.errors.ParserError, pd.errors.EmptyDataError) as exc:  # fmt: skip
+    except (
+        EOFError,
+        zlib.error,
+        lzma.LZMAError,
+        zipfile.BadZipFile,
+        OSError,
+        UnicodeDecodeError,
+        pd.errors.ParserError,
+        pd.errors.EmptyDataError,
+    ) as exc:
         ext = Path(path).suffix.lower()
         packed = {".gz": "gzip", ".bz2": "bzip2", ".zip": "zip", ".xz": "xz", ".zst": "zstd"}.get(ext)
         what = f"{packed}-compressed CSV" if packed else "CSV"
@@ -248,6 +292,7 @@ def _patterns(patterns: tuple[str, ...]) -> str:
 def _cover_text(cover: list[tuple[str, int, tuple[str, str] | None, str, bool]]) -> str:
     """What each raw file covers, for an error message: ``a.csv 2019-05-01..2019-08-31 (6,703 sessions)``, skipped
     files marked, at most :data:`COVER_SHOWN` files then how many more and the span of all."""
+
     def one(label, n, span, what, skipped):
         if span is None:
             return f"{label} (no rows)"
@@ -257,7 +302,8 @@ def _cover_text(cover: list[tuple[str, int, tuple[str, str] | None, str, bool]])
     if len(cover) > COVER_SHOWN:
         spans = [c[2] for c in cover if c[2] is not None]
         text += f" and {len(cover) - COVER_SHOWN} more file(s)" + (
-            f" (all files together: {min(a for a, _ in spans)}..{max(b for _, b in spans)})" if spans else "")
+            f" (all files together: {min(a for a, _ in spans)}..{max(b for _, b in spans)})" if spans else ""
+        )
     return text
 
 
@@ -318,12 +364,21 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
         name = rel_path(f, src.root)
         tcol = column(d, c.time_column, str(f), "sources.carbon.time_column", src.toml)
         vcol = column(d, c.value_column, str(f), "sources.carbon.value_column", src.toml)
-        t = parse_times(tcol, file=str(f), column_name=c.time_column, key="sources.carbon", toml=src.toml,
-                        tz=c.timezone, fmt=c.time_format)  # fmt: skip
+        t = parse_times(
+            tcol,
+            file=str(f),
+            column_name=c.time_column,
+            key="sources.carbon",
+            toml=src.toml,
+            tz=c.timezone,
+            fmt=c.time_format,
+        )
         span = _local_span(t, cfg.timezone)
         if len(d) and not ((t >= lo) & (t < hi)).any():
-            why = (f"all {len(d):,} rows lie outside the site's period {first}..{end} ({cfg.timezone}, from the "
-                   f"splits): they cover {span[0]}..{span[1]}")  # fmt: skip
+            why = (
+                f"all {len(d):,} rows lie outside the site's period {first}..{end} ({cfg.timezone}, from the "
+                f"splits): they cover {span[0]}..{span[1]}"
+            )
             skipped.append({"file": name, "rows": len(d), "first": span[0], "last": span[1], "why": why})
             cover.append((name, len(d), span, "rows", True))
             if log is not None:
@@ -334,7 +389,10 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
         present = [x for x in MOER_FORECAST_COLUMNS if x in d.columns] if c.format == "watttime-moer" else []
         if present and len(present) != len(MOER_FORECAST_COLUMNS):
             lack = [x for x in MOER_FORECAST_COLUMNS if x not in d.columns]
-            raise SourceError(f"{f}: forecast column(s) {', '.join(lack)} missing beside {', '.join(present[:3])}...: give all of f1..f36 or none")
+            raise SourceError(
+                f"{f}: forecast column(s) {', '.join(lack)} missing beside {', '.join(present[:3])}...: give all of "
+                "f1..f36 or none"
+            )
         has_fc.append(bool(present))
         frame = pd.DataFrame({"time": t, "moer": numbers(vcol, file=str(f), column_name=c.value_column)})
         for x in present:
@@ -344,15 +402,22 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
                 frame[x] = frame[x] * factor
         for x in ["moer", *present]:
             check_range(
-                frame[x].to_numpy(), MOER_MAX_KG_PER_KWH, file=str(f), column_name=c.value_column if x == "moer" else x,
-                unit_key="sources.carbon.unit", unit=c.unit, what="kg CO2/kWh",
-                hint_hi=": looks like g/kWh (set unit = \"g/kWh\" in [sources.carbon])" if c.unit == "kg/kWh" else "",
-            )  # fmt: skip
+                frame[x].to_numpy(),
+                MOER_MAX_KG_PER_KWH,
+                file=str(f),
+                column_name=c.value_column if x == "moer" else x,
+                unit_key="sources.carbon.unit",
+                unit=c.unit,
+                what="kg CO2/kWh",
+                hint_hi=': looks like g/kWh (set unit = "g/kWh" in [sources.carbon])' if c.unit == "kg/kWh" else "",
+            )
         frames.append(frame)
     if not frames:
         _carbon_split_uncovered(src, "train", cover)
     if len(set(has_fc)) > 1:
-        raise SourceError(f"{src.toml}: key 'sources.carbon.files': some files have forecast columns f1..f36, others not")
+        raise SourceError(
+            f"{src.toml}: key 'sources.carbon.files': some files have forecast columns f1..f36, others not"
+        )
     fc = has_fc[0]
     vals = ["moer", *(MOER_FORECAST_COLUMNS if fc else ())]
     m = pd.concat(frames, ignore_index=True)
@@ -361,16 +426,21 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
         spread = dup.groupby("time")[vals].agg(lambda s: s.max() - s.min()).to_numpy()
         if np.nanmax(spread) > 1e-9:
             where = ", ".join(rel_path(f, src.root) for f in files)
-            raise SourceError(f"{where}: files disagree on repeated rows of column '{c.value_column}' (max difference {np.nanmax(spread):g})")
+            raise SourceError(
+                f"{where}: files disagree on repeated rows of column '{c.value_column}' (max difference "
+                f"{np.nanmax(spread):g})"
+            )
     m = m.drop_duplicates("time").set_index("time").sort_index()
     hour = m.index.floor("h")
     grp = m["moer"].groupby(hour)
     mean = grp.mean().reindex(index)
     count = grp.size().reindex(index).fillna(0)
-    label = ", ".join(rel_path(f, src.root) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    label = ", ".join(rel_path(f, src.root) for f in files[:3]) + (
+        f" and {len(files) - 3} more" if len(files) > 3 else ""
+    )
     for split in ("train", "test"):
         a, b = cfg.split_bounds(split)
-        hours = ((index >= a) & (index < b))
+        hours = (index >= a) & (index < b)
         if hours.any() and mean[hours].isna().all():
             _carbon_split_uncovered(src, split, cover)
     try:
@@ -382,8 +452,14 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
         ) from None
     out = pd.DataFrame(index=index)
     out["moer_kg_per_kwh"] = mean.to_numpy()
-    info = {"format": c.format, "rows": len(m), "hours_below_12_samples": int((count < 12).sum()),
-            "samples_per_hour_max": int(count.max()), "unit": c.unit, "skipped": skipped}  # fmt: skip
+    info = {
+        "format": c.format,
+        "rows": len(m),
+        "hours_below_12_samples": int((count < 12).sum()),
+        "samples_per_hour_max": int(count.max()),
+        "unit": c.unit,
+        "skipped": skipped,
+    }
     if fc:
         exact = index.isin(m.index)
         fc_rows = m.reindex(index, method="ffill")

@@ -131,7 +131,7 @@ class PVParams:
     """DC system losses, percent (default: ``pvlib.pvsystem.pvwatts_losses()`` defaults, 14.08%)."""
 
     @classmethod
-    def from_config(cls, pv) -> "PVParams":
+    def from_config(cls, pv) -> PVParams:
         """From a :class:`envs.config.PVConfig` (``system_losses_pct = None``: pvlib's defaults)."""
         kw = dict(
             surface_tilt=float(pv.tilt_deg),
@@ -278,9 +278,13 @@ class Sources:
         c = self.config
         pv = {f.name: getattr(c.pv, f.name) for f in fields(c.pv) if f.name != "kwp"}
         return {
-            "name": c.name, "timezone": c.timezone, "data_dir": c.data_dir, "splits": [list(c.splits.train),
-            list(c.splits.test)], "pv": pv, "sources": c.sources,
-        }  # fmt: skip
+            "name": c.name,
+            "timezone": c.timezone,
+            "data_dir": c.data_dir,
+            "splits": [list(c.splits.train), list(c.splits.test)],
+            "pv": pv,
+            "sources": c.sources,
+        }
 
 
 _FILES = "a path or glob (relative to [sources] root) or a non-empty list of them"
@@ -304,11 +308,14 @@ def parse_sources(cfg: SiteConfig, toml: str | Path) -> Sources:
     raw = cfg.sources
     if not raw:
         raise SourceError(
-            f"{toml}: no [sources] table: the site names no raw files to ingest (see `python -m pipeline.data.ingest --help`)"
+            f"{toml}: no [sources] table: the site names no raw files to ingest (see `python -m pipeline.data.ingest "
+            "--help`)"
         )
     top = TomlTable(raw, "sources", toml, SourceError)  # every table below raises SourceError too
     top.check_keys(("root", "attribution", "notes", "sessions", "carbon", "weather"))
-    top.require("sessions", "carbon", "weather", why=": a site needs [sources.sessions], [sources.carbon] and [sources.weather]")
+    top.require(
+        "sessions", "carbon", "weather", why=": a site needs [sources.sessions], [sources.carbon] and [sources.weather]"
+    )
     root_text = top.string("root", ".")
     return Sources(
         toml=toml,
@@ -364,7 +371,11 @@ _MIX = "a list of [weight, mean_h, sd_h]"
 def _parse_fleet(ft: TomlTable) -> FleetParams:
     ft.check_keys(x.name for x in fields(FleetParams))
     mix = ft.get("arrival_mix", None)
-    if not (isinstance(mix, list) and mix and all(isinstance(m, list) and len(m) == 3 and all(is_number(x) for x in m) for m in mix)):
+    if not (
+        isinstance(mix, list)
+        and mix
+        and all(isinstance(m, list) and len(m) == 3 and all(is_number(x) for x in m) for m in mix)
+    ):
         raise ft.err("arrival_mix", f"must be {_MIX}, got {mix!r}")
     fp = FleetParams(
         kind=ft.string("kind"),
@@ -397,11 +408,18 @@ def _parse_carbon(t: TomlTable) -> CarbonSource:
         fmt = t.string("format", choices=CARBON_FORMATS)
     if fmt == "constant":
         t.check_keys(("format", "kg_per_kwh"), " for a constant")
-        return CarbonSource(format=fmt, kg_per_kwh=t.number("kg_per_kwh", range=Range(ge=0, le=MOER_MAX_KG_PER_KWH, unit="kg/kWh")))
+        return CarbonSource(
+            format=fmt, kg_per_kwh=t.number("kg_per_kwh", range=Range(ge=0, le=MOER_MAX_KG_PER_KWH, unit="kg/kWh"))
+        )
     common = ("format", "files", "unit", "time_column", "value_column", "timezone", "time_format")
     t.check_keys(common, f" for format '{fmt}'")
     if fmt == "csv":
-        t.require("time_column", "value_column", "unit", why=f" (format 'csv' needs time_column, value_column and unit: {', '.join(CARBON_UNITS)})")
+        t.require(
+            "time_column",
+            "value_column",
+            "unit",
+            why=f" (format 'csv' needs time_column, value_column and unit: {', '.join(CARBON_UNITS)})",
+        )
     return CarbonSource(
         format=fmt,
         files=_files(t),
@@ -419,10 +437,15 @@ def _parse_weather(t: TomlTable, cfg: SiteConfig) -> WeatherSource:
         t.check_keys(("format", "file"), " for format 'epw'")
         return WeatherSource(format=fmt, files=_files(t, "file"))
     if fmt == "clear-sky":
-        t.check_keys(("format", "air_temp_c", "wind_speed_m_s", "albedo", "substeps_per_hour"), " for format 'clear-sky'")
+        t.check_keys(
+            ("format", "air_temp_c", "wind_speed_m_s", "albedo", "substeps_per_hour"), " for format 'clear-sky'"
+        )
         for k in ("latitude", "longitude"):
             if getattr(cfg.pv, k) is None:
-                raise SourceError(f"{t.source}: key 'pv.{k}' is missing: the clear-sky weather source needs [pv] latitude and longitude")
+                raise SourceError(
+                    f"{t.source}: key 'pv.{k}' is missing: the clear-sky weather source needs [pv] latitude and "
+                    "longitude"
+                )
         return WeatherSource(
             format=fmt,
             air_temp_c=t.number("air_temp_c", 20.0, range=Range(ge=-60, le=60, unit="degC")),
@@ -430,7 +453,9 @@ def _parse_weather(t: TomlTable, cfg: SiteConfig) -> WeatherSource:
             albedo=t.number("albedo", 0.2, range=Range(ge=0, le=1)),
             substeps_per_hour=t.integer("substeps_per_hour", 12, range=Range(ge=1)),
         )
-    t.check_keys(("format", "files", "unit", "time_column", "value_column", "timezone", "time_format"), " for format 'pv-csv'")
+    t.check_keys(
+        ("format", "files", "unit", "time_column", "value_column", "timezone", "time_format"), " for format 'pv-csv'"
+    )
     t.require("time_column", "value_column", why=" (format 'pv-csv' needs time_column and value_column)")
     return WeatherSource(
         format=fmt,
@@ -508,7 +533,14 @@ def column(df: pd.DataFrame, name: str, file: str, key: str, toml: Path) -> pd.S
 
 
 def parse_times(
-    values: pd.Series, *, file: str, column_name: str, key: str, toml: Path, tz: str | None, fmt: str | None,
+    values: pd.Series,
+    *,
+    file: str,
+    column_name: str,
+    key: str,
+    toml: Path,
+    tz: str | None,
+    fmt: str | None,
     kind: str = "csv",
 ) -> pd.Series:
     """Parse a column of timestamps to datetime64[ns, UTC].
@@ -536,8 +568,8 @@ def parse_times(
     elif not aware.any():
         if tz is None:
             raise SourceError(
-                f"{where} {row_label(0, kind)}: timestamp {s.iloc[0]!r} has no UTC offset and the TOML gives no time zone "
-                f"for it: set key '{key}.timezone' in {toml} to the IANA zone the times were recorded in (e.g. "
+                f"{where} {row_label(0, kind)}: timestamp {s.iloc[0]!r} has no UTC offset and the TOML gives no time "
+                f"zone for it: set key '{key}.timezone' in {toml} to the IANA zone the times were recorded in (e.g. "
                 '"Europe/Berlin"), or write the times with their offsets'
             )
         naive = pd.to_datetime(s, format=fmt or "ISO8601", errors="coerce")
@@ -548,14 +580,20 @@ def parse_times(
     else:
         i, j = int(np.flatnonzero(~aware)[0]), int(np.flatnonzero(aware)[0])
         raise SourceError(
-            f"{where} {row_label(i, kind)}: timestamp {s.iloc[i]!r} has no UTC offset while {row_label(j, kind)} has one "
-            f"({s.iloc[j]!r}): write every time with its offset, or none (and set key '{key}.timezone')"
+            f"{where} {row_label(i, kind)}: timestamp {s.iloc[i]!r} has no UTC offset while {row_label(j, kind)} has "
+            f"one ({s.iloc[j]!r}): write every time with its offset, or none (and set key '{key}.timezone')"
         )
     bad = out.isna().to_numpy()
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        how = f"format {fmt!r} (key '{key}.time_format')" if fmt else f"ISO 8601 (set key '{key}.time_format' to a strftime format such as \"%d/%m/%Y %H:%M\")"
-        raise SourceError(f"{where} {row_label(i, kind)}: cannot parse timestamp {s.iloc[i]!r} as {how}; {int(bad.sum())} such row(s)")
+        how = (
+            f"format {fmt!r} (key '{key}.time_format')"
+            if fmt
+            else f"ISO 8601 (set key '{key}.time_format' to a strftime format such as \"%d/%m/%Y %H:%M\")"
+        )
+        raise SourceError(
+            f"{where} {row_label(i, kind)}: cannot parse timestamp {s.iloc[i]!r} as {how}; {int(bad.sum())} such row(s)"
+        )
     return out.astype("datetime64[ns, UTC]")
 
 
@@ -585,10 +623,13 @@ def check_coverage(series: pd.Series, index: pd.DatetimeIndex, cfg: SiteConfig, 
     t = index[int(np.flatnonzero(missing)[0])]
     local = t.tz_convert(cfg.timezone)
     split = next(
-        (name for name, (a, b) in (("train", cfg.splits.train), ("test", cfg.splits.test))
-         if pd.Timestamp(a).date() <= local.date() <= pd.Timestamp(b).date()),
+        (
+            name
+            for name, (a, b) in (("train", cfg.splits.train), ("test", cfg.splits.test))
+            if pd.Timestamp(a).date() <= local.date() <= pd.Timestamp(b).date()
+        ),
         None,
-    )  # fmt: skip
+    )
     inside = f"in split '{split}'" if split else "between the splits"
     first, end = period(cfg)
     raise SourceError(
@@ -599,8 +640,16 @@ def check_coverage(series: pd.Series, index: pd.DatetimeIndex, cfg: SiteConfig, 
 
 
 def check_range(
-    values: np.ndarray, hi: float, *, file: str, column_name: str, unit_key: str, unit: str, what: str,
-    frame_rows: np.ndarray | None = None, hint_hi: str = "",
+    values: np.ndarray,
+    hi: float,
+    *,
+    file: str,
+    column_name: str,
+    unit_key: str,
+    unit: str,
+    what: str,
+    frame_rows: np.ndarray | None = None,
+    hint_hi: str = "",
 ) -> None:
     """Values in [0, hi], else a :class:`SourceError` naming file, column, row and value."""
     bad = ~((values >= 0) & (values <= hi))
@@ -629,7 +678,8 @@ def files_of(src: Sources, name: str) -> list[Path]:
             continue
         if not paths:
             raise SourceError(
-                f"{src.toml}: key '{key}': no file matches {pattern!r} under {src.root} ([sources] root = {src.root_text!r})"
+                f"{src.toml}: key '{key}': no file matches {pattern!r} under {src.root} ([sources] root = "
+                f"{src.root_text!r})"
             )
         out += [f for f in paths if f not in out]
     return out

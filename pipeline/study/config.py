@@ -172,9 +172,7 @@ def from_environment(**overrides) -> PipelineConfig:
     for name, value in cmdline.items():
         if name not in VARIABLES:
             hint = did_you_mean(name, VARIABLES)
-            raise ValueError(
-                f"doit variable {name}={value!r}: unknown variable{hint} (known: {', '.join(VARIABLES)})"
-            )
+            raise ValueError(f"doit variable {name}={value!r}: unknown variable{hint} (known: {', '.join(VARIABLES)})")
     origin: dict[str, str] = {}
 
     def var(name: str):

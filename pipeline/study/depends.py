@@ -20,8 +20,13 @@ DATA = ("pipeline/data/**/*.py",)
 """Ingestion: raw sources, readers, PV models, synthetic fleets."""
 CONTROL = ("pipeline/control/**/*.py",)
 """The simulated controllers: registry, baselines, planners, the oracle."""
-REPORT = ("pipeline/study/report.py", "pipeline/study/document.py", "pipeline/study/tasks.py",
-          "pipeline/study/results.py", "pipeline/control/registry.py")  # fmt: skip
+REPORT = (
+    "pipeline/study/report.py",
+    "pipeline/study/document.py",
+    "pipeline/study/tasks.py",
+    "pipeline/study/results.py",
+    "pipeline/control/registry.py",
+)
 """What writes the report from the result files."""
 
 

@@ -24,7 +24,8 @@ FIGURE_DPI = 110
 
 
 def atomic_savefig(fig: Figure, path: Path) -> Path:
-    """Save ``fig`` as a PNG at :data:`FIGURE_DPI` to ``path`` atomically (:func:`envs.files.atomic_write`); returns ``path``."""
+    """Save ``fig`` as a PNG at :data:`FIGURE_DPI` to ``path`` atomically (:func:`envs.files.atomic_write`); returns
+    ``path``."""
     return atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=FIGURE_DPI, bbox_inches="tight"))
 
 
@@ -160,7 +161,8 @@ def inline_html(text: str) -> str:
 def _html_table(table: Table) -> str:
     def cells(tag: str, row: tuple[str, ...]) -> str:
         return "".join(
-            f'<{tag} class="{"num" if a == "right" else "txt"}">{inline_html(c)}</{tag}>' for c, a in zip(row, table.align)
+            f'<{tag} class="{"num" if a == "right" else "txt"}">{inline_html(c)}</{tag}>'
+            for c, a in zip(row, table.align)
         )
 
     body = "\n".join(f"<tr>{cells('td', r)}</tr>" for r in table.rows)

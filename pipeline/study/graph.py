@@ -1,19 +1,19 @@
 """The study as one Dask graph.
 
-``run(cfg)`` submits the whole study (validation fanned out per input, baselines per controller x split,
-the MPC controllers and the oracle per split, training per agent x seed, evaluation per agent x seed x split, the report) and
-waits for the report. ``run(cfg, stages={"baselines"})`` computes only some stages; the outputs of the
-stages left out are taken from disk (this is how ``dodo.py`` runs one stage per doit task, so doit decides
-what is out of date and Dask fans out the work inside a stage).
+``run(cfg)`` submits the whole study (validation fanned out per input, baselines per controller x split, the MPC
+controllers and the oracle per split, training per agent x seed, evaluation per agent x seed x split, the report) and
+waits for the report. ``run(cfg, stages={"baselines"})`` computes only some stages; the outputs of the stages left out
+are taken from disk (this is how ``dodo.py`` runs one stage per doit task, so doit decides what is out of date and Dask
+fans out the work inside a stage).
 
 The cluster is :func:`pipeline.study.cluster.get_client`'s: ``cfg.scheduler_address`` (or
 ``DASK_SCHEDULER_ADDRESS``) if given, else an embedded ``LocalCluster``. Training tasks ask for the worker resource
 ``GPU=1`` whenever some worker declares it; otherwise they run on any worker. The simulated controllers are the
 registry's (:mod:`pipeline.control.registry`), their files named by :mod:`pipeline.study.results`.
 
-Tasks that are safe to repeat carry Dask retries: baselines, the MPC controllers, the oracle, evaluation, and training (a repeated
-training task resumes from its run's checkpoint, see :func:`pipeline.study.tasks.train_agent`). Tasks of a worker
-that dies are rescheduled by the scheduler.
+Tasks that are safe to repeat carry Dask retries: baselines, the MPC controllers, the oracle, evaluation, and training
+(a repeated training task resumes from its run's checkpoint, see :func:`pipeline.study.tasks.train_agent`). Tasks of a
+worker that dies are rescheduled by the scheduler.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pipeline.study.cluster import get_client, gpu_workers
 from pipeline.study.config import SPLITS, PipelineConfig
 
 STAGES = ("validate", "baselines", "tune", "planners", "train", "evaluate", "report")
+
 
 def simulated(cfg: PipelineConfig) -> tuple[str, ...]:
     """The controllers of the ``baselines`` stage for this site: simulated, reading no tuning
@@ -47,11 +48,26 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
     return {
         "validate": [root / "validate" / f"{i}.json" for i in tasks.INPUTS],
         "baselines": [f for c in simulated(cfg) for s in SPLITS for f in results.files(root / "baselines", c, s)],
-        "tune": [f for seed in cfg.seeds for f in (*tuning.result_files(root / "tuned", seed),
-                 rl_planner.policy_file(root / "tuned" / f"mpc_rl_seed{seed}"))] if planners(cfg) else [],  # fmt: skip
-        "planners": [f for c in planners(cfg) for seed in cfg.seeds for s in SPLITS
-                     for f in results.files(root / "planners", c, s, seed)],  # fmt: skip
-        "train": [root / "runs" / results.run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")],
+        "tune": [
+            f
+            for seed in cfg.seeds
+            for f in (
+                *tuning.result_files(root / "tuned", seed),
+                rl_planner.policy_file(root / "tuned" / f"mpc_rl_seed{seed}"),
+            )
+        ]
+        if planners(cfg)
+        else [],
+        "planners": [
+            f
+            for c in planners(cfg)
+            for seed in cfg.seeds
+            for s in SPLITS
+            for f in results.files(root / "planners", c, s, seed)
+        ],
+        "train": [
+            root / "runs" / results.run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")
+        ],
         "evaluate": [f for a, seed in runs for s in SPLITS for f in results.files(root / "eval", a, s, seed)],
         "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
     }
@@ -92,7 +108,10 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
 
     # validation: one task per input; the stamps are written only when all of them passed
     if "validate" in stages:
-        checks = [submit(tasks.validate_input, site, kind, key=f"validate-{kind}-{cfg.experiment}", pure=False) for kind in tasks.INPUTS]
+        checks = [
+            submit(tasks.validate_input, site, kind, key=f"validate-{kind}-{cfg.experiment}", pure=False)
+            for kind in tasks.INPUTS
+        ]
         validated = submit(tasks.write_validation, checks, str(root / "validate"), pure=False)
         futures["validate"] = validated
     else:
@@ -114,7 +133,9 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     # the planner's parameters tuned on the train split, once per seed (CMA-ES; its replays fanned out as tasks)
     tuned_dir = str(root / "tuned")
     if "tune" in stages:
-        futures["tune"] = tasks.tune_planner(site, cfg.seeds, tuned_dir, cfg.tune_budget, client) if planners(cfg) else []
+        futures["tune"] = (
+            tasks.tune_planner(site, cfg.seeds, tuned_dir, cfg.tune_budget, client) if planners(cfg) else []
+        )
     # the learned planners: one task per planner x seed x split, after the tuning
     if "planners" in stages:
         if "tune" not in stages:
@@ -127,7 +148,18 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                 replays = [submit(replay, site, sp, s, n, c.as_dict(), pure=False) for sp, _, c, s, n in windows]
                 tables[seed] = submit(learned.write_week_tables, replays, windows, tuned_dir, seed, pure=False)
         jobs = [
-            submit(tasks.run_controller, site, c, s, out, tables.get(seed), seed=seed, tuned_dir=tuned_dir, retries=1, pure=False)
+            submit(
+                tasks.run_controller,
+                site,
+                c,
+                s,
+                out,
+                tables.get(seed),
+                seed=seed,
+                tuned_dir=tuned_dir,
+                retries=1,
+                pure=False,
+            )
             for c in planners(cfg)
             for seed in cfg.seeds
             for s in SPLITS
@@ -148,8 +180,18 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                 run_dir = str(root / "runs" / results.run_name(algo, seed))
                 deps = (validated,) if previous is None or cfg.scheduler_address else (validated, previous)
                 fut = submit(
-                    tasks.train_agent, algo, seed, site, run_dir, cfg.total_timesteps, cfg.extra_algo_args, *deps,
-                    resources=resources, retries=1, pure=False, key=f"train-{algo}-seed{seed}-{cfg.experiment}",
+                    tasks.train_agent,
+                    algo,
+                    seed,
+                    site,
+                    run_dir,
+                    cfg.total_timesteps,
+                    cfg.extra_algo_args,
+                    *deps,
+                    resources=resources,
+                    retries=1,
+                    pure=False,
+                    key=f"train-{algo}-seed{seed}-{cfg.experiment}",
                 )
                 runs[(algo, seed)] = previous = fut
         futures["train"] = client.submit(list, list(runs.values()), pure=False)
@@ -171,7 +213,9 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
         eval_files = on_disk("evaluate") if "report" in stages else None
 
     if "report" in stages:
-        futures["report"] = submit(_report, cfg.as_dict(), baseline_files, planner_files, eval_files, str(root), pure=False)
+        futures["report"] = submit(
+            _report, cfg.as_dict(), baseline_files, planner_files, eval_files, str(root), pure=False
+        )
 
     return client.gather(futures)
 
@@ -180,7 +224,9 @@ def _flatten(lists: list[list[str]]) -> list[str]:
     return [p for sub in lists for p in sub]
 
 
-def _report(cfg_dict: dict, baseline_files: list[str], planner_files: list[str], eval_files: list[str], root: str) -> str:
+def _report(
+    cfg_dict: dict, baseline_files: list[str], planner_files: list[str], eval_files: list[str], root: str
+) -> str:
     files = [*baseline_files, *planner_files, *eval_files]
     kpis, traces = [], {}
     for p in files:

@@ -35,8 +35,19 @@ from envs.files import write_parquet, write_text
 from envs.kpis import KPI_COLUMNS, add_relative_kpis
 from pipeline.control import registry
 from pipeline.study.document import (
-    Block, Bullets, FigureRef, Heading, Note, Paragraph, Table, atomic_savefig, format_number, frame_table, markdown_table,
-    render_html, render_markdown,
+    Block,
+    Bullets,
+    FigureRef,
+    Heading,
+    Note,
+    Paragraph,
+    Table,
+    atomic_savefig,
+    format_number,
+    frame_table,
+    markdown_table,
+    render_html,
+    render_markdown,
 )
 
 SPLIT_ORDER = ("train", "test")
@@ -72,7 +83,6 @@ TABLE_COLUMNS = (
     ("train_wall_s", "Training wall time (s)", 0),
     ("steps_per_s", "Training steps/s", 0),
 )
-
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -137,9 +147,13 @@ def read_kpi_files(kpi_files: Iterable[Path]) -> pd.DataFrame:
     per_seed[list(KPI_COLUMNS)] = per_seed[list(KPI_COLUMNS)].astype("float64")
     per_seed = add_relative_kpis(per_seed)
     groups = per_seed.groupby(["controller", "split"], sort=False)[list(KPI_COLUMNS)]
-    table = groups.mean().join(groups.size().rename("n_seeds")).join(groups.std(ddof=1).add_suffix("_std")).reset_index()
+    table = (
+        groups.mean().join(groups.size().rename("n_seeds")).join(groups.std(ddof=1).add_suffix("_std")).reset_index()
+    )
     table["n_seeds"] = table["n_seeds"].astype("int64")
-    order = sorted(range(len(table)), key=lambda i: (split_sort_key(table.split[i]), controller_sort_key(table.controller[i])))
+    order = sorted(
+        range(len(table)), key=lambda i: (split_sort_key(table.split[i]), controller_sort_key(table.controller[i]))
+    )
     return table.iloc[order].reset_index(drop=True)[["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS]]
 
 
@@ -158,7 +172,10 @@ def plot_co2_by_controller(table: pd.DataFrame, path: Path) -> Path:
     ax_co2, ax_uns = fig.subplots(1, 2, width_ratios=(2, 1))
     width = 0.8 / max(len(controllers), 1)
     x = np.arange(len(splits))
-    for ax, col, unit, decimals in ((ax_co2, "co2_kg", "CO2 (kg)", 0), (ax_uns, "unserved_kwh", "Unserved EV energy (kWh)", 1)):
+    for ax, col, unit, decimals in (
+        (ax_co2, "co2_kg", "CO2 (kg)", 0),
+        (ax_uns, "unserved_kwh", "Unserved EV energy (kWh)", 1),
+    ):
         for j, c in enumerate(controllers):
             vals = []
             for s in splits:
@@ -177,7 +194,9 @@ def plot_co2_by_controller(table: pd.DataFrame, path: Path) -> Path:
     ax_co2.set_title("Grid CO2 per controller")
     ax_uns.set_title("Unserved EV energy (always beside CO2)")
     handles, labels = ax_co2.get_legend_handles_labels()
-    fig.legend(handles, labels, title="controller", loc="outside lower center", ncols=min(len(controllers), 8), fontsize=9)
+    fig.legend(
+        handles, labels, title="controller", loc="outside lower center", ncols=min(len(controllers), 8), fontsize=9
+    )
     return atomic_savefig(fig, path)
 
 
@@ -255,7 +274,9 @@ def plot_test_week(
             ax = axes[i, j]
             if key == "pv":
                 ax.plot(x, w.pv_kw, drawstyle="steps-post", color="goldenrod", lw=1.2, label="PV available")
-                ax.fill_between(x, w.pv_curtailed_kw, step="post", color="tab:red", alpha=0.45, lw=0, label="PV curtailed")
+                ax.fill_between(
+                    x, w.pv_curtailed_kw, step="post", color="tab:red", alpha=0.45, lw=0, label="PV curtailed"
+                )
             elif key == "soc":
                 ax.plot(x, 100.0 * w.soc, drawstyle="steps-post", color="tab:green", lw=1.2)
                 ax.set_ylim(-5, 105)
@@ -298,7 +319,10 @@ def plot_learning_curves(metrics_files: Mapping[str, Path], path: Path) -> Path 
     column, are skipped; returns ``None`` (and writes nothing) when no agent has anything to plot.
     Raw points are drawn faintly with a rolling mean over about 1/20 of the points.
     """
-    panels = (("episodic_co2_kg", "CO2 per training episode (kg)"), ("episodic_unserved_kwh", "Unserved per training episode (kWh)"))
+    panels = (
+        ("episodic_co2_kg", "CO2 per training episode (kg)"),
+        ("episodic_unserved_kwh", "Unserved per training episode (kWh)"),
+    )
     data = {}
     for agent in sorted(metrics_files):
         df = _read_metrics(metrics_files[agent])
@@ -341,12 +365,18 @@ def kpi_table(rows: pd.DataFrame) -> Table:
         seeded = registry.describe(str(r.controller)).seeded or registry.is_agent(str(r.controller))
         seeds = "–" if not seeded else (str(n) if n > 1 else "1 (single seed)")
 
-        def cell(c: str, d: int) -> str:
+        def cell(c: str, d: int, r=r, n=n) -> str:
             std = r.get(f"{c}_std", math.nan)
             return format_number(r[c], d) + (f" ± {format_number(std, d)}" if n > 1 and not math.isnan(std) else "")
 
-        body.append((str(r.controller), registry.describe(str(r.controller)).knows, seeds,
-                     *(cell(c, d) for c, _, d in TABLE_COLUMNS)))  # fmt: skip
+        body.append(
+            (
+                str(r.controller),
+                registry.describe(str(r.controller)).knows,
+                seeds,
+                *(cell(c, d) for c, _, d in TABLE_COLUMNS),
+            )
+        )
     return Table(
         header=("Controller", "Knows", "Seeds", *(h for _, h, _ in TABLE_COLUMNS)),
         align=("left", "left", *("right" for _ in range(len(TABLE_COLUMNS) + 1))),
@@ -390,7 +420,9 @@ def ordering_sentence(split: str, rows: pd.DataFrame) -> str:
         return ""
     parts = []
     for _, r in ranked.iterrows():
-        share = "" if math.isnan(r.oracle_gap_closed_pct) else f", {r.oracle_gap_closed_pct:.1f}% of the oracle's saving"
+        share = (
+            "" if math.isnan(r.oracle_gap_closed_pct) else f", {r.oracle_gap_closed_pct:.1f}% of the oracle's saving"
+        )
         parts.append(f"{r.controller} ({r.co2_kg:,.1f} kg{share})")
     return f"Ordering by CO2 on the {split} split, lowest first: " + " < ".join(parts) + "."
 
@@ -412,7 +444,7 @@ def best_controllers(table: pd.DataFrame, split: str = "test") -> dict[str, str]
     rows = serving(table[table.split == split].dropna(subset=["co2_kg"]))
     out = {}
     for key, keep in (("causal", lambda c: c.causal), ("learned", lambda c: c.causal and c.learned)):
-        cand = rows[rows.controller.map(lambda n: keep(registry.describe(str(n))))]
+        cand = rows[rows.controller.map(lambda n, keep=keep: keep(registry.describe(str(n))))]
         if len(cand):
             out[key] = str(cand.loc[cand.co2_kg.idxmin()].controller)
     if (table.controller == "oracle").any():
@@ -427,7 +459,11 @@ def answer_blocks(table: pd.DataFrame) -> list[Block]:
     best = best_controllers(table, split)
     if "causal" not in best:
         return []
-    roles = {"causal": "lowest CO2 a site can run", "learned": "best learned controller", "bound": "perfect-foresight limit"}
+    roles = {
+        "causal": "lowest CO2 a site can run",
+        "learned": "best learned controller",
+        "bound": "perfect-foresight limit",
+    }
     splits = sorted(table.split.unique(), key=split_sort_key)
     body = []
     for key, name in best.items():
@@ -440,13 +476,17 @@ def answer_blocks(table: pd.DataFrame) -> list[Block]:
                 cells.append("–")
                 continue
             r = r.iloc[0]
-            cells.append(f"{format_number(r.co2_kg, 1)} kg, {format_number(r.co2_reduction_pct, 1)}% cut, "
-                         f"{format_number(r.oracle_gap_closed_pct, 1)}% of the oracle's saving, "
-                         f"unserved {format_number(r.unserved_kwh, 1)} kWh")  # fmt: skip
+            cells.append(
+                f"{format_number(r.co2_kg, 1)} kg, {format_number(r.co2_reduction_pct, 1)}% cut, "
+                f"{format_number(r.oracle_gap_closed_pct, 1)}% of the oracle's saving, "
+                f"unserved {format_number(r.unserved_kwh, 1)} kWh"
+            )
         body.append(tuple(cells))
     name = best["causal"]
-    text = (f"Run **{name}**: of the controllers that act only on what was realised before the hour they act on, it "
-            f"emits the least CO2 on the held-out {split} split while serving the EVs.")  # fmt: skip
+    text = (
+        f"Run **{name}**: of the controllers that act only on what was realised before the hour they act on, it "
+        f"emits the least CO2 on the held-out {split} split while serving the EVs."
+    )
     if "learned" in best and best["learned"] != name:
         text += f" The best learned controller is **{best['learned']}**."
     elif "learned" in best:
@@ -454,8 +494,11 @@ def answer_blocks(table: pd.DataFrame) -> list[Block]:
     return [
         Heading(2, "The answer"),
         Paragraph(text),
-        Table(header=("", "Controller", "Knows", *(f"{sp} split" for sp in splits)),
-              align=("left", "left", "left", *("left" for _ in splits)), rows=tuple(body)),  # fmt: skip
+        Table(
+            header=("", "Controller", "Knows", *(f"{sp} split" for sp in splits)),
+            align=("left", "left", "left", *("left" for _ in splits)),
+            rows=tuple(body),
+        ),
     ]
 
 
@@ -467,7 +510,10 @@ def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
     others = rows[rows.controller != "oracle"].dropna(subset=["co2_kg"])
     if len(others):
         best = others.loc[others.co2_kg.idxmin()]
-        s = f"On the **{split}** split the lowest CO2 apart from the oracle is **{best.controller}**'s, {best.co2_kg:,.1f} kg"
+        s = (
+            f"On the **{split}** split the lowest CO2 apart from the oracle is **{best.controller}**'s, "
+            f"{best.co2_kg:,.1f} kg"
+        )
         details = []
         if not math.isnan(best.co2_reduction_pct):
             details.append(f"{best.co2_reduction_pct:.1f}% below uncontrolled")
@@ -479,8 +525,13 @@ def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
         if len(oracle):
             bound = float(oracle.co2_kg.iloc[0])
             s += f"; the oracle's lower bound is {bound:,.1f} kg"
-            if best.co2_kg < bound * (1 - 1e-6) and best.ev_energy_delivered_kwh >= float(oracle.ev_energy_delivered_kwh.iloc[0]):
-                s += " (**below the oracle's bound while delivering as much EV energy: check the oracle and the evaluation**)"
+            if best.co2_kg < bound * (1 - 1e-6) and best.ev_energy_delivered_kwh >= float(
+                oracle.ev_energy_delivered_kwh.iloc[0]
+            ):
+                s += (
+                    " (**below the oracle's bound while delivering as much EV energy: check the oracle and the "
+                    "evaluation**)"
+                )
         out.append(s + ".")
     agents = rows[rows.controller.map(registry.is_agent)]
     base = rows[rows.controller == "uncontrolled"]
@@ -501,7 +552,8 @@ def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
         else:
             out.append(
                 f"**Not every agent serves the EVs**: below {pct} of the uncontrolled delivered EV energy "
-                f"({ref:,.1f} kWh) are " + ", ".join(f"{a} ({100 * v:.1f}%)" for a, v in short.items())
+                f"({ref:,.1f} kWh) are "
+                + ", ".join(f"{a} ({100 * v:.1f}%)" for a, v in short.items())
                 + "; their CO2 is not a fair saving."
             )
     return " ".join(out)
@@ -560,7 +612,9 @@ def write_report(
     plot_co2_by_controller(table, out_dir / "co2_by_controller.png")
     figures.append(
         FigureRef(
-            "co2_by_controller.png", "CO2 by controller", "Grid CO2 (kg) and unserved EV energy (kWh) per controller and split."
+            "co2_by_controller.png",
+            "CO2 by controller",
+            "Grid CO2 (kg) and unserved EV energy (kWh) per controller and split.",
         )
     )
 
@@ -572,7 +626,8 @@ def write_report(
             FigureRef(
                 "test_week_traces.png",
                 "Test week traces",
-                f"Hourly traces of the test-split week from {start:%Y-%m-%d} ({timezone}), the week with the most EV energy.",
+                f"Hourly traces of the test-split week from {start:%Y-%m-%d} ({timezone}), the week with the most EV "
+                "energy.",
             )
         )
 
@@ -580,7 +635,7 @@ def write_report(
         caption = "Episodic CO2 and unserved energy during training, per agent."
         figures.append(FigureRef("learning_curves.png", "Learning curves", caption))
 
-    for stale in ({"test_week_traces.png", "learning_curves.png"} - {f.file for f in figures}):
+    for stale in {"test_week_traces.png", "learning_curves.png"} - {f.file for f in figures}:
         (out_dir / stale).unlink(missing_ok=True)  # left by an earlier run; this report does not show it
 
     blocks = report_blocks(title, site_summary, table, figures, notes=notes, data_sources=data_sources, sizing=sizing)
@@ -617,20 +672,27 @@ def report_blocks(
             blocks.append(Paragraph(order))
     blocks.append(
         Note(
-            "**Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; "
-            "the unserved energy (kWh still needed at departure) and the share of EV energy served show whether a "
-            "saving is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` is the "
-            "part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the physical lower bound). "
-            "`mpc` re-solves a linear program over the next hours every hour from what is known then (MOER forecasts, the plugged EVs, the demand of the same hours of the past week); "
-            "`mpc_tuned` is that planner with its parameters tuned in closed loop (CMA-ES) on the train split, `mpc_adaptive` the "
-            "same re-tuned each week on the split's own last weeks; "
-            "`mpc_perfect` is the same controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is worth. "
-            "**Knows** says what each controller reads when it acts; only the causal ones (all but `mpc_perfect` and `oracle`) can be run."
+            "**Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; the "
+            "unserved energy (kWh still needed at departure) and the share of EV energy served show whether a saving "
+            "is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` "
+            "is the part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the "
+            "oracle is the physical lower bound). `mpc` re-solves a linear program over the next hours every hour from "
+            "what is known then (MOER forecasts, the plugged EVs, the demand of the same hours of the past week); "
+            "`mpc_tuned` is that planner with its parameters tuned in closed loop (CMA-ES) on the train split, "
+            "`mpc_adaptive` the same re-tuned each week on the split's own last weeks; `mpc_perfect` is the same "
+            "controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is "
+            "worth. **Knows** says what each controller reads when it acts; only the causal ones (all but "
+            "`mpc_perfect` and `oracle`) can be run."
         )
     )
     if sizing is not None:
         blocks += [Heading(2, "Sizing results"), frame_table(sizing)]
-        blocks.append(Paragraph("From `doit run sizing`: its own page, `../sizing/sizing.html` (and `sizing.md`), has the whole grid, the definitions and the figures."))
+        blocks.append(
+            Paragraph(
+                "From `doit run sizing`: its own page, `../sizing/sizing.html` (and `sizing.md`), has the whole grid, "
+                "the definitions and the figures."
+            )
+        )
     blocks.append(Heading(2, "Figures"))
     blocks += list(figures)
     files = {f.file for f in figures}

@@ -1,13 +1,13 @@
 """How much PV and battery to build: ``doit run sizing`` runs the controllers over a grid of PV kWp x BESS kWh.
 
-At every point of the grid (PV ``kwp`` x BESS ``bess_kwh``, the BESS power being ``bess_kw = bess_kw_per_kwh *
-bess_kwh``, the C-rate) the site's config is changed in memory (:meth:`envs.config.SiteConfig.replace`, the
-loaded data reused: no TOML is written per point) and the controllers run on both splits: ``uncontrolled``,
-``rule_based`` (:mod:`pipeline.control.baselines`), ``mpc`` (the causal receding-horizon LP, :mod:`pipeline.control.mpc`) and
-the perfect-foresight ``oracle`` (:mod:`pipeline.control.oracle`, the lower bound of CO2); ``mpc_perfect`` on request.
-Each point is one Dask task (:func:`size_point`, given the site TOML's path and three numbers, returning a few
-small dicts); the cluster is :func:`pipeline.study.cluster.get_client`'s: a scheduler address if given, else an embedded
-``LocalCluster`` of ``workers`` processes.
+At every point of the grid (PV ``kwp`` x BESS ``bess_kwh``, the BESS power being
+``bess_kw = bess_kw_per_kwh * bess_kwh``, the C-rate) the site's config is changed in memory
+(:meth:`envs.config.SiteConfig.replace`, the loaded data reused: no TOML is written per point) and the controllers run
+on both splits: ``uncontrolled``, ``rule_based`` (:mod:`pipeline.control.baselines`), ``mpc`` (the causal
+receding-horizon LP, :mod:`pipeline.control.mpc`) and the perfect-foresight ``oracle`` (:mod:`pipeline.control.oracle`,
+the lower bound of CO2); ``mpc_perfect`` on request. Each point is one Dask task (:func:`size_point`, given the site
+TOML's path and three numbers, returning a few small dicts); the cluster is :func:`pipeline.study.cluster.get_client`'s:
+a scheduler address if given, else an embedded ``LocalCluster`` of ``workers`` processes.
 
 Definitions (per controller ``c``, split ``s`` and point ``(kwp, kwh)``; ``H_s`` = hours of split ``s``):
 
@@ -66,23 +66,37 @@ from pipeline.control import registry
 from pipeline.study.cluster import get_client
 from pipeline.study.config import SPLITS, shown_path, variable
 from pipeline.study.document import (
-    Bullets, FigureRef, Heading, Note, Paragraph, atomic_savefig, frame_table, render_html, render_markdown,
+    Bullets,
+    FigureRef,
+    Heading,
+    Note,
+    Paragraph,
+    atomic_savefig,
+    frame_table,
+    render_html,
+    render_markdown,
 )
 
 HOURS_PER_YEAR = 8760.0
 """Hours of the year a split's CO2 is scaled to (365 days)."""
 
 KNOWN_CONTROLLERS = registry.simulated(tuned=False)
-"""Controllers a sizing study can run: those the study simulates without a tuning (:func:`pipeline.control.registry.simulated`), in
-report order (``uncontrolled`` always runs: it is the reference)."""
+"""Controllers a sizing study can run: those the study simulates without a tuning
+(:func:`pipeline.control.registry.simulated`), in report order (``uncontrolled`` always runs: it is the reference)."""
 
 DEFAULT_CONTROLLERS = ("uncontrolled", "rule_based", "mpc", "oracle")
 """Controllers run when neither ``[sizing] controllers`` nor the doit variable ``controllers`` says otherwise."""
 
 GRID_KEYS = ("kwp", "bess_kwh", "bess_kw_per_kwh", "controllers")
 COST_KEYS = (
-    "capex_per_kwp", "capex_per_kwh", "capex_per_kw", "lifetime_years", "bess_lifetime_years", "discount_rate", "currency",
-)  # fmt: skip
+    "capex_per_kwp",
+    "capex_per_kwh",
+    "capex_per_kw",
+    "lifetime_years",
+    "bess_lifetime_years",
+    "discount_rate",
+    "currency",
+)
 SIZING_KEYS = GRID_KEYS + COST_KEYS
 """Keys of the ``[sizing]`` table of a site TOML:
 
@@ -214,16 +228,24 @@ def parse_sizing(
     TomlTable(table, "sizing", source, ConfigError).check_keys(SIZING_KEYS)
     overrides = dict(overrides or {})
     # the table with the overrides on top: a value from a doit / environment variable names that in its messages
-    t = TomlTable({**table, **{k: v for k, (v, _) in overrides.items()}}, "sizing", source, ConfigError,
-                  origins={k: origin for k, (_, origin) in overrides.items()})  # fmt: skip
+    t = TomlTable(
+        {**table, **{k: v for k, (v, _) in overrides.items()}},
+        "sizing",
+        source,
+        ConfigError,
+        origins={k: origin for k, (_, origin) in overrides.items()},
+    )
 
     notes = []
     axes = {}
     for key, unit in (("kwp", "kWp"), ("bess_kwh", "kWh")):
-        t.require(key, why=(
-            f": the sizing grid is empty (give it in [sizing], e.g. {key} = [0, 20, 40], or as the doit variable "
-            f"{key}=0,20,40)"
-        ))  # fmt: skip
+        t.require(
+            key,
+            why=(
+                f": the sizing grid is empty (give it in [sizing], e.g. {key} = [0, 20, 40], or as the doit variable "
+                f"{key}=0,20,40)"
+            ),
+        )
         empty = f"is an empty grid: give at least one size in {unit}, e.g. [0, 20, 40]"
         sizes = tuple(sorted(set(t.numbers(key, range=Range(ge=0, unit=unit), scalar=True, empty=empty))))
         if 0.0 not in sizes:
@@ -231,13 +253,19 @@ def parse_sizing(
             notes.append(f"0 {unit} added to the {key} axis: the point (0 kWp, 0 kWh) is the reference of CO2 avoided")
         axes[key] = sizes
     ratio = t.number("bess_kw_per_kwh", 0.5, Range(gt=0, unit="kW per kWh (the battery's C-rate)"))
-    chosen = t.strings("controllers", DEFAULT_CONTROLLERS, KNOWN_CONTROLLERS, expect="a non-empty list of controller names")
+    chosen = t.strings(
+        "controllers", DEFAULT_CONTROLLERS, KNOWN_CONTROLLERS, expect="a non-empty list of controller names"
+    )
     controllers = tuple(c for c in KNOWN_CONTROLLERS if c in chosen or c == "uncontrolled")
 
     costs = None
     if any(k in table for k in COST_KEYS):
-        t.require("capex_per_kwp", "capex_per_kwh", "lifetime_years",
-                  why=": unit costs need all of sizing.capex_per_kwp, sizing.capex_per_kwh, sizing.lifetime_years")  # fmt: skip
+        t.require(
+            "capex_per_kwp",
+            "capex_per_kwh",
+            "lifetime_years",
+            why=": unit costs need all of sizing.capex_per_kwp, sizing.capex_per_kwh, sizing.lifetime_years",
+        )
         cost, years = Range(ge=0, unit="(a cost)"), Range(gt=0, unit="years")
         lifetime = t.number("lifetime_years", range=years)
         costs = SizingCosts(
@@ -333,7 +361,9 @@ def site_at(site: Site, kwp: float, bess_kwh: float, bess_kw: float) -> Site:
     Raises:
         ConfigError: a negative size (see :func:`envs.config.config_from_dict`).
     """
-    cfg = site.config.replace(pv={"kwp": float(kwp)}, bess={"capacity_kwh": float(bess_kwh), "power_kw": float(bess_kw)})
+    cfg = site.config.replace(
+        pv={"kwp": float(kwp)}, bess={"capacity_kwh": float(bess_kwh), "power_kw": float(bess_kw)}
+    )
     return Site(cfg, site.hourly, site.sessions, dict(site.source))
 
 
@@ -350,9 +380,17 @@ def run_controller(site: Site, controller: str, split: str) -> pd.DataFrame:
 
 
 KPI_KEYS = (
-    "co2_kg", "unserved_kwh", "ev_energy_requested_kwh", "ev_energy_delivered_kwh", "ev_energy_served_pct",
-    "grid_import_kwh", "grid_export_kwh", "pv_generation_kwh", "pv_self_consumption_pct", "peak_import_kw",
-)  # fmt: skip
+    "co2_kg",
+    "unserved_kwh",
+    "ev_energy_requested_kwh",
+    "ev_energy_delivered_kwh",
+    "ev_energy_served_pct",
+    "grid_import_kwh",
+    "grid_export_kwh",
+    "pv_generation_kwh",
+    "pv_self_consumption_pct",
+    "peak_import_kw",
+)
 
 
 def size_point(site_toml: str, kwp: float, bess_kwh: float, bess_kw: float, controllers: Sequence[str]) -> list[dict]:
@@ -381,8 +419,14 @@ def size_point(site_toml: str, kwp: float, bess_kwh: float, bess_kw: float, cont
             t = time.perf_counter()
             with contextlib.redirect_stdout(io.StringIO()):  # the MPC and the oracle print a line per run
                 kpi = run_controller(site, controller, split)
-            row = {"kwp": float(kwp), "bess_kwh": float(bess_kwh), "bess_kw": float(bess_kw), "controller": controller,
-                   "split": split, "hours": float(hours)}  # fmt: skip
+            row = {
+                "kwp": float(kwp),
+                "bess_kwh": float(bess_kwh),
+                "bess_kw": float(bess_kw),
+                "controller": controller,
+                "split": split,
+                "hours": float(hours),
+            }
             row.update({k: float(kpi[k].iloc[0]) for k in KPI_KEYS})
             row["wall_s"] = time.perf_counter() - t
             rows.append(row)
@@ -423,7 +467,9 @@ def build_table(rows: Sequence[Mapping[str, Any]], spec: SizingSpec) -> pd.DataF
     base = df.split.map(ref)
     df["co2_avoided_kg"] = base - df.co2_kg
     df["co2_avoided_t_per_year"] = df.co2_avoided_kg * year / 1000.0
-    df["co2_avoided_pct"] = np.where(base.abs() > 0, 100.0 * df.co2_avoided_kg / base.where(base.abs() > 0, 1.0), math.nan)
+    df["co2_avoided_pct"] = np.where(
+        base.abs() > 0, 100.0 * df.co2_avoided_kg / base.where(base.abs() > 0, 1.0), math.nan
+    )
     c = spec.costs
     if c is None:
         df["capex"] = math.nan
@@ -458,9 +504,20 @@ def headline(table: pd.DataFrame) -> pd.DataFrame:
         controller avoids at (0, 0) without any capex (%).
     """
     out = []
-    cols = ["split", "controller", "kwp", "bess_kwh", "bess_kw", "cost_per_t_avoided", "co2_avoided_t_per_year",
-            "co2_avoided_pct", "annualised_cost", "capex", "unserved_kwh"]  # fmt: skip
-    for (split, controller), rows in table.groupby(["split", "controller"], sort=False):
+    cols = [
+        "split",
+        "controller",
+        "kwp",
+        "bess_kwh",
+        "bess_kw",
+        "cost_per_t_avoided",
+        "co2_avoided_t_per_year",
+        "co2_avoided_pct",
+        "annualised_cost",
+        "capex",
+        "unserved_kwh",
+    ]
+    for (_split, _controller), rows in table.groupby(["split", "controller"], sort=False):
         ok = rows[(rows.capex > 0) & rows.cost_per_t_avoided.notna()]
         if ok.empty:
             continue
@@ -476,17 +533,19 @@ def report_summary(table: pd.DataFrame) -> pd.DataFrame:
     controller (:func:`headline`) with readable column names and units, rounded."""
     head = headline(table)
     cur = str(table.currency.iloc[0]) if "currency" in table and len(table) and table.currency.iloc[0] else "currency"
-    return pd.DataFrame({
-        "split": head.split,
-        "controller": head.controller,
-        "PV (kWp)": head.kwp,
-        "BESS (kWh)": head.bess_kwh,
-        "BESS (kW)": head.bess_kw,
-        f"cost per t CO2 avoided ({cur}/t)": head.cost_per_t_avoided.round(0),
-        "CO2 avoided (t/yr)": head.co2_avoided_t_per_year.round(2),
-        "CO2 avoided (%)": head.co2_avoided_pct.round(1),
-        "CO2 avoided at 0 kWp / 0 kWh (%)": head.free_avoided_pct.round(1),
-    })  # fmt: skip
+    return pd.DataFrame(
+        {
+            "split": head.split,
+            "controller": head.controller,
+            "PV (kWp)": head.kwp,
+            "BESS (kWh)": head.bess_kwh,
+            "BESS (kW)": head.bess_kw,
+            f"cost per t CO2 avoided ({cur}/t)": head.cost_per_t_avoided.round(0),
+            "CO2 avoided (t/yr)": head.co2_avoided_t_per_year.round(2),
+            "CO2 avoided (%)": head.co2_avoided_pct.round(1),
+            "CO2 avoided at 0 kWp / 0 kWh (%)": head.free_avoided_pct.round(1),
+        }
+    )
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -550,14 +609,24 @@ def plot_pareto(table: pd.DataFrame, path: Path, currency: str = "USD") -> Path:
             rows = table[(table.controller == c) & (table.split == s)]
             x = rows.annualised_cost / 1000.0 if costs else rows.kwp + rows.bess_kwh
             color = f"C{k % 10}"
-            ax.scatter(x[~rows.pareto], rows.co2_t_per_year[~rows.pareto], s=22, facecolors="none", edgecolors=color, alpha=0.7)
+            ax.scatter(
+                x[~rows.pareto], rows.co2_t_per_year[~rows.pareto], s=22, facecolors="none", edgecolors=color, alpha=0.7
+            )
             front = rows[rows.pareto].assign(x=x[rows.pareto]).sort_values("x")
             ax.plot(front.x, front.co2_t_per_year, "-o", color=color, ms=5, lw=1.4, label=f"{c} (Pareto front)")
             if c == "oracle" or (c == controllers[-1] and "oracle" not in controllers):
                 for _, r in front.iterrows():
-                    ax.annotate(f"{r.kwp:g}/{r.bess_kwh:g}", (r.x, r.co2_t_per_year), textcoords="offset points",
-                                xytext=(4, 4), fontsize=7, color=color)  # fmt: skip
-        ax.set_xlabel(f"annualised capex (thousand {currency}/yr)" if costs else "PV kWp + BESS kWh (no unit costs given)")
+                    ax.annotate(
+                        f"{r.kwp:g}/{r.bess_kwh:g}",
+                        (r.x, r.co2_t_per_year),
+                        textcoords="offset points",
+                        xytext=(4, 4),
+                        fontsize=7,
+                        color=color,
+                    )
+        ax.set_xlabel(
+            f"annualised capex (thousand {currency}/yr)" if costs else "PV kWp + BESS kWh (no unit costs given)"
+        )
         ax.set_ylabel("grid CO2 (t/yr, split scaled to a year)")
         ax.set_title(f"{s} split: cost vs CO2 (filled: Pareto-optimal; labels kWp/kWh)", fontsize=10)
         ax.set_ylim(bottom=min(0.0, float(table.co2_t_per_year.min())))
@@ -578,16 +647,22 @@ def page_blocks(table: pd.DataFrame, spec: SizingSpec, site_name: str, info: Map
     cur = spec.costs.currency if spec.costs else "USD"
     blocks: list = [Heading(1, f"Sizing study: {site_name}")]
     if spec.costs is None:
-        blocks.append(Note(
-            "No unit costs in `[sizing]` (`capex_per_kwp`, `capex_per_kwh`, `lifetime_years`): costs and cost per tonne are left out."
-        ))
+        blocks.append(
+            Note(
+                "No unit costs in `[sizing]` (`capex_per_kwp`, `capex_per_kwh`, `lifetime_years`): costs and cost per "
+                "tonne are left out."
+            )
+        )
     else:
-        blocks.append(Note(
-            f"**Unit costs are assumptions** from the site config (`{spec.source}`, `[sizing]`), not quotes: PV "
-            f"{spec.costs.capex_per_kwp:,.0f} {cur}/kWp, BESS {spec.costs.capex_per_kwh:,.0f} {cur}/kWh + "
-            f"{spec.costs.capex_per_kw:,.0f} {cur}/kW, lifetime {spec.costs.lifetime_years:g} years (BESS "
-            f"{spec.costs.bess_lifetime_years:g}), discount rate {100 * spec.costs.discount_rate:g}%/yr. Results scale with them."
-        ))
+        blocks.append(
+            Note(
+                f"**Unit costs are assumptions** from the site config (`{spec.source}`, `[sizing]`), not quotes: PV "
+                f"{spec.costs.capex_per_kwp:,.0f} {cur}/kWp, BESS {spec.costs.capex_per_kwh:,.0f} {cur}/kWh + "
+                f"{spec.costs.capex_per_kw:,.0f} {cur}/kW, lifetime {spec.costs.lifetime_years:g} years (BESS "
+                f"{spec.costs.bess_lifetime_years:g}), discount rate {100 * spec.costs.discount_rate:g}%/yr. Results "
+                "scale with them."
+            )
+        )
     blocks.append(Heading(2, "Headline"))
     head = headline(table)
     if head.empty:
@@ -605,24 +680,39 @@ def page_blocks(table: pd.DataFrame, spec: SizingSpec, site_name: str, info: Map
                 f"**{_money(r.cost_per_t_avoided, cur)}/t**, {r.co2_avoided_t_per_year:,.2f} t/yr avoided "
                 f"({r.co2_avoided_pct:.1f}%{free})"
             )
-        blocks.append(Paragraph(f"Cheapest point per tonne of CO2 avoided on the **{split}** split: " + "; ".join(parts) + "."))
+        blocks.append(
+            Paragraph(f"Cheapest point per tonne of CO2 avoided on the **{split}** split: " + "; ".join(parts) + ".")
+        )
     oracle_note = ""
     if "oracle" in set(table.controller):
         oracle_note = " The `oracle` is the perfect-foresight bound, not a controller one can buy."
-    blocks.append(Paragraph(
-        "Cost per tonne = annualised capex / CO2 avoided per year, both against the site with no PV, no battery and "
-        "uncontrolled charging; the headline is over the points with capex (at 0 kWp / 0 kWh a controller that shifts "
-        f"charging avoids CO2 for nothing).{oracle_note}"
-    ))
+    blocks.append(
+        Paragraph(
+            "Cost per tonne = annualised capex / CO2 avoided per year, both against the site with no PV, no battery "
+            "and uncontrolled charging; the headline is over the points with capex (at 0 kWp / 0 kWh a controller that "
+            f"shifts charging avoids CO2 for nothing).{oracle_note}"
+        )
+    )
     blocks.append(Heading(2, "Definitions"))
-    blocks.append(Bullets((
-        "`co2_t_per_year` = split CO2 (kg) x 8,760 / split hours / 1,000: each split scaled to a 365-day year (a split of a few months keeps their season).",
-        "`co2_avoided_t_per_year` = (CO2 of `uncontrolled` at 0 kWp / 0 kWh - CO2 of the controller at the point) on the same split, scaled likewise; `co2_avoided_pct` relative to that reference.",
-        f"`capex` = capex_per_kwp x kWp + capex_per_kwh x kWh + capex_per_kw x kW ({cur}): the extra capex over the 0 / 0 point.",
-        "`annualised_cost` = PV capex x CRF(r, lifetime_years) + BESS capex x CRF(r, bess_lifetime_years), CRF(r, n) = r(1+r)^n / ((1+r)^n - 1), = 1/n at r = 0 (capex / lifetime). No operating cost, replacement or tariff.",
-        f"`cost_per_t_avoided` = annualised_cost / co2_avoided_t_per_year ({cur}/t); empty where nothing is avoided.",
-        "`pareto`: no other point of the same controller and split has both lower-or-equal annualised cost and CO2, one of them lower.",
-    )))
+    blocks.append(
+        Bullets(
+            (
+                "`co2_t_per_year` = split CO2 (kg) x 8,760 / split hours / 1,000: each split scaled to a 365-day year "
+                "(a split of a few months keeps their season).",
+                "`co2_avoided_t_per_year` = (CO2 of `uncontrolled` at 0 kWp / 0 kWh - CO2 of the controller at the "
+                "point) on the same split, scaled likewise; `co2_avoided_pct` relative to that reference.",
+                f"`capex` = capex_per_kwp x kWp + capex_per_kwh x kWh + capex_per_kw x kW ({cur}): the extra capex "
+                "over the 0 / 0 point.",
+                "`annualised_cost` = PV capex x CRF(r, lifetime_years) + BESS capex x CRF(r, bess_lifetime_years), "
+                "CRF(r, n) = r(1+r)^n / ((1+r)^n - 1), = 1/n at r = 0 (capex / lifetime). No operating cost, "
+                "replacement or tariff.",
+                f"`cost_per_t_avoided` = annualised_cost / co2_avoided_t_per_year ({cur}/t); empty where nothing is "
+                "avoided.",
+                "`pareto`: no other point of the same controller and split has both lower-or-equal annualised cost and "
+                "CO2, one of them lower.",
+            )
+        )
+    )
     blocks.append(Heading(2, "Settings"))
     settings = [
         f"**site**: {site_name} (`{spec.source}`)",
@@ -635,23 +725,52 @@ def page_blocks(table: pd.DataFrame, spec: SizingSpec, site_name: str, info: Map
     blocks.append(Bullets(tuple(settings)))
     blocks.append(Heading(2, "Results"))
     shown = table.assign(
-        controller=table.controller, pareto=np.where(table.pareto, "yes", ""),
-        co2_t_per_year=table.co2_t_per_year.round(3), co2_avoided_pct=table.co2_avoided_pct.round(1),
-        cost_per_t_avoided=table.cost_per_t_avoided.round(0), annualised_cost=table.annualised_cost.round(0),
-        unserved_kwh=table.unserved_kwh.round(2), ev_energy_served_pct=table.ev_energy_served_pct.round(2),
+        controller=table.controller,
+        pareto=np.where(table.pareto, "yes", ""),
+        co2_t_per_year=table.co2_t_per_year.round(3),
+        co2_avoided_pct=table.co2_avoided_pct.round(1),
+        cost_per_t_avoided=table.cost_per_t_avoided.round(0),
+        annualised_cost=table.annualised_cost.round(0),
+        unserved_kwh=table.unserved_kwh.round(2),
+        ev_energy_served_pct=table.ev_energy_served_pct.round(2),
         wall_s=table.wall_s.round(1),
     )
     columns = {
-        "split": "split", "controller": "controller", "kwp": "PV (kWp)", "bess_kwh": "BESS (kWh)", "bess_kw": "BESS (kW)",
-        "co2_t_per_year": "CO2 (t/yr)", "co2_avoided_pct": "CO2 avoided (%)", "unserved_kwh": "unserved (kWh)",
-        "ev_energy_served_pct": "EV energy served (%)", "annualised_cost": f"annualised capex ({cur}/yr)",
-        "cost_per_t_avoided": f"cost per t avoided ({cur}/t)", "pareto": "Pareto", "wall_s": "wall (s)",
-    }  # fmt: skip
+        "split": "split",
+        "controller": "controller",
+        "kwp": "PV (kWp)",
+        "bess_kwh": "BESS (kWh)",
+        "bess_kw": "BESS (kW)",
+        "co2_t_per_year": "CO2 (t/yr)",
+        "co2_avoided_pct": "CO2 avoided (%)",
+        "unserved_kwh": "unserved (kWh)",
+        "ev_energy_served_pct": "EV energy served (%)",
+        "annualised_cost": f"annualised capex ({cur}/yr)",
+        "cost_per_t_avoided": f"cost per t avoided ({cur}/t)",
+        "pareto": "Pareto",
+        "wall_s": "wall (s)",
+    }
     blocks.append(frame_table(shown[list(columns)].rename(columns=columns)))
-    blocks.append(Paragraph("Every column (grid import, PV generation, EV energy, peak import, wall seconds) is in `sizing.parquet`."))
+    blocks.append(
+        Paragraph(
+            "Every column (grid import, PV generation, EV energy, peak import, wall seconds) is in `sizing.parquet`."
+        )
+    )
     blocks.append(Heading(2, "Figures"))
-    blocks.append(FigureRef("co2_saved.png", "CO2 avoided over the grid", "CO2 avoided (% of uncontrolled at 0 kWp / 0 kWh) per controller and split."))
-    blocks.append(FigureRef("pareto.png", "Cost vs CO2 Pareto front", "Annualised capex vs yearly CO2 per point; filled points joined by lines are Pareto-optimal."))
+    blocks.append(
+        FigureRef(
+            "co2_saved.png",
+            "CO2 avoided over the grid",
+            "CO2 avoided (% of uncontrolled at 0 kWp / 0 kWh) per controller and split.",
+        )
+    )
+    blocks.append(
+        FigureRef(
+            "pareto.png",
+            "Cost vs CO2 Pareto front",
+            "Annualised capex vs yearly CO2 per point; filled points joined by lines are Pareto-optimal.",
+        )
+    )
     return blocks
 
 
@@ -710,7 +829,6 @@ def run_sizing(
     """
     from distributed import as_completed
 
-
     t0 = time.perf_counter()
     cfg, path = load_config(site_toml)
     spec = spec or sizing_spec(path)
@@ -721,12 +839,23 @@ def run_sizing(
     n_workers = len(client.scheduler_info().get("workers", {}))
     points = spec.points()
     where = f"scheduler {scheduler_address}" if scheduler_address else "LocalCluster"
-    log(f"sizing {cfg.name}: {len(points)} points ({len(spec.kwp)} PV x {len(spec.bess_kwh)} BESS) x "
+    log(
+        f"sizing {cfg.name}: {len(points)} points ({len(spec.kwp)} PV x {len(spec.bess_kwh)} BESS) x "
         f"{len(spec.controllers)} controllers ({', '.join(spec.controllers)}) x {len(SPLITS)} splits, "
-        f"{n_workers} Dask worker(s) ({where})")  # fmt: skip
+        f"{n_workers} Dask worker(s) ({where})"
+    )
     futures = {
-        client.submit(size_point, str(path), p, e, w, spec.controllers, key=f"sizing-{cfg.name}-{p:g}kWp-{e:g}kWh-{w:g}kW",
-                      retries=1, pure=False): (p, e, w)  # fmt: skip
+        client.submit(
+            size_point,
+            str(path),
+            p,
+            e,
+            w,
+            spec.controllers,
+            key=f"sizing-{cfg.name}-{p:g}kWp-{e:g}kWh-{w:g}kW",
+            retries=1,
+            pure=False,
+        ): (p, e, w)
         for p, e, w in points
     }
     rows: list[dict] = []
@@ -738,21 +867,28 @@ def run_sizing(
         except Exception as exc:
             for other in futures:
                 other.cancel()
-            raise RuntimeError(f"sizing point {p:g} kWp / {e:g} kWh / {w:g} kW failed: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(
+                f"sizing point {p:g} kWp / {e:g} kWh / {w:g} kW failed: {type(exc).__name__}: {exc}"
+            ) from exc
         done += 1
         rows += result
         co2 = "; ".join(
-            f"{s} " + ", ".join(f"{r['controller']} {r['co2_kg']:,.0f}" for r in result if r["split"] == s) for s in SPLITS
+            f"{s} " + ", ".join(f"{r['controller']} {r['co2_kg']:,.0f}" for r in result if r["split"] == s)
+            for s in SPLITS
         )
-        log(f"[{done:>{len(str(len(points)))}}/{len(points)}] {p:g} kWp, {e:g} kWh / {w:g} kW in {result[0]['task_wall_s']:.1f} s "
-            f"({time.perf_counter() - t0:.0f} s elapsed); CO2 kg: {co2}")  # fmt: skip
+        log(
+            f"[{done:>{len(str(len(points)))}}/{len(points)}] {p:g} kWp, {e:g} kWh / {w:g} kW in "
+            f"{result[0]['task_wall_s']:.1f} s ({time.perf_counter() - t0:.0f} s elapsed); CO2 kg: {co2}"
+        )
     table = build_table(rows, spec)
     wall = time.perf_counter() - t0
     info = {"Dask workers": f"{n_workers} ({where})", "wall time": f"{wall:.1f} s for {len(points)} points"}
     paths = write_outputs(table, spec, Path(out_dir), cfg.name, info)
     log(f"sizing {cfg.name}: {len(points)} points in {wall:.1f} s wall on {n_workers} worker(s); wrote {paths['html']}")
     for _, r in headline(table).iterrows():
-        log(f"  cheapest per tonne avoided, {r.split} split, {r.controller}: {r.kwp:g} kWp + {r.bess_kwh:g} kWh / "
+        log(
+            f"  cheapest per tonne avoided, {r.split} split, {r.controller}: {r.kwp:g} kWp + {r.bess_kwh:g} kWh / "
             f"{r.bess_kw:g} kW, {_money(r.cost_per_t_avoided, spec.costs.currency if spec.costs else '')}/t, "
-            f"{r.co2_avoided_t_per_year:,.2f} t/yr avoided ({r.co2_avoided_pct:.1f}%)")  # fmt: skip
+            f"{r.co2_avoided_t_per_year:,.2f} t/yr avoided ({r.co2_avoided_pct:.1f}%)"
+        )
     return paths

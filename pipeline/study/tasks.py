@@ -9,17 +9,17 @@ only when every input passed), the result files of :mod:`pipeline.study.results`
 from __future__ import annotations
 
 import json
-import time
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 
+from envs.config import load_config
 from envs.files import write_parquet, write_text
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
-from envs.config import load_config
 from envs.site import load_site
 from pipeline.control import registry, rl_planner, tuning
 from pipeline.study import depends, results
@@ -72,7 +72,13 @@ def write_validation(summaries: list[dict], out_dir: str) -> list[str]:
 
 
 def run_controller(
-    site_toml: str, controller: str, split: str, out_dir: str, *after, seed: int | None = None, tuned_dir: str | None = None
+    site_toml: str,
+    controller: str,
+    split: str,
+    out_dir: str,
+    *after,
+    seed: int | None = None,
+    tuned_dir: str | None = None,
 ) -> list[str]:
     """Simulate a controller of the registry over a whole split (:meth:`pipeline.control.registry.Controller.simulate`);
     returns ``[kpi_path, traces_path]`` (named by :func:`pipeline.study.results.files`, with the seed of a seeded
@@ -108,18 +114,32 @@ def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None
         print(f"tune: seeds {todo}, budget '{budget}' ({b.replays} week replays a seed) on the train split", flush=True)
         for result in tuning.tune(site_toml, todo, budget, evaluate=evaluate):
             tuning.write(result, tuned_dir, fp)
-            print(f"tune seed {result.seed}: {result.wall_s:.0f} s, {result.solves} LP solves "
-                  f"({result.solves / max(result.solve_s, 1e-9):.0f} solves/s); {result.params}", flush=True)  # fmt: skip
+            print(
+                f"tune seed {result.seed}: {result.wall_s:.0f} s, {result.solves} LP solves "
+                f"({result.solves / max(result.solve_s, 1e-9):.0f} solves/s); {result.params}",
+                flush=True,
+            )
     for seed in seeds:  # mpc_rl: PPO on the day-level planner env; a finished run with the same fingerprint is kept
         t0 = time.perf_counter()
         run = Path(tuned_dir) / f"mpc_rl_seed{seed}"
-        train_agent("ppo", seed, site_toml, str(run), b.rl_days, rl_planner.ppo_args(b.rl_days),
-                    env_vars={"EVHUB_SITE": str(site_toml)}, code=depends.CONTROL, tag=f"mpc_rl seed {seed}")  # fmt: skip
+        train_agent(
+            "ppo",
+            seed,
+            site_toml,
+            str(run),
+            b.rl_days,
+            rl_planner.ppo_args(b.rl_days),
+            env_vars={"EVHUB_SITE": str(site_toml)},
+            code=depends.CONTROL,
+            tag=f"mpc_rl seed {seed}",
+        )
         print(f"mpc_rl seed {seed}: {b.rl_days} days of PPO in {time.perf_counter() - t0:.0f} s", flush=True)
     return [str(f) for s in seeds for f in tuning.result_files(tuned_dir, s)]
 
 
-def _write_run(kpis: pd.DataFrame, traces: pd.DataFrame, out_dir: str | Path, controller: str, split: str, seed: int | None = None) -> list[str]:
+def _write_run(
+    kpis: pd.DataFrame, traces: pd.DataFrame, out_dir: str | Path, controller: str, split: str, seed: int | None = None
+) -> list[str]:
     kpi_file, traces_file = results.files(out_dir, controller, split, seed)
     traces_path = write_parquet(traces, traces_file)
     kpi_path = write_parquet(kpis, kpi_file)
@@ -131,7 +151,9 @@ def algo_script(algo: str) -> Path:
     return PROJECT_ROOT / "algos" / f"{algo}.py"
 
 
-def run_fingerprint(cmd: list[str], site_toml: str, algo: str, root: Path = PROJECT_ROOT, code: tuple[str, ...] = ()) -> str:
+def run_fingerprint(
+    cmd: list[str], site_toml: str, algo: str, root: Path = PROJECT_ROOT, code: tuple[str, ...] = ()
+) -> str:
     """SHA-256 (hex) of what a training run is: its command line, the site config and data, and the code.
 
     Two attempts with the same fingerprint are the same run, so the second may resume the first's checkpoint.
@@ -222,10 +244,18 @@ def train_agent(
     env = {k: v for k, v in os.environ.items() if k not in thread_caps} | {"PYTHONUNBUFFERED": "1"} | (env_vars or {})
     log_path = run / "train.log"
     tail: list[str] = []
-    with open(log_path, "a", buffering=1) as log, subprocess.Popen(  # line-buffered: a killed worker loses no line
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=PROJECT_ROOT,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-    ) as proc:
+    with (
+        open(log_path, "a", buffering=1) as log,
+        subprocess.Popen(  # line-buffered: a killed worker loses no line
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=PROJECT_ROOT,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        ) as proc,
+    ):
         assert proc.stdout is not None
         log.write(f"==== {pd.Timestamp.now(tz='UTC'):%Y-%m-%dT%H:%M:%SZ} pid {proc.pid}: {' '.join(cmd[1:])}\n")
         for line in proc.stdout:
@@ -296,10 +326,13 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         "BESS": f"{c.bess.capacity_kwh:g} kWh / {c.bess.power_kw:g} kW, SOC {c.bess.soc_min:g}..{c.bess.soc_max:g}",
         "EV sockets": " + ".join(
             f"{g.count} x {g.kw:g} kW" + (f" ({', '.join(g.stations)})" if c.ev.sockets else "") for g in c.ev.groups
-        ) + f" (deadline floor: {c.ev.deadline_floor})",
-        "grid": f"import limit {c.grid.import_limit_kw:g} kW, export {'allowed' if c.grid.export_allowed else 'not allowed'}",
+        )
+        + f" (deadline floor: {c.ev.deadline_floor})",
+        "grid": f"import limit {c.grid.import_limit_kw:g} kW, "
+        f"export {'allowed' if c.grid.export_allowed else 'not allowed'}",
         "CO2 accounting": "grid import x MOER of its hour, minus exported energy x MOER of its hour (avoided emissions)"
-        if c.grid.export_credit == "moer" else "grid import x MOER of its hour; exported energy is not credited",
+        if c.grid.export_credit == "moer"
+        else "grid import x MOER of its hour; exported energy is not credited",
         "splits": f"train {c.splits.train[0]}..{c.splits.train[1]}, test {c.splits.test[0]}..{c.splits.test[1]}",
         "agents": ", ".join(cfg_dict["algos"]),
     }
