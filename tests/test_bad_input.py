@@ -1,11 +1,12 @@
 """Bad input stops ``doit run pipeline`` before any training or output, with a message that says where.
 
 Each kind of bad input is one corruption of a small synthetic site (``conftest.make_site``) written to a temp
-folder. The real ``doit run pipeline`` then has to exit non-zero with a message naming the file (or, for a
-doit variable, the variable), the column or config key, and the row, key or time, and leave the output
-folder empty. A defect in the data has to be raised by the Dask validation tasks (``validate_input``), so
-no other task starts; a defect in the site config or in a doit variable already stops doit while it loads
-``dodo.py``, so no task starts at all.
+folder. The real ``doit run pipeline`` (for every config and variable defect, and one data defect per table;
+the other data defects go through the same validation task in the test's process) then has to exit non-zero
+with a message naming the file (or, for a doit variable, the variable), the column or config key, and the row,
+key or time, and leave the output folder empty. A defect in the data has to be raised by the Dask validation
+tasks (``validate_input``), so no other task starts; a defect in the site config or in a doit variable already
+stops doit while it loads ``dodo.py``, so no task starts at all.
 """
 
 from __future__ import annotations
@@ -151,10 +152,12 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(KINDS), ids=list(KINDS))
-def test_bad_input_stops_before_training_and_output(tmp_path, kind):
-    bad = KINDS[kind]
-    clean = make_site(days=7)
+THROUGH_DOIT = {"gap-in-hourly-index", "departure-not-after-arrival"}
+"""The data defects run through ``doit run pipeline``, one per table; the others through the same validation
+tasks in the test's process (every data defect takes one path: the Dask task ``validate_input``)."""
+
+
+def _bad_site(tmp_path, bad: Bad) -> Path:
     site = make_site(days=7)
     if bad.hourly:
         site.hourly = bad.hourly(site.hourly.copy()).reset_index(drop=True)
@@ -165,6 +168,34 @@ def test_bad_input_stops_before_training_and_output(tmp_path, kind):
         site_toml.write_text(bad.toml(site_toml.read_text()))
     if bad.after:
         bad.after(site_toml)
+    return site_toml
+
+
+@pytest.mark.parametrize("kind", [k for k, bad in KINDS.items() if bad.data and k not in THROUGH_DOIT])
+def test_bad_data_is_rejected_by_the_validation_tasks(tmp_path, kind):
+    """The validation task of one input raises the message that names the file, column and row or time."""
+    from envs.errors import ExpectedError
+    from pipeline.study.tasks import INPUTS, validate_input
+
+    bad = KINDS[kind]
+    site_toml = _bad_site(tmp_path, bad)
+    errors = []
+    for name in INPUTS:
+        try:
+            validate_input(str(site_toml), name)
+        except (ExpectedError, ValueError) as exc:
+            errors.append(str(exc))
+    assert errors, f"{kind}: no validation task raised"
+    message = "\n".join(errors)
+    for needle in bad.needles(make_site(days=7), site_toml):
+        assert needle in message, f"{needle!r} not in:\n{message[-4000:]}"
+
+
+@pytest.mark.parametrize("kind", [k for k, bad in KINDS.items() if not bad.data or k in THROUGH_DOIT])
+def test_bad_input_stops_before_training_and_output(tmp_path, kind):
+    bad = KINDS[kind]
+    clean = make_site(days=7)
+    site_toml = _bad_site(tmp_path, bad)
     out = tmp_path / "outputs"
 
     result = doit(["run", "pipeline", *bad.args], site_toml, out)

@@ -14,7 +14,7 @@ from conftest import doit, make_site, write_site
 def test_tiny_pipeline_end_to_end_then_up_to_date_then_config_change(tmp_path):
     site_toml = write_site(make_site(days=14), tmp_path / "site")
     out = tmp_path / "outputs"
-    first = doit(["run", "pipeline"], site_toml, out)
+    first = doit(["run", "pipeline"], site_toml, out, EVHUB_ALGOS="ppo,dqn")  # an on- and an off-policy agent
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     report = out / "synthetic" / "report"
     table = pd.read_parquet(report / "co2_comparison.parquet")
@@ -30,13 +30,13 @@ def test_tiny_pipeline_end_to_end_then_up_to_date_then_config_change(tmp_path):
     assert any((out / "synthetic" / "runs" / "ppo_seed1").glob("events.out.tfevents.*"))
 
     # nothing changed: every task is up to date
-    second = doit(["run", "pipeline"], site_toml, out)
+    second = doit(["run", "pipeline"], site_toml, out, EVHUB_ALGOS="ppo,dqn")
     assert second.returncode == 0, second.stderr[-3000:]
     for task in ("validate", "baselines", "train:ppo", "evaluate", "report"):
         assert f"-- {task}" in second.stdout, second.stdout
 
     # a changed site config re-runs what depends on it
     site_toml.write_text(site_toml.read_text().replace("kwp = 10.0", "kwp = 12.0"))
-    third = doit(["run", "baselines"], site_toml, out)
+    third = doit(["run", "baselines"], site_toml, out, EVHUB_ALGOS="ppo,dqn")
     assert third.returncode == 0, third.stderr[-3000:]
     assert ".  validate" in third.stdout and ".  baselines" in third.stdout, third.stdout
