@@ -297,15 +297,19 @@ def tune(
     # ends worse than it began, and a last generation that drifted does not decide alone
     step = max(1, len(pool) // max(1, b.validation_weeks))
     valid = pool[::step][: b.validation_weeks]
+    for r in runs:
+        r["cands"] = [("start", start)]
+        last = r["means"][-VALIDATED_MEANS:]
+        for g, m in enumerate(last, start=b.generations - len(last) + 1):
+            if all(m != c for _, c in r["cands"]):
+                r["cands"].append((f"mean after generation {g}", m))
+    # every seed's validation replays in one batch, as the generations'
+    batch = [(c, s, n) for r in runs for _, c in r["cands"] for s, n in valid]
+    results = iter(evaluate(batch) if batch else [])
     out = []
     for r in runs:
-        cands = [("start", start)]
-        for g, m in enumerate(
-            r["means"][-VALIDATED_MEANS:], start=b.generations - len(r["means"][-VALIDATED_MEANS:]) + 1
-        ):
-            if all(m != c for _, c in cands):
-                cands.append((f"mean after generation {g}", m))
-        res = evaluate([(c, s, n) for _, c in cands for s, n in valid]) if valid else []
+        cands = r["cands"]
+        res = [next(results) for _ in range(len(cands) * len(valid))]
         costs = [sum(x.cost for x in res[k * len(valid) : (k + 1) * len(valid)]) for k in range(len(cands))]
         r["solves"] += sum(x.solves for x in res)
         r["solve_s"] += sum(x.solve_s for x in res)
