@@ -1,7 +1,12 @@
 """The study as doit tasks: ``doit run pipeline`` runs it end to end; ``doit list`` explains each task.
 
 doit decides what is out of date (file dependencies, targets, the study's settings); each task then
-computes its stage of the Dask graph of ``pipeline.study.graph``, which fans the work out over the cluster.
+computes its stage of the Dask graph of ``pipeline.study.graph``, which fans the work out over the cluster. The
+stages that are ready run at once, in threads sharing one Dask client (``-n 1`` runs them one by one), and the
+cluster places the work: on a CPU-only machine the agents train side by side, one per worker, with the simulated
+controllers around them; on the embedded cluster of a CUDA machine the stages run one after another and the agents
+train one after another on its GPU (``pipeline.study.cluster``). ``doit run pipeline`` ends with the wall time of
+each task it ran.
 
 doit's state (what is up to date) is kept per experiment, in ``<output_dir>/<experiment>/.doit.sqlite3``, and
 a command that runs tasks holds ``<output_dir>/<experiment>/.doit.lock`` until it exits, so different
@@ -48,10 +53,11 @@ from doit.exceptions import InvalidDodoFile
 
 from envs.errors import ExpectedError, one_message
 from pipeline.study import depends
+from pipeline.study.cluster import stages_side_by_side
 from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study.failures import doit_action, quiet_worker_failures
 from pipeline.study.graph import outputs, run
-from pipeline.study.runstate import current_doit_command, doit_config
+from pipeline.study.runstate import current_doit_command, doit_config, stage_table, timed
 
 # a bad doit variable (from_environment raises ValueError naming it) or site config stops doit here, with one line
 try:
@@ -78,6 +84,10 @@ except ExpectedError as exc:  # ExperimentBusy, DamagedState
     raise InvalidDodoFile(one_message(exc)) from None
 
 DOIT_CONFIG = {"default_tasks": ["pipeline"], "verbosity": 2, "action_string_formatting": "new", **_STATE}
+if stages_side_by_side(CFG.scheduler_address):
+    # the stages run at once, in threads of this process sharing one Dask client: the cluster places the work
+    # (pipeline.study.cluster); one thread per stage that can be ready at a time (``-n 1`` runs them one by one)
+    DOIT_CONFIG |= {"num_process": len(CFG.algos) + 3, "par_type": "thread"}
 
 
 def _site_files() -> list[str]:
@@ -92,15 +102,16 @@ CONTROLLER_CODE = depends.as_strings(depends.controllers())
 SETTINGS = CFG.as_dict()
 
 
-def _stage(stage: str, cfg=CFG):
-    """The doit action of a stage of the Dask graph; an expected error, re-raised by the Dask client, fails the task
-    with its message alone (the validation tasks also raise a plain ValueError naming the file and key)."""
+def _stage(stage: str, cfg=CFG, task: str | None = None):
+    """The doit action of a stage of the Dask graph, timed as ``task`` (default: the stage) on the stage clock; an
+    expected error, re-raised by the Dask client, fails the task with its message alone (the validation tasks also
+    raise a plain ValueError naming the file and key)."""
 
     def action():
         quiet_worker_failures(cfg.scheduler_address)
         run(cfg, stages={stage})
 
-    return doit_action(action, also=(ValueError,) if stage == "validate" else ())
+    return timed(task or stage, doit_action(action, also=(ValueError,) if stage == "validate" else ()))
 
 
 def _targets(stage: str) -> list[str]:
@@ -131,7 +142,7 @@ def task_ingest():
         ingest(SITE_TOML)
 
     return {
-        "actions": [doit_action(action)],
+        "actions": [timed("ingest", doit_action(action))],
         "file_dep": plan["file_dep"],
         "targets": plan["targets"],
         "uptodate": [config_changed(plan["settings"])],
@@ -215,13 +226,14 @@ def task_planners():
 
 
 def task_train():
-    """Train each agent (algos/<name>.py) on the train split, one after another (Dask resource GPU=1)."""
+    """Train each agent (algos/<name>.py) on the train split: side by side on a CPU-only machine, one per GPU worker
+    of a cluster, one after another on the GPU of a CUDA machine (pipeline.study.cluster.training_placement)."""
     for algo in CFG.algos:
         cfg = replace(CFG, algos=(algo,))
         yield {
             "name": algo,
             "doc": f"train {algo} (algos/{algo}.py) for seeds {list(CFG.seeds)}",
-            "actions": [_stage("train", cfg)],
+            "actions": [_stage("train", cfg, f"train:{algo}")],
             "file_dep": _targets("validate") + _site_files() + depends.as_strings(depends.training(algo)),
             "targets": [str(p) for p in outputs(cfg)["train"]],
             "uptodate": [_config_changed()],
@@ -263,9 +275,15 @@ def _sizing_results_changed():
 
 
 def task_pipeline():
-    """The whole study (the default task): ingest, validate, baselines, tune, planners, train, evaluate, report."""
+    """The whole study (the default task): ingest, validate, baselines, tune, planners, train, evaluate, report.
+
+    Ends with the report's path and the wall time of each task this command ran (the stage clock)."""
+
+    def action():
+        print(f"report: {Path(_targets('report')[0])}\nwall time of this command's tasks:\n{stage_table()}")
+
     return {
-        "actions": [lambda: print(f"report: {Path(_targets('report')[0])}")],
+        "actions": [action],
         "task_dep": ["report"],
         "uptodate": [False],
         "verbosity": 2,

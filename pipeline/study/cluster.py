@@ -1,16 +1,27 @@
 """The one place where the study's Dask cluster is chosen: a scheduler address if the user gives one, else an
-embedded ``LocalCluster`` (started once per process and size).
+embedded ``LocalCluster`` (started once per process and size, by whichever thread asks first).
 
-Training tasks ask for the worker resource ``GPU=1`` whenever some worker declares it (``dask worker ...
---resources GPU=1``, :func:`gpu_workers`). Workers must see the same file system paths as the client (outputs and
-site data are passed as paths).
+Where training runs is decided here too (:func:`training_placement`): on a cluster whose workers declare the resource
+``GPU`` (``dask worker ... --resources GPU=1``, :func:`gpu_workers`) each training task asks for ``GPU=1``; on the
+embedded cluster of a machine with CUDA the agents train one after another on its GPU; on a CPU-only machine they
+train side by side, one per worker (each worker has one thread, so as many at once as there are workers, and the
+simulated controllers fill the workers left). Workers must see the same file system paths as the client (outputs
+and site data are passed as paths).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import threading
+from dataclasses import dataclass
 
 _CLIENTS: dict[str | None, object] = {}
+_LOCK = threading.Lock()  # doit runs the study's stages in threads of one process: one LocalCluster for all of them
+
+TRAIN_PRIORITY = 10
+"""Dask priority of a training task (the other tasks have 0): a free worker takes a waiting training first, so the
+longest indivisible tasks start early and the many short simulations fill in around them."""
 
 
 def get_client(scheduler_address: str | None = None, n_workers: int | None = None):
@@ -24,6 +35,11 @@ def get_client(scheduler_address: str | None = None, n_workers: int | None = Non
     Raises:
         OSError / TimeoutError: the scheduler cannot be reached (message names the address).
     """
+    with _LOCK:
+        return _get_client(scheduler_address, n_workers)
+
+
+def _get_client(scheduler_address: str | None, n_workers: int | None):
     from distributed import Client, LocalCluster
 
     key = scheduler_address if scheduler_address or not n_workers else f"local:{n_workers}"
@@ -35,9 +51,7 @@ def get_client(scheduler_address: str | None = None, n_workers: int | None = Non
         except (OSError, TimeoutError) as exc:
             raise OSError(f"cannot reach the Dask scheduler at {scheduler_address}: {exc}") from exc
     else:
-        import os
-
-        n = n_workers or max(1, min(4, os.cpu_count() or 1))
+        n = n_workers or local_workers()
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
         client = Client(cluster)
         atexit.register(lambda: (client.close(), cluster.close()))
@@ -52,3 +66,42 @@ def gpu_workers(client) -> int:
     except TypeError:
         info = client.scheduler_info()
     return sum(1 for w in info["workers"].values() if w.get("resources", {}).get("GPU", 0) >= 1)
+
+
+def local_workers() -> int:
+    """Worker processes of the embedded LocalCluster: one per core, at most 4 (each has one thread)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def local_cuda() -> bool:
+    """Whether this machine has a CUDA device (torch's view)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class TrainingPlacement:
+    """Where the study's training tasks run.
+
+    Attributes:
+        resources: Dask resources each training task asks for (``{"GPU": 1}`` on a cluster with GPU workers).
+        one_at_a_time: each training waits for the one before it (the embedded cluster of a CUDA machine: one GPU).
+    """
+
+    resources: dict | None
+    one_at_a_time: bool
+
+
+def training_placement(client, scheduler_address: str | None) -> TrainingPlacement:
+    """The placement of training tasks on ``client``'s cluster (module docstring)."""
+    if gpu_workers(client):
+        return TrainingPlacement({"GPU": 1}, one_at_a_time=False)
+    return TrainingPlacement(None, one_at_a_time=not scheduler_address and local_cuda())
+
+
+def stages_side_by_side(scheduler_address: str | None) -> bool:
+    """Whether the study's stages may run at once (doit's parallel execution): not on the embedded cluster of a CUDA
+    machine, where the agents train one after another on its GPU and each stage waits as before; everywhere else
+    the cluster places the work (:func:`training_placement`)."""
+    return bool(scheduler_address) or not local_cuda()

@@ -7,8 +7,9 @@ are taken from disk (this is how ``dodo.py`` runs one stage per doit task, so do
 fans out the work inside a stage).
 
 The cluster is :func:`pipeline.study.cluster.get_client`'s: ``cfg.scheduler_address`` (or
-``DASK_SCHEDULER_ADDRESS``) if given, else an embedded ``LocalCluster``. Training tasks ask for the worker resource
-``GPU=1`` whenever some worker declares it; otherwise they run on any worker. The simulated controllers are the
+``DASK_SCHEDULER_ADDRESS``) if given, else an embedded ``LocalCluster``; where training tasks run is
+:func:`pipeline.study.cluster.training_placement`'s (a GPU each on a cluster with GPU workers, side by side on a
+CPU-only machine), and they go first when a worker is free (``TRAIN_PRIORITY``). The simulated controllers are the
 registry's (:mod:`pipeline.control.registry`), their files named by :mod:`pipeline.study.results`.
 
 Tasks that are safe to repeat carry Dask retries: baselines, the MPC controllers, the oracle, evaluation, and training
@@ -24,7 +25,7 @@ from envs.config import load_config
 from pipeline.control import learned, registry, rl_planner, tuning
 from pipeline.control.replay import replay
 from pipeline.study import results, tasks
-from pipeline.study.cluster import get_client, gpu_workers
+from pipeline.study.cluster import TRAIN_PRIORITY, get_client, training_placement
 from pipeline.study.config import SPLITS, PipelineConfig
 
 STAGES = ("validate", "baselines", "tune", "planners", "train", "evaluate", "report")
@@ -169,16 +170,16 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     else:
         planner_files = on_disk("planners") if "report" in stages else None
 
-    # training: one task per agent x seed, needing a GPU when the cluster has GPU workers; on an
-    # embedded LocalCluster the agents train one after another (each task waits for the previous one)
+    # training: one task per agent x seed, placed by training_placement (one per GPU worker; side by side on the
+    # workers of a CPU-only machine; one after another on the GPU of a CUDA machine's embedded cluster)
     runs: dict[tuple[str, int], object] = {}
     if "train" in stages:
-        resources = {"GPU": 1} if gpu_workers(client) else None
+        place = training_placement(client, cfg.scheduler_address)
         previous = None
         for algo in cfg.algos:
             for seed in cfg.seeds:
                 run_dir = str(root / "runs" / results.run_name(algo, seed))
-                deps = (validated,) if previous is None or cfg.scheduler_address else (validated, previous)
+                deps = (validated, previous) if place.one_at_a_time and previous is not None else (validated,)
                 fut = submit(
                     tasks.train_agent,
                     algo,
@@ -188,7 +189,8 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                     cfg.total_timesteps,
                     cfg.extra_algo_args,
                     *deps,
-                    resources=resources,
+                    resources=place.resources,
+                    priority=TRAIN_PRIORITY,
                     retries=1,
                     pure=False,
                     key=f"train-{algo}-seed{seed}-{cfg.experiment}",

@@ -14,6 +14,9 @@ backend), so runs of different experiments never share a database. ``dodo.py`` g
 
 Both are raised while doit loads ``dodo.py``; ``dodo.py`` turns them into doit's one-line ``ERROR: ...``
 (exit 3, no traceback).
+
+The command's stage clock (:func:`timed`, :func:`stage_table`) records when each of its tasks ran, from the moment
+doit loaded ``dodo.py``; ``doit run pipeline`` ends with the table.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import os
 import shlex
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -323,3 +328,39 @@ def _damaged_message(path: Path, detail: str, files: str = "") -> str:
         f"are up to date, so nothing of the study is lost: delete it (rm {files or path}) and run again; "
         f"the next run redoes the tasks (training resumes from its checkpoints) and writes a new one."
     )
+
+
+# ---------------------------------------------------------------------------------------------------- stage clock
+
+_STARTED = time.monotonic()  # this module is imported while doit loads dodo.py: the command's start
+_CLOCK: list[tuple[str, float, float]] = []  # (task, start s, end s) after _STARTED, as the tasks end
+_CLOCK_LOCK = threading.Lock()
+
+
+def timed(task: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` (a doit python-action) recording its start and end under ``task`` in this command's stage clock
+    (doit's tasks run in threads of this process, so every task's entry reaches :func:`stage_table`)."""
+
+    def action():
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            with _CLOCK_LOCK:
+                _CLOCK.append((task, t0 - _STARTED, time.monotonic() - _STARTED))
+
+    action.__name__ = action.__qualname__ = getattr(fn, "__name__", "action")
+    return action
+
+
+def stage_table() -> str:
+    """The tasks this command ran so far, in the order they started: start and end (minutes after doit loaded
+    ``dodo.py``) and wall time (minutes), then the whole command; tasks that were up to date are not in it."""
+    with _CLOCK_LOCK:
+        rows = sorted(_CLOCK, key=lambda r: r[1])
+    now = time.monotonic() - _STARTED
+    width = max([len(r[0]) for r in rows] + [len("whole command")])
+    lines = [f"{'task':<{width}}  start min    end min   wall min"]
+    lines += [f"{task:<{width}}  {t0 / 60:9.1f}  {t1 / 60:9.1f}  {(t1 - t0) / 60:9.1f}" for task, t0, t1 in rows]
+    lines.append(f"{'whole command':<{width}}  {0:9.1f}  {now / 60:9.1f}  {now / 60:9.1f}")
+    return "\n".join(lines)

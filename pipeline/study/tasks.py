@@ -106,6 +106,20 @@ def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None
     Raises:
         KeyError: an unknown budget.
     """
+    # mpc_rl: PPO on the day-level planner env (it reads the site's [mpc] values, not the tuning), one training task
+    # per seed, started first so it runs beside the tuning's replays; a finished run with the same fingerprint is kept
+    rl_runs = [(seed, str(Path(tuned_dir) / f"mpc_rl_seed{seed}"), tuning.BUDGETS[budget].rl_days) for seed in seeds]
+    rl_jobs = []
+    if client is not None:
+        from pipeline.study.cluster import TRAIN_PRIORITY, training_placement
+
+        place = training_placement(client, None)
+        rl_jobs = [
+            client.submit(
+                train_rl_planner, site_toml, *a, resources=place.resources, priority=TRAIN_PRIORITY, pure=False
+            )
+            for a in rl_runs
+        ]
     fp = tuning.fingerprint(site_toml)
     todo = [s for s in seeds if tuning.cached(tuned_dir, s, fp, budget) is None]
     b = tuning.BUDGETS[budget]
@@ -119,22 +133,31 @@ def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None
                 f"({result.solves / max(result.solve_s, 1e-9):.0f} solves/s); {result.params}",
                 flush=True,
             )
-    for seed in seeds:  # mpc_rl: PPO on the day-level planner env; a finished run with the same fingerprint is kept
-        t0 = time.perf_counter()
-        run = Path(tuned_dir) / f"mpc_rl_seed{seed}"
-        train_agent(
-            "ppo",
-            seed,
-            site_toml,
-            str(run),
-            b.rl_days,
-            rl_planner.ppo_args(b.rl_days),
-            env_vars={"EVHUB_SITE": str(site_toml)},
-            code=depends.CONTROL,
-            tag=f"mpc_rl seed {seed}",
-        )
-        print(f"mpc_rl seed {seed}: {b.rl_days} days of PPO in {time.perf_counter() - t0:.0f} s", flush=True)
+    if client is None:
+        for a in rl_runs:
+            train_rl_planner(site_toml, *a)
+    else:
+        client.gather(rl_jobs)
     return [str(f) for s in seeds for f in tuning.result_files(tuned_dir, s)]
+
+
+def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
+    """Train ``mpc_rl``'s policy (``algos/ppo.py`` on :data:`pipeline.control.rl_planner.ENV_ID`) for ``days`` days
+    into ``run_dir`` (:func:`train_agent`, which keeps a finished run of the same fingerprint); returns the folder."""
+    t0 = time.perf_counter()
+    run = train_agent(
+        "ppo",
+        seed,
+        site_toml,
+        run_dir,
+        days,
+        rl_planner.ppo_args(days),
+        env_vars={"EVHUB_SITE": str(site_toml)},
+        code=depends.CONTROL,
+        tag=f"mpc_rl seed {seed}",
+    )
+    print(f"mpc_rl seed {seed}: {days} days of PPO in {time.perf_counter() - t0:.0f} s", flush=True)
+    return run
 
 
 def _write_run(
