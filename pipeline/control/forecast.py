@@ -113,7 +113,11 @@ class MOERRegression:
             self._fit_to(start)
         if self._weights is None:
             return None
-        X = np.stack([self.features(np.array([t]), k)[0] for k in range(H)])
+        X = np.empty((H, self._weights.shape[1]))  # features(np.array([t]), k)[0] for k in 0..H-1, in one go
+        nb = self._base.shape[1]
+        X[:, :nb] = self._base[t]
+        X[:, nb] = self._prof[t, :H]
+        X[:, nb + 1 :] = np.eye(self.day)[self._step_of_day[t : t + H]]
         return np.maximum(np.einsum("hf,hf->h", X, self._weights[:H]), 0.0)
 
 

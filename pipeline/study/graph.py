@@ -30,6 +30,16 @@ from pipeline.study.config import SPLITS, PipelineConfig
 
 STAGES = ("validate", "baselines", "tune", "planners", "train", "evaluate", "report")
 
+SIMULATE_PRIORITY = 1
+"""Dask priority of a controller's run over a whole split (the longest of the simulation tasks: up to a minute) over
+the planners' week replays (0): started early, it does not end the stage alone. Training goes first of all
+(:data:`pipeline.study.cluster.TRAIN_PRIORITY`)."""
+
+COLLECT_PRIORITY = 100
+"""Dask priority of the tasks that only collect other tasks' results (a stage's file list, the validation stamps,
+the week tables): above the work, so a stage ends when its work does, not when a queue of other stages' work
+lets a worker reach its last, trivial task."""
+
 
 def simulated(cfg: PipelineConfig) -> tuple[str, ...]:
     """The controllers of the ``baselines`` stage for this site: simulated, reading no tuning
@@ -107,13 +117,16 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     submit = client.submit
     futures: dict[str, object] = {}
 
+    def collect(fn, *args):  # a task that gathers others' results: runs as soon as they are done
+        return submit(fn, *args, priority=COLLECT_PRIORITY, pure=False)
+
     # validation: one task per input; the stamps are written only when all of them passed
     if "validate" in stages:
         checks = [
             submit(tasks.validate_input, site, kind, key=f"validate-{kind}-{cfg.experiment}", pure=False)
             for kind in tasks.INPUTS
         ]
-        validated = submit(tasks.write_validation, checks, str(root / "validate"), pure=False)
+        validated = collect(tasks.write_validation, checks, str(root / "validate"))
         futures["validate"] = validated
     else:
         validated = on_disk("validate") if stages & {"baselines", "train"} else None
@@ -122,11 +135,21 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     if "baselines" in stages:
         out = str(root / "baselines")
         jobs = [
-            submit(tasks.run_controller, site, c, s, out, validated, retries=registry.get(c).retries, pure=False)
+            submit(
+                tasks.run_controller,
+                site,
+                c,
+                s,
+                out,
+                validated,
+                retries=registry.get(c).retries,
+                priority=SIMULATE_PRIORITY,
+                pure=False,
+            )
             for c in simulated(cfg)
             for s in SPLITS
         ]
-        futures["baselines"] = client.submit(_flatten, jobs, pure=False)
+        futures["baselines"] = collect(_flatten, jobs)
         baseline_files = futures["baselines"]
     else:
         baseline_files = on_disk("baselines") if "report" in stages else None
@@ -147,7 +170,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
             for seed in cfg.seeds:
                 windows = learned.table_windows(site, tuning.load_params(tuned_dir, seed), SPLITS)
                 replays = [submit(replay, site, sp, s, n, c.as_dict(), pure=False) for sp, _, c, s, n in windows]
-                tables[seed] = submit(learned.write_week_tables, replays, windows, tuned_dir, seed, pure=False)
+                tables[seed] = collect(learned.write_week_tables, replays, windows, tuned_dir, seed)
         jobs = [
             submit(
                 tasks.run_controller,
@@ -155,17 +178,18 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                 c,
                 s,
                 out,
-                tables.get(seed),
+                tables.get(seed) if c == "mpc_adaptive" else None,  # the others need no week table
                 seed=seed,
                 tuned_dir=tuned_dir,
                 retries=1,
+                priority=SIMULATE_PRIORITY,
                 pure=False,
             )
             for c in planners(cfg)
             for seed in cfg.seeds
             for s in SPLITS
         ]
-        futures["planners"] = client.submit(_flatten, jobs, pure=False)
+        futures["planners"] = collect(_flatten, jobs)
         planner_files = futures["planners"]
     else:
         planner_files = on_disk("planners") if "report" in stages else None
@@ -196,7 +220,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                     key=f"train-{algo}-seed{seed}-{cfg.experiment}",
                 )
                 runs[(algo, seed)] = previous = fut
-        futures["train"] = client.submit(list, list(runs.values()), pure=False)
+        futures["train"] = collect(list, list(runs.values()))
     elif stages & {"evaluate", "report"}:
         if "evaluate" in stages:
             on_disk("train")
@@ -209,7 +233,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
             for (a, s), run_dir in runs.items()
             for split in SPLITS
         ]
-        futures["evaluate"] = client.submit(_flatten, jobs, pure=False)
+        futures["evaluate"] = collect(_flatten, jobs)
         eval_files = futures["evaluate"]
     else:
         eval_files = on_disk("evaluate") if "report" in stages else None

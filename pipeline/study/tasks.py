@@ -231,7 +231,8 @@ def train_agent(
     code: tuple[str, ...] = (),
     tag: str | None = None,
 ) -> str:
-    """Train one agent by running its script in a subprocess; returns the run folder.
+    """Train one agent by running its script in a subprocess (``--eval-split none``: the study's ``evaluate`` stage
+    evaluates the policy on both splits, so the script's own final evaluation is left out); returns the run folder.
 
     ``env_vars`` are set in the script's environment; ``code`` are globs (relative to the project root) of code the
     run depends on besides :func:`pipeline.study.depends.training` (the env of another id, say), in its fingerprint
@@ -253,7 +254,8 @@ def train_agent(
     cmd = [sys.executable, str(algo_script(algo)), "--site", site_toml, "--seed", str(seed), "--output-dir", str(run)]
     if total_timesteps is not None:
         cmd += ["--total-timesteps", str(total_timesteps)]
-    cmd += list(extra_args)
+    cmd += ["--eval-split", "none"]  # the study evaluates every policy on both splits itself (evaluate_agent)
+    cmd += list(extra_args)  # the last of a repeated flag wins: a user's --eval-split still applies
     fingerprint = run_fingerprint(cmd[1:], site_toml, algo, code=code)
     spec_path = run / "run.json"
     same_run = spec_path.is_file() and json.loads(spec_path.read_text()).get("fingerprint") == fingerprint
