@@ -54,3 +54,23 @@ def test_the_stage_clock_lists_the_tasks_in_the_order_they_started(monkeypatch):
     start, end, wall = map(float, lines[1].split()[1:])
     assert end >= start and wall == pytest.approx(end - start, abs=0.11)
     assert float(lines[-1].split()[-1]) >= end
+
+
+def test_a_training_run_does_not_inherit_the_dask_workers_environment(tmp_path, monkeypatch):
+    from conftest import make_site, write_site
+
+    from pipeline.study import tasks
+
+    script = tmp_path / "envcheck.py"
+    script.write_text(
+        "import os\nfor k in ('MALLOC_TRIM_THRESHOLD_', 'OMP_NUM_THREADS', 'EVHUB_MARK'):\n"
+        "    print(k, os.environ.get(k))\n"
+    )
+    monkeypatch.setattr(tasks, "algo_script", lambda algo: script)
+    for k, v in {"MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "EVHUB_MARK": "kept"}.items():
+        monkeypatch.setenv(k, v)  # what a Dask nanny sets for its worker, and a variable of the user's
+    site_toml = write_site(make_site(days=14), tmp_path / "site")
+    run = tasks.train_agent("envcheck", 1, str(site_toml), str(tmp_path / "run"))
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert run == str(tmp_path / "run")
+    assert "MALLOC_TRIM_THRESHOLD_ None" in log and "OMP_NUM_THREADS None" in log and "EVHUB_MARK kept" in log, log
