@@ -104,9 +104,6 @@ class Args(harness.RunArgs):
     checkpoint_every: int = 1000
     action_mode: str = "hub"
     """EVHub-v0 only: 'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket)"""
-    num_threads: int = 1
-    """torch intra-op CPU threads, 0 keeps torch's default (on the cpu preset 1: the tensors of a few hundred envs
-    gain nothing from more threads, and spinning ones cost a lot on a busy machine)"""
     total_timesteps: int = 4_000_000
     """total env steps of the experiment"""
     learning_rate: float = 7e-4
@@ -647,7 +644,7 @@ def main(args: Args) -> dict:
     if min(args.num_envs, args.num_steps, args.log_every) < 1:
         raise ValueError("num_envs, num_steps and log_every must be >= 1")
     # TRY NOT TO MODIFY: seeding, device, run folder and writer
-    run = harness.Run("a2c", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS, args.num_threads)
+    run = harness.Run("a2c", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
         return harness.train_with_oom_restarts(train, run, Sizes(args.num_envs, args.num_envs * args.num_steps), shrink)
     finally:

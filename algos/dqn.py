@@ -66,10 +66,10 @@ NonFiniteLossError, OutOfMemoryBackoffError, CheckpointError = (
 PRESETS = {
     # 2 CPU cores: a few dozen envs, a small net, a replay ratio of 8 samples per env step
     "cpu": {"num_envs": 32, "total_timesteps": 1_000_000, "buffer_size": 200_000, "batch_size": 256, "num_steps": 2,
-            "gradient_steps": 2, "learning_starts": 10_000, "hidden_size": 128, "torch_threads": 1},
+            "gradient_steps": 2, "learning_starts": 10_000, "hidden_size": 128, "num_threads": 1},
     # one GPU: thousands of envs, a wide net, big batches
     "gpu": {"num_envs": 1024, "total_timesteps": 20_000_000, "buffer_size": 2_000_000, "batch_size": 4096,
-            "num_steps": 1, "gradient_steps": 2, "learning_starts": 100_000, "hidden_size": 256, "torch_threads": 0},
+            "num_steps": 1, "gradient_steps": 2, "learning_starts": 100_000, "hidden_size": 256, "num_threads": 0},
 }  # fmt: skip
 """Defaults per device preset (``harness.preset_args``); any of them can be set on the command line."""
 
@@ -146,9 +146,6 @@ class Args(harness.RunArgs):
     bootstrap_truncation: bool = True
     """treat the time-limit truncation as non-terminal (the site never terminates): bootstrap through the
     autoreset from the next window's first observation; False treats it as terminal like CleanRL"""
-    torch_threads: int = 1
-    """torch CPU threads (preset: 1 on cpu: the small net gains nothing from a second thread, and on a busy machine
-    spinning threads slowed a run twentyfold; 0 on gpu: torch's default)"""
     save_buffer: bool = False
     """also store the replay buffer in the checkpoint (its filled rows, write position and fill level; large);
     without it a resumed run refills the buffer for learning_starts steps before updating again"""
@@ -725,7 +722,7 @@ def main(args: Args) -> dict:
     """
     if args.buffer_size < args.num_envs:
         raise ValueError(f"buffer_size={args.buffer_size} must hold at least one step of the {args.num_envs} envs")
-    run = harness.Run("dqn", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS, num_threads=args.torch_threads)
+    run = harness.Run("dqn", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
         sizes = Sizes(args.num_envs, args.batch_size, args.buffer_size)
         return harness.train_with_oom_restarts(train, run, sizes, shrink)

@@ -81,9 +81,6 @@ class Args(harness.RunArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     log_every: int = 1
     checkpoint_every: int = 25
-    num_threads: int = 1
-    """torch intra-op CPU threads, 0 keeps torch's default (cpu preset: 1, the tensors of a few hundred envs gain
-    nothing from more, and spinning threads cost a lot on a busy machine; gpu preset: 0)"""
     action_mode: str = "hub"
     """'hub' (BESS setpoint + total EV level) or 'socket' (BESS + one level per socket); EVHub-v0 only"""
     total_timesteps: int = 4_000_000
@@ -657,7 +654,7 @@ def main(args: Args) -> dict:
         OutOfMemoryBackoffError: CUDA ran out of memory once more after ``max_oom_retries`` halvings of num_envs.
     """
     sizes = check_args(args)
-    run = harness.Run("ppo", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS, num_threads=args.num_threads)
+    run = harness.Run("ppo", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
         return harness.train_with_oom_restarts(
             train, run, sizes, lambda s, in_update: halve_num_envs(s, in_update, args.cudagraphs)

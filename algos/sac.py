@@ -66,10 +66,10 @@ PRESETS = {
     # (140,000 steps at ~2,000 steps/s), under the other agents' median; 200,000 steps evaluated no better on the train
     # split (docs/agents.md)
     "cpu": {"num_envs": 32, "total_timesteps": 140_000, "buffer_size": 140_000, "batch_size": 256, "gradient_steps": 4,
-            "learning_starts": 5_000, "hidden_size": 128, "log_every": 168, "threads": 1},
+            "learning_starts": 5_000, "hidden_size": 128, "log_every": 168, "num_threads": 1},
     # one GPU: hundreds of envs, wide batches and nets, more gradient steps per iteration
     "gpu": {"num_envs": 256, "total_timesteps": 5_000_000, "buffer_size": 2_000_000, "batch_size": 2048,
-            "gradient_steps": 8, "learning_starts": 25_600, "hidden_size": 256, "log_every": 168, "threads": 0},
+            "gradient_steps": 8, "learning_starts": 25_600, "hidden_size": 256, "log_every": 168, "num_threads": 0},
 }  # fmt: skip
 """Args values per size preset, applied before the command line is read (which overrides any of them)."""
 
@@ -139,8 +139,6 @@ class Args(harness.RunArgs):
     """treat the time-limit truncation as non-terminal: on EVHub-v0 (the site never terminates) bootstrap through
     the autoreset into the next window, on gymnasium envs from the episode's last observation (final_obs); False
     treats it as terminal"""
-    threads: int = 1
-    """torch intra-op CPU threads (cpu preset: 1, these small nets run fastest on one thread; 0: torch's default)"""
     save_buffer: bool = False
     """also store the replay buffer in the checkpoint (large); without it a resumed run refills the buffer for
     learning_starts steps with the current policy before updating again"""
@@ -692,7 +690,7 @@ def main(args: Args) -> dict:
     if args.buffer_size < args.num_envs:
         raise ValueError(f"buffer_size={args.buffer_size} is smaller than num_envs={args.num_envs}")
     sizes = Sizes(args.num_envs, args.batch_size, args.buffer_size)
-    run = harness.Run("sac", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS, num_threads=args.threads)
+    run = harness.Run("sac", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
         return harness.train_with_oom_restarts(
             train, run, sizes, functools.partial(shrink, gradient_steps=args.gradient_steps)

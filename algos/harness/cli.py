@@ -79,6 +79,9 @@ class RunArgs:
     """capture the hot functions in CUDA graphs (capturable optimizers, device-tensor learning rates); needs CUDA"""
     amp: bool = False
     """bf16 autocast of the network forward passes (CUDA or CPU)"""
+    num_threads: int = 1
+    """torch intra-op CPU threads, 0 keeps torch's default (cpu presets: 1, the tensors of a few hundred envs and these
+    small nets gain nothing from more, and spinning threads cost a lot on a busy machine; gpu presets: 0)"""
     output_dir: str | None = None
     """run folder (None: outputs/runs/{exp_name}_{site}_{action_mode}_seed{seed} for EVHub-v0,
     outputs/runs/{exp_name}_{env_id}_seed{seed} otherwise)"""
@@ -196,7 +199,7 @@ def output_dir(args, exp_name: str) -> Path:
     return Path("outputs") / "runs" / f"{exp_name}_{safe}_seed{args.seed}"
 
 
-def setup(args, num_threads: int = 0) -> torch.device:
+def setup(args) -> torch.device:
     """Pick the device, seed Python, NumPy and torch, and set the determinism, thread and TF32 switches.
 
     Raises:
@@ -212,8 +215,8 @@ def setup(args, num_threads: int = 0) -> torch.device:
     if args.deterministic_algorithms:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before the first GEMM
         torch.use_deterministic_algorithms(True)
-    if num_threads:
-        torch.set_num_threads(num_threads)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
     return device

@@ -58,11 +58,9 @@ class Run:
         presets, env_defaults: the script's tables, printed and logged as text ``presets``.
     """
 
-    def __init__(
-        self, algo: str, args, loss_names: tuple[str, ...], presets: dict, env_defaults: dict, num_threads: int = 0
-    ):
+    def __init__(self, algo: str, args, loss_names: tuple[str, ...], presets: dict, env_defaults: dict):
         self.algo, self.args, self.loss_names = algo, args, tuple(loss_names)
-        self.device = setup(args, num_threads)
+        self.device = setup(args)
         self.evhub = is_evhub(args.env_id)
         self.out_dir = output_dir(args, algo)
         self.out_dir.mkdir(parents=True, exist_ok=True)
