@@ -20,8 +20,9 @@ _CLIENTS: dict[str | None, object] = {}
 _LOCK = threading.Lock()  # doit runs the study's stages in threads of one process: one LocalCluster for all of them
 
 TRAIN_PRIORITY = 10
-"""Dask priority of a training task (the other tasks have 0): a free worker takes a waiting training first, so the
-longest indivisible tasks start early and the many short simulations fill in around them."""
+"""Dask priority of a training task, above every simulation's (the tuning's replays 2, whole-split runs 1, the
+planners' week replays 0; :mod:`pipeline.study.graph`): a free worker takes a waiting training first, so the longest
+indivisible tasks start early and the many short simulations fill in around them."""
 
 
 def get_client(scheduler_address: str | None = None, n_workers: int | None = None):
