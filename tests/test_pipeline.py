@@ -28,6 +28,9 @@ def test_tiny_pipeline_end_to_end_then_up_to_date_then_config_change(tmp_path):
     assert "ppo" in text and "oracle" in text and f"synthetic ({site_toml})" in text
     assert any(report.glob("*.png"))
     assert any((out / "synthetic" / "runs" / "ppo_seed1").glob("events.out.tfevents.*"))
+    clock = first.stdout.split("wall time of this command's tasks:\n")[1].splitlines()  # the run ends with its table
+    assert {row.split()[0] for row in clock[1:]} >= {"validate", "baselines", "train:ppo", "train:dqn", "report"}
+    assert clock[-1].split()[:2] == ["whole", "command"], clock
 
     # nothing changed: every task is up to date
     second = doit(["run", "pipeline"], site_toml, out, EVHUB_ALGOS="ppo,dqn")
