@@ -97,6 +97,10 @@ def test_tuning_with_a_seed_is_repeatable():
     pd.testing.assert_frame_equal(a.history, b.history)
     c = tuning.tune(site, seeds=(4,), budget=FAST, progress=lambda line: None)[0]
     assert not c.history.equals(a.history)  # another seed samples other candidates
+    # a seed's tuning does not depend on the seeds tuned beside it (CMA-ES runs in lockstep, one batch a generation)
+    d, e = tuning.tune(site, seeds=(4, 3), budget=FAST, progress=lambda line: None)
+    pd.testing.assert_frame_equal(d.history, c.history)
+    pd.testing.assert_frame_equal(e.history, a.history)
 
 
 def test_tuner_finds_the_demand_weight_on_a_site_whose_arrivals_repeat_daily():

@@ -24,6 +24,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -207,6 +208,21 @@ def dask_evaluator(client, site_toml: str, split: str) -> Evaluate:
     return evaluate
 
 
+@contextmanager
+def _own_global_state(run: dict):
+    """Run a block with NumPy's global generator in ``run["np_state"]`` (and keep where the block left it), the
+    caller's state restored after. The ``cma`` package seeds and draws from the global generator, so without this
+    the seeds tuned in lockstep would draw from one stream, and a seed's tuning would depend on which other seeds
+    were tuned beside it."""
+    outer = np.random.get_state()
+    np.random.set_state(run["np_state"])
+    try:
+        yield
+    finally:
+        run["np_state"] = np.random.get_state()
+        np.random.set_state(outer)
+
+
 def tune(
     site: Site | str,
     seeds: Sequence[int] = (1,),
@@ -263,6 +279,7 @@ def tune(
                 "seed": seed,
                 "es": es,
                 "rng": np.random.default_rng(int(seed)),
+                "np_state": np.random.get_state(),  # cma samples from NumPy's global generator, seeded just above
                 "rows": [],
                 "solves": 0,
                 "solve_s": 0.0,
@@ -272,7 +289,8 @@ def tune(
     for g in range(b.generations):
         batch, layout = [], []
         for r in runs:
-            X = r["es"].ask()
+            with _own_global_state(r):
+                X = r["es"].ask()
             picked = sorted(r["rng"].choice(len(pool), size=min(b.weeks, len(pool)), replace=False).tolist())
             cands = [decode(x, start, space) for x in X]
             layout.append((r, X, cands, picked, len(batch)))
@@ -295,7 +313,8 @@ def tune(
                         "weeks": ",".join(str(i + 1) for i in picked),
                     }
                 )
-            r["es"].tell(X, costs)
+            with _own_global_state(r):
+                r["es"].tell(X, costs)
             best = decode(r["es"].result.xfavorite, start, space)
             r["means"].append(best)
             progress(
