@@ -189,18 +189,12 @@ def local_evaluator(site: Site | str, split: str) -> Evaluate:
     return lambda jobs: [replay(site, split, s, n, p) for p, s, n in jobs]
 
 
-TUNE_PRIORITY = 2
-"""Dask priority of a tuning's replays: above the study's other simulations (whose priorities are 0 and 1), since the
-learned planners wait for the tuning, and CMA-ES's generations wait for each other; below training."""
-
-
-def dask_evaluator(client, site_toml: str, split: str) -> Evaluate:
-    """Replays as Dask tasks of ``client`` (one task per window, priority :data:`TUNE_PRIORITY`; workers load the site
-    once)."""
+def dask_evaluator(client, site_toml: str, split: str, priority: int = 0) -> Evaluate:
+    """Replays as Dask tasks of ``client`` at Dask ``priority`` (one task per window; workers load the site once)."""
 
     def evaluate(jobs):
         futures = [
-            client.submit(replay, site_toml, split, s, n, p.as_dict(), priority=TUNE_PRIORITY, pure=False)
+            client.submit(replay, site_toml, split, s, n, p.as_dict(), priority=priority, pure=False)
             for p, s, n in jobs
         ]
         return client.gather(futures)

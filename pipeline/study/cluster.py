@@ -19,10 +19,16 @@ from dataclasses import dataclass
 _CLIENTS: dict[str | None, object] = {}
 _LOCK = threading.Lock()  # doit runs the study's stages in threads of one process: one LocalCluster for all of them
 
-TRAIN_PRIORITY = 10
-"""Dask priority of a training task, above every simulation's (the tuning's replays 2, whole-split runs 1, the
-planners' week replays 0; :mod:`pipeline.study.graph`): a free worker takes a waiting training first, so the longest
-indivisible tasks start early and the many short simulations fill in around them."""
+PRIORITY = {"collect": 100, "train": 10, "tune": 2, "simulate": 1, "replay": 0}
+"""Dask priorities of the study's tasks (a free worker takes the highest waiting one):
+
+- ``collect``: a task that only gathers others' results (a stage's file list, the validation stamps, the week
+  tables), so a stage ends when its work does, not when a queue of other stages' work lets a worker reach it;
+- ``train``: a training run, so the longest indivisible tasks start early and the short simulations fill in around
+  them;
+- ``tune``: the tuning's replays (CMA-ES's generations wait for each other, and the learned planners for the tuning);
+- ``simulate``: a controller's run over a whole split (up to a minute: started early, it does not end a stage alone);
+- ``replay``: the planners' week replays."""
 
 
 def get_client(scheduler_address: str | None = None, n_workers: int | None = None):
@@ -92,6 +98,11 @@ class TrainingPlacement:
 
     resources: dict | None
     one_at_a_time: bool
+
+    @property
+    def options(self) -> dict:
+        """``client.submit`` keywords of a training task: its resources and priority."""
+        return {"resources": self.resources, "priority": PRIORITY["train"]}
 
 
 def training_placement(client, scheduler_address: str | None) -> TrainingPlacement:

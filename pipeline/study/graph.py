@@ -9,8 +9,9 @@ fans out the work inside a stage).
 The cluster is :func:`pipeline.study.cluster.get_client`'s: ``cfg.scheduler_address`` (or
 ``DASK_SCHEDULER_ADDRESS``) if given, else an embedded ``LocalCluster``; where training tasks run is
 :func:`pipeline.study.cluster.training_placement`'s (a GPU each on a cluster with GPU workers, side by side on a
-CPU-only machine), and they go first when a worker is free (``TRAIN_PRIORITY``). The simulated controllers are the
-registry's (:mod:`pipeline.control.registry`), their files named by :mod:`pipeline.study.results`.
+CPU-only machine); every task's Dask priority is :data:`pipeline.study.cluster.PRIORITY`'s. The simulated
+controllers are the registry's (:mod:`pipeline.control.registry`), their files named by
+:mod:`pipeline.study.results`.
 
 Tasks that are safe to repeat carry Dask retries: baselines, the MPC controllers, the oracle, evaluation, and training
 (a repeated training task resumes from its run's checkpoint, see :func:`pipeline.study.tasks.train_agent`). Tasks of a
@@ -25,20 +26,10 @@ from envs.config import load_config
 from pipeline.control import learned, registry, rl_planner, tuning
 from pipeline.control.replay import replay
 from pipeline.study import results, tasks
-from pipeline.study.cluster import TRAIN_PRIORITY, get_client, training_placement
+from pipeline.study.cluster import PRIORITY, get_client, training_placement
 from pipeline.study.config import SPLITS, PipelineConfig
 
 STAGES = ("validate", "baselines", "tune", "planners", "train", "evaluate", "report")
-
-SIMULATE_PRIORITY = 1
-"""Dask priority of a controller's run over a whole split (the longest of the simulation tasks: up to a minute) over
-the planners' week replays (0): started early, it does not end the stage alone. Training goes first of all
-(:data:`pipeline.study.cluster.TRAIN_PRIORITY`)."""
-
-COLLECT_PRIORITY = 100
-"""Dask priority of the tasks that only collect other tasks' results (a stage's file list, the validation stamps,
-the week tables): above the work, so a stage ends when its work does, not when a queue of other stages' work
-lets a worker reach its last, trivial task."""
 
 
 def simulated(cfg: PipelineConfig) -> tuple[str, ...]:
@@ -118,7 +109,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     futures: dict[str, object] = {}
 
     def collect(fn, *args):  # a task that gathers others' results: runs as soon as they are done
-        return submit(fn, *args, priority=COLLECT_PRIORITY, pure=False)
+        return submit(fn, *args, priority=PRIORITY["collect"], pure=False)
 
     # validation: one task per input; the stamps are written only when all of them passed
     if "validate" in stages:
@@ -143,7 +134,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                 out,
                 validated,
                 retries=registry.get(c).retries,
-                priority=SIMULATE_PRIORITY,
+                priority=PRIORITY["simulate"],
                 pure=False,
             )
             for c in simulated(cfg)
@@ -169,7 +160,10 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
         if "mpc_adaptive" in planners(cfg):
             for seed in cfg.seeds:
                 windows = learned.table_windows(site, tuning.load_params(tuned_dir, seed), SPLITS)
-                replays = [submit(replay, site, sp, s, n, c.as_dict(), pure=False) for sp, _, c, s, n in windows]
+                replays = [
+                    submit(replay, site, sp, s, n, c.as_dict(), priority=PRIORITY["replay"], pure=False)
+                    for sp, _, c, s, n in windows
+                ]
                 tables[seed] = collect(learned.write_week_tables, replays, windows, tuned_dir, seed)
         jobs = [
             submit(
@@ -182,7 +176,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                 seed=seed,
                 tuned_dir=tuned_dir,
                 retries=1,
-                priority=SIMULATE_PRIORITY,
+                priority=PRIORITY["simulate"],
                 pure=False,
             )
             for c in planners(cfg)
@@ -213,8 +207,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                     cfg.total_timesteps,
                     cfg.extra_algo_args,
                     *deps,
-                    resources=place.resources,
-                    priority=TRAIN_PRIORITY,
+                    **place.options,
                     retries=1,
                     pure=False,
                     key=f"train-{algo}-seed{seed}-{cfg.experiment}",

@@ -23,6 +23,7 @@ from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_site
 from pipeline.control import registry, rl_planner, tuning
 from pipeline.study import depends, results
+from pipeline.study.cluster import PRIORITY, training_placement
 from pipeline.study.config import PROJECT_ROOT, SPLITS, shown_path
 from pipeline.study.report import site_data_sources, write_report
 from pipeline.study.sizing import report_summary
@@ -111,20 +112,13 @@ def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None
     rl_runs = [(seed, str(Path(tuned_dir) / f"mpc_rl_seed{seed}"), tuning.BUDGETS[budget].rl_days) for seed in seeds]
     rl_jobs = []
     if client is not None:
-        from pipeline.study.cluster import TRAIN_PRIORITY, training_placement
-
-        place = training_placement(client, None)
-        rl_jobs = [
-            client.submit(
-                train_rl_planner, site_toml, *a, resources=place.resources, priority=TRAIN_PRIORITY, pure=False
-            )
-            for a in rl_runs
-        ]
+        options = training_placement(client, None).options  # only its resources and priority are read
+        rl_jobs = [client.submit(train_rl_planner, site_toml, *a, **options, pure=False) for a in rl_runs]
     fp = tuning.fingerprint(site_toml)
     todo = [s for s in seeds if tuning.cached(tuned_dir, s, fp, budget) is None]
     b = tuning.BUDGETS[budget]
     if todo:
-        evaluate = tuning.dask_evaluator(client, site_toml, "train") if client is not None else None
+        evaluate = tuning.dask_evaluator(client, site_toml, "train", PRIORITY["tune"]) if client is not None else None
         print(f"tune: seeds {todo}, budget '{budget}' ({b.replays} week replays a seed) on the train split", flush=True)
         for result in tuning.tune(site_toml, todo, budget, evaluate=evaluate):
             tuning.write(result, tuned_dir, fp)
