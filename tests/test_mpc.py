@@ -14,7 +14,7 @@ from envs.config import ConfigError
 from envs.kpis import balance_residual, evaluate_policy
 from envs.site import Site
 from pipeline.control.baselines import uncontrolled
-from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
+from pipeline.control.forecast import REGRESSION_WARMUP_DAYS, RIDGE, MOERRegression
 from pipeline.control.mpc import MPCController, run_mpc
 from pipeline.control.oracle import solve_oracle
 
@@ -161,6 +161,54 @@ def test_moer_regression_is_causal_and_learns_what_the_data_forecasts_miss():
     for t in range(cut):
         np.testing.assert_array_equal(mpc.moer_outlook(t, 24), other.moer_outlook(t, 24), err_msg=f"step {t}")
     assert not np.array_equal(mpc.moer_outlook(cut, 24), other.moer_outlook(cut, 24))
+
+
+def test_moer_regression_with_forgetting_is_the_weighted_fit_it_documents():
+    """With a half-life the regression is weighted least squares whose pair weights halve every half-life from the
+    day after their target (checked against an independent fit); half-life 0 is ``mpc``'s regression to the bit; a
+    replay that starts mid-split (the past fitted in one go) forecasts what a run from the split's start does; it is
+    causal."""
+    site = _ar_moer_site(days=16)
+    data = site.split("train")
+    H, half_life, day = 6, 2.5, 24
+    t = 12 * day + 5
+    f = MOERRegression(data, H, half_life_days=half_life)
+    got = f(t, H)
+    start = t - t % day
+    want = []
+    for k in range(H):
+        s = np.arange(day, start - k)
+        age_days = (start - ((s + k) // day * day + day)) / day
+        w = 0.5 ** (age_days / half_life)
+        A = f.features(s, k)
+        gram = A.T @ (A * w[:, None]) + np.eye(A.shape[1]) * RIDGE * w.sum()
+        coef = np.linalg.solve(gram, A.T @ (data.moer[s + k] * w))
+        want.append(max(float(f.features(np.array([t]), k)[0] @ coef), 0.0))
+    np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10)
+    assert not np.allclose(got, MOERRegression(data, H)(t, H), atol=1e-6)  # and forgetting changes the forecast
+    # half-life 0 is the regression without forgetting, to the bit
+    a, b = MOERRegression(data, H), MOERRegression(data, H, half_life_days=0.0)
+    for u in range(REGRESSION_WARMUP_DAYS * day, data.num_steps - H, 7):
+        np.testing.assert_array_equal(a(u, H), b(u, H))
+    # fitted day after day from the split's start, or in one go from a later step: the same forecasts
+    daily, at_once = (
+        MOERRegression(data, H, half_life_days=half_life),
+        MOERRegression(data, H, half_life_days=half_life),
+    )
+    first = 11 * day + 7
+    for u in range(first):
+        daily(u, H)
+    for u in range(first, data.num_steps - H, 5):
+        np.testing.assert_allclose(at_once(u, H), daily(u, H), rtol=1e-9, atol=1e-12, err_msg=f"step {u}")
+    # causal: changing the MOER and its forecasts from step `cut` leaves every forecast issued before it unchanged
+    cut = 10 * day + 9
+    other = MOERRegression(_changed_future(site, "train", cut).split("train"), H, half_life_days=half_life)
+    mine = MOERRegression(data, H, half_life_days=half_life)
+    for u in range(REGRESSION_WARMUP_DAYS * day + day, cut):
+        np.testing.assert_array_equal(mine(u, H), other(u, H), err_msg=f"step {u}")
+    assert not np.array_equal(mine(cut + day, H), other(cut + day, H))
+    with pytest.raises(ValueError, match="half_life_days"):
+        MOERRegression(data, H, half_life_days=-1.0)
 
 
 def _by_arrival(sessions) -> dict:

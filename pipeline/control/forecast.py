@@ -4,7 +4,9 @@ A forecaster for a split is a callable ``(t, H) -> (H,) kg/kWh`` for steps ``t .
 refit at the start of a day at most on pairs whose target was realised before that day:
 
 - :class:`MOERRegression`: one linear least-squares model per lead on the data's forecasts, the last two hours'
-  MOER, the same-hour profile and the hour of day, refit every day on the split's past (``mpc``'s forecast);
+  MOER, the same-hour profile and the hour of day, refit every day on the split's past (``mpc``'s forecast); with a
+  half-life, the past pairs are weighted down exponentially with their age (the learned planners' forecast, half-life
+  :data:`LEARNED_HALF_LIFE_DAYS`);
 - :class:`MOERBoosted`: one gradient-boosted tree model over all leads (scikit-learn's
   ``HistGradientBoostingRegressor``) on richer features (the data's forecasts, lags of the realised MOER up to a
   day back, the same-hour profile, the hour, weekday and lead), fit on the train split's pairs and the split's
@@ -27,6 +29,10 @@ LEVEL_DECAY_H = 6.0
 """e-folding time, hours, of the data's last forecast's deviation from that profile, carried beyond it."""
 REGRESSION_WARMUP_DAYS = 7
 """Days of (features, realised MOER) pairs the regression forecast needs per lead before it replaces the profile."""
+LEARNED_HALF_LIFE_DAYS = 21.0
+"""Half-life, days, of the pairs' weight in the learned planners' MOER regression. Chosen on the train split: of 7, 10,
+14, 21, 30 and 60 days and no forgetting, the one with the best mean R^2 over leads 0-23 h (0.482 against 0.467
+without forgetting; 14 and 30 days: 0.481 and 0.480). ``docs/agents.md`` has the table."""
 RIDGE = 1e-6
 """Ridge penalty of the MOER regression per pair (features are of order 0.1-1): only keeps the normal equations
 well posed (e.g. a constant feature column on a synthetic site); no shrinkage worth the name on real data."""
@@ -59,13 +65,26 @@ class MOERRegression:
     split's start), so it only uses MOER realised before ``t``. The normal equations are accumulated as the days
     pass (a few ms per split). Forecasts are clipped at 0.
 
+    With ``half_life_days`` > 0 the fit is exponentially weighted least squares (recursive least squares with
+    forgetting): a pair enters the normal equations at the start of the day after its target step with weight 1, and
+    every weight halves each ``half_life_days`` days after that, so the model follows the MOER's seasons. The weights
+    depend only on the pairs' target days and the day forecast, so fitting a split's first days in one go (a replay
+    that starts mid-split) gives the same model as fitting them day after day.
+
     Args:
         data: the split. horizon: H, steps.
+        half_life_days: days for a pair's weight to halve; 0: every pair counts alike (``mpc``'s forecast).
+
+    Raises:
+        ValueError: a negative half-life.
     """
 
-    def __init__(self, data: SplitData, horizon: int):
+    def __init__(self, data: SplitData, horizon: int, half_life_days: float = 0.0):
+        if not half_life_days >= 0:
+            raise ValueError(f"MOERRegression: half_life_days must be >= 0 (0: no forgetting), got {half_life_days}")
         self.day = max(1, int(round(DAY / data.config.dt_h)))
         self.H = horizon
+        self.half_life_days = float(half_life_days)
         T = data.num_steps
         local = data.time.tz_convert(data.config.timezone)
         minutes = np.asarray(local.hour * 60 + local.minute)
@@ -82,6 +101,7 @@ class MOERRegression:
         self._gram = np.zeros((horizon, F, F))
         self._rhs = np.zeros((horizon, F))
         self._pairs = np.zeros(horizon, np.int64)
+        self._weight_sum = np.zeros(horizon)  # the pairs' weights summed (their number without forgetting)
         self._fitted_to = 0  # the pairs whose target step lies before this one are in the normal equations
         self._weights: np.ndarray | None = None
 
@@ -90,25 +110,39 @@ class MOERRegression:
         onehot = np.eye(self.day)[self._step_of_day[s + k]]
         return np.column_stack([self._base[s], self._prof[s, k], onehot])
 
+    def _age_weight(self, steps: np.ndarray | float) -> np.ndarray | float:
+        """Weight of a pair that entered the normal equations ``steps`` steps ago (1 without forgetting)."""
+        if self.half_life_days <= 0:
+            return np.ones_like(steps, dtype=np.float64) if isinstance(steps, np.ndarray) else 1.0
+        return 0.5 ** (np.asarray(steps, np.float64) / (self.day * self.half_life_days))
+
     def _fit_to(self, end: int) -> None:
         """Add every pair with target step in ``[_fitted_to, end)`` and refit the leads' weights."""
+        decay = self._age_weight(float(end - self._fitted_to))
         for k in range(self.H):
             s = np.arange(max(self.day, self._fitted_to - k), max(self.day, end - k))
+            self._gram[k] *= decay
+            self._rhs[k] *= decay
+            self._weight_sum[k] *= decay
             if len(s):
                 A = self.features(s, k)
-                self._gram[k] += A.T @ A
-                self._rhs[k] += A.T @ self.moer[s + k]
+                entered = (s + k) // self.day * self.day + self.day  # the day start after the target step
+                w = self._age_weight(end - entered)
+                self._gram[k] += A.T @ (A * w[:, None])
+                self._rhs[k] += A.T @ (self.moer[s + k] * w)
                 self._pairs[k] += len(s)
+                self._weight_sum[k] += w.sum()
         self._fitted_to = end
         if self._pairs.min() >= REGRESSION_WARMUP_DAYS * self.day:
-            ridge = np.eye(self._gram.shape[-1])[None] * (RIDGE * self._pairs[:, None, None])
+            ridge = np.eye(self._gram.shape[-1])[None] * (RIDGE * self._weight_sum[:, None, None])
             self._weights = np.linalg.solve(self._gram + ridge, self._rhs[..., None])[..., 0]
 
     def __call__(self, t: int, H: int) -> np.ndarray | None:
         """Forecast for steps ``t .. t+H-1`` (``H <= horizon``), kg/kWh, or None while still warming up."""
         start = t - t % self.day
         if start < self._fitted_to:  # asked about an earlier day than the last: forget what came after it
-            self._gram[:], self._rhs[:], self._pairs[:], self._fitted_to, self._weights = 0.0, 0.0, 0, 0, None
+            self._gram[:], self._rhs[:], self._pairs[:], self._weight_sum[:] = 0.0, 0.0, 0, 0.0
+            self._fitted_to, self._weights = 0, None
         if start > self._fitted_to:
             self._fit_to(start)
         if self._weights is None:

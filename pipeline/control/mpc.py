@@ -140,6 +140,8 @@ class MPCController:
         demand_day_type: draw the expected demand of each hour from the last ``expected_demand_days`` days of its own
             day type (weekday or weekend, local time) rather than from the last days whatever their type (on caltech's
             train split a weekend day has a third of a weekday's EV energy).
+        moer_half_life_days: the half-life of the default forecast's past pairs (:class:`MOERRegression`; 0: none).
+            Not used when ``perfect`` or given a ``forecaster``.
         forecaster: the causal MOER forecast, a callable ``(t, H) -> (H,) kg/kWh or None`` while it warms up
             (default :class:`MOERRegression` over the horizon); when None is returned the profile outlook is used.
         presolve: HiGHS presolve (off halves the solve time on these small LPs; the optimum is the same, the
@@ -159,6 +161,7 @@ class MPCController:
     moer_contrast: float = 1.0
     moer_bias: float = 0.0
     demand_day_type: bool = False
+    moer_half_life_days: float = 0.0
     forecaster: object | None = None
     presolve: bool = True
     keep_plans: bool = False
@@ -178,7 +181,7 @@ class MPCController:
         self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
         self._weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
         if self.forecaster is None and not self.perfect:
-            self.forecaster = MOERRegression(self.data, self.H)
+            self.forecaster = MOERRegression(self.data, self.H, half_life_days=self.moer_half_life_days)
         if self.expected_demand_days is None:
             self.expected_demand_days = cfg.mpc.expected_demand_days
         if self.expected_demand_weight is None:

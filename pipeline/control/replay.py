@@ -13,13 +13,14 @@ shorter when the split does not end on a week boundary).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
 from envs.evhub import EVHubVectorEnv
 from envs.site import Site, SplitData, load_site
+from pipeline.control.forecast import LEARNED_HALF_LIFE_DAYS
 from pipeline.control.mpc import MPCController
 
 WEEK_STEPS = 168
@@ -43,6 +44,8 @@ class PlannerParams:
         moer_contrast: the MOER outlook's deviation from its window mean is scaled by this.
         moer_bias: the MOER outlook is shifted by this share of its window mean.
         demand_day_type: the expected demand of an hour from past days of its own type (weekday or weekend).
+        moer_half_life_days: the half-life of the MOER regression's past pairs, days (0: none, ``mpc``'s forecast;
+            :data:`~pipeline.control.forecast.LEARNED_HALF_LIFE_DAYS` in the learned planners).
     """
 
     horizon_h: int = 24
@@ -52,6 +55,7 @@ class PlannerParams:
     moer_contrast: float = 1.0
     moer_bias: float = 0.0
     demand_day_type: bool = False
+    moer_half_life_days: float = 0.0
 
     @classmethod
     def of_site(cls, site: Site) -> PlannerParams:
@@ -62,6 +66,12 @@ class PlannerParams:
             expected_demand_days=int(m.expected_demand_days),
             expected_demand_weight=float(m.expected_demand_weight),
         )
+
+    @classmethod
+    def learned_start(cls, site: Site) -> PlannerParams:
+        """Where the learned planners start: :meth:`of_site` with the learned MOER forecast (the regression with
+        forgetting, half-life :data:`~pipeline.control.forecast.LEARNED_HALF_LIFE_DAYS`)."""
+        return replace(cls.of_site(site), moer_half_life_days=LEARNED_HALF_LIFE_DAYS)
 
     def as_dict(self) -> dict:
         """Plain dict (JSON, Parquet columns)."""
@@ -95,6 +105,7 @@ def planner(data: SplitData, params: PlannerParams, **kwargs) -> MPCController:
         moer_contrast=params.moer_contrast,
         moer_bias=params.moer_bias,
         demand_day_type=params.demand_day_type,
+        moer_half_life_days=params.moer_half_life_days,
         **kw,
     )
 

@@ -5,7 +5,8 @@ The causal planner (:class:`pipeline.control.mpc.MPCController`) has parameters 
 energy, the MOER outlook's contrast and bias, the horizon; and one it does not use, the expected demand by day type).
 Here they are tuned where they act: in closed loop, through the env, on sampled weeks of the **train split**
 (:func:`pipeline.control.replay.replay`), by CMA-ES (Hansen's ``cma`` package) in the box :data:`SPACE` scaled to
-``[0, 1]`` per parameter, starting at the site's ``[mpc]`` values (a yes/no parameter undecided, at 0.5). Each
+``[0, 1]`` per parameter, starting at the site's ``[mpc]`` values with the learned MOER forecast
+(:meth:`~pipeline.control.replay.PlannerParams.learned_start`; a yes/no parameter undecided, at 0.5). Each
 generation samples :attr:`Budget.weeks` weeks of the split (after its first, in which the planner's forecasts warm up)
 and evaluates every candidate on the same weeks (common random numbers: CMA-ES only ranks the candidates of a
 generation), each (candidate, week) one Dask task. The result is the distribution's mean after the last generation
@@ -146,7 +147,7 @@ class TuningResult:
     Attributes:
         params: the chosen :class:`PlannerParams`: of CMA-ES's means after the last generations and the starting
             point, the one that costs least on the validation weeks.
-        start: the parameters it started from (the site's ``[mpc]`` values).
+        start: the parameters it started from (:meth:`PlannerParams.learned_start`).
         seed: CMA-ES's seed. budget: the :data:`BUDGETS` name (``"custom"`` for another :class:`Budget`).
         budget_spec: the :class:`Budget` itself.
         history: one row per (generation, candidate): ``generation``, ``candidate`` (its index in the generation, str;
@@ -237,7 +238,7 @@ def tune(
         budget: a key of :data:`BUDGETS`, or a :class:`Budget`.
         evaluate: how windows are replayed (default :func:`local_evaluator`).
         split: the split tuned on (the train split; tuning never reads another).
-        space: the parameters tuned (default :data:`SPACE`; the others stay at the site's ``[mpc]`` values).
+        space: the parameters tuned (default :data:`SPACE`; the others stay at :meth:`PlannerParams.learned_start`'s).
         progress: called with one line per generation.
 
     Returns:
@@ -256,7 +257,7 @@ def tune(
     pool = [w for w in pool if w[1] == pool[0][1]]  # whole weeks only
     if len(pool) < 1:
         raise ValueError(f"split '{split}' has {data.num_steps} steps: fewer than two whole weeks to tune on")
-    start = PlannerParams.of_site(site)
+    start = PlannerParams.learned_start(site)
     x0 = encode(start, space, undecided=True)
     t0 = time.perf_counter()
     runs = []
