@@ -31,8 +31,8 @@ REGRESSION_WARMUP_DAYS = 7
 """Days of (features, realised MOER) pairs the regression forecast needs per lead before it replaces the profile."""
 LEARNED_HALF_LIFE_DAYS = 21.0
 """Half-life, days, of the pairs' weight in the learned planners' MOER regression. Chosen on the train split: of 7, 10,
-14, 21, 30 and 60 days and no forgetting, the one with the best mean R^2 over leads 0-23 h (0.482 against 0.467
-without forgetting; 14 and 30 days: 0.481 and 0.480). ``docs/agents.md`` has the table."""
+14, 21, 30 and 60 days and no forgetting, the one with the best mean R^2 over leads 0-23 h (0.4812; 14 and 30 days
+0.4808 and 0.4801, no forgetting 0.4672); ``docs/agents.md`` has the table."""
 RIDGE = 1e-6
 """Ridge penalty of the MOER regression per pair (features are of order 0.1-1): only keeps the normal equations
 well posed (e.g. a constant feature column on a synthetic site); no shrinkage worth the name on real data."""
