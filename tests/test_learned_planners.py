@@ -176,8 +176,9 @@ def _changed_after(site: Site, split: str, k: int) -> Site:
 
 
 def test_learned_planners_are_causal(tmp_path):
-    """Changing the test split after step k (MOER, forecasts, sessions: what the forecaster, the weekly re-tuning and
-    the daily policy read) leaves mpc_tuned's, mpc_adaptive's and mpc_rl's actions up to step k unchanged."""
+    """Changing the test split after step k (MOER, forecasts, sessions: what the forecaster with forgetting, the
+    weekly re-tuning and the daily policy read) leaves mpc_tuned's, mpc_adaptive's and mpc_rl's actions up to step k
+    unchanged."""
     from pipeline.control.rl_planner import OBS_NAMES, DailyPolicyPlanner
 
     weights = torch.linspace(-1.0, 1.0, 2 * len(OBS_NAMES), dtype=torch.float32).reshape(len(OBS_NAMES), 2)
@@ -188,7 +189,7 @@ def test_learned_planners_are_causal(tmp_path):
     site = make_site(days=22, n_sockets=4, mpc={"horizon_h": 6})
     k = 2 * 168 + 30  # in the third week: its choice reads the two weeks before
     changed = _changed_after(site, "test", k)
-    tuned = PlannerParams(horizon_h=6, expected_demand_weight=0.5)
+    tuned = PlannerParams(horizon_h=6, expected_demand_weight=0.5, demand_day_type=True, moer_half_life_days=3.0)
     cands = learned.candidates(tuned)
     runs = []
     for s in (site, changed):
