@@ -9,6 +9,10 @@ provenance in ``envs/sites/<site>/README.md``):
     ``moer_kg_per_kwh``  float32  marginal operating emissions rate, mean over the hour, kg CO2/kWh, in [0, 2]
     ``moer_fc_h0..h2``   float32  MOER forecast issued at the hour start for this hour / the next / the one
                                   after, kg CO2/kWh, in [0, 2]
+    optional (:data:`MOER_5MIN_COLUMNS`, all or none; written where the carbon source is 5-minute with forecasts):
+    ``moer_last_5min``   float32  realised MOER of the last 5-minute interval before the hour start, kg CO2/kWh
+    ``moer_last_15min``  float32  mean realised MOER of the last three 5-minute intervals before the hour start
+    ``moer_fc_5min_01..12``  float32  the 5-minute forecasts for the hour's twelve intervals, issued at its start
 
 ``sessions`` (:data:`SESSIONS_SCHEMA`), one row per EV charging session, sorted by arrival:
     ``session_id``, ``station_id``  str  (session ids unique)
@@ -43,6 +47,7 @@ __all__ = [
     "HOURLY_SCHEMA",
     "SESSIONS_SCHEMA",
     "HOURLY_COLUMNS",
+    "MOER_5MIN_COLUMNS",
     "SESSIONS_COLUMNS",
     "validate_site_data",
     "validate_table",
@@ -54,6 +59,9 @@ UTC_NS = pd.DatetimeTZDtype("ns", "UTC")
 """dtype of every timestamp column: nanoseconds, tz-aware UTC."""
 
 MOER_COLUMNS = ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2")
+MOER_5MIN_COLUMNS = ("moer_last_5min", "moer_last_15min", *(f"moer_fc_5min_{i:02d}" for i in range(1, 13)))
+"""Optional hourly columns: what a 5-minute carbon source says at each hour start beyond the hour means (module
+docstring); a site has all of them or none."""
 HOURLY_COLUMNS = ("time", "pv_kw_per_kwp", *MOER_COLUMNS)
 SESSIONS_COLUMNS = ("session_id", "station_id", "arrival", "departure", "energy_kwh", "requested_energy_kwh")
 _TIME_COLUMNS = ("time", "arrival", "departure")
@@ -106,9 +114,9 @@ def _departure_after_arrival(df: pd.DataFrame) -> pd.Series | bool:
     return ok | df["departure"].isna() | df["arrival"].isna()
 
 
-def _float_column(lo: float, hi: float | None = None) -> pa.Column:
+def _float_column(lo: float, hi: float | None = None, required: bool = True) -> pa.Column:
     checks = [pa.Check.ge(lo)] if hi is None else [pa.Check.ge(lo), pa.Check.le(hi)]
-    return pa.Column(np.float32, checks=checks, nullable=False)
+    return pa.Column(np.float32, checks=checks, nullable=False, required=required)
 
 
 HOURLY_SCHEMA = pa.DataFrameSchema(
@@ -121,6 +129,10 @@ HOURLY_SCHEMA = pa.DataFrameSchema(
         ),
         "pv_kw_per_kwp": _float_column(0, PV_MAX_KW_PER_KWP),
         **{c: _float_column(0, MOER_MAX_KG_PER_KWH) for c in MOER_COLUMNS},
+        **{
+            c: pa.Column(np.float32, [pa.Check.ge(0), pa.Check.le(MOER_MAX_KG_PER_KWH)], required=False)
+            for c in MOER_5MIN_COLUMNS
+        },
     },
     strict=False,
     name="hourly",

@@ -31,6 +31,8 @@ class SplitData:
         load_kw: non-EV site load, kW.
         moer: carbon intensity of grid import during the step, kg CO2/kWh (hourly mean MOER).
         moer_fc: ``(T, 3)`` MOER forecasts issued at the step start for steps t, t+1, t+2, kg/kWh.
+        moer_5min: ``(T, 14)`` what a 5-minute carbon source says at the step start (the hourly columns
+            :data:`envs.schemas.MOER_5MIN_COLUMNS`, in order), kg/kWh; None where the site's data lack them.
         time_features: ``(T, 4)`` sin/cos of local hour of day and of local day of week.
 
     Sessions (one row per session arriving in the split, length ``S``):
@@ -61,6 +63,7 @@ class SplitData:
     arrival_need_kwh: np.ndarray
     arrival_stay_steps: np.ndarray
     socket_kw: np.ndarray
+    moer_5min: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
@@ -192,7 +195,25 @@ class Site:
             arrival_need_kwh=need,
             arrival_stay_steps=stay,
             socket_kw=socket_kw,
+            moer_5min=self._moer_5min(hourly, src),
         )
+
+    @staticmethod
+    def _moer_5min(hourly: pd.DataFrame, src: str) -> np.ndarray | None:
+        """The split's :data:`~envs.schemas.MOER_5MIN_COLUMNS` as ``(T, 14)`` float64, or None without them.
+
+        Raises:
+            ValueError: some of them but not all (the message names the data file and the missing columns).
+        """
+        from envs.schemas import MOER_5MIN_COLUMNS
+
+        present = [c for c in MOER_5MIN_COLUMNS if c in hourly.columns]
+        if not present:
+            return None
+        if len(present) < len(MOER_5MIN_COLUMNS):
+            lack = [c for c in MOER_5MIN_COLUMNS if c not in hourly.columns]
+            raise ValueError(f"{src}: column(s) {', '.join(lack)} missing beside {present[0]}: give all or none")
+        return hourly[list(MOER_5MIN_COLUMNS)].to_numpy(np.float64)
 
     def _discretise_sessions(self, split: str, start: pd.Timestamp, end: pd.Timestamp, T: int) -> pd.DataFrame:
         cfg = self.config

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import make_site
 
+from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site
 from pipeline.control import learned, tuning
 from pipeline.control.forecast import MOERBoosted
@@ -163,12 +164,13 @@ def _actions(policy, site: Site, split: str, steps: int) -> np.ndarray:
 
 
 def _changed_after(site: Site, split: str, k: int) -> Site:
-    """``site`` with the MOER, its forecasts and the sessions of ``split`` changed after step ``k``."""
+    """``site`` with the MOER, its forecasts (the 5-minute columns too) and the sessions of ``split`` changed after
+    step ``k``."""
     data = site.split(split)
     cut = data.time[k + 1]
     hourly = site.hourly.copy()
     late = hourly.time >= cut
-    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"):
+    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2", *MOER_5MIN_COLUMNS):
         hourly.loc[late, c] = (hourly.loc[late, c].to_numpy()[::-1] * 1.7).astype(np.float32)
     s = site.sessions
     sessions = s[s.arrival < cut].reset_index(drop=True)
@@ -176,9 +178,9 @@ def _changed_after(site: Site, split: str, k: int) -> Site:
 
 
 def test_learned_planners_are_causal(tmp_path):
-    """Changing the test split after step k (MOER, forecasts, sessions: what the forecaster with forgetting, the
-    weekly re-tuning and the daily policy read) leaves mpc_tuned's, mpc_adaptive's and mpc_rl's actions up to step k
-    unchanged."""
+    """Changing the test split after step k (MOER, forecasts, 5-minute values, sessions: what the forecaster with
+    forgetting, the weekly re-tuning and the daily policy read) leaves mpc_tuned's, mpc_adaptive's and mpc_rl's
+    actions up to step k unchanged."""
     from pipeline.control.rl_planner import OBS_NAMES, DailyPolicyPlanner
 
     weights = torch.linspace(-1.0, 1.0, 2 * len(OBS_NAMES), dtype=torch.float32).reshape(len(OBS_NAMES), 2)
@@ -187,9 +189,15 @@ def test_learned_planners_are_causal(tmp_path):
         return torch.tanh(x.to(torch.float32) @ weights)
 
     site = make_site(days=22, n_sockets=4, mpc={"horizon_h": 6})
+    hourly = site.hourly.copy()  # the 5-minute columns of a WattTime source: here the hour's MOER, slightly off
+    for i, c in enumerate(MOER_5MIN_COLUMNS):
+        hourly[c] = (hourly["moer_kg_per_kwh"] * (0.98 + 0.003 * i)).astype(np.float32)
+    site = Site(site.config, hourly, site.sessions, dict(site.source))
     k = 2 * 168 + 30  # in the third week: its choice reads the two weeks before
     changed = _changed_after(site, "test", k)
-    tuned = PlannerParams(horizon_h=6, expected_demand_weight=0.5, demand_day_type=True, moer_half_life_days=3.0)
+    tuned = PlannerParams(
+        horizon_h=6, expected_demand_weight=0.5, demand_day_type=True, moer_half_life_days=3.0, moer_five_minute=True
+    )
     cands = learned.candidates(tuned)
     runs = []
     for s in (site, changed):

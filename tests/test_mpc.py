@@ -12,6 +12,7 @@ from conftest import make_site, write_site
 
 from envs.config import ConfigError
 from envs.kpis import balance_residual, evaluate_policy
+from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site
 from pipeline.control.baselines import uncontrolled
 from pipeline.control.forecast import REGRESSION_WARMUP_DAYS, RIDGE, MOERRegression
@@ -101,8 +102,9 @@ def _changed_future(site: Site, split: str, cut: int) -> Site:
     hourly = site.hourly.copy()
     later = hourly.time >= t_cut
     rng = np.random.default_rng(7)
-    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"):
-        hourly.loc[later, c] = rng.uniform(0.0, 0.7, later.sum()).astype(np.float32)
+    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2", *MOER_5MIN_COLUMNS):
+        if c in hourly.columns:
+            hourly.loc[later, c] = rng.uniform(0.0, 0.7, later.sum()).astype(np.float32)
     s = site.sessions
     keep = s[s.arrival < t_cut]
     moved = s[s.arrival >= t_cut].copy()
@@ -209,6 +211,48 @@ def test_moer_regression_with_forgetting_is_the_weighted_fit_it_documents():
     assert not np.array_equal(mine(cut + day, H), other(cut + day, H))
     with pytest.raises(ValueError, match="half_life_days"):
         MOERRegression(data, H, half_life_days=-1.0)
+
+
+def _five_minute_site(days: int = 16) -> Site:
+    """:func:`_ar_moer_site` with the 5-minute columns of a WattTime source: the hour's twelve 5-minute forecasts
+    are its realised MOER plus noise (they know the hour much better than the hour-mean forecasts), the last
+    realised 5 minutes are the previous hour's."""
+    site = _ar_moer_site(days=days)
+    hourly = site.hourly.copy()
+    moer = hourly["moer_kg_per_kwh"].to_numpy(np.float64)
+    rng = np.random.default_rng(11)
+    prev = np.r_[moer[0], moer[:-1]]
+    hourly["moer_last_5min"] = prev.astype(np.float32)
+    hourly["moer_last_15min"] = prev.astype(np.float32)
+    for i in range(1, 13):
+        hourly[f"moer_fc_5min_{i:02d}"] = np.clip(moer + rng.normal(0, 0.01, len(moer)), 0, None).astype(np.float32)
+    return Site(site.config, hourly, site.sessions, dict(site.source))
+
+
+def test_moer_regression_reads_the_five_minute_values_causally_where_the_data_have_them():
+    site = _five_minute_site()
+    data = site.split("train")
+    assert data.moer_5min is not None and data.moer_5min.shape == (data.num_steps, len(MOER_5MIN_COLUMNS))
+    H = 6
+    issue = range(10 * 24, data.num_steps - H)
+    truth = np.array([data.moer[t : t + H] for t in issue])
+    plain, five = MOERRegression(data, H, half_life_days=5.0), MOERRegression(data, H, 5.0, five_minute=True)
+    err_plain = np.abs(np.array([plain(t, H) for t in issue]) - truth).mean(0)
+    err_five = np.abs(np.array([five(t, H) for t in issue]) - truth).mean(0)
+    assert err_five[0] < 0.5 * err_plain[0], (err_five, err_plain)  # the hour's own 5-minute forecasts inform it
+    # causal: changing every column (the 5-minute ones too) from step `cut` leaves the forecasts before it as they were
+    cut = 11 * 24 + 7
+    mine = MOERRegression(data, H, 5.0, five_minute=True)
+    other = MOERRegression(_changed_future(site, "train", cut).split("train"), H, 5.0, five_minute=True)
+    for t in range(REGRESSION_WARMUP_DAYS * 24 + 24, cut):
+        np.testing.assert_array_equal(mine(t, H), other(t, H), err_msg=f"step {t}")
+    assert not np.array_equal(mine(cut, H), other(cut, H))
+    # without the columns five_minute changes nothing
+    bare = _ar_moer_site(days=16).split("train")
+    t = 12 * 24
+    np.testing.assert_array_equal(
+        MOERRegression(bare, H, 5.0, five_minute=True)(t, H), MOERRegression(bare, H, 5.0)(t, H)
+    )
 
 
 def _by_arrival(sessions) -> dict:

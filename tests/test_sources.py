@@ -234,6 +234,15 @@ def test_garage_ingests_validates_and_runs_baselines_and_oracle(garage):
     np.testing.assert_allclose(h.moer_kg_per_kwh, hour_mean.reindex(pd.DatetimeIndex(h.time)).to_numpy(), rtol=1e-6)
     row = m.set_index("time").loc[pd.DatetimeIndex(h.time)]
     np.testing.assert_allclose(h.moer_fc_h1, row[[f"f{i}" for i in range(13, 25)]].mean(axis=1), rtol=1e-6)
+    # the 5-minute columns: f1..f12 of that row, and the last realised rows strictly before the hour start
+    np.testing.assert_allclose(h.moer_fc_5min_07, row["f7"], rtol=1e-6)
+    by_time = m.set_index("time").moer
+    five = pd.Timedelta(minutes=5)
+    t = pd.DatetimeIndex(h.time)
+    np.testing.assert_allclose(h.moer_last_5min, by_time.loc[t - five], rtol=1e-6)
+    last3 = by_time.loc[t - five].to_numpy() + by_time.loc[t - 2 * five].to_numpy() + by_time.loc[t - 3 * five]
+    np.testing.assert_allclose(h.moer_last_15min, last3 / 3, rtol=1e-6)
+    assert site.split("train").moer_5min.shape == (site.split("train").num_steps, 14)
     readme = (garage.parent / "garage" / "README.md").read_text()
     for needle in ("`sessions/october.csv`", "`moer_de/DE_part1.csv`", "`weather/berlin.epw`", "UTC+1", "Charge point"):
         assert needle in readme, needle
@@ -436,6 +445,7 @@ value_column = "kw_per_kwp"
     for h in range(3):
         np.testing.assert_allclose(c[f"moer_fc_h{h}"], prev, rtol=1e-12)
     assert info["forecast"] == "persistence" and not info["first_hour_own_value"]
+    assert "moer_last_5min" not in c.columns  # 5-minute columns only from 5-minute files with forecasts
     got, pinfo = read_pv(src, index)
     np.testing.assert_allclose(got, pd.Series(pv, index=hours).reindex(index).to_numpy(), rtol=1e-12)
     assert pinfo["format"] == "pv-csv"

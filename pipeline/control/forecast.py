@@ -71,15 +71,21 @@ class MOERRegression:
     depend only on the pairs' target days and the day forecast, so fitting a split's first days in one go (a replay
     that starts mid-split) gives the same model as fitting them day after day.
 
+    With ``five_minute`` and a split whose data come from a 5-minute source with forecasts
+    (:attr:`~envs.site.SplitData.moer_5min`), the regressors also hold what that source says at ``t``'s start: the
+    last realised 5 minutes, the mean of the last 15, and the forecasts for the twelve 5-minute intervals of step
+    ``t`` (all issued or realised by then). Without such data it is the regression above.
+
     Args:
         data: the split. horizon: H, steps.
         half_life_days: days for a pair's weight to halve; 0: every pair counts alike (``mpc``'s forecast).
+        five_minute: add the 5-minute regressors where the data have them (``mpc``: no).
 
     Raises:
         ValueError: a negative half-life.
     """
 
-    def __init__(self, data: SplitData, horizon: int, half_life_days: float = 0.0):
+    def __init__(self, data: SplitData, horizon: int, half_life_days: float = 0.0, five_minute: bool = False):
         if not half_life_days >= 0:
             raise ValueError(f"MOERRegression: half_life_days must be >= 0 (0: no forgetting), got {half_life_days}")
         self.day = max(1, int(round(DAY / data.config.dt_h)))
@@ -96,6 +102,9 @@ class MOERRegression:
         m1 = np.r_[fc[0, 0], m[:-1]]
         m2 = np.r_[m1[0], m1[:-1]]
         base = np.column_stack([fc[:, :3] if fc.shape[1] >= 3 else np.repeat(fc[:, -1:], 3, 1), m1, m2])  # (T, 5)
+        self.five_minute = bool(five_minute and data.moer_5min is not None)
+        if self.five_minute:
+            base = np.column_stack([base, data.moer_5min])  # (T, 19)
         self._base, self._prof, self._step_of_day, self.moer = base, prof, step_of_day, m
         F = base.shape[1] + 1 + self.day
         self._gram = np.zeros((horizon, F, F))

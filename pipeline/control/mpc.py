@@ -142,6 +142,8 @@ class MPCController:
             train split a weekend day has a third of a weekday's EV energy).
         moer_half_life_days: the half-life of the default forecast's past pairs (:class:`MOERRegression`; 0: none).
             Not used when ``perfect`` or given a ``forecaster``.
+        moer_five_minute: the default forecast also regresses on the data's 5-minute values at the hour start
+            (:class:`MOERRegression`'s ``five_minute``). Not used when ``perfect`` or given a ``forecaster``.
         forecaster: the causal MOER forecast, a callable ``(t, H) -> (H,) kg/kWh or None`` while it warms up
             (default :class:`MOERRegression` over the horizon); when None is returned the profile outlook is used.
         presolve: HiGHS presolve (off halves the solve time on these small LPs; the optimum is the same, the
@@ -162,6 +164,7 @@ class MPCController:
     moer_bias: float = 0.0
     demand_day_type: bool = False
     moer_half_life_days: float = 0.0
+    moer_five_minute: bool = False
     forecaster: object | None = None
     presolve: bool = True
     keep_plans: bool = False
@@ -181,7 +184,9 @@ class MPCController:
         self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
         self._weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
         if self.forecaster is None and not self.perfect:
-            self.forecaster = MOERRegression(self.data, self.H, half_life_days=self.moer_half_life_days)
+            self.forecaster = MOERRegression(
+                self.data, self.H, half_life_days=self.moer_half_life_days, five_minute=self.moer_five_minute
+            )
         if self.expected_demand_days is None:
             self.expected_demand_days = cfg.mpc.expected_demand_days
         if self.expected_demand_weight is None:

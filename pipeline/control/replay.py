@@ -46,6 +46,8 @@ class PlannerParams:
         demand_day_type: the expected demand of an hour from past days of its own type (weekday or weekend).
         moer_half_life_days: the half-life of the MOER regression's past pairs, days (0: none, ``mpc``'s forecast;
             :data:`~pipeline.control.forecast.LEARNED_HALF_LIFE_DAYS` in the learned planners).
+        moer_five_minute: the MOER regression also reads the data's 5-minute values at the hour start (the learned
+            planners; ``mpc``: no).
     """
 
     horizon_h: int = 24
@@ -56,6 +58,7 @@ class PlannerParams:
     moer_bias: float = 0.0
     demand_day_type: bool = False
     moer_half_life_days: float = 0.0
+    moer_five_minute: bool = False
 
     @classmethod
     def of_site(cls, site: Site) -> PlannerParams:
@@ -70,8 +73,9 @@ class PlannerParams:
     @classmethod
     def learned_start(cls, site: Site) -> PlannerParams:
         """Where the learned planners start: :meth:`of_site` with the learned MOER forecast (the regression with
-        forgetting, half-life :data:`~pipeline.control.forecast.LEARNED_HALF_LIFE_DAYS`)."""
-        return replace(cls.of_site(site), moer_half_life_days=LEARNED_HALF_LIFE_DAYS)
+        forgetting, half-life :data:`~pipeline.control.forecast.LEARNED_HALF_LIFE_DAYS`, on the data's 5-minute
+        values where the site has them)."""
+        return replace(cls.of_site(site), moer_half_life_days=LEARNED_HALF_LIFE_DAYS, moer_five_minute=True)
 
     def as_dict(self) -> dict:
         """Plain dict (JSON, Parquet columns)."""
@@ -106,6 +110,7 @@ def planner(data: SplitData, params: PlannerParams, **kwargs) -> MPCController:
         moer_bias=params.moer_bias,
         demand_day_type=params.demand_day_type,
         moer_half_life_days=params.moer_half_life_days,
+        moer_five_minute=params.moer_five_minute,
         **kw,
     )
 

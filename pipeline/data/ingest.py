@@ -9,7 +9,8 @@ writes, atomically (:mod:`envs.files`), into the site's ``data_dir`` beside the 
   ``timezone``; continuous, DST days have 23 or 25 rows): ``time`` (datetime64[ns, UTC], hour start),
   ``pv_kw_per_kwp`` (float32, kW AC per kWp DC, hour mean), ``moer_kg_per_kwh`` (float32, kg CO2/kWh, hour
   mean), ``moer_fc_h0``/``h1``/``h2`` (float32, kg CO2/kWh, the forecasts issued at the hour start for the
-  hour itself / the next / the one after).
+  hour itself / the next / the one after), and from 5-minute carbon files with forecasts
+  :data:`envs.schemas.MOER_5MIN_COLUMNS` (float32, kg CO2/kWh).
 - ``sessions.parquet``: one row per EV session, sorted by arrival: ``session_id``, ``station_id`` (str),
   ``arrival``, ``departure`` (datetime64[ns, UTC]), ``energy_kwh`` (float32, kWh delivered),
   ``requested_energy_kwh`` (float32, kWh asked for) [, ``kind`` (str) for generated sessions].
@@ -286,6 +287,12 @@ def _carbon_lines(src: Sources, info: dict) -> tuple[list[str], list[str]]:
             " the hour start): mean of `f1..f12`, i.e. the forecast for this hour |",
             "| `moer_fc_h1` | float32 | kg CO2/kWh | same row: mean of `f13..f24`, the forecast for the next hour |",
             "| `moer_fc_h2` | float32 | kg CO2/kWh | same row: mean of `f25..f36`, the forecast for the hour after |",
+            "| `moer_fc_5min_01` .. `_12` | float32 | kg CO2/kWh | same row: `f1` .. `f12`, the forecasts for the"
+            " hour's twelve 5-minute intervals |",
+            f"| `moer_last_5min` | float32 | kg CO2/kWh | the raw `{c.value_column}` of the last row before the hour"
+            " start: the latest realised 5 minutes (`moer_fc_h0` where the files hold no earlier row) |",
+            f"| `moer_last_15min` | float32 | kg CO2/kWh | mean raw `{c.value_column}` of the last three rows before"
+            " the hour start |",
         ]
     else:
         first = (

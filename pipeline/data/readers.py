@@ -5,7 +5,8 @@ Each returns a table plus an ``info`` dict for the data README:
 
 - :func:`read_sessions`: columns ``session_id, station_id`` (str), ``arrival, departure`` (datetime64[ns, UTC]),
   ``energy_kwh``, ``requested_energy_kwh`` (float32, kWh) [, ``kind`` (str) for generated sessions].
-- :func:`read_carbon`: ``moer_kg_per_kwh``, ``moer_fc_h0..h2`` (float64, kg CO2/kWh) on the period's hours.
+- :func:`read_carbon`: ``moer_kg_per_kwh``, ``moer_fc_h0..h2`` (float64, kg CO2/kWh) on the period's hours, and
+  from 5-minute files with forecasts :data:`envs.schemas.MOER_5MIN_COLUMNS`.
 
 Every check raises :class:`pipeline.data.sources.SourceError` naming the raw file, the column and the row. A raw
 file that cannot be decoded (a compressed file cut short by a download broken off, a file that is not what the
@@ -325,7 +326,10 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
     - ``watttime-moer`` (5-minute rows: ``time`` in UTC, ``moer``, optionally ``f1..f36``; files may overlap,
       repeated rows must agree and are kept once): ``moer_kg_per_kwh`` is the mean of the rows whose ``time``
       falls in the hour. With forecast columns, ``moer_fc_h0/h1/h2`` come from the row issued at the hour start
-      (if missing, the nearest earlier row): the means of ``f1..f12``, ``f13..f24``, ``f25..f36``.
+      (if missing, the nearest earlier row): the means of ``f1..f12``, ``f13..f24``, ``f25..f36``; from the same
+      row ``moer_fc_5min_01..12`` are ``f1..f12`` themselves, and ``moer_last_5min`` / ``moer_last_15min`` the
+      last one / the mean of the last three rows' ``moer`` strictly before the hour start (``moer_fc_h0`` where
+      the files hold no earlier row).
     - ``csv`` (any resolution, e.g. hourly average intensity): ``moer_kg_per_kwh`` is the mean of the values
       whose time falls in the hour.
     - Without forecast columns (``csv``, or MOER files without ``f1..f36``) the forecasts are persistence, a
@@ -336,7 +340,8 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
       forecast) is skipped: one line through ``log``, listed in ``info["skipped"]``.
 
     Returns:
-        ``(frame, info)``: DataFrame indexed like ``index``, columns ``moer_kg_per_kwh, moer_fc_h0..h2``
+        ``(frame, info)``: DataFrame indexed like ``index``, columns ``moer_kg_per_kwh, moer_fc_h0..h2`` (and
+        :data:`envs.schemas.MOER_5MIN_COLUMNS` from ``watttime-moer`` files with forecasts)
         (float64, kg CO2/kWh); ``info`` with ``format``, counts, ``forecast`` ("file", "persistence",
         "constant") and, for files, ``skipped`` (one dict per skipped file: ``file``, ``rows``, ``first``,
         ``last`` (local dates of its rows), ``why``).
@@ -467,6 +472,18 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
             raise SourceError(f"{label}: no forecast row at or before {index[fc_rows['f1'].isna()][0]}")
         for h in range(3):
             out[f"moer_fc_h{h}"] = fc_rows[[f"f{i}" for i in range(12 * h + 1, 12 * h + 13)]].mean(axis=1).to_numpy()
+        # what the 5-minute rows say at the hour start beyond the hour means: the last realised intervals before it
+        # (the hour's own forecast where the files hold none earlier) and the forecasts for its twelve intervals
+        before = np.searchsorted(m.index.to_numpy(), index.to_numpy(), side="left") - 1  # last row strictly before
+        realised = m["moer"].to_numpy()
+        last = [np.where(before - j >= 0, realised[np.maximum(before - j, 0)], np.nan) for j in range(3)]
+        fallback = out["moer_fc_h0"].to_numpy()
+        out["moer_last_5min"] = np.where(np.isnan(last[0]), fallback, last[0])
+        known = ~np.isnan(np.stack(last))
+        mean3 = np.where(known, np.stack(last), 0.0).sum(0) / np.maximum(known.sum(0), 1)
+        out["moer_last_15min"] = np.where(np.isnan(last[0]), fallback, mean3)
+        for i in range(1, 13):
+            out[f"moer_fc_5min_{i:02d}"] = fc_rows[f"f{i}"].to_numpy()
         info.update(forecast="file", forecast_rows_from_earlier=int((~exact).sum()))
     else:
         hourly_all = grp.mean()
