@@ -65,7 +65,7 @@ docstring); a site has all of them or none."""
 HOURLY_COLUMNS = ("time", "pv_kw_per_kwp", *MOER_COLUMNS)
 SESSIONS_COLUMNS = ("session_id", "station_id", "arrival", "departure", "energy_kwh", "requested_energy_kwh")
 _TIME_COLUMNS = ("time", "arrival", "departure")
-_FLOAT32_COLUMNS = ("pv_kw_per_kwp", *MOER_COLUMNS, "energy_kwh", "requested_energy_kwh")
+_FLOAT32_COLUMNS = ("pv_kw_per_kwp", *MOER_COLUMNS, *MOER_5MIN_COLUMNS, "energy_kwh", "requested_energy_kwh")
 _STRING_COLUMNS = ("session_id", "station_id")
 
 MOER_MAX_KG_PER_KWH = 2
@@ -129,10 +129,7 @@ HOURLY_SCHEMA = pa.DataFrameSchema(
         ),
         "pv_kw_per_kwp": _float_column(0, PV_MAX_KW_PER_KWP),
         **{c: _float_column(0, MOER_MAX_KG_PER_KWH) for c in MOER_COLUMNS},
-        **{
-            c: pa.Column(np.float32, [pa.Check.ge(0), pa.Check.le(MOER_MAX_KG_PER_KWH)], required=False)
-            for c in MOER_5MIN_COLUMNS
-        },
+        **{c: _float_column(0, MOER_MAX_KG_PER_KWH, required=False) for c in MOER_5MIN_COLUMNS},
     },
     strict=False,
     name="hourly",
@@ -335,7 +332,7 @@ def validate_table(kind: str, df: pd.DataFrame, file: str) -> None:
 
 def _columns_only(schema: pa.DataFrameSchema) -> pa.DataFrameSchema:
     """The schema's columns and dtypes without any value check (NaN allowed)."""
-    columns = {name: pa.Column(col.dtype, nullable=True) for name, col in schema.columns.items()}
+    columns = {name: pa.Column(col.dtype, nullable=True, required=col.required) for name, col in schema.columns.items()}
     return pa.DataFrameSchema(columns, strict=False, name=schema.name)
 
 

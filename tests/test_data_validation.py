@@ -15,6 +15,7 @@ import pytest
 from envs.schemas import (
     HOURLY_COLUMNS,
     HOURLY_SCHEMA,
+    MOER_5MIN_COLUMNS,
     SESSIONS_COLUMNS,
     SESSIONS_SCHEMA,
     DataValidationError,
@@ -63,11 +64,11 @@ def test_committed_data_pass(full):
     validate_site_data(hourly, sessions, SOURCE)  # raises on any failure
     HOURLY_SCHEMA.validate(hourly)
     SESSIONS_SCHEMA.validate(sessions)
-    assert list(hourly.columns) == list(HOURLY_COLUMNS)
+    assert list(hourly.columns) == list(HOURLY_COLUMNS) + list(MOER_5MIN_COLUMNS)  # caltech's source is 5-minute
     assert list(sessions.columns) == list(SESSIONS_COLUMNS)
     assert str(hourly.time.dtype) == "datetime64[ns, UTC]"
     assert str(sessions.arrival.dtype) == str(sessions.departure.dtype) == "datetime64[ns, UTC]"
-    for c in HOURLY_COLUMNS[1:] + ("energy_kwh", "requested_energy_kwh"):
+    for c in HOURLY_COLUMNS[1:] + MOER_5MIN_COLUMNS + ("energy_kwh", "requested_energy_kwh"):
         frame = hourly if c in hourly else sessions
         assert frame[c].dtype == np.float32, c
     # 2019-05-01 00:00 local inclusive .. 2021-09-01 00:00 local exclusive
@@ -260,3 +261,24 @@ def test_csv_round_trip(tmp_path, small):
     validate_site_data(h, s, {"hourly": str(tmp_path / "hourly.csv"), "sessions": str(tmp_path / "sessions.csv")})
     pd.testing.assert_series_equal(h.time, hourly.time)
     pd.testing.assert_series_equal(s.arrival, sessions.arrival)
+
+
+def test_five_minute_columns_come_all_or_none():
+    """A site whose hourly data hold some of the optional 5-minute MOER columns but not all is refused when a split
+    is cut, naming the data file and the missing columns; with all of them the split carries them in order."""
+    from conftest import make_site
+
+    from envs.site import Site
+
+    site = make_site(days=3)
+    hourly = site.hourly.copy()
+    for i, c in enumerate(MOER_5MIN_COLUMNS):
+        hourly[c] = np.float32(0.1 + 0.01 * i)
+    full = Site(site.config, hourly, site.sessions, {"hourly": "site/hourly.parquet"})
+    np.testing.assert_allclose(full.split("train").moer_5min[0], 0.1 + 0.01 * np.arange(len(MOER_5MIN_COLUMNS)))
+    partial = Site(
+        site.config, hourly.drop(columns=["moer_fc_5min_12"]), site.sessions, {"hourly": "site/hourly.parquet"}
+    )
+    with pytest.raises(ValueError, match=r"site/hourly\.parquet: column\(s\) moer_fc_5min_12 missing"):
+        partial.split("train")
+    assert site.split("train").moer_5min is None
