@@ -5,7 +5,8 @@ refit at the start of a day at most on pairs whose target was realised before th
 
 - :class:`MOERRegression`: one linear least-squares model per lead on the data's forecasts, the last two hours'
   MOER, the same-hour profile and the hour of day, refit every day on the split's past (``mpc``'s forecast); with a
-  half-life, the past pairs are weighted down exponentially with their age (the learned planners' forecast, half-life
+  half-life, the past pairs are weighted down exponentially with their age, and with ``five_minute`` it also reads
+  what a 5-minute source says at the hour start (the learned planners' forecast: both, half-life
   :data:`LEARNED_HALF_LIFE_DAYS`);
 - :class:`MOERBoosted`: one gradient-boosted tree model over all leads (scikit-learn's
   ``HistGradientBoostingRegressor``) on richer features (the data's forecasts, lags of the realised MOER up to a
@@ -32,7 +33,9 @@ REGRESSION_WARMUP_DAYS = 7
 LEARNED_HALF_LIFE_DAYS = 21.0
 """Half-life, days, of the pairs' weight in the learned planners' MOER regression. Chosen on the train split: of 7, 10,
 14, 21, 30 and 60 days and no forgetting, the one with the best mean R^2 over leads 0-23 h (0.4812; 14 and 30 days
-0.4808 and 0.4801, no forgetting 0.4672); ``docs/agents.md`` has the table."""
+0.4808 and 0.4801, no forgetting 0.4672). With the 5-minute regressors added after, checked on the planner's train
+CO2 (``mpc_tuned``'s seed-1 parameters): 14, 21, 30 and 60 days give 6858.0, 6848.2, 6854.1 and 6875.6 kg, so it
+stayed. ``docs/agents.md`` has the tables."""
 RIDGE = 1e-6
 """Ridge penalty of the MOER regression per pair (features are of order 0.1-1): only keeps the normal equations
 well posed (e.g. a constant feature column on a synthetic site); no shrinkage worth the name on real data."""
