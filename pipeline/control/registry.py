@@ -139,15 +139,15 @@ CONTROLLERS: dict[str, Controller] = {
                    "24 h LP on a MOER regression refit daily and the past week's sessions (hand-set weights)",
                    "pipeline.control.mpc:simulate", ("mpc",), _mpc_enabled),
         Controller("mpc_tuned", "learned planner", True, True,
-                   "mpc on a MOER regression that forgets old days, its parameters tuned by CMA-ES"
-                   " in closed loop on the train split's weeks",
+                   "mpc on a learned MOER forecast (5-minute data, forgets old days), its parameters tuned by"
+                   " CMA-ES in closed loop on the train split's weeks",
                    "pipeline.control.learned:simulate_tuned", (), _learned_enabled, seeded=True, tuned=True),
         Controller("mpc_adaptive", "learned planner", True, True,
                    "mpc_tuned, its demand weight re-chosen each week by replaying the split's last weeks",
                    "pipeline.control.learned:simulate_adaptive", (), _learned_enabled, seeded=True, tuned=True),
         Controller("mpc_rl", "learned planner", True, True,
-                   "mpc on a MOER regression that forgets and demand by day type, its demand weight and terminal"
-                   " value set each day by a PPO policy trained on the train split",
+                   "mpc on a learned MOER forecast and demand by day type, its demand weight and terminal value"
+                   " set each day by a PPO policy trained on the train split",
                    "pipeline.control.rl_planner:simulate_rl", (), _learned_enabled, seeded=True, tuned=True),
         *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
