@@ -64,7 +64,8 @@ def base_params(site: Site) -> PlannerParams:
     """The planner's parameters the policy does not set: the site's ``[mpc]`` values on the learned MOER forecast
     (:meth:`pipeline.control.replay.PlannerParams.learned_start`), the expected demand drawn by day type (weekday or
     weekend). The day type was chosen on the train split: with it ``mpc_rl`` closes 44.1% of the gap there against
-    40.3% without (means of 3 seeds, ``docs/agents.md``), and every seed's tuning chose it for ``mpc_tuned``."""
+    40.3% without (means of 3 seeds, on the forecast with forgetting alone: ``docs/agents.md``), and every seed's
+    tuning chose it for ``mpc_tuned``."""
     return replace(PlannerParams.learned_start(site), demand_day_type=True)
 
 
