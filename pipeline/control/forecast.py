@@ -122,24 +122,20 @@ class MOERRegression:
         onehot = np.eye(self.day)[self._step_of_day[s + k]]
         return np.column_stack([self._base[s], self._prof[s, k], onehot])
 
-    def _age_weight(self, steps: np.ndarray | float) -> np.ndarray | float:
-        """Weight of a pair that entered the normal equations ``steps`` steps ago (1 without forgetting)."""
-        if self.half_life_days <= 0:
-            return np.ones_like(steps, dtype=np.float64) if isinstance(steps, np.ndarray) else 1.0
-        return 0.5 ** (np.asarray(steps, np.float64) / (self.day * self.half_life_days))
-
     def _fit_to(self, end: int) -> None:
         """Add every pair with target step in ``[_fitted_to, end)`` and refit the leads' weights."""
-        decay = self._age_weight(float(end - self._fitted_to))
+        # a pair that entered the normal equations n steps ago weighs 0.5 ** (n / halving) (1 without forgetting)
+        halving = self.day * self.half_life_days if self.half_life_days > 0 else np.inf
+        decay = 0.5 ** ((end - self._fitted_to) / halving)
+        self._gram *= decay
+        self._rhs *= decay
+        self._weight_sum *= decay
         for k in range(self.H):
             s = np.arange(max(self.day, self._fitted_to - k), max(self.day, end - k))
-            self._gram[k] *= decay
-            self._rhs[k] *= decay
-            self._weight_sum[k] *= decay
             if len(s):
                 A = self.features(s, k)
                 entered = (s + k) // self.day * self.day + self.day  # the day start after the target step
-                w = self._age_weight(end - entered)
+                w = 0.5 ** ((end - entered) / halving)
                 self._gram[k] += A.T @ (A * w[:, None])
                 self._rhs[k] += A.T @ (self.moer[s + k] * w)
                 self._pairs[k] += len(s)

@@ -475,13 +475,10 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
         # what the 5-minute rows say at the hour start beyond the hour means: the last realised intervals before it
         # (the hour's own forecast where the files hold none earlier) and the forecasts for its twelve intervals
         before = np.searchsorted(m.index.to_numpy(), index.to_numpy(), side="left") - 1  # last row strictly before
-        realised = m["moer"].to_numpy()
-        last = [np.where(before - j >= 0, realised[np.maximum(before - j, 0)], np.nan) for j in range(3)]
-        fallback = out["moer_fc_h0"].to_numpy()
-        out["moer_last_5min"] = np.where(np.isnan(last[0]), fallback, last[0])
-        known = ~np.isnan(np.stack(last))
-        mean3 = np.where(known, np.stack(last), 0.0).sum(0) / np.maximum(known.sum(0), 1)
-        out["moer_last_15min"] = np.where(np.isnan(last[0]), fallback, mean3)
+        at, fallback = np.maximum(before, 0), out["moer_fc_h0"].to_numpy()
+        last3 = m["moer"].rolling(3, min_periods=1).mean().to_numpy()
+        out["moer_last_5min"] = np.where(before >= 0, m["moer"].to_numpy()[at], fallback)
+        out["moer_last_15min"] = np.where(before >= 0, last3[at], fallback)
         for i in range(1, 13):
             out[f"moer_fc_5min_{i:02d}"] = fc_rows[f"f{i}"].to_numpy()
         info.update(forecast="file", forecast_rows_from_earlier=int((~exact).sum()))
