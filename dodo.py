@@ -52,7 +52,7 @@ from pathlib import Path
 from doit.exceptions import InvalidDodoFile
 
 from envs.errors import ExpectedError, one_message
-from pipeline.study import depends
+from pipeline import depends
 from pipeline.study.cluster import stages_side_by_side
 from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study.failures import doit_action, quiet_worker_failures
@@ -91,11 +91,7 @@ if stages_side_by_side(CFG.scheduler_address):
 
 
 def _site_files() -> list[str]:
-    from envs.config import load_config
-
-    cfg, path = load_config(SITE_TOML)
-    data = path.parent / cfg.data_dir
-    return [str(path), str(data / "hourly.parquet"), str(data / "sessions.parquet")]
+    return depends.as_strings(depends.site_files(SITE_TOML))
 
 
 CONTROLLER_CODE = depends.as_strings(depends.controllers())
@@ -187,38 +183,56 @@ TUNE_CFG = replace(CFG, tune_budget=_tune_budget())
 
 
 def task_tune():
-    """Tune the planner's parameters by CMA-ES in closed loop on the train split, once per seed.
-
-    Its code is pipeline.control.tuning.
+    """Tune the learned planners on the train split, once per seed: ``tune:mpc_tuned`` (the planner's parameters by
+    CMA-ES in closed loop, pipeline.control.tuning) and ``tune:mpc_rl`` (mpc_rl's day-level PPO policy,
+    pipeline.control.rl_planner).
 
     Inside ``doit run pipeline`` with the ``small`` budget; ``doit run tune`` runs the ``full`` one (``tune_budget=``
-    chooses). A tuning is cached in ``<experiment>/tuned/`` for the site, its data and the control code it was made
-    for, and a cached tuning with the budget asked for or a larger one is used as it is.
+    chooses). Each result is kept in ``<experiment>/tuned/`` with the fingerprint of the site, its data and the code it
+    was made with (every file of envs/ and pipeline/control/, and for mpc_rl the PPO script and harness); a result
+    made for the same fingerprint with the budget asked for or a larger one is used as it is.
     """
-    if not _targets("tune"):
-        return {"actions": None, "uptodate": [True], "title": lambda task: "tune: the site runs no learned planner"}
+    from pipeline.control import tuning
+    from pipeline.study.tasks import rl_planner_trained
 
-    def cached() -> bool:  # every seed's tuning made for this site, data and code with this budget or a larger one
-        from pipeline.control import tuning
+    tuned_dir = CFG.root / "tuned"
+    budget = TUNE_CFG.tune_budget
 
+    def tuned() -> bool:  # every seed's tuning made for this site, data and code with this budget or a larger one
         fp = tuning.fingerprint(SITE_TOML)
-        tuned = all(tuning.cached(CFG.root / "tuned", s, fp, TUNE_CFG.tune_budget) for s in CFG.seeds)
-        return tuned and all(Path(p).is_file() for p in _targets("tune"))
+        return all(tuning.cached(tuned_dir, s, fp, budget) for s in CFG.seeds)
 
-    return {
-        "actions": [_stage("tune", TUNE_CFG)],
-        "file_dep": _targets("validate"),
-        "targets": _targets("tune"),
-        "uptodate": [cached],
-        "verbosity": 2,
-    }
+    def trained() -> bool:  # every seed's mpc_rl policy likewise
+        return all(rl_planner_trained(str(SITE_TOML), s, tuned_dir, budget) for s in CFG.seeds)
+
+    inputs = _targets("validate") + _site_files() + CONTROLLER_CODE
+    for name, stage, done, code in (
+        ("mpc_tuned", "tune", tuned, []),
+        ("mpc_rl", "tune_rl", trained, depends.as_strings(depends.training("ppo"))),
+    ):
+        if not _targets(stage):
+            yield {
+                "name": name,
+                "actions": None,
+                "uptodate": [True],
+                "title": lambda task, name=name: f"tune:{name}: the site runs no {name}",
+            }
+            continue
+        yield {
+            "name": name,
+            "actions": [_stage(stage, TUNE_CFG, f"tune:{name}")],
+            "file_dep": sorted(set(inputs + code)),
+            "targets": _targets(stage),
+            "uptodate": [done],
+            "verbosity": 2,
+        }
 
 
 def task_planners():
     """Run the learned planners (mpc_tuned, mpc_adaptive, mpc_rl) on both splits, once per seed, from the tuning."""
     return {
         "actions": [_stage("planners")],
-        "file_dep": _targets("tune") + _targets("validate") + _site_files() + CONTROLLER_CODE,
+        "file_dep": _targets("tune") + _targets("tune_rl") + _targets("validate") + _site_files() + CONTROLLER_CODE,
         "targets": _targets("planners"),
         "uptodate": [_config_changed()],
         "clean": True,

@@ -281,6 +281,25 @@ def _arrival_tables(sessions: pd.DataFrame, T: int, n_sockets: int) -> tuple[np.
     return need, stay
 
 
+def site_files(site: str | Path) -> dict[str, Path]:
+    """The files a site is loaded from: ``{"config": its TOML, "hourly": ..., "sessions": ...}`` (the processed
+    Parquet data in the TOML's ``data_dir``, which need not exist yet).
+
+    Args:
+        site: a shipped site name or a path to a site TOML.
+
+    Raises:
+        FileNotFoundError, ConfigError: as :func:`envs.config.load_config`.
+    """
+    cfg, path = load_config(site)
+    return {"config": path, **_data_files(cfg, path)}
+
+
+def _data_files(cfg: SiteConfig, toml: Path) -> dict[str, Path]:
+    """``{"hourly": ..., "sessions": ...}``: the processed Parquet files of the config ``cfg`` read from ``toml``."""
+    return {name: toml.parent / cfg.data_dir / f"{name}.parquet" for name in ("hourly", "sessions")}
+
+
 def load_site(site: str | Path | Site, validate: bool = True) -> Site:
     """Load a site: its config and the processed Parquet data beside it.
 
@@ -304,7 +323,7 @@ def load_site(site: str | Path | Site, validate: bool = True) -> Site:
 
     cfg, path = load_config(site)
     data_dir = path.parent / cfg.data_dir
-    files = {name: data_dir / f"{name}.parquet" for name in ("hourly", "sessions")}
+    files = _data_files(cfg, path)
     for f in files.values():
         if not f.is_file():
             others = sorted(p.name for p in data_dir.glob(f"{f.stem}.*")) if data_dir.is_dir() else []

@@ -168,12 +168,13 @@ def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timest
     np.testing.assert_allclose(compiled, eager, rtol=1e-3, atol=1e-5)
 
 
-def doit(args: list[str], site_toml, out, **env):
+def doit(args: list[str], site_toml, out, cwd=None, **env):
     """Run ``python -m doit <args>`` for the site ``site_toml`` with outputs under ``out`` (its doit database
     beside ``out``), a training budget of 4096 steps and an embedded Dask cluster; returns the CompletedProcess.
 
     ``args`` is the doit command and its arguments, e.g. ``["run", "pipeline", "algos=ppo"]``; ``env`` adds
-    environment variables.
+    environment variables; ``cwd`` runs it in another copy of the project (its code first on ``PYTHONPATH``, so every
+    process of the run imports that copy).
     """
     import os
     import subprocess
@@ -188,8 +189,10 @@ def doit(args: list[str], site_toml, out, **env):
         **env,
     }
     environ.pop("DASK_SCHEDULER_ADDRESS", None)
+    if cwd is not None:
+        environ["PYTHONPATH"] = os.pathsep.join([str(cwd), *filter(None, [environ.get("PYTHONPATH")])])
     cmd = [sys.executable, "-m", "doit", args[0], "--db-file", str(Path(out).parent / "doit.db"), *args[1:]]
-    return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=cwd or ROOT, env=environ, capture_output=True, text=True, timeout=600)
 
 
 def files_under(folder) -> list:

@@ -1,5 +1,5 @@
-"""The learned planners (pipeline/control/forecast.py, replay.py, tuning.py, learned.py): causal, repeatable, and
-the tuner finds what is known to be best."""
+"""The learned planners (pipeline/control/forecast.py, backtest.py, tuning.py, learned.py, rl_planner.py): causal,
+repeatable, and the tuner finds what is known to be best."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import make_site
+from conftest import make_site, write_site
 
 from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site
 from pipeline.control import learned, tuning
-from pipeline.control.forecast import MOERBoosted
-from pipeline.control.replay import PlannerParams, replay, weeks
+from pipeline.control.backtest import run_window, weeks
+from pipeline.control.mpc import MPCController, PlannerParams
 
 FAST = tuning.Budget(generations=3, popsize=4, weeks=1, sigma0=0.3, validation_weeks=1)
-"""A tuning budget a test can afford (14 week replays)."""
+"""A tuning budget a test can afford (14 week backtests)."""
 
 
 def _periodic_site(days: int = 21, **overrides) -> Site:
@@ -39,55 +39,43 @@ def _periodic_site(days: int = 21, **overrides) -> Site:
     return Site(site.config, site.hourly, sessions, dict(site.source))
 
 
-def test_boosted_forecast_never_trains_on_a_target_realised_after_its_issue_time():
-    """Forecasts issued up to step k are unchanged when the MOER (and the data's forecasts) after k change."""
-    site = make_site(days=14)
-    data = site.split("train")
-    k = 9 * 24 + 5  # inside the second refit period (refit every 2 days from day 0: fits at days 8 and 9 used)
-    changed = dataclasses.replace(
-        data,
-        moer=np.r_[data.moer[:k], data.moer[k:][::-1] * 3.0].astype(data.moer.dtype),
-        moer_fc=np.r_[data.moer_fc[: k + 1], data.moer_fc[k + 1 :] * 2.0].astype(data.moer_fc.dtype),
-    )
-    H = 12
-    a = MOERBoosted(data, H, refit_days=2, warmup_days=3, max_iter=20)
-    b = MOERBoosted(changed, H, refit_days=2, warmup_days=3, max_iter=20)
-    issued = range(4 * 24, k + 1)
-    fa = [a(t, H) for t in issued]
-    fb = [b(t, H) for t in issued]
-    assert sum(f is not None for f in fa) > 24 and a.fits >= 3
-    for t, x, y in zip(issued, fa, fb):
-        assert (x is None) == (y is None), t
-        if x is not None:
-            np.testing.assert_array_equal(x, y, err_msg=f"forecast issued at step {t} read a later target")
-    # a forecast after the change differs: the test can fail
-    assert not np.array_equal(a(k + 24 * 2, H), b(k + 24 * 2, H))
-
-
-def test_boosted_forecast_with_a_prior_split_forecasts_from_the_first_step():
-    site = make_site(days=10)
-    f = MOERBoosted(site.split("test"), 6, prior=site.split("train"), max_iter=20)
-    out = f(0, 6)
-    assert out is not None and out.shape == (6,) and (out >= 0).all()
-
-
-def test_replay_is_the_env_run_of_the_window():
-    """A replayed window's CO2 is the sum of the env's CO2 over those steps, it serves its cars, and a window outside
+def test_a_backtest_is_the_env_run_of_the_window():
+    """A backtested window's CO2 is the sum of the env's CO2 over those steps, it serves its cars, and a window outside
     the split is refused."""
     site = make_site(days=16)
     data = site.split("train")
     start, steps = weeks(data)[1]
-    r = replay(site, "train", start, steps, PlannerParams(horizon_h=6))
+    r = run_window(site, "train", start, steps, PlannerParams(horizon_h=6))
     assert r.steps == steps == 168 and r.solves == steps and r.co2_kg > 0 and r.unserved_kwh < 1e-6
-    again = replay(site, "train", start, steps, PlannerParams(horizon_h=6).as_dict())
+    again = run_window(site, "train", start, steps, PlannerParams(horizon_h=6).as_dict())
     assert dataclasses.replace(r, solve_s=0.0) == dataclasses.replace(again, solve_s=0.0)  # deterministic
     with pytest.raises(ValueError, match="outside split"):
-        replay(site, "train", data.num_steps - 10, 168, PlannerParams())
+        run_window(site, "train", data.num_steps - 10, 168, PlannerParams())
+
+
+def test_a_site_path_is_loaded_again_when_its_files_change(tmp_path):
+    """A worker keeps a site it has loaded for the content of its files, not their path: the same window backtested
+    after the site's data were written anew (a re-ingest) reads the new data."""
+    site = make_site(days=16, n_sockets=4, mpc={"horizon_h": 6})
+    toml = write_site(site, tmp_path)
+    start, steps = weeks(site.split("train"))[1]
+    params = PlannerParams(horizon_h=6)
+    before = run_window(toml, "train", start, steps, params)
+    assert run_window(toml, "train", start, steps, params).co2_kg == before.co2_kg
+    hourly = site.hourly.copy()
+    hourly["moer_kg_per_kwh"] = (hourly["moer_kg_per_kwh"] * 2).astype(np.float32)
+    write_site(Site(site.config, hourly, site.sessions, dict(site.source)), tmp_path)  # the same paths, new data
+    after = run_window(toml, "train", start, steps, params)
+    assert after.co2_kg > 1.5 * before.co2_kg, (before.co2_kg, after.co2_kg)
 
 
 def test_tuning_with_a_seed_is_repeatable():
     site = make_site(days=15, mpc={"horizon_h": 6})
+    np.random.seed(7)
+    outside = np.random.get_state()
     a = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
+    after = np.random.get_state()  # cma draws from each seed's own generator, not NumPy's global one
+    assert all(np.array_equal(x, y) for x, y in zip(outside, after))
     b = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
     validation = a.history.candidate.str.startswith(("start", "mean after generation"))
     assert a.params == b.params and len(a.history) - validation.sum() == FAST.generations * FAST.popsize
@@ -104,6 +92,47 @@ def test_tuning_with_a_seed_is_repeatable():
     pd.testing.assert_frame_equal(e.history, a.history)
 
 
+def test_tuning_samples_the_integer_and_yes_no_parameters_as_integers():
+    """cma's integer handling: every candidate and every validated mean has whole days and hours and a yes/no day type;
+    ``decode`` refuses a point that is not one."""
+    site = make_site(days=15, mpc={"horizon_h": 6})
+    result = tuning.tune(site, seeds=(5,), budget=FAST, progress=lambda line: None)[0]
+    h = result.history[result.history.candidate != "start"]  # the start is the site's own (horizon 6 h)
+    for name in ("expected_demand_days", "horizon_h"):
+        assert (h[name] == h[name].round()).all() and h[name].between(*_range(name)).all(), h[name]
+    assert set(h.demand_day_type) <= {True, False} and h.demand_day_type.nunique() == 2  # both answers sampled
+    start = PlannerParams.learned_start(site.config)
+    with pytest.raises(ValueError, match="expected_demand_days"):
+        tuning.decode(tuning.encode(start) + np.eye(len(tuning.SPACE))[1] * 0.5, start)
+
+
+def _range(name: str) -> tuple[float, float]:
+    p = next(p for p in tuning.SPACE if p.name == name)
+    return p.low, p.high
+
+
+def test_planner_env_passes_gymnasiums_env_checker(tmp_path):
+    """``EVHubPlanner-v0`` (mpc_rl's day-level env) is a gymnasium env that gymnasium's own checker accepts: spaces,
+    seeded resets, step's return types; and an episode is the week it says."""
+    import gymnasium as gym
+    from gymnasium.utils.env_checker import check_env
+
+    from pipeline.control import rl_planner
+
+    site_toml = write_site(make_site(days=15, n_sockets=4, mpc={"horizon_h": 6}), tmp_path)
+    env = gym.make(rl_planner.ENV_ID, site=str(site_toml))
+    check_env(env.unwrapped, skip_render_check=True)
+    obs, _ = env.reset(seed=1)
+    assert obs.shape == (len(rl_planner.OBS_NAMES),)
+    days = 0
+    truncated = False
+    while not truncated:
+        obs, reward, terminated, truncated, info = env.step(np.zeros(2, np.float32))
+        days += 1
+        assert np.isfinite(reward) and not terminated and info["unserved_kwh"] < 1e-6
+    assert days == rl_planner.EPISODE_DAYS
+
+
 def test_tuner_finds_the_demand_weight_on_a_site_whose_arrivals_repeat_daily():
     """When every day's sessions are the same, planning for the past week's mean demand is planning for the true
     demand: weight 1 is known to be best. Started from weight 0, the tuner (the weight alone) moves to it."""
@@ -114,7 +143,7 @@ def test_tuner_finds_the_demand_weight_on_a_site_whose_arrivals_repeat_daily():
     )
     start, steps = weeks(site.split("train"))[1]
     costs = {
-        w: replay(
+        w: run_window(
             site, "train", start, steps, PlannerParams(horizon_h=12, expected_demand_days=3, expected_demand_weight=w)
         ).cost
         for w in (0.0, 1.0)
@@ -205,7 +234,7 @@ def test_learned_planners_are_causal(tmp_path):
         chosen = learned.schedule(table, 2)
         runs.append(
             {
-                "tuned": _actions(learned.planner(s.split("test"), tuned), s, "test", k + 1),
+                "tuned": _actions(MPCController(s.split("test"), tuned, presolve=False), s, "test", k + 1),
                 "adaptive": _actions(learned.AdaptivePlanner(s.split("test"), cands, chosen), s, "test", k + 1),
                 "rl": _actions(DailyPolicyPlanner(s, "test", day_policy, tuned), s, "test", k + 1),
                 "chosen": chosen,
@@ -219,13 +248,13 @@ def test_learned_planners_are_causal(tmp_path):
 def test_expected_demand_by_day_type_reads_the_last_days_of_the_same_type():
     """With ``demand_day_type`` an hour of a Saturday expects the sessions of the last Sunday and Saturday before it,
     an hour of a Friday those of Thursday and Wednesday (2 days each), every one of them realised by then."""
-    from pipeline.control.mpc import MPCController
-
     site = make_site(days=21)
     data = site.split("train")
     local = data.time.tz_convert(site.config.timezone)
     t = int(np.flatnonzero((local.day_of_week == 4) & (local.hour == 20))[1])  # the second Friday, 20:00
-    mpc = MPCController(data, 24, expected_demand_days=2, expected_demand_weight=1.0, demand_day_type=True)
+    mpc = MPCController(
+        data, PlannerParams(24, expected_demand_days=2, expected_demand_weight=1.0, demand_day_type=True)
+    )
     used: dict[int, list[int]] = {}
     for shift, (share, ks) in mpc._same_day_type_sources(t, 24):
         j = (t - shift) // 24
@@ -240,7 +269,7 @@ def test_expected_demand_by_day_type_reads_the_last_days_of_the_same_type():
         expected = [1, 2] if target.day_of_week < 5 else ([6, 7] if target.day_of_week == 5 else [1, 7])
         assert sorted(js) == expected, (k, target, js)
     # the flat expected demand (the shipped mpc's) is not changed by the option's existence
-    flat = MPCController(data, 24, expected_demand_days=2, expected_demand_weight=1.0)
+    flat = MPCController(data, PlannerParams(24, expected_demand_days=2, expected_demand_weight=1.0))
     plugged = (np.zeros(data.config.ev.n_sockets), np.zeros(data.config.ev.n_sockets, dtype=np.int64))
     a, b = flat.sessions(t, 24, *plugged), mpc.sessions(t, 24, *plugged)
     assert not np.array_equal(np.sort(a[0]), np.sort(b[0])) or not np.allclose(np.sort(a[2]), np.sort(b[2]))

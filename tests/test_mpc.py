@@ -15,14 +15,20 @@ from envs.kpis import balance_residual, evaluate_policy
 from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site
 from pipeline.control.baselines import uncontrolled
-from pipeline.control.forecast import REGRESSION_WARMUP_DAYS, RIDGE, MOERRegression
-from pipeline.control.mpc import MPCController, run_mpc
+from pipeline.control.forecast import REGRESSION_WARMUP_DAYS, RIDGE, MOERRegression, profile_outlook
+from pipeline.control.mpc import MPCController, PlannerParams, run_mpc
 from pipeline.control.oracle import solve_oracle
+
+
+def _params(data, **changes) -> PlannerParams:
+    """The site's ``[mpc]`` parameters with ``changes``."""
+    return dataclasses.replace(PlannerParams.of_site(data.config), **changes)
 
 
 def _run(site: Site, split: str, perfect: bool, horizon_h: int = 24):
     """``(kpi_row, traces, controller)`` of an MPC run that keeps every plan."""
-    mpc = MPCController(site.split(split), horizon_h, perfect=perfect, keep_plans=True)
+    data = site.split(split)
+    mpc = MPCController(data, _params(data, horizon_h=horizon_h), perfect=perfect, keep_plans=True)
     kpi, traces = evaluate_policy(mpc, site, split, "mpc", action_mode="socket", bess_action="setpoint")
     return kpi, traces, mpc
 
@@ -150,16 +156,17 @@ def test_moer_regression_is_causal_and_learns_what_the_data_forecasts_miss():
     site = _ar_moer_site()
     data = site.split("train")
     days = range(REGRESSION_WARMUP_DAYS * 24, data.num_steps - 24)
-    mpc = MPCController(data, 24)
+    mpc = MPCController(data, _params(data, horizon_h=24))
     fc = np.array([mpc.moer_outlook(t, 24) for t in days])
-    profile = np.array([mpc.profile_outlook(t, 24) for t in days])
+    profile = np.array([profile_outlook(data, t, 24) for t in days])
     truth = np.array([data.moer[t : t + 24] for t in days])
     err, err_profile = np.abs(fc - truth).mean(0), np.abs(profile - truth).mean(0)
     # the last hours' MOER predicts the next few: the regression beats the data's forecasts and the profile there
     assert (err[:4] < 0.8 * err_profile[:4]).all(), (err[:4], err_profile[:4])
     # causal: scrambling the MOER and its forecasts from step `cut` on leaves every forecast issued before it unchanged
     cut = REGRESSION_WARMUP_DAYS * 24 + 30
-    other = MPCController(_changed_future(site, "train", cut).split("train"), 24)
+    changed = _changed_future(site, "train", cut).split("train")
+    other = MPCController(changed, _params(changed, horizon_h=24))
     for t in range(cut):
         np.testing.assert_array_equal(mpc.moer_outlook(t, 24), other.moer_outlook(t, 24), err_msg=f"step {t}")
     assert not np.array_equal(mpc.moer_outlook(cut, 24), other.moer_outlook(cut, 24))
@@ -168,7 +175,7 @@ def test_moer_regression_is_causal_and_learns_what_the_data_forecasts_miss():
 def test_moer_regression_with_forgetting_is_the_weighted_fit_it_documents():
     """With a half-life the regression is weighted least squares whose pair weights halve every half-life from the
     day after their target (checked against an independent fit); half-life 0 is ``mpc``'s regression to the bit; a
-    replay that starts mid-split (the past fitted in one go) forecasts what a run from the split's start does; it is
+    backtest that starts mid-split (the past fitted in one go) forecasts what a run from the split's start does; it is
     causal."""
     site = _ar_moer_site(days=16)
     data = site.split("train")
@@ -277,18 +284,17 @@ def test_expected_demand_is_the_past_days_sessions():
     )
     t, H = 3 * day + 2, 24
     plugged = (np.array([0.0, 5.0, 0.0, 2.0]), np.array([0, 3, 0, 30], dtype=np.int64))
-    truth = _by_arrival(MPCController(periodic, H, perfect=True).sessions(t, H, *plugged))
+    truth = _by_arrival(MPCController(periodic, _params(periodic, horizon_h=H), perfect=True).sessions(t, H, *plugged))
     for weight in (1.0, 0.5):
-        mpc = MPCController(periodic, H, expected_demand_days=3, expected_demand_weight=weight)
+        mpc = MPCController(periodic, PlannerParams(H, expected_demand_days=3, expected_demand_weight=weight))
         got = _by_arrival(mpc.sessions(t, H, *plugged))
         assert got.keys() == truth.keys()
         for key, (e, w) in truth.items():
             share = 1.0 if key[0] == 0 else weight  # the plugged EVs are real
             assert got[key][0] == pytest.approx(share * e) and got[key][1] == pytest.approx(share * w), key
     for days, weight in ((0, 1.0), (3, 0.0)):
-        arr, *_ = MPCController(periodic, H, expected_demand_days=days, expected_demand_weight=weight).sessions(
-            t, H, *plugged
-        )
+        params = PlannerParams(H, expected_demand_days=days, expected_demand_weight=weight)
+        arr, *_ = MPCController(periodic, params).sessions(t, H, *plugged)
         assert (arr == 0).all() and len(arr) == 2
 
 
@@ -299,7 +305,7 @@ def test_stores_pv_surplus_now_rather_than_curtailing():
     b = site.config.bess
     t = int(np.argmax(data.pv_kw[:24]))
     for perfect in (False, True):
-        mpc = MPCController(data, 24, perfect=perfect)
+        mpc = MPCController(data, _params(data, horizon_h=24), perfect=perfect)
         plan = mpc.plan(t, b.soc_min * b.capacity_kwh, np.zeros(4), np.zeros(4, dtype=np.int64))
         surplus = data.pv_kw[t] - data.load_kw[t]
         assert surplus > 1.0

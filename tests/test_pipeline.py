@@ -5,9 +5,12 @@ Bad input stopping the study before any output: ``test_bad_input.py``.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pandas as pd
 import pytest
-from conftest import doit, make_site, write_site
+from conftest import ROOT, doit, make_site, write_site
 
 
 @pytest.mark.slow
@@ -43,3 +46,51 @@ def test_tiny_pipeline_end_to_end_then_up_to_date_then_config_change(tmp_path):
     third = doit(["run", "baselines"], site_toml, out, EVHUB_ALGOS="ppo,dqn")
     assert third.returncode == 0, third.stderr[-3000:]
     assert ".  validate" in third.stdout and ".  baselines" in third.stdout, third.stdout
+
+
+def _copy_project(dst):
+    """The code and shipped sites of the project (what ``doit`` runs) copied to ``dst``; returns ``dst``."""
+    for part in ("envs", "pipeline", "algos"):
+        shutil.copytree(ROOT / part, dst / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy(ROOT / "dodo.py", dst / "dodo.py")
+    return dst
+
+
+@pytest.mark.slow
+def test_learned_planners_end_to_end_then_cached_then_retuned_after_an_env_edit(tmp_path):
+    """The rows the README leads with, through doit and Dask: a site with enough train days for the learned planners
+    (15), the ``tiny`` tuning budget. Their rows exist on both splits and serve every car; a second run tunes and
+    trains nothing; an edit of a file of ``envs/`` makes the cached tuning stale, so ``tune`` runs CMA-ES again."""
+    project = _copy_project(tmp_path / "project")  # a copy whose envs/ the test may edit
+    site_toml = write_site(make_site(days=15, n_sockets=4, mpc={"horizon_h": 6}), tmp_path / "site")
+    out = tmp_path / "outputs"
+    env = {"EVHUB_ALGOS": "ppo", "EVHUB_TOTAL_TIMESTEPS": "1024", "EVHUB_TUNE_BUDGET": "tiny"}
+    first = doit(["run", "pipeline"], site_toml, out, cwd=project, **env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "tune: seeds [1], budget 'tiny'" in first.stdout and "mpc_rl seed 1: 14 days of PPO" in first.stdout
+    table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
+    learned = table[table.controller.isin(["mpc_tuned", "mpc_adaptive", "mpc_rl"])]
+    assert sorted(zip(learned.controller, learned.split)) == sorted(
+        (c, s) for c in ("mpc_adaptive", "mpc_rl", "mpc_tuned") for s in ("test", "train")
+    )
+    assert (learned.ev_energy_served_pct > 100 - 1e-6).all() and (learned.unserved_kwh < 1e-6).all(), learned
+    for _split, rows in table.groupby("split"):  # no causal row beats the oracle
+        assert (rows.co2_kg >= rows.loc[rows.controller == "oracle", "co2_kg"].iloc[0] - 1e-6).all()
+    tuned = out / "synthetic" / "tuned"
+    summary = json.loads((tuned / "mpc_tuned_seed1.json").read_text())
+    assert summary["budget"] == "tiny" and (tuned / "mpc_rl_seed1" / "policy.pt2").is_file()
+
+    # nothing changed: neither the tuning nor mpc_rl's training runs again
+    second = doit(["run", "pipeline"], site_toml, out, cwd=project, **env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    for task in ("tune:mpc_tuned", "tune:mpc_rl", "planners", "report"):
+        assert f"-- {task}" in second.stdout, second.stdout
+    assert "tune: seeds" not in second.stdout and "days of PPO" not in second.stdout
+
+    # a comment appended to a file of envs/ (what the backtests run): the cached tuning is stale and is made again
+    evhub = project / "envs" / "evhub.py"
+    evhub.write_text(evhub.read_text() + "\n# an edit\n")
+    third = doit(["run", "tune:mpc_tuned"], site_toml, out, cwd=project, **env)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "tune: seeds [1], budget 'tiny'" in third.stdout, third.stdout
+    assert json.loads((tuned / "mpc_tuned_seed1.json").read_text())["fingerprint"] != summary["fingerprint"]

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 
 import numpy as np
@@ -17,11 +18,16 @@ from envs.evhub import EVHubVectorEnv
 from envs.kpis import balance_residual, evaluate_policy, kpis_from_traces
 from envs.site import Site, load_site
 from pipeline.control.baselines import POLICIES, rule_based, uncontrolled
-from pipeline.control.mpc import MPCController
+from pipeline.control.mpc import MPCController, PlannerParams
 from pipeline.control.oracle import build_lp, solve_oracle
 
 GROUPS = [{"count": 2, "kw": 6.6, "stations": "L2-*"}, {"count": 1, "kw": 50.0, "stations": "DC-*"}]
 SOCKET_KW = np.array([6.6, 6.6, 50.0])
+
+
+def _params(data, horizon_h: int) -> PlannerParams:
+    """The site's ``[mpc]`` parameters at ``horizon_h``."""
+    return dataclasses.replace(PlannerParams.of_site(data.config), horizon_h=horizon_h)
 
 
 def _sessions(days: int, seed: int) -> pd.DataFrame:
@@ -221,7 +227,7 @@ def test_oracle_and_mpc_respect_each_socket_and_the_oracle_bounds_them(site):
     assert otr.ev_charge_kw.max() > 2 * 6.6  # the DC socket gives more than every Level-2 socket together
     rows = [evaluate_policy(p, site, "train", c)[0] for c, p in POLICIES.items()]
     for perfect in (False, True):
-        mpc = MPCController(data, 24, perfect=perfect, keep_plans=True)
+        mpc = MPCController(data, _params(data, 24), perfect=perfect, keep_plans=True)
         row, tr = evaluate_policy(mpc, site, "train", "mpc", action_mode="socket", bess_action="setpoint")
         rows.append(row)
         ev = np.stack([p.ev_kw for p in mpc.plans])
@@ -232,7 +238,7 @@ def test_oracle_and_mpc_respect_each_socket_and_the_oracle_bounds_them(site):
         assert float(row.unserved_kwh.iloc[0]) < 1e-6
         assert float(oracle.co2_kg.iloc[0]) <= float(row.co2_kg.iloc[0]) + 1e-6, row.controller.iloc[0]
     # perfect foresight over the whole split, applied through the env, reaches the oracle: its bounds are the env's
-    full = MPCController(data, data.num_steps, perfect=True)
+    full = MPCController(data, _params(data, data.num_steps), perfect=True)
     row, _ = evaluate_policy(full, site, "train", "mpc_perfect", action_mode="socket", bess_action="setpoint")
     assert float(row.co2_kg.iloc[0]) == pytest.approx(float(oracle.co2_kg.iloc[0]), rel=1e-4, abs=1e-3)
 
@@ -292,7 +298,7 @@ def test_oracle_with_credit_is_below_without_and_below_every_controller():
         for c, p in (("uncontrolled", uncontrolled), ("rule_based", rule_based))
     ]
     for perfect in (False, True):
-        mpc = MPCController(data, 24, perfect=perfect, keep_plans=True)
+        mpc = MPCController(data, _params(data, 24), perfect=perfect, keep_plans=True)
         row, trm = evaluate_policy(mpc, credit, "train", "mpc", action_mode="socket", bess_action="setpoint")
         rows.append(row)
         # the plan's first step is what the env does, although the credit tempts the LP to break the env's

@@ -8,18 +8,15 @@ refit at the start of a day at most on pairs whose target was realised before th
   half-life, the past pairs are weighted down exponentially with their age, and with ``five_minute`` it also reads
   what a 5-minute source says at the hour start (the learned planners' forecast: both, half-life
   :data:`LEARNED_HALF_LIFE_DAYS`);
-- :class:`MOERBoosted`: one gradient-boosted tree model over all leads (scikit-learn's
-  ``HistGradientBoostingRegressor``) on richer features (the data's forecasts, lags of the realised MOER up to a
-  day back, the same-hour profile, the hour, weekday and lead), fit on the train split's pairs and the split's
-  own past, refit every ``refit_days`` days.
+- :func:`profile_outlook`: the warm-up forecast, while the regression has too few days of pairs: the data's own
+  forecasts, then the same-hour profile of the last days.
 
-:func:`scores` judges a forecaster by R^2 and MAE per lead over a split.
+How well each forecasts, and what it does to the plan, is measured in ``docs/agents.md``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from envs.site import SplitData
 
@@ -31,14 +28,39 @@ LEVEL_DECAY_H = 6.0
 REGRESSION_WARMUP_DAYS = 7
 """Days of (features, realised MOER) pairs the regression forecast needs per lead before it replaces the profile."""
 LEARNED_HALF_LIFE_DAYS = 21.0
-"""Half-life, days, of the pairs' weight in the learned planners' MOER regression. Chosen on the train split: of 7, 10,
-14, 21, 30 and 60 days and no forgetting, the one with the best mean R^2 over leads 0-23 h (0.4812; 14 and 30 days
-0.4808 and 0.4801, no forgetting 0.4672). With the 5-minute regressors added after, checked on the planner's train
-CO2 (``mpc_tuned``'s seed-1 parameters): 14, 21, 30 and 60 days give 6858.0, 6848.2, 6854.1 and 6875.6 kg, so it
-stayed. ``docs/agents.md`` has the tables."""
+"""Half-life, days, of the pairs' weight in the learned planners' MOER regression, chosen on the train split (by the
+forecast's mean R^2 over leads 0-23 h, then re-checked on the planner's train CO2 once the 5-minute regressors were
+added; ``docs/agents.md``, "How every value was chosen")."""
 RIDGE = 1e-6
 """Ridge penalty of the MOER regression per pair (features are of order 0.1-1): only keeps the normal equations
 well posed (e.g. a constant feature column on a synthetic site); no shrinkage worth the name on real data."""
+
+
+def profile_outlook(data: SplitData, t: int, H: int) -> np.ndarray:
+    """The warm-up MOER forecast over steps ``t .. t+H-1``, kg/kWh.
+
+    The data's forecasts issued at ``t`` (``moer_fc``) for the steps they cover; beyond them the mean realised MOER at
+    the same hour of day over the last :data:`PROFILE_DAYS` days before ``t`` (:func:`same_hour_mean`), shifted by the
+    last data forecast's deviation from that profile, which decays with an e-folding time of :data:`LEVEL_DECAY_H`;
+    before any past day exists, the last data forecast held flat.
+
+    Returns:
+        ``(H,)`` float64.
+    """
+    day = max(1, int(round(DAY / data.config.dt_h)))
+    n_fc = min(H, data.moer_fc.shape[1])
+    out = np.empty(H)
+    out[:n_fc] = data.moer_fc[t, :n_fc]
+    if H > n_fc:
+        last = n_fc - 1
+        k = np.arange(n_fc, H)
+        profile = same_hour_mean(data.moer, np.array([t]), k, day)[0]
+        level = data.moer_fc[t, last] - same_hour_mean(data.moer, np.array([t]), np.array([last]), day)[0, 0]
+        fallback = data.moer_fc[t, last]
+        out[n_fc:] = np.where(
+            np.isnan(profile), fallback, profile + np.nan_to_num(level) * np.exp(-(k - last) / LEVEL_DECAY_H)
+        )
+    return out
 
 
 def same_hour_mean(moer: np.ndarray, t: np.ndarray, k: np.ndarray, day: int, days: int = PROFILE_DAYS) -> np.ndarray:
@@ -71,7 +93,7 @@ class MOERRegression:
     With ``half_life_days`` > 0 the fit is exponentially weighted least squares (recursive least squares with
     forgetting): a pair enters the normal equations at the start of the day after its target step with weight 1, and
     every weight halves each ``half_life_days`` days after that, so the model follows the MOER's seasons. The weights
-    depend only on the pairs' target days and the day forecast, so fitting a split's first days in one go (a replay
+    depend only on the pairs' target days and the day forecast, so fitting a split's first days in one go (a backtest
     that starts mid-split) gives the same model as fitting them day after day.
 
     With ``five_minute`` and a split whose data come from a 5-minute source with forecasts
@@ -161,155 +183,3 @@ class MOERRegression:
         X[:, nb] = self._prof[t, :H]
         X[:, nb + 1 :] = np.eye(self.day)[self._step_of_day[t : t + H]]
         return np.maximum(np.einsum("hf,hf->h", X, self._weights[:H]), 0.0)
-
-
-BOOSTED_LAGS = (1, 2, 3, 6, 24)
-"""Lags of the realised MOER (steps before the issue step) among :class:`MOERBoosted`'s features."""
-
-
-def _boosted_features(data: SplitData, horizon: int) -> np.ndarray:
-    """``(T, H, F)`` float64 features of the MOER at ``t + k`` issued at ``t``: the data's forecasts issued at ``t``,
-    the realised MOER ``BOOSTED_LAGS`` steps before ``t`` (the data's first forecast where that lies before the
-    split), :func:`same_hour_mean` at ``t + k`` (the last data forecast where no past day exists), the local hour and
-    weekday of ``t + k``, the lead ``k``, and the hour of ``t``."""
-    day = max(1, int(round(DAY / data.config.dt_h)))
-    T, H = data.num_steps, horizon
-    m = np.asarray(data.moer, np.float64)
-    fc = np.asarray(data.moer_fc, np.float64)
-    fc = fc[:, :3] if fc.shape[1] >= 3 else np.repeat(fc[:, -1:], 3, 1)
-    t = np.arange(T)
-    lags = np.stack([np.where(t - lag >= 0, m[np.maximum(t - lag, 0)], fc[:, 0]) for lag in BOOSTED_LAGS], 1)
-    prof = same_hour_mean(m, t, np.arange(H), day)
-    prof = np.where(np.isnan(prof), fc[:, -1:], prof)
-    local = data.time.tz_convert(data.config.timezone)
-    step = max(1, int(round(data.config.dt_h * 60)))
-    sod = np.asarray((local.hour * 60 + local.minute) // step) % day
-    dow = np.asarray(local.day_of_week)
-    k = np.arange(H)
-    target_sod = (sod[:, None] + k[None, :]) % day
-    target_dow = (dow[:, None] + (sod[:, None] + k[None, :]) // day) % 7
-    per_t = np.concatenate([fc, lags], 1)  # (T, 3 + lags)
-    X = np.concatenate(
-        [
-            np.broadcast_to(per_t[:, None, :], (T, H, per_t.shape[1])),
-            prof[..., None],
-            target_sod[..., None],
-            target_dow[..., None],
-            np.broadcast_to(k[None, :, None], (T, H, 1)),
-            np.broadcast_to(sod[:, None, None], (T, H, 1)),
-        ],
-        axis=2,
-    )
-    return X.astype(np.float64)
-
-
-class MOERBoosted:
-    """Causal MOER forecast for leads ``0..H-1`` by one gradient-boosted tree model over all leads.
-
-    scikit-learn's ``HistGradientBoostingRegressor`` (squared error, ``max_iter`` trees of at most ``max_leaf_nodes``
-    leaves, learning rate 0.1, fixed ``random_state``) on :func:`_boosted_features`. At step ``t`` the model has been
-    fit, at the start of a day that is a multiple of ``refit_days`` days into the split, on every pair ``(s, s + k)``
-    of ``prior`` (another split realised before, e.g. the train split when forecasting the test split) and of this
-    split whose target step lies before that day. It needs ``warmup_days`` days of this split's pairs when there is
-    no ``prior``; until then it returns None. Forecasts are clipped at 0.
-
-    Args:
-        data: the split forecast. horizon: H, steps.
-        prior: a split realised before ``data`` whose pairs are all known (None: this split's past only).
-        refit_days: days between fits (at most once a day: 1).
-        max_iter, max_leaf_nodes: the trees' budget.
-    """
-
-    def __init__(
-        self,
-        data: SplitData,
-        horizon: int,
-        prior: SplitData | None = None,
-        refit_days: int = 7,
-        warmup_days: int = 7,
-        max_iter: int = 200,
-        max_leaf_nodes: int = 31,
-    ):
-        self.day = max(1, int(round(DAY / data.config.dt_h)))
-        self.H, self.refit_days, self.warmup_days = horizon, max(1, int(refit_days)), warmup_days
-        self.max_iter, self.max_leaf_nodes = max_iter, max_leaf_nodes
-        self.moer = np.asarray(data.moer, np.float64)
-        self._X = _boosted_features(data, horizon)
-        self._prior = None
-        if prior is not None:
-            Xp = _boosted_features(prior, horizon)
-            mp = np.asarray(prior.moer, np.float64)
-            tp, kp = np.meshgrid(np.arange(prior.num_steps), np.arange(horizon), indexing="ij")
-            ok = (tp >= self.day) & (tp + kp < prior.num_steps)
-            self._prior = (Xp[ok], mp[(tp + kp)[ok]])
-        self._fitted_at: int | None = None
-        self._model = None
-        self.fits = 0
-
-    def _pairs(self, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """This split's pairs whose target step lies before ``end`` (issue steps from its second day)."""
-        t, k = np.meshgrid(np.arange(self.day, max(self.day, end)), np.arange(self.H), indexing="ij")
-        ok = t + k < end
-        return self._X[t[ok], k[ok]], self.moer[(t + k)[ok]]
-
-    def _fit(self, end: int) -> None:
-        from sklearn.ensemble import HistGradientBoostingRegressor
-
-        X, y = self._pairs(end)
-        if self._prior is not None:
-            X, y = np.concatenate([self._prior[0], X]), np.concatenate([self._prior[1], y])
-        self._fitted_at = end
-        if self._prior is None and end < (self.warmup_days + 1) * self.day or len(y) == 0:
-            self._model = None
-            return
-        model = HistGradientBoostingRegressor(
-            max_iter=self.max_iter, max_leaf_nodes=self.max_leaf_nodes, learning_rate=0.1, random_state=0
-        )
-        self._model = model.fit(X, y)
-        self.fits += 1
-
-    def __call__(self, t: int, H: int) -> np.ndarray | None:
-        """Forecast for steps ``t .. t+H-1`` (``H <= horizon``), kg/kWh, or None while warming up."""
-        period = self.refit_days * self.day
-        start = t - t % period
-        if self._fitted_at != start:
-            self._fit(start)
-        if self._model is None:
-            return None
-        return np.maximum(self._model.predict(self._X[t, :H]), 0.0)
-
-
-def scores(data: SplitData, forecaster, horizon: int, from_step: int | None = None) -> pd.DataFrame:
-    """R^2 and MAE of a forecaster per lead over a split, issue times from ``from_step`` (default: its second week).
-
-    Args:
-        data: the split. forecaster: ``(t, H) -> (H,) or None`` (issue times where it returns None are skipped).
-        horizon: leads ``0..horizon-1``. from_step: first issue step scored.
-
-    Returns:
-        one row per lead: ``lead_h``, ``r2`` (1 - SSE / SST over the scored targets), ``mae_kg_per_kwh``, ``n``.
-    """
-    day = max(1, int(round(DAY / data.config.dt_h)))
-    first = 7 * day if from_step is None else from_step
-    m = np.asarray(data.moer, np.float64)
-    pred, true = [[] for _ in range(horizon)], [[] for _ in range(horizon)]
-    for t in range(first, data.num_steps - horizon + 1):
-        f = forecaster(t, horizon)
-        if f is None:
-            continue
-        for k in range(horizon):
-            pred[k].append(f[k])
-            true[k].append(m[t + k])
-    rows = []
-    for k in range(horizon):
-        p, y = np.asarray(pred[k]), np.asarray(true[k])
-        r2 = 1.0 - float(((y - p) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12) if len(y) else np.nan
-        rows.append(
-            {
-                "lead_h": k * data.config.dt_h,
-                "r2": r2,
-                "mae_kg_per_kwh": float(np.abs(y - p).mean()) if len(y) else np.nan,
-                "n": len(y),
-            }
-        )
-    return pd.DataFrame(rows)

@@ -4,12 +4,12 @@
   (:mod:`pipeline.control.tuning`), the same on every split.
 - ``mpc_adaptive``: the planner re-tuned online. At the start of each week of the split it acts on, it takes, among
   a few candidate parameter sets (``mpc_tuned``'s with the expected-demand weight at each of
-  :data:`ADAPTIVE_WEIGHTS`), the one whose replays (:func:`pipeline.control.replay.replay`) over the last
+  :data:`ADAPTIVE_WEIGHTS`), the one whose backtests (:func:`pipeline.control.backtest.run_window`) over the last
   ``lookback`` weeks of that split cost least, and runs with it for the week; in the split's first week it runs
-  with ``mpc_tuned``'s. The replays of a week are known once the week is realised, so the choice at week ``w``
+  with ``mpc_tuned``'s. The backtest of a week is known once the week is realised, so the choice at week ``w``
   reads only weeks before ``w``. ``lookback`` is chosen on the train split (:func:`choose_lookback`) and used as
-  such on every split. Replaying every candidate over every week once gives a table from which each week's choice
-  is read (:func:`week_table`, :func:`schedule`): the same as re-tuning each week, without replaying a week twice.
+  such on every split. Backtesting every candidate over every week once gives a table from which each week's choice
+  is read (:func:`week_table`, :func:`schedule`): the same as re-tuning each week, without running a week twice.
 
 Both read the tuned parameters of their seed from the tuning folder (``<experiment>/tuned/``).
 """
@@ -28,12 +28,12 @@ from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
 from pipeline.control import tuning
-from pipeline.control.replay import PlannerParams, planner, weeks
+from pipeline.control.backtest import WEEK_STEPS, weeks
+from pipeline.control.mpc import MPCController, PlannerParams
 
 ADAPTIVE_WEIGHTS = (0.25, 0.5, 0.75, 1.0)
 """Expected-demand weights ``mpc_adaptive`` chooses among each week (besides ``mpc_tuned``'s own). Weight 0 (the
-plugged cars only) is left out: on the train split it closes 13.7% of the gap against 36.6% at 0.75
-(``docs/agents.md``), the least of any weight."""
+plugged cars only) is left out: on the train split it is the worst weight (``docs/agents.md``)."""
 
 LOOKBACKS = (1, 2, 4, 8)
 """Lookbacks (weeks) :func:`choose_lookback` chooses among on the train split."""
@@ -52,10 +52,10 @@ def candidates(tuned: PlannerParams) -> list[PlannerParams]:
 
 
 def week_table(site: Site | str, split: str, cands: list[PlannerParams], evaluate=None) -> pd.DataFrame:
-    """Replay every candidate over every week of ``split``.
+    """Backtest every candidate over every week of ``split``.
 
     Args:
-        evaluate: a :data:`pipeline.control.tuning.Evaluate` (default: one replay after another here).
+        evaluate: a :data:`pipeline.control.tuning.Evaluate` (default: one window after another here).
 
     Returns:
         one row per (candidate, week): ``candidate`` (index into ``cands``), ``week``, ``start``, ``steps``,
@@ -98,7 +98,7 @@ def schedule(table: pd.DataFrame, lookback: int) -> np.ndarray:
 
 
 def schedule_cost(table: pd.DataFrame, chosen: np.ndarray) -> float:
-    """Sum over weeks of the chosen candidate's replayed cost, kg (the week table's estimate of a schedule)."""
+    """Sum over weeks of the chosen candidate's backtested cost, kg (the week table's estimate of a schedule)."""
     cost = table.pivot(index="week", columns="candidate", values="cost_kg").sort_index().to_numpy()
     return float(cost[np.arange(len(chosen)), chosen].sum())
 
@@ -113,28 +113,25 @@ def choose_lookback(train_table: pd.DataFrame) -> int:
 class AdaptivePlanner:
     """A policy ``(obs, env) -> socket action`` that runs the planner with the parameters of each week's candidate.
 
-    One :class:`~pipeline.control.mpc.MPCController` holds the forecast's state over the whole split; at each
-    week's first step its expected-demand weight, terminal value, MOER contrast and bias are set to that week's
-    candidate's (every candidate shares the horizon and days of the first).
+    One :class:`~pipeline.control.mpc.MPCController` holds the forecast's state over the whole split; at each step it
+    plans with the parameters of its week's candidate (:meth:`~pipeline.control.mpc.MPCController.set_params`).
 
     Raises:
-        ValueError: candidates that differ in horizon or days.
+        ValueError: candidates that differ in a parameter the controller keeps
+            (:attr:`~pipeline.control.mpc.PlannerParams.FIXED`: the horizon, the forecast's settings).
     """
 
     def __init__(self, data: SplitData, cands: list[PlannerParams], chosen: np.ndarray):
-        if len({(c.horizon_h, c.expected_demand_days) for c in cands}) != 1:
-            raise ValueError("adaptive candidates must share the horizon and the expected-demand days")
-        self.mpc = planner(data, cands[0])
+        if len({tuple(getattr(c, k) for k in PlannerParams.FIXED) for c in cands}) != 1:
+            raise ValueError(f"adaptive candidates must share {', '.join(PlannerParams.FIXED)}")
+        self.mpc = MPCController(data, cands[0], presolve=False)
         self.cands, self.chosen = cands, chosen
-        self.week = max(1, int(round(168 / data.config.dt_h)))
+        self.week = max(1, int(round(WEEK_STEPS / data.config.dt_h)))
 
     def __call__(self, obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
         t = int(env.t[0])
-        c = self.cands[int(self.chosen[min(t // self.week, len(self.chosen) - 1)])]
-        m = self.mpc
-        m.expected_demand_weight, m.terminal_value = c.expected_demand_weight, c.terminal_value
-        m.moer_contrast, m.moer_bias = c.moer_contrast, c.moer_bias
-        return m(obs, env)
+        self.mpc.set_params(self.cands[int(self.chosen[min(t // self.week, len(self.chosen) - 1)])])
+        return self.mpc(obs, env)
 
 
 def _run(site: Site, split: str, name: str, policy, seed: int, **extra) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -167,7 +164,7 @@ def simulate_tuned(site: Site, split: str, seed: int, tuned_dir: str | Path) -> 
         FileNotFoundError: no tuning of that seed in ``tuned_dir``.
     """
     params = tuning.load_params(tuned_dir, seed)
-    return _run(site, split, "mpc_tuned", planner(site.split(split), params), seed)
+    return _run(site, split, "mpc_tuned", MPCController(site.split(split), params, presolve=False), seed)
 
 
 def table_file(tuned_dir: str | Path, split: str, seed: int) -> Path:
@@ -178,14 +175,14 @@ def table_file(tuned_dir: str | Path, split: str, seed: int) -> Path:
 def table_windows(
     site: Site | str, tuned: PlannerParams, splits=("train", "test")
 ) -> list[tuple[str, int, PlannerParams, int, int]]:
-    """Every replay the week tables of ``splits`` need: ``(split, candidate index, params, start, steps)``."""
+    """Every backtest the week tables of ``splits`` need: ``(split, candidate index, params, start, steps)``."""
     site = load_site(site)
     cands = candidates(tuned)
     return [(sp, i, c, s, n) for sp in splits for i, c in enumerate(cands) for s, n in weeks(site.split(sp))]
 
 
 def write_week_tables(results: list, windows: list, tuned_dir: str | Path, seed: int) -> list[str]:
-    """Write the week tables (:func:`week_table`'s columns) of the replayed ``windows`` (:func:`table_windows`, in
+    """Write the week tables (:func:`week_table`'s columns) of the backtested ``windows`` (:func:`table_windows`, in
     order with ``results``) beside the tuning of ``seed``; returns the files."""
     from envs.files import write_parquet
 
@@ -211,8 +208,8 @@ def simulate_adaptive(site: Site, split: str, seed: int, tuned_dir: str | Path) 
     """``mpc_adaptive`` of ``seed`` over a whole split: ``(kpi_row, traces)`` (module docstring).
 
     It reads the week tables of the train split (for the lookback) and of ``split`` kept beside the tuning
-    (:func:`table_file`, written by the study's ``planners`` stage from replays fanned out over the cluster); a
-    table that is missing or older than the tuning is computed here, one replay after another.
+    (:func:`table_file`, written by the study's ``planners`` stage from backtests fanned out over the cluster); a
+    table that is missing or older than the tuning is computed here, one window after another.
 
     Raises:
         FileNotFoundError: no tuning of that seed in ``tuned_dir``.

@@ -7,28 +7,21 @@ Two controllers share the code and differ only in what they know (:data:`PERFECT
 
   - the BESS energy and every plugged EV's remaining energy and steps to departure (the env's state
     ``energy_kwh``, ``ev_need_kwh``, ``ev_steps_left``; the sessions arriving at ``t`` are plugged in by then);
-  - MOER: a causal regression forecast (:class:`pipeline.control.forecast.MOERRegression`) for each step of the window:
-    per lead ``k``, a least-squares fit of the MOER at ``t + k`` on what is known at ``t`` (the data's forecasts
-    ``moer_fc_h0..h2`` issued at ``t``, the realised MOER of the last two steps, the same-hour profile below and the
-    local hour of ``t + k``), refit at the start of every day of the split on the pairs whose MOER was realised before
-    that day. Before it has ``REGRESSION_WARMUP_DAYS`` days of pairs, the data's forecasts for ``t, t+1, t+2`` and
-    beyond them the profile forecast: the mean realised MOER at the same hour of day over the last 7 days before ``t``
-    (``PROFILE_DAYS``), shifted by the last data forecast's deviation from that profile, which decays with an e-folding
-    time of 6 h (``LEVEL_DECAY_H``); before any past day exists, ``moer_fc_h2`` held flat. On the caltech splits (after
-    the first week) it explains more of the MOER than the data's forecasts and the profile at every lead up to 12 h: R^2
-    0.65 against 0.47 one hour ahead on the train split, 0.79 against 0.65 on the test split (``docs/agents.md``); it
-    took ``mpc`` from 8034.6 to 7759.9 kg on the train split and from 2924.3 to 2908.4 kg on the test split;
+  - MOER: a causal forecast for each step of the window (:mod:`pipeline.control.forecast`): the per-lead regression
+    :class:`~pipeline.control.forecast.MOERRegression`, refit at the start of every day on what was realised before
+    it, and :func:`~pipeline.control.forecast.profile_outlook` while the regression warms up;
   - PV: the modelled series itself over the horizon (the PV of a typical year is known ahead: it is the same
     series the agents' observation reads its 3-step and next-24-h PV look-ahead from); base load: the
     config's constant;
   - EV demand: the plugged EVs, and an expected demand (:meth:`MPCController.sessions`): every session that
-    arrived at the same hour of one of the last ``mpc.expected_demand_days`` days (7) before ``t``, plugged in at
+    arrived at the same hour of one of the last ``expected_demand_days`` days (7) before ``t``, plugged in at
     that hour of the window with its stay and energy, and its energy and power scaled by
     ``expected_demand_weight / expected_demand_days`` (a fraction of a car). Weight 1 plans for the mean of those
     days; it overrates what uncertain cars absorb (the plan charges the battery from the grid, counting on the
     expected cars to take the PV later, and curtails PV when they do not come), so the plan counts on
-    ``expected_demand_weight`` (0.75) of it. On caltech the expected demand took ``mpc`` from 7759.9 to 7267.0 kg
-    on the train split and from 2908.4 to 2841.2 kg on the test split (``docs/agents.md``).
+    ``expected_demand_weight`` (0.75) of it.
+
+  What each part is worth on the shipped site is measured in ``docs/agents.md``.
 
 * ``mpc_perfect`` knows the true MOER over the horizon and the sessions arriving within it (arrival step,
   departure, energy), besides the same state and PV.
@@ -73,17 +66,18 @@ socket ``i``: ``a_i = (P_i - floor_i) / (cap_i - floor_i)`` (0 where ``cap_i = f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import highspy
 import numpy as np
 import pandas as pd
 import torch
 
+from envs.config import SiteConfig
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
-from pipeline.control.forecast import DAY, LEVEL_DECAY_H, MOERRegression, same_hour_mean
+from pipeline.control.forecast import DAY, LEARNED_HALF_LIFE_DAYS, MOERRegression, profile_outlook
 from pipeline.control.oracle import assemble_lp
 
 PERFECT = {"mpc": False, "mpc_perfect": True}
@@ -101,6 +95,79 @@ TERMINAL_VALUE = 1.0
 ``eta_discharge * mean(MOER outlook of the window)`` (kg): the CO2 a kWh stored displaces when discharged at an
 average hour later. Without it the battery's energy would be worthless beyond the window (the controller knows no
 future arrivals), so it would curtail PV rather than store it."""
+
+
+@dataclass(frozen=True)
+class PlannerParams:
+    """The causal planner's parameters: what ``mpc`` runs with by hand, what the learned planners tune or set.
+
+    Attributes:
+        horizon_h: look-ahead, hours (steps of ``dt_h``).
+        expected_demand_days: days of past sessions the expected demand is drawn from.
+        expected_demand_weight: share of that mean demand the plan counts on, [0, 1].
+        terminal_value: value of a kWh left in the battery at the window's end, as a multiple of ``eta_discharge``
+            times the window's mean MOER outlook (1: :data:`TERMINAL_VALUE`'s rule).
+        moer_contrast, moer_bias: the MOER outlook ``f`` is planned on as ``m + moer_contrast * (f - m) + moer_bias *
+            m``, ``m`` its mean over the window (1 and 0: as forecast). A regression forecast is shrunk towards its
+            mean where it is unsure; a contrast above 1 plans as if the forecast's hour-to-hour shape were surer.
+        demand_day_type: draw the expected demand of each hour from the last ``expected_demand_days`` days of its own
+            day type (weekday or weekend, local time) rather than from the last days whatever their type.
+        moer_half_life_days: the half-life of the MOER regression's past pairs, days (0: none, ``mpc``'s forecast;
+            :data:`~pipeline.control.forecast.LEARNED_HALF_LIFE_DAYS` in the learned planners).
+        moer_five_minute: the MOER regression also reads the data's 5-minute values at the hour start (the learned
+            planners; ``mpc``: no).
+
+    The causal parameters are not used by ``mpc_perfect`` (it knows the MOER and the arrivals), nor the forecast's
+    when the controller is given a ``forecaster``.
+    """
+
+    horizon_h: int = 24
+    expected_demand_days: int = 7
+    expected_demand_weight: float = 0.75
+    terminal_value: float = TERMINAL_VALUE
+    moer_contrast: float = 1.0
+    moer_bias: float = 0.0
+    demand_day_type: bool = False
+    moer_half_life_days: float = 0.0
+    moer_five_minute: bool = False
+
+    FIXED = ("horizon_h", "moer_half_life_days", "moer_five_minute")
+    """The parameters a controller is built with and keeps (its LP's window, its forecast's fit)."""
+
+    @classmethod
+    def of_site(cls, config: SiteConfig) -> PlannerParams:
+        """The site's ``[mpc]`` table (what ``mpc`` runs with), the other parameters at their defaults."""
+        m = config.mpc
+        return cls(
+            horizon_h=int(m.horizon_h),
+            expected_demand_days=int(m.expected_demand_days),
+            expected_demand_weight=float(m.expected_demand_weight),
+        )
+
+    @classmethod
+    def learned_start(cls, config: SiteConfig) -> PlannerParams:
+        """Where the learned planners start: :meth:`of_site` with the learned MOER forecast (the regression with
+        forgetting, half-life :data:`~pipeline.control.forecast.LEARNED_HALF_LIFE_DAYS`, on the data's 5-minute
+        values where the site has them)."""
+        return replace(cls.of_site(config), moer_half_life_days=LEARNED_HALF_LIFE_DAYS, moer_five_minute=True)
+
+    def as_dict(self) -> dict:
+        """Plain dict (JSON, Parquet columns)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PlannerParams:
+        """From :meth:`as_dict`'s dict; integer and yes/no fields rounded.
+
+        Raises:
+            KeyError: a key that is not a parameter (the message names it).
+        """
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(d) - set(known)
+        if unknown:
+            raise KeyError(f"unknown planner parameter(s) {sorted(unknown)}: known are {sorted(known)}")
+        kinds = {"int": int, "bool": bool, "float": float}
+        return cls(**{k: kinds[known[k].type](round(v) if known[k].type != "float" else v) for k, v in d.items()})
 
 
 @dataclass
@@ -127,44 +194,26 @@ class MPCController:
 
     Args:
         data: the split it controls.
-        horizon_h: look-ahead, hours (steps of ``dt_h``).
+        params: its :class:`PlannerParams` (default: the site's ``[mpc]`` table, :meth:`PlannerParams.of_site`);
+            :meth:`set_params` changes them between steps.
         perfect: give it the true MOER and the arrivals within the horizon (``mpc_perfect``).
-        expected_demand_days, expected_demand_weight: the causal controller's expected demand (module docstring;
-            default: the site's ``mpc`` table). Not used when ``perfect``.
-        terminal_value: value of a kWh left in the battery at the window's end, as a multiple of ``eta_discharge``
-            times the window's mean MOER outlook (default :data:`TERMINAL_VALUE`).
-        moer_contrast, moer_bias: the causal MOER outlook ``f`` is planned on as ``m + moer_contrast * (f - m) +
-            moer_bias * m``, ``m`` its mean over the window (1 and 0: as forecast). A regression forecast is shrunk
-            towards its mean where it is unsure; a contrast above 1 plans as if the forecast's hour-to-hour shape
-            were surer. Not used when ``perfect``.
-        demand_day_type: draw the expected demand of each hour from the last ``expected_demand_days`` days of its own
-            day type (weekday or weekend, local time) rather than from the last days whatever their type (on caltech's
-            train split a weekend day has a third of a weekday's EV energy).
-        moer_half_life_days: the half-life of the default forecast's past pairs (:class:`MOERRegression`; 0: none).
-            Not used when ``perfect`` or given a ``forecaster``.
-        moer_five_minute: the default forecast also regresses on the data's 5-minute values at the hour start
-            (:class:`MOERRegression`'s ``five_minute``). Not used when ``perfect`` or given a ``forecaster``.
         forecaster: the causal MOER forecast, a callable ``(t, H) -> (H,) kg/kWh or None`` while it warms up
-            (default :class:`MOERRegression` over the horizon); when None is returned the profile outlook is used.
+            (default :class:`~pipeline.control.forecast.MOERRegression` over the horizon with the parameters'
+            half-life and 5-minute regressors); when None is returned
+            :func:`~pipeline.control.forecast.profile_outlook` is used.
         presolve: HiGHS presolve (off halves the solve time on these small LPs; the optimum is the same, the
             vertex chosen among equal-cost plans may differ).
+        keep_plans: keep the :class:`Plan` of every solve in ``plans``.
 
     Attributes:
+        H: the horizon in steps.
         solves, solve_s: number of LP solves and their total seconds (build + HiGHS).
         plans: the :class:`Plan` of every solve when ``keep_plans`` is set.
     """
 
     data: SplitData
-    horizon_h: int = 24
+    params: PlannerParams | None = None
     perfect: bool = False
-    expected_demand_days: int | None = None
-    expected_demand_weight: float | None = None
-    terminal_value: float = TERMINAL_VALUE
-    moer_contrast: float = 1.0
-    moer_bias: float = 0.0
-    demand_day_type: bool = False
-    moer_half_life_days: float = 0.0
-    moer_five_minute: bool = False
     forecaster: object | None = None
     presolve: bool = True
     keep_plans: bool = False
@@ -180,52 +229,45 @@ class MPCController:
         if not self.presolve:
             self._highs.setOptionValue("presolve", "off")
         cfg = self.data.config
-        self.H = max(1, int(round(self.horizon_h / cfg.dt_h)))
+        if self.params is None:
+            self.params = PlannerParams.of_site(cfg)
+        p = self.params
+        self.H = max(1, int(round(p.horizon_h / cfg.dt_h)))
         self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
         self._weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
         if self.forecaster is None and not self.perfect:
             self.forecaster = MOERRegression(
-                self.data, self.H, half_life_days=self.moer_half_life_days, five_minute=self.moer_five_minute
+                self.data, self.H, half_life_days=p.moer_half_life_days, five_minute=p.moer_five_minute
             )
-        if self.expected_demand_days is None:
-            self.expected_demand_days = cfg.mpc.expected_demand_days
-        if self.expected_demand_weight is None:
-            self.expected_demand_weight = cfg.mpc.expected_demand_weight
+
+    def set_params(self, params: PlannerParams) -> None:
+        """Plan with ``params`` from the next step on (the learned planners change the weight, the terminal value,
+        ... from day to day or week to week); the forecast keeps its state.
+
+        Raises:
+            ValueError: ``params`` differ in one of :attr:`PlannerParams.FIXED` (the horizon, the forecast's
+                settings), which the controller was built with.
+        """
+        changed = [k for k in PlannerParams.FIXED if getattr(params, k) != getattr(self.params, k)]
+        if changed:
+            raise ValueError(
+                f"MPCController.set_params: {', '.join(changed)} cannot change after the controller is built "
+                f"({', '.join(f'{k} {getattr(self.params, k)} -> {getattr(params, k)}' for k in changed)})"
+            )
+        self.params = params
 
     # ---------------------------------------------------------------- what is known at step t
     def moer_outlook(self, t: int, H: int) -> np.ndarray:
         """MOER over steps ``t .. t+H-1``, kg/kWh: the truth (perfect) or the causal forecast (module docstring)."""
-        d = self.data
+        d, p = self.data, self.params
         if self.perfect:
             return d.moer[t : t + H].copy()
         fc = self.forecaster(t, H)
-        fc = self.profile_outlook(t, H) if fc is None else fc
-        if self.moer_contrast != 1.0 or self.moer_bias != 0.0:
+        fc = profile_outlook(d, t, H) if fc is None else fc
+        if p.moer_contrast != 1.0 or p.moer_bias != 0.0:
             m = float(fc.mean())
-            fc = np.maximum(m + self.moer_contrast * (fc - m) + self.moer_bias * m, 0.0)
+            fc = np.maximum(m + p.moer_contrast * (fc - m) + p.moer_bias * m, 0.0)
         return fc
-
-    def profile_outlook(self, t: int, H: int) -> np.ndarray:
-        """The warm-up forecast over steps ``t .. t+H-1``, kg/kWh: the data's forecasts, then the profile (module
-        docstring)."""
-        d = self.data
-        n_fc = min(H, d.moer_fc.shape[1])
-        out = np.empty(H)
-        out[:n_fc] = d.moer_fc[t, :n_fc]
-        if H > n_fc:
-            last = n_fc - 1
-            k = np.arange(n_fc, H)
-            profile = self._same_hour_mean(t, k)
-            level = d.moer_fc[t, last] - self._same_hour_mean(t, np.array([last]))[0]
-            fallback = d.moer_fc[t, last]
-            out[n_fc:] = np.where(
-                np.isnan(profile), fallback, profile + np.nan_to_num(level) * np.exp(-(k - last) / LEVEL_DECAY_H)
-            )
-        return out
-
-    def _same_hour_mean(self, t: int, k: np.ndarray) -> np.ndarray:
-        """:func:`same_hour_mean` at steps ``t + k`` (NaN where no past day lies in the split)."""
-        return same_hour_mean(self.data.moer, np.array([t]), k, self._day)[0]
 
     def sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray):
         """The window's sessions: the plugged EVs (one per socket) and those expected to arrive in ``(t, t+H)``.
@@ -244,12 +286,13 @@ class MPCController:
         plugged = np.flatnonzero((steps_left > 0) & (need > 1e-9))
         arr, end = [np.zeros(len(plugged), np.int64)], [steps_left[plugged].astype(np.int64)]
         e, sock, w = [need[plugged]], [plugged], [np.ones(len(plugged))]
+        p = self.params
         if self.perfect:
             sources = [(t, 1.0)]
         else:  # no days (or no weight): the plugged EVs only
-            days, total = self.expected_demand_days, self.expected_demand_weight
+            days, total = p.expected_demand_days, p.expected_demand_weight
             sources = [(t - j * self._day, total / days) for j in range(1, days + 1) if total > 0]
-        if self.demand_day_type and not self.perfect and self.expected_demand_weight > 0:
+        if p.demand_day_type and not self.perfect and p.expected_demand_weight > 0:
             sources = self._same_day_type_sources(t, H)
         for shift, share in sources:  # arrivals at steps shift + k, k in 1..H-1, that are known at t
             s = np.arange(max(shift + 1, 0), min(shift + H, t + 1 if shift < t else d.num_steps))
@@ -271,7 +314,7 @@ class MPCController:
         last ``expected_demand_days`` days before it of its own type (weekday or weekend, local time) whose arrival
         step is realised by ``t``; returns ``[(shift, (share, ks))]``, ``shift = t - j * day`` for past day ``j`` and
         ``ks`` the window steps it stands for."""
-        day, days = self._day, self.expected_demand_days
+        day, days = self._day, self.params.expected_demand_days
         weekend = self._weekend
         chosen: dict[int, list[int]] = {}
         for k in range(1, H):
@@ -281,7 +324,7 @@ class MPCController:
                     chosen.setdefault(j, []).append(k)
                     n += 1
                 j += 1
-        share = self.expected_demand_weight / days
+        share = self.params.expected_demand_weight / days
         return [(t - j * day, (share, np.array(ks))) for j, ks in sorted(chosen.items())]
 
     # ---------------------------------------------------------------- one solve
@@ -323,7 +366,7 @@ class MPCController:
         # (the export credit, -MOER per kWh with grid.export_credit = "moer", is already in assemble_lp's cost)
         c[off["defer"] : off["defer"] + S] = float(moer.mean())
         if t + H < d.num_steps:  # energy left in the battery when the window ends is worth what it displaces later
-            c[off["E"] + H - 1] -= self.terminal_value * b.eta_discharge * float(moer.mean())
+            c[off["E"] + H - 1] -= self.params.terminal_value * b.eta_discharge * float(moer.mean())
         # step 0 of each plugged EV (its first EV column) between the env's floor and cap
         first = np.cumsum(dep - arr) - (dep - arr)
         is_plugged = sock >= 0
@@ -474,8 +517,11 @@ def run_mpc(
     if controller not in PERFECT:
         raise KeyError(f"unknown MPC controller {controller!r}: known are {sorted(PERFECT)}")
     site = load_site(site)
-    horizon = site.config.mpc.horizon_h if horizon_h is None else horizon_h
-    mpc = MPCController(site.split(split), horizon, perfect=PERFECT[controller])
+    params = PlannerParams.of_site(site.config)
+    if horizon_h is not None:
+        params = replace(params, horizon_h=int(horizon_h))
+    horizon = params.horizon_h
+    mpc = MPCController(site.split(split), params, perfect=PERFECT[controller])
     t0 = time.perf_counter()
     kpis, traces = evaluate_policy(
         mpc, site, split, controller, action_mode="socket", bess_action="setpoint", train_wall_s=0.0

@@ -30,6 +30,7 @@ import pandas as pd
 from envs.config import SiteConfig
 from envs.site import Site
 from envs.toml_table import did_you_mean
+from pipeline.control import baselines, learned, mpc, oracle, rl_planner
 
 FAMILIES = ("reference", "rule", "planner", "learned planner", "agent", "bound")
 """Controller families in report order."""
@@ -67,8 +68,8 @@ class Controller:
         causal: acts only on what was realised before the hour it acts on (``False``: ``mpc_perfect``, ``oracle``).
         learned: fits something to the site's data (a forecast, its parameters or a network).
         knows: what it reads when it acts, in a few words (the report's "knows" column).
-        runner: ``"module:function"`` that simulates it over a split (imported when run, so that the table can be
-            read without loading HiGHS or torch); ``None`` for the agents (trained and evaluated by the study).
+        runner: the function that simulates it over a split, ``(site, split, *runner_args, [seed=, tuned_dir=]) ->
+            (kpi_row, traces)``; ``None`` for the agents (trained and evaluated by the study).
         runner_args: extra positional arguments of the runner after ``(site, split)``.
         enabled: whether a site runs it (the MPC family can be switched off with ``[mpc] enabled = false``; the learned
             planners also need :data:`LEARNED_MIN_TRAIN_DAYS` in the train split).
@@ -83,7 +84,7 @@ class Controller:
     causal: bool
     learned: bool
     knows: str
-    runner: str | None = None
+    runner: Callable[..., tuple[pd.DataFrame, pd.DataFrame]] | None = None
     runner_args: tuple = ()
     enabled: Callable[[SiteConfig], bool] = _always
     retries: int = 1
@@ -111,8 +112,6 @@ class Controller:
         """
         if self.runner is None:
             raise TypeError(f"controller {self.name!r} is an agent: train it with algos/{self.name}.py")
-        import importlib
-
         kwargs = {}
         if self.seeded:
             if seed is None:
@@ -122,8 +121,7 @@ class Controller:
             if tuned_dir is None:
                 raise TypeError(f"controller {self.name!r} reads tuned parameters: give the tuning folder")
             kwargs["tuned_dir"] = tuned_dir
-        module, function = self.runner.split(":")
-        return getattr(importlib.import_module(module), function)(site, split, *self.runner_args, **kwargs)
+        return self.runner(site, split, *self.runner_args, **kwargs)
 
 
 _AGENT_KNOWS = "the observation (PV, MOER and its forecasts, SOC, sockets, time); trained on the train split"
@@ -132,28 +130,28 @@ CONTROLLERS: dict[str, Controller] = {
     c.name: c
     for c in (
         Controller("uncontrolled", "reference", True, False, "nothing: EVs at full power, battery idle",
-                   "pipeline.control.baselines:simulate", ("uncontrolled",), retries=2),
+                   baselines.simulate, ("uncontrolled",), retries=2),
         Controller("rule_based", "rule", True, False, "the hour's PV surplus or deficit",
-                   "pipeline.control.baselines:simulate", ("rule_based",), retries=2),
+                   baselines.simulate, ("rule_based",), retries=2),
         Controller("mpc", "planner", True, False,
                    "24 h LP on a MOER regression refit daily and the past week's sessions (hand-set weights)",
-                   "pipeline.control.mpc:simulate", ("mpc",), _mpc_enabled),
+                   mpc.simulate, ("mpc",), _mpc_enabled),
         Controller("mpc_tuned", "learned planner", True, True,
                    "mpc on a learned MOER forecast (5-minute data, forgets old days), its parameters tuned by"
                    " CMA-ES in closed loop on the train split's weeks",
-                   "pipeline.control.learned:simulate_tuned", (), _learned_enabled, seeded=True, tuned=True),
+                   learned.simulate_tuned, (), _learned_enabled, seeded=True, tuned=True),
         Controller("mpc_adaptive", "learned planner", True, True,
-                   "mpc_tuned, its demand weight re-chosen each week by replaying the split's last weeks",
-                   "pipeline.control.learned:simulate_adaptive", (), _learned_enabled, seeded=True, tuned=True),
+                   "mpc_tuned, its demand weight re-chosen each week by backtesting the split's last weeks",
+                   learned.simulate_adaptive, (), _learned_enabled, seeded=True, tuned=True),
         Controller("mpc_rl", "learned planner", True, True,
                    "mpc on a learned MOER forecast and demand by day type, its demand weight and terminal value"
                    " set each day by a PPO policy trained on the train split",
-                   "pipeline.control.rl_planner:simulate_rl", (), _learned_enabled, seeded=True, tuned=True),
+                   rl_planner.simulate_rl, (), _learned_enabled, seeded=True, tuned=True),
         *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
-                   "pipeline.control.mpc:simulate", ("mpc_perfect",), _mpc_enabled),
+                   mpc.simulate, ("mpc_perfect",), _mpc_enabled),
         Controller("oracle", "bound", False, False, "the whole split (perfect-foresight LP)",
-                   "pipeline.control.oracle:simulate"),
+                   oracle.simulate),
     )
 }  # fmt: skip
 """Every controller by name, in report order (agents among themselves are shown by name)."""

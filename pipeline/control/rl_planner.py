@@ -11,7 +11,7 @@ optimiser rather than replacing it; e.g. Arroyo et al., Applied Energy 2022), on
     python algos/ppo.py --env-id pipeline.control.rl_planner:EVHubPlanner-v0 --vector-mode async --num-envs 2
 
 - episode: one week of the train split from a random local midnight (after the split's first week, in which the
-  planner's forecasts warm up), begun like an evaluation window (:func:`pipeline.control.replay.replay`);
+  planner's forecasts warm up), begun like a backtest window (:func:`pipeline.control.backtest.run_window`);
 - action: ``(2,)`` in ``[-1, 1]``: the weight ``(a0 + 1) / 2`` in ``[0, 1]`` and the terminal value
   ``1 + a1 / 2`` in ``[0.5, 1.5]`` (a multiple of the shipped rule's), the other parameters :func:`base_params`'s;
 - reward: ``-(CO2 kg + UNSERVED_COST * unserved kWh) / REWARD_SCALE_KG`` of the day;
@@ -41,7 +41,8 @@ import torch
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, load_site
-from pipeline.control.replay import UNSERVED_COST, PlannerParams, planner
+from pipeline.control.backtest import UNSERVED_COST, evaluation_site
+from pipeline.control.mpc import MPCController, PlannerParams
 
 ENV_ID = "EVHubPlanner-v0"
 REWARD_SCALE_KG = 50.0
@@ -62,11 +63,9 @@ OBS_NAMES = (
 
 def base_params(site: Site) -> PlannerParams:
     """The planner's parameters the policy does not set: the site's ``[mpc]`` values on the learned MOER forecast
-    (:meth:`pipeline.control.replay.PlannerParams.learned_start`), the expected demand drawn by day type (weekday or
-    weekend). The day type was chosen on the train split: with it ``mpc_rl`` closes 44.1% of the gap there against
-    40.3% without (means of 3 seeds, on the forecast with forgetting alone: ``docs/agents.md``), and every seed's
-    tuning chose it for ``mpc_tuned``."""
-    return replace(PlannerParams.learned_start(site), demand_day_type=True)
+    (:meth:`pipeline.control.mpc.PlannerParams.learned_start`), the expected demand drawn by day type (weekday or
+    weekend; chosen on the train split, ``docs/agents.md``)."""
+    return replace(PlannerParams.learned_start(site.config), demand_day_type=True)
 
 
 def day_params(base: PlannerParams, action) -> PlannerParams:
@@ -81,7 +80,7 @@ class _Day:
 
     def __init__(self, site: Site, split: str, base: PlannerParams, env: EVHubVectorEnv):
         self.site, self.data, self.base, self.env = site, site.split(split), base, env
-        self.mpc = planner(self.data, base)
+        self.mpc = MPCController(self.data, base, presolve=False)
         self.day = max(1, int(round(24 / site.config.dt_h)))
         arrivals = self.data.arrival_need_kwh.sum(1).astype(np.float64)  # (T,) kWh arriving per step
         self._arrivals = arrivals
@@ -121,7 +120,7 @@ class _Day:
     def run_day(self, params: PlannerParams, obs: torch.Tensor, steps: int):
         """Set the planner's parameters and act ``steps`` steps; returns ``(obs, co2_kg, unserved_kwh)``."""
         m = self.mpc
-        m.expected_demand_weight, m.terminal_value = params.expected_demand_weight, params.terminal_value
+        m.set_params(params)
         co2 = unserved = kwh = 0.0
         with torch.no_grad():
             for _ in range(steps):
@@ -150,10 +149,8 @@ class PlannerEnv(gym.Env):
     metadata = {"render_modes": []}
 
     def __init__(self, site: str | None = None, split: str = "train"):
-        self.site = load_site(site or os.environ.get("EVHUB_SITE", "caltech"))
-        if self.site.config.episode.session_keep_min < 1.0:  # episodes keep every session, like an evaluation
-            cfg = self.site.config.replace(episode={"session_keep_min": 1.0})
-            self.site = Site(cfg, self.site.hourly, self.site.sessions, dict(self.site.source))
+        # episodes keep every session, like an evaluation
+        self.site = evaluation_site(load_site(site or os.environ.get("EVHUB_SITE", "caltech")))
         self.split = split
         self.base = base_params(self.site)
         self.steps = EPISODE_DAYS * max(1, int(round(24 / self.site.config.dt_h)))
@@ -226,8 +223,7 @@ class DailyPolicyPlanner:
             with torch.no_grad():
                 a = self.policy(x, env)[0].numpy()
             p = day_params(self.base, a)
-            m = self.day_state.mpc
-            m.expected_demand_weight, m.terminal_value = p.expected_demand_weight, p.terminal_value
+            self.day_state.mpc.set_params(p)
             self.params.append((t, p))
         return self.day_state.mpc(obs, env)
 
@@ -265,6 +261,11 @@ def ppo_args(days: int) -> tuple[str, ...]:
     )
 
 
+def run_dir(tuned_dir: str | Path, seed: int) -> Path:
+    """The training run of ``mpc_rl``'s policy of ``seed``, beside the tuning: ``<tuned_dir>/mpc_rl_seed<seed>/``."""
+    return Path(tuned_dir) / f"mpc_rl_seed{seed}"
+
+
 def policy_file(run_dir: str | Path) -> Path:
     """The exported day-level policy of an ``mpc_rl`` training run."""
     return Path(run_dir) / "policy.pt2"
@@ -272,23 +273,20 @@ def policy_file(run_dir: str | Path) -> Path:
 
 def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``mpc_rl`` of ``seed`` over a whole split: ``(kpi_row, traces)``, from the policy trained into
-    ``<tuned_dir>/mpc_rl_seed<seed>/`` (its day-level CO2 tracked per day in the planner).
+    :func:`run_dir` (its day-level CO2 tracked per day in the planner).
 
     Raises:
         FileNotFoundError: no trained policy there (the message says how to train one).
     """
     from envs.kpis import load_policy
 
-    path = policy_file(Path(tuned_dir) / f"mpc_rl_seed{seed}")
+    path = policy_file(run_dir(tuned_dir, seed))
     if not path.is_file():
         raise FileNotFoundError(
             f"{path}: no trained mpc_rl policy for seed {seed} (run `doit run tune` or the pipeline)"
         )
     policy = load_policy(path)
-    if site.config.episode.session_keep_min < 1.0:
-        site = Site(
-            site.config.replace(episode={"session_keep_min": 1.0}), site.hourly, site.sessions, dict(site.source)
-        )
+    site = evaluation_site(site)
     p = DailyPolicyPlanner(site, split, policy, base_params(site))
     kpis, traces = evaluate_policy(
         p, site, split, "mpc_rl", action_mode="socket", bess_action="setpoint", train_wall_s=0.0, seed=float(seed)

@@ -1,27 +1,32 @@
 """Closed-loop tuning of the planner's parameters by CMA-ES: what ``mpc_tuned`` runs with.
 
 The causal planner (:class:`pipeline.control.mpc.MPCController`) has parameters a person set by hand
-(:class:`pipeline.control.replay.PlannerParams`: the expected-demand weight and days, the terminal value of stored
+(:class:`pipeline.control.mpc.PlannerParams`: the expected-demand weight and days, the terminal value of stored
 energy, the MOER outlook's contrast and bias, the horizon; and one it does not use, the expected demand by day type).
 Here they are tuned where they act: in closed loop, through the env, on sampled weeks of the **train split**
-(:func:`pipeline.control.replay.replay`), by CMA-ES (Hansen's ``cma`` package) in the box :data:`SPACE` scaled to
-``[0, 1]`` per parameter, starting at the site's ``[mpc]`` values with the learned MOER forecast
-(:meth:`~pipeline.control.replay.PlannerParams.learned_start`; a yes/no parameter undecided, at 0.5). Each
-generation samples :attr:`Budget.weeks` weeks of the split (after its first, in which the planner's forecasts warm up)
-and evaluates every candidate on the same weeks (common random numbers: CMA-ES only ranks the candidates of a
+(:func:`pipeline.control.backtest.run_window`), by CMA-ES (Hansen's ``cma`` package) in the box :data:`SPACE`, each
+parameter in its own units with an initial step of ``sigma0`` times its range (``CMA_stds``), the integer and yes/no
+parameters handled as integers by ``cma`` itself (``integer_variables``: rounded where sampled, their steps kept from
+vanishing), starting at the site's ``[mpc]`` values with the learned MOER forecast
+(:meth:`~pipeline.control.mpc.PlannerParams.learned_start`; a yes/no parameter undecided, at 0.5). Each generation
+samples :attr:`Budget.weeks` weeks of the split (after its first, in which the planner's forecasts warm up) and
+evaluates every candidate on the same weeks (common random numbers: CMA-ES only ranks the candidates of a
 generation), each (candidate, week) one Dask task. The result is the distribution's mean after the last generation
-(``xfavorite``), not the best candidate seen (which would favour an easy sample of weeks): of the means after the last
-:data:`VALIDATED_MEANS` generations and the starting point, the one that costs least over a fixed set of validation
-weeks of the train split (the parameters' effects are small beside the weeks' noise, so a tuning can drift; it never
-ends worse on those weeks than it began). Nothing here reads the test split.
+(its integers rounded by ``cma``), not the best candidate seen (which would favour an easy sample of weeks): of the
+means after the last :data:`VALIDATED_MEANS` generations and the starting point, the one that costs least over a fixed
+set of validation weeks of the train split (the parameters' effects are small beside the weeks' noise, so a tuning can
+drift; it never ends worse on those weeks than it began). Nothing here reads the test split.
 
-Budgets (:data:`BUDGETS`): ``small`` runs inside ``doit run pipeline``, ``full`` is ``doit run tune``; the pipeline
-uses the largest budget whose result is cached for the same site, data and code (:func:`cached`).
+Each seed's CMA-ES samples from its own generator (``cma``'s ``randn`` option; its integer handling's few draws from
+its own stream too, :func:`_repair_draws`), so the seeds tuned in lockstep are independent of each other and of
+NumPy's global generator.
+
+Budgets (:data:`BUDGETS`): ``small`` runs inside ``doit run pipeline``, ``full`` is ``doit run tune``, ``tiny`` is for
+tests; the pipeline uses the largest budget whose result is cached for the same site, data and code (:func:`cached`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +39,16 @@ import pandas as pd
 
 from envs.files import write_parquet, write_text
 from envs.site import Site, load_site
-from pipeline.control.replay import PlannerParams, WindowResult, replay, weeks
+from pipeline import depends
+from pipeline.control.backtest import WindowResult, run_window, weeks
+from pipeline.control.mpc import PlannerParams
+from pipeline.paths import PROJECT_ROOT
 
 
 @dataclass(frozen=True)
 class Param:
-    """One tuned parameter: its :class:`PlannerParams` field and its range (inclusive); integers are rounded."""
+    """One tuned parameter: its :class:`PlannerParams` field, its range (inclusive), and whether CMA-ES samples it as an
+    integer (a yes/no parameter is one, 0 or 1)."""
 
     name: str
     low: float
@@ -68,11 +77,11 @@ VALIDATED_MEANS = 3
 
 @dataclass(frozen=True)
 class Budget:
-    """How much closed-loop evaluation one tuning spends: ``generations`` x ``popsize`` candidates, each replayed on
-    ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step in the ``[0, 1]`` box; ``validation_weeks``: the weeks, spread
-    evenly over the split, on which CMA-ES's means after the last :data:`VALIDATED_MEANS` generations are compared with
-    the starting point (the cheapest one is the result); ``rl_days``: the days (env steps) ``mpc_rl``'s PPO trains for
-    (:mod:`pipeline.control.rl_planner`)."""
+    """How much closed-loop evaluation one tuning spends: ``generations`` x ``popsize`` candidates, each backtested on
+    ``weeks`` weeks; ``sigma0`` is CMA-ES's initial step as a share of each parameter's range; ``validation_weeks``: the
+    weeks, spread evenly over the split, on which CMA-ES's means after the last :data:`VALIDATED_MEANS` generations are
+    compared with the starting point (the cheapest one is the result); ``rl_days``: the days (env steps) ``mpc_rl``'s
+    PPO trains for (:mod:`pipeline.control.rl_planner`)."""
 
     generations: int
     popsize: int
@@ -82,8 +91,8 @@ class Budget:
     validation_weeks: int = 6
 
     @property
-    def replays(self) -> int:
-        """Week replays the tuning runs (at most: the validation replays each distinct mean once)."""
+    def windows(self) -> int:
+        """Week backtests the tuning runs (at most: the validation backtests each distinct mean once)."""
         return (
             self.generations * self.popsize * self.weeks
             + (1 + min(VALIDATED_MEANS, self.generations)) * self.validation_weeks
@@ -91,53 +100,56 @@ class Budget:
 
 
 BUDGETS = {
+    "tiny": Budget(generations=2, popsize=4, weeks=1, rl_days=14, validation_weeks=1),
     "small": Budget(generations=4, popsize=6, weeks=3, rl_days=140, validation_weeks=6),
     "full": Budget(generations=10, popsize=8, weeks=4, rl_days=700, validation_weeks=16),
 }
-"""``small``: inside ``doit run pipeline`` (at most 96 week replays and 140 days of PPO a seed); ``full``: ``doit run
-tune`` (at most 384 week replays and 700 days, about three times the train split's)."""
+"""From the least to the most: ``tiny`` for tests of the whole pipeline (at most 11 week backtests and 14 days of PPO
+a seed); ``small``: inside ``doit run pipeline`` (at most 96 week backtests and 140 days); ``full``: ``doit run tune``
+(at most 384 week backtests and 700 days, about three times the train split's)."""
 
 
 def encode(params: PlannerParams, space: Sequence[Param] = SPACE, undecided: bool = False) -> np.ndarray:
-    """``(len(space),)`` float64 in ``[0, 1]``: each tuned parameter's place in its range (clipped); with
-    ``undecided`` a yes/no parameter sits at 0.5, where either answer is as likely (CMA-ES's start)."""
+    """``(len(space),)`` float64: each tuned parameter's value in its units, clipped to its range; with ``undecided`` a
+    yes/no parameter sits at 0.5, where either answer is as likely (CMA-ES's start)."""
     d = params.as_dict()
     return np.array(
         [
-            0.5
-            if undecided and isinstance(d[p.name], bool)
-            else np.clip((float(d[p.name]) - p.low) / (p.high - p.low), 0.0, 1.0)
+            0.5 if undecided and isinstance(d[p.name], bool) else float(np.clip(float(d[p.name]), p.low, p.high))
             for p in space
         ]
     )
 
 
 def decode(x: Sequence[float], base: PlannerParams, space: Sequence[Param] = SPACE) -> PlannerParams:
-    """The parameters at ``x`` (``[0, 1]`` per ``space`` entry, clipped), the others as in ``base``."""
+    """The parameters at ``x`` (a point of CMA-ES in the units of ``space``: integer coordinates already rounded by
+    ``cma``), the others as in ``base``; the continuous ones rounded to 4 decimals for the record.
+
+    Raises:
+        ValueError: a coordinate outside its range, or an integer parameter at a non-integer value.
+    """
     values = {}
-    for p, v in zip(space, np.clip(np.asarray(x, np.float64), 0.0, 1.0)):
-        value = p.low + float(v) * (p.high - p.low)
+    for p, v in zip(space, np.asarray(x, np.float64)):
+        v = float(v)
+        if not p.low <= v <= p.high or (p.integer and not v.is_integer()):
+            raise ValueError(f"{p.name} = {v} is not a point of [{p.low}, {p.high}]{' (integer)' if p.integer else ''}")
         if isinstance(getattr(base, p.name), bool):
-            values[p.name] = bool(round(value))
+            values[p.name] = bool(v)
         else:
-            values[p.name] = int(round(value)) if p.integer else round(value, 4)
+            values[p.name] = int(v) if p.integer else round(v, 4)
     return replace(base, **values)
 
 
-def fingerprint(site: Site | str, split: str = "train") -> str:
-    """SHA-256 (hex) of what a tuning depends on: the site config, the split's data and the control code."""
-    from pipeline.paths import PROJECT_ROOT
+def fingerprint(site_toml: str | Path, split: str = "train", root: Path = PROJECT_ROOT) -> str:
+    """SHA-256 (hex) of what a tuning depends on: the split, the site's files (:func:`pipeline.depends.site_files`)
+    and the controllers' code under ``root`` (:func:`pipeline.depends.controllers`: every file of ``envs`` and
+    ``pipeline/control``, the files doit's ``tune`` tasks depend on).
 
-    site = load_site(site)
-    h = hashlib.sha256(split.encode())
-    for key in ("config", "hourly", "sessions"):
-        p = site.source.get(key)
-        if p and Path(p).is_file():
-            h.update(Path(p).read_bytes())
-    for f in sorted((PROJECT_ROOT / "pipeline" / "control").glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
+    Raises:
+        FileNotFoundError: a site file that is not there. envs.config.ConfigError: a bad site TOML.
+    """
+    files = [*depends.site_files(site_toml), *depends.controllers(root)]
+    return depends.fingerprint(files, root=root, salt=split)
 
 
 @dataclass
@@ -154,7 +166,7 @@ class TuningResult:
             ``start`` and ``mean after generation g`` in the validation rows after the last one), the parameters,
             ``cost_kg`` (CO2 plus the unserved penalty summed over the weeks), ``weeks`` (their indices in the split,
             str).
-        wall_s: seconds of the whole tuning; solves, solve_s: LP solves of its replays and their seconds.
+        wall_s: seconds of the whole tuning; solves, solve_s: LP solves of its backtests and their seconds.
     """
 
     params: PlannerParams
@@ -182,20 +194,20 @@ class TuningResult:
 
 
 Evaluate = Callable[[list[tuple[PlannerParams, int, int]]], list[WindowResult]]
-"""Replays a batch of ``(params, start, steps)`` windows of the tuned split, in order (locally or on Dask)."""
+"""Backtests a batch of ``(params, start, steps)`` windows of the tuned split, in order (locally or on Dask)."""
 
 
 def local_evaluator(site: Site | str, split: str) -> Evaluate:
-    """Replays one after another in this process."""
-    return lambda jobs: [replay(site, split, s, n, p) for p, s, n in jobs]
+    """Backtests one window after another in this process."""
+    return lambda jobs: [run_window(site, split, s, n, p) for p, s, n in jobs]
 
 
 def dask_evaluator(client, site_toml: str, split: str, priority: int = 0) -> Evaluate:
-    """Replays as Dask tasks of ``client`` at Dask ``priority`` (one task per window; workers load the site once)."""
+    """Backtests as Dask tasks of ``client`` at Dask ``priority``, one task per window (a worker loads a site once)."""
 
     def evaluate(jobs):
         futures = [
-            client.submit(replay, site_toml, split, s, n, p.as_dict(), priority=priority, pure=False)
+            client.submit(run_window, site_toml, split, s, n, p.as_dict(), priority=priority, pure=False)
             for p, s, n in jobs
         ]
         return client.gather(futures)
@@ -204,17 +216,21 @@ def dask_evaluator(client, site_toml: str, split: str, priority: int = 0) -> Eva
 
 
 @contextmanager
-def _own_global_state(run: dict):
-    """Run a block with NumPy's global generator in ``run["np_state"]`` (and keep where the block left it), the
-    caller's state restored after. The ``cma`` package seeds and draws from the global generator, so without this
-    the seeds tuned in lockstep would draw from one stream, and a seed's tuning would depend on which other seeds
-    were tuned beside it."""
+def _repair_draws(run: dict):
+    """Run a block of ``cma`` calls with NumPy's global generator in the state ``run["repair_state"]``, kept where the
+    block leaves it; the caller's state is restored after.
+
+    CMA-ES samples from each seed's own generator (the ``randn`` option), but cma's integer handling (its
+    ``IntegerCentering.repair``, cma 4.5) draws from NumPy's global generator when it moves an integer coordinate
+    back into its bounds. Without this, the seeds tuned in lockstep would share one stream for those draws, and a seed's
+    tuning would depend on which other seeds were tuned beside it.
+    """
     outer = np.random.get_state()
-    np.random.set_state(run["np_state"])
+    np.random.set_state(run["repair_state"])
     try:
         yield
     finally:
-        run["np_state"] = np.random.get_state()
+        run["repair_state"] = np.random.get_state()
         np.random.set_state(outer)
 
 
@@ -229,14 +245,14 @@ def tune(
 ) -> list[TuningResult]:
     """Tune the planner's parameters by CMA-ES on sampled weeks of ``split``, once per seed (module docstring).
 
-    The seeds' CMA-ES runs go in lockstep: each generation's candidates of every seed are replayed in one batch, so
+    The seeds' CMA-ES runs go in lockstep: each generation's candidates of every seed are backtested in one batch, so
     a Dask evaluator keeps every worker busy.
 
     Args:
         site: a loaded site or a site TOML path.
-        seeds: one tuning per seed (it seeds CMA-ES and the weeks sampled).
+        seeds: one tuning per seed (it seeds CMA-ES's generator and the weeks sampled, each its own stream).
         budget: a key of :data:`BUDGETS`, or a :class:`Budget`.
-        evaluate: how windows are replayed (default :func:`local_evaluator`).
+        evaluate: how windows are backtested (default :func:`local_evaluator`).
         split: the split tuned on (the train split; tuning never reads another).
         space: the parameters tuned (default :data:`SPACE`; the others stay at :meth:`PlannerParams.learned_start`'s).
         progress: called with one line per generation.
@@ -257,24 +273,38 @@ def tune(
     pool = [w for w in pool if w[1] == pool[0][1]]  # whole weeks only
     if len(pool) < 1:
         raise ValueError(f"split '{split}' has {data.num_steps} steps: fewer than two whole weeks to tune on")
-    start = PlannerParams.learned_start(site)
+    start = PlannerParams.learned_start(site.config)
     x0 = encode(start, space, undecided=True)
+    box = list(space)
+    if len(box) == 1:  # cma needs two dimensions at least: a second one that decode() ignores
+        box.append(Param("unused", 0.0, 1.0))
+        x0 = np.r_[x0, 0.5]
     t0 = time.perf_counter()
     runs = []
-    if len(x0) == 1:  # cma needs two dimensions at least: a second one that decode() ignores
-        x0 = np.r_[x0, 0.5]
     for seed in seeds:
+        weeks_rng = np.random.default_rng(int(seed))
+        streams = np.random.SeedSequence(int(seed)).spawn(2)  # cma's, independent of the weeks'
+        cma_rng = np.random.default_rng(streams[0])
         es = cma.CMAEvolutionStrategy(
             x0,
             b.sigma0,
-            {"seed": int(seed), "popsize": b.popsize, "bounds": [0.0, 1.0], "verbose": -9, "maxiter": b.generations},
+            {
+                "popsize": b.popsize,
+                "maxiter": b.generations,
+                "bounds": [[p.low for p in box], [p.high for p in box]],
+                "CMA_stds": [p.high - p.low for p in box],  # sigma0 is a share of each parameter's range
+                "integer_variables": [i for i, p in enumerate(box) if p.integer],
+                "randn": lambda lam, n, rng=cma_rng: rng.standard_normal((lam, n)),
+                "seed": np.nan,  # cma leaves NumPy's global generator alone
+                "verbose": -9,
+            },
         )
         runs.append(
             {
                 "seed": seed,
                 "es": es,
-                "rng": np.random.default_rng(int(seed)),
-                "np_state": np.random.get_state(),  # cma samples from NumPy's global generator, seeded just above
+                "rng": weeks_rng,
+                "repair_state": np.random.RandomState(np.random.MT19937(streams[1])).get_state(),
                 "rows": [],
                 "solves": 0,
                 "solve_s": 0.0,
@@ -284,7 +314,7 @@ def tune(
     for g in range(b.generations):
         batch, layout = [], []
         for r in runs:
-            with _own_global_state(r):
+            with _repair_draws(r):
                 X = r["es"].ask()
             picked = sorted(r["rng"].choice(len(pool), size=min(b.weeks, len(pool)), replace=False).tolist())
             cands = [decode(x, start, space) for x in X]
@@ -308,9 +338,9 @@ def tune(
                         "weeks": ",".join(str(i + 1) for i in picked),
                     }
                 )
-            with _own_global_state(r):
+            with _repair_draws(r):
                 r["es"].tell(X, costs)
-            best = decode(r["es"].result.xfavorite, start, space)
+            best = decode(r["es"].to_phenotype(r["es"].mean), start, space)  # the mean, its integers rounded
             r["means"].append(best)
             progress(
                 f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
@@ -326,7 +356,7 @@ def tune(
         for g, m in enumerate(last, start=b.generations - len(last) + 1):
             if all(m != c for _, c in r["cands"]):
                 r["cands"].append((f"mean after generation {g}", m))
-    # every seed's validation replays in one batch, as the generations'
+    # every seed's validation backtests in one batch, as the generations'
     batch = [(c, s, n) for r in runs for _, c in r["cands"] for s, n in valid]
     results = iter(evaluate(batch) if batch else [])
     out = []

@@ -19,16 +19,17 @@ from dataclasses import dataclass
 _CLIENTS: dict[str | None, object] = {}
 _LOCK = threading.Lock()  # doit runs the study's stages in threads of one process: one LocalCluster for all of them
 
-PRIORITY = {"collect": 100, "train": 10, "tune": 2, "simulate": 1, "replay": 0}
+PRIORITY = {"collect": 100, "train": 10, "tune": 2, "simulate": 1, "backtest": 0}
 """Dask priorities of the study's tasks (a free worker takes the highest waiting one):
 
 - ``collect``: a task that only gathers others' results (a stage's file list, the validation stamps, the week
   tables), so a stage ends when its work does, not when a queue of other stages' work lets a worker reach it;
 - ``train``: a training run, so the longest indivisible tasks start early and the short simulations fill in around
   them;
-- ``tune``: the tuning's replays (CMA-ES's generations wait for each other, and the learned planners for the tuning);
+- ``tune``: the tuning's backtests (CMA-ES's generations wait for each other, and the learned planners for the
+  tuning);
 - ``simulate``: a controller's run over a whole split (up to a minute: started early, it does not end a stage alone);
-- ``replay``: the planners' week replays."""
+- ``backtest``: the week backtests of ``mpc_adaptive``'s tables."""
 
 
 def get_client(scheduler_address: str | None = None, n_workers: int | None = None):

@@ -54,9 +54,10 @@ class PipelineConfig:
         seeds: training seeds; each agent trains once per seed.
         total_timesteps: override of each script's default training budget (None: script default).
         scheduler_address: address of an existing Dask scheduler; None starts a LocalCluster.
-        tune_budget: budget of the planner's tuning on the train split (:data:`pipeline.control.tuning.BUDGETS`):
-            ``small`` inside ``doit run pipeline``, ``full`` for ``doit run tune``; doit variable ``tune_budget`` /
-            ``EVHUB_TUNE_BUDGET``. A cached tuning with a larger budget is used as it is.
+        tune_budget: budget of the learned planners' tuning and ``mpc_rl``'s training on the train split
+            (:data:`pipeline.control.tuning.BUDGETS`): ``small`` inside ``doit run pipeline``, ``full`` for ``doit run
+            tune``, ``tiny`` for tests; doit variable ``tune_budget`` / ``EVHUB_TUNE_BUDGET``. A result cached with a
+            larger budget is used as it is.
         extra_algo_args: extra command-line flags of every agent script (for example ``("--compile",
             "--cudagraphs")`` on a GPU); doit variable ``algo_args`` / ``EVHUB_ALGO_ARGS``, split like a shell.
     """

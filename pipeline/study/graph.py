@@ -24,12 +24,12 @@ from pathlib import Path
 
 from envs.config import load_config
 from pipeline.control import learned, registry, rl_planner, tuning
-from pipeline.control.replay import replay
+from pipeline.control.backtest import run_window
 from pipeline.study import results, tasks
 from pipeline.study.cluster import PRIORITY, get_client, training_placement
 from pipeline.study.config import SPLITS, PipelineConfig
 
-STAGES = ("validate", "baselines", "tune", "planners", "train", "evaluate", "report")
+STAGES = ("validate", "baselines", "tune", "tune_rl", "planners", "train", "evaluate", "report")
 
 
 def simulated(cfg: PipelineConfig) -> tuple[str, ...]:
@@ -50,15 +50,9 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
     return {
         "validate": [root / "validate" / f"{i}.json" for i in tasks.INPUTS],
         "baselines": [f for c in simulated(cfg) for s in SPLITS for f in results.files(root / "baselines", c, s)],
-        "tune": [
-            f
-            for seed in cfg.seeds
-            for f in (
-                *tuning.result_files(root / "tuned", seed),
-                rl_planner.policy_file(root / "tuned" / f"mpc_rl_seed{seed}"),
-            )
-        ]
-        if planners(cfg)
+        "tune": [f for seed in cfg.seeds for f in tuning.result_files(root / "tuned", seed)] if planners(cfg) else [],
+        "tune_rl": [rl_planner.policy_file(rl_planner.run_dir(root / "tuned", seed)) for seed in cfg.seeds]
+        if "mpc_rl" in planners(cfg)
         else [],
         "planners": [
             f
@@ -145,26 +139,33 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     else:
         baseline_files = on_disk("baselines") if "report" in stages else None
 
-    # the planner's parameters tuned on the train split, once per seed (CMA-ES; its replays fanned out as tasks)
+    # the planner's parameters tuned on the train split, once per seed (CMA-ES; its backtests fanned out as tasks)
     tuned_dir = str(root / "tuned")
     if "tune" in stages:
         futures["tune"] = (
             tasks.tune_planner(site, cfg.seeds, tuned_dir, cfg.tune_budget, client) if planners(cfg) else []
         )
+    # mpc_rl's day-level policy trained on the train split, once per seed (one training task each)
+    if "tune_rl" in stages:
+        futures["tune_rl"] = (
+            tasks.train_rl_planners(site, cfg.seeds, tuned_dir, cfg.tune_budget, client)
+            if "mpc_rl" in planners(cfg)
+            else []
+        )
     # the learned planners: one task per planner x seed x split, after the tuning
     if "planners" in stages:
-        if "tune" not in stages:
-            on_disk("tune")
+        for stage in {"tune", "tune_rl"} - stages:
+            on_disk(stage)
         out = str(root / "planners")
-        tables = {}  # mpc_adaptive's week tables: every (candidate, week) replay one task, then written per seed
+        tables = {}  # mpc_adaptive's week tables: every (candidate, week) backtest one task, then written per seed
         if "mpc_adaptive" in planners(cfg):
             for seed in cfg.seeds:
                 windows = learned.table_windows(site, tuning.load_params(tuned_dir, seed), SPLITS)
-                replays = [
-                    submit(replay, site, sp, s, n, c.as_dict(), priority=PRIORITY["replay"], pure=False)
+                backtests = [
+                    submit(run_window, site, sp, s, n, c.as_dict(), priority=PRIORITY["backtest"], pure=False)
                     for sp, _, c, s, n in windows
                 ]
-                tables[seed] = collect(learned.write_week_tables, replays, windows, tuned_dir, seed)
+                tables[seed] = collect(learned.write_week_tables, backtests, windows, tuned_dir, seed)
         jobs = [
             submit(
                 tasks.run_controller,

@@ -21,8 +21,9 @@ from envs.config import load_config
 from envs.files import write_parquet, write_text
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_site
+from pipeline import depends
 from pipeline.control import registry, rl_planner, tuning
-from pipeline.study import depends, results
+from pipeline.study import results
 from pipeline.study.cluster import PRIORITY, training_placement
 from pipeline.study.config import PROJECT_ROOT, SPLITS, shown_path
 from pipeline.study.report import site_data_sources, write_report
@@ -101,25 +102,19 @@ def run_controller(
 
 def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None) -> list[str]:
     """Tune the planner's parameters on the train split once per seed (:func:`pipeline.control.tuning.tune`), its
-    replays as tasks of ``client``; a seed whose tuning is cached in ``tuned_dir`` for the same site, data and code
+    backtests as tasks of ``client``; a seed whose tuning is cached in ``tuned_dir`` for the same site, data and code
     with ``budget`` or a larger one is not tuned again. Returns every tuning file (summary and history per seed).
 
     Raises:
         KeyError: an unknown budget.
     """
-    # mpc_rl: PPO on the day-level planner env (it reads the site's [mpc] values, not the tuning), one training task
-    # per seed, started first so it runs beside the tuning's replays; a finished run with the same fingerprint is kept
-    rl_runs = [(seed, str(Path(tuned_dir) / f"mpc_rl_seed{seed}"), tuning.BUDGETS[budget].rl_days) for seed in seeds]
-    rl_jobs = []
-    if client is not None:
-        options = training_placement(client, None).options  # only its resources and priority are read
-        rl_jobs = [client.submit(train_rl_planner, site_toml, *a, **options, pure=False) for a in rl_runs]
     fp = tuning.fingerprint(site_toml)
     todo = [s for s in seeds if tuning.cached(tuned_dir, s, fp, budget) is None]
     b = tuning.BUDGETS[budget]
     if todo:
         evaluate = tuning.dask_evaluator(client, site_toml, "train", PRIORITY["tune"]) if client is not None else None
-        print(f"tune: seeds {todo}, budget '{budget}' ({b.replays} week replays a seed) on the train split", flush=True)
+        line = f"tune: seeds {todo}, budget '{budget}' ({b.windows} week backtests a seed) on the train split"
+        print(line, flush=True)
         for result in tuning.tune(site_toml, todo, budget, evaluate=evaluate):
             tuning.write(result, tuned_dir, fp)
             print(
@@ -127,12 +122,58 @@ def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None
                 f"({result.solves / max(result.solve_s, 1e-9):.0f} solves/s); {result.params}",
                 flush=True,
             )
-    if client is None:
-        for a in rl_runs:
-            train_rl_planner(site_toml, *a)
-    else:
-        client.gather(rl_jobs)
     return [str(f) for s in seeds for f in tuning.result_files(tuned_dir, s)]
+
+
+def train_rl_planners(site_toml: str, seeds, tuned_dir: str, budget: str, client=None) -> list[str]:
+    """Train ``mpc_rl``'s day-level policy once per seed (:func:`train_rl_planner`, one training task of ``client``
+    each); a seed whose finished run in ``tuned_dir`` was made for the same site, data and code with ``budget`` or a
+    larger one (:func:`rl_planner_trained`) is kept. Returns the exported policies.
+
+    Raises:
+        KeyError: an unknown budget. RuntimeError: a training that failed.
+    """
+    todo = [s for s in seeds if rl_planner_trained(site_toml, s, tuned_dir, budget) is None]
+    days = tuning.BUDGETS[budget].rl_days
+    if client is None:
+        for seed in todo:
+            train_rl_planner(site_toml, seed, str(rl_planner.run_dir(tuned_dir, seed)), days)
+    else:
+        options = training_placement(client, None).options  # only its resources and priority are read
+        client.gather(
+            [
+                client.submit(
+                    train_rl_planner, site_toml, seed, str(rl_planner.run_dir(tuned_dir, seed)), days, **options,
+                    pure=False,
+                )
+                for seed in todo
+            ]
+        )  # fmt: skip
+    return [str(rl_planner.policy_file(rl_planner.run_dir(tuned_dir, s))) for s in seeds]
+
+
+def rl_planner_trained(site_toml: str, seed: int, tuned_dir: str | Path, budget: str) -> str | None:
+    """The budget (a :data:`pipeline.control.tuning.BUDGETS` key) of the finished ``mpc_rl`` run of ``seed`` in
+    ``tuned_dir`` when it was trained for this site, data and code with ``budget`` or a larger one; else None."""
+    run = rl_planner.run_dir(tuned_dir, seed)
+    spec = run / "run.json"
+    if not (spec.is_file() and rl_planner.policy_file(run).is_file()):
+        return None
+    try:
+        made = json.loads(spec.read_text()).get("fingerprint")
+    except (OSError, json.JSONDecodeError):
+        return None
+    order = list(tuning.BUDGETS)
+    for larger in order[order.index(budget) :]:
+        cmd = training_command("ppo", seed, site_toml, str(run), *_rl_args(tuning.BUDGETS[larger].rl_days))
+        if made == run_fingerprint(cmd[1:], site_toml, "ppo", code=depends.CONTROL):
+            return larger
+    return None
+
+
+def _rl_args(days: int) -> tuple[int, tuple[str, ...]]:
+    """``(total_timesteps, extra_args)`` of ``mpc_rl``'s training for ``days`` days."""
+    return days, rl_planner.ppo_args(days)
 
 
 def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
@@ -144,8 +185,7 @@ def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
         seed,
         site_toml,
         run_dir,
-        days,
-        rl_planner.ppo_args(days),
+        *_rl_args(days),
         env_vars={"EVHUB_SITE": str(site_toml)},
         code=depends.CONTROL,
         tag=f"mpc_rl seed {seed}",
@@ -174,28 +214,15 @@ def run_fingerprint(
     """SHA-256 (hex) of what a training run is: its command line, the site config and data, and the code.
 
     Two attempts with the same fingerprint are the same run, so the second may resume the first's checkpoint.
-    The data files are the site's ``hourly.*`` and ``sessions.*`` files; the code is
-    :func:`pipeline.study.depends.training` (the agent's script, the harness, every file of ``envs``) under ``root``,
+    The data files are the site's (:func:`pipeline.depends.site_files`); the code is
+    :func:`pipeline.depends.training` (the agent's script, the harness, every file of ``envs``) under ``root``,
     the same files doit's ``train`` tasks depend on, so a change that re-runs training also starts it afresh; and the
     files of the globs ``code``.
     """
-    import hashlib
-
-    cfg, path = load_config(site_toml)
-    data_dir = path.parent / cfg.data_dir
-    data = [path]
-    if data_dir.is_dir():
-        data += sorted(f for f in data_dir.iterdir() if f.is_file() and f.name.split(".")[0] in ("hourly", "sessions"))
-    h = hashlib.sha256(json.dumps(cmd).encode())
-    for f in data:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
     code_files = depends.training(algo, root)
     code_files += [f for f in depends.files(*code, root=root) if f not in code_files]
-    for f in code_files:
-        h.update(f.relative_to(root).as_posix().encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
+    site = [f for f in depends.site_files(site_toml) if f.is_file()]
+    return depends.fingerprint([*site, *code_files], root=root, salt=json.dumps(cmd))
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -211,6 +238,24 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def training_command(
+    algo: str,
+    seed: int,
+    site_toml: str,
+    run_dir: str | Path,
+    total_timesteps: int | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> list[str]:
+    """The command line :func:`train_agent` runs: ``algos/<algo>.py`` with the site, seed, output folder, budget,
+    ``--eval-split none`` (the study evaluates every policy on both splits itself, :func:`evaluate_agent`) and
+    ``extra_args`` (the last of a repeated flag wins: a user's ``--eval-split`` still applies)."""
+    cmd = [sys.executable, str(algo_script(algo)), "--site", site_toml, "--seed", str(seed)]
+    cmd += ["--output-dir", str(run_dir)]
+    if total_timesteps is not None:
+        cmd += ["--total-timesteps", str(total_timesteps)]
+    return cmd + ["--eval-split", "none", *extra_args]
 
 
 def train_agent(
@@ -245,11 +290,7 @@ def train_agent(
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(algo_script(algo)), "--site", site_toml, "--seed", str(seed), "--output-dir", str(run)]
-    if total_timesteps is not None:
-        cmd += ["--total-timesteps", str(total_timesteps)]
-    cmd += ["--eval-split", "none"]  # the study evaluates every policy on both splits itself (evaluate_agent)
-    cmd += list(extra_args)  # the last of a repeated flag wins: a user's --eval-split still applies
+    cmd = training_command(algo, seed, site_toml, run_dir, total_timesteps, extra_args)
     fingerprint = run_fingerprint(cmd[1:], site_toml, algo, code=code)
     spec_path = run / "run.json"
     same_run = spec_path.is_file() and json.loads(spec_path.read_text()).get("fingerprint") == fingerprint
