@@ -183,9 +183,10 @@ TUNE_CFG = replace(CFG, tune_budget=_tune_budget())
 
 
 def task_tune():
-    """Tune the learned planners on the train split, once per seed: ``tune:mpc_tuned`` (the planner's parameters by
-    CMA-ES in closed loop, pipeline.control.tuning) and ``tune:mpc_rl`` (mpc_rl's day-level PPO policy,
-    pipeline.control.rl_planner).
+    """Tune the learned planners on the train split, once per seed: tune:mpc_tuned and tune:mpc_rl.
+
+    ``tune:mpc_tuned``: the planner's parameters by CMA-ES in closed loop (pipeline.control.tuning); ``tune:mpc_rl``:
+    mpc_rl's day-level PPO policy (pipeline.control.rl_planner).
 
     Inside ``doit run pipeline`` with the ``small`` budget; ``doit run tune`` runs the ``full`` one (``tune_budget=``
     chooses). Each result is kept in ``<experiment>/tuned/`` with the fingerprint of the site, its data and the code it
@@ -206,9 +207,15 @@ def task_tune():
         return all(rl_planner_trained(str(SITE_TOML), s, tuned_dir, budget) for s in CFG.seeds)
 
     inputs = _targets("validate") + _site_files() + CONTROLLER_CODE
-    for name, stage, done, code in (
-        ("mpc_tuned", "tune", tuned, []),
-        ("mpc_rl", "tune_rl", trained, depends.as_strings(depends.training("ppo"))),
+    for name, stage, done, code, doc in (
+        ("mpc_tuned", "tune", tuned, [], f"tune the planner's parameters by CMA-ES for seeds {list(CFG.seeds)}"),
+        (
+            "mpc_rl",
+            "tune_rl",
+            trained,
+            depends.as_strings(depends.training("ppo")),
+            f"train mpc_rl's day-level PPO policy for seeds {list(CFG.seeds)}",
+        ),
     ):
         if not _targets(stage):
             yield {
@@ -220,6 +227,7 @@ def task_tune():
             continue
         yield {
             "name": name,
+            "doc": doc,
             "actions": [_stage(stage, TUNE_CFG, f"tune:{name}")],
             "file_dep": sorted(set(inputs + code)),
             "targets": _targets(stage),

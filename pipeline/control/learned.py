@@ -28,7 +28,7 @@ from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
 from pipeline.control import tuning
-from pipeline.control.backtest import WEEK_STEPS, weeks
+from pipeline.control.backtest import WEEK_STEPS, WindowResult, weeks
 from pipeline.control.mpc import MPCController, PlannerParams
 
 ADAPTIVE_WEIGHTS = (0.25, 0.5, 0.75, 1.0)
@@ -65,22 +65,20 @@ def week_table(site: Site | str, split: str, cands: list[PlannerParams], evaluat
     evaluate = evaluate or tuning.local_evaluator(site, split)
     wk = weeks(site.split(split))
     jobs = [(c, s, n) for c in cands for s, n in wk]
-    res = evaluate(jobs)
-    rows = []
-    for i, r in enumerate(res):
-        c, w = divmod(i, len(wk))
-        rows.append(
-            {
-                "candidate": c,
-                "week": w,
-                "start": r.start,
-                "steps": r.steps,
-                "co2_kg": r.co2_kg,
-                "unserved_kwh": r.unserved_kwh,
-                "cost_kg": r.cost,
-            }
-        )
-    return pd.DataFrame(rows)
+    return pd.DataFrame([_week_row(*divmod(i, len(wk)), r) for i, r in enumerate(evaluate(jobs))])
+
+
+def _week_row(candidate: int, week: int, r: WindowResult) -> dict:
+    """One row of a week table (:func:`week_table`'s columns)."""
+    return {
+        "candidate": candidate,
+        "week": week,
+        "start": r.start,
+        "steps": r.steps,
+        "co2_kg": r.co2_kg,
+        "unserved_kwh": r.unserved_kwh,
+        "cost_kg": r.cost,
+    }
 
 
 def schedule(table: pd.DataFrame, lookback: int) -> np.ndarray:
@@ -190,17 +188,7 @@ def write_week_tables(results: list, windows: list, tuned_dir: str | Path, seed:
     count: dict[tuple[str, int], int] = {}
     for (sp, c, *_), r in zip(windows, results):
         w = count[sp, c] = count.get((sp, c), -1) + 1  # the windows of a candidate come week after week
-        rows.setdefault(sp, []).append(
-            {
-                "candidate": c,
-                "week": w,
-                "start": r.start,
-                "steps": r.steps,
-                "co2_kg": r.co2_kg,
-                "unserved_kwh": r.unserved_kwh,
-                "cost_kg": r.cost,
-            }
-        )
+        rows.setdefault(sp, []).append(_week_row(c, w, r))
     return [str(write_parquet(pd.DataFrame(v), table_file(tuned_dir, sp, seed))) for sp, v in rows.items()]
 
 
