@@ -130,9 +130,10 @@ def decode(x: Sequence[float], base: PlannerParams, space: Sequence[Param] = SPA
     """
     values = {}
     for p, v in zip(space, np.asarray(x, np.float64)):
-        v = float(v)
-        if not p.low <= v <= p.high or (p.integer and not v.is_integer()):
+        slack = 1e-9 * (p.high - p.low)  # cma's bound handling is exact up to float rounding
+        if not p.low - slack <= v <= p.high + slack or (p.integer and not float(v).is_integer()):
             raise ValueError(f"{p.name} = {v} is not a point of [{p.low}, {p.high}]{' (integer)' if p.integer else ''}")
+        v = float(np.clip(v, p.low, p.high))
         if isinstance(getattr(base, p.name), bool):
             values[p.name] = bool(v)
         else:
