@@ -51,7 +51,6 @@ import time
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
-from scipy.optimize import linprog
 
 from envs.config import SiteConfig
 from envs.kpis import TRACE_COLUMNS, check_balance, kpi_row
@@ -259,6 +258,8 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
     T, S, off = lp["T"], lp["S"], lp["off"]
     n_var, n_con, nnz = lp["A_eq"].shape[1], lp["A_eq"].shape[0], lp["A_eq"].nnz
     t1 = time.perf_counter()
+    from scipy.optimize import linprog  # heavy (about 1 s): imported by the solve, not by the registry
+
     res = linprog(
         lp["c"],
         A_eq=lp["A_eq"],
