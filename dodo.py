@@ -159,7 +159,8 @@ def task_validate():
 
 
 def task_baselines():
-    """Simulate uncontrolled, rule_based, mpc and mpc_perfect, and solve the oracle LP, on each split."""
+    """Simulate the controllers that read no tuning (uncontrolled, rule_based, mpc, the learned planners' untrained
+    starts, mpc_perfect) and solve the oracle LP, on each split."""
     return {
         "actions": [_stage("baselines")],
         "file_dep": _targets("validate") + _site_files() + CONTROLLER_CODE,

@@ -69,11 +69,16 @@ def test_learned_planners_end_to_end_then_cached_then_retuned_after_an_env_edit(
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "tune: seeds [1], budget 'tiny'" in first.stdout and "mpc_rl seed 1: 14 days of PPO" in first.stdout
     table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
-    learned = table[table.controller.isin(["mpc_tuned", "mpc_adaptive", "mpc_rl"])]
-    assert sorted(zip(learned.controller, learned.split)) == sorted(
-        (c, s) for c in ("mpc_adaptive", "mpc_rl", "mpc_tuned") for s in ("test", "train")
-    )
+    names = ("mpc_tuned_start", "mpc_tuned", "mpc_adaptive", "mpc_rl_start", "mpc_rl")
+    learned = table[table.controller.isin(names)]
+    assert sorted(zip(learned.controller, learned.split)) == sorted((c, s) for c in names for s in ("test", "train"))
     assert (learned.ev_energy_served_pct > 100 - 1e-6).all() and (learned.unserved_kwh < 1e-6).all(), learned
+    by = table.set_index(["controller", "split"])
+    for name, start in (("mpc_tuned", "mpc_tuned_start"), ("mpc_adaptive", "mpc_tuned"), ("mpc_rl", "mpc_rl_start")):
+        for split in ("train", "test"):  # each learned row beside its untrained start
+            row = by.loc[(name, split)]
+            assert row.start == start
+            assert row.co2_vs_start_kg == pytest.approx(row.co2_kg - by.loc[(start, split), "co2_kg"])
     for _split, rows in table.groupby("split"):  # no causal row beats the oracle
         assert (rows.co2_kg >= rows.loc[rows.controller == "oracle", "co2_kg"].iloc[0] - 1e-6).all()
     tuned = out / "synthetic" / "tuned"

@@ -20,6 +20,9 @@ from conftest import make_site
 from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, evaluate_policy, write_parquet
 from pipeline.study.report import (
     SEED_COLUMNS,
+    START_COLUMNS,
+    answer_blocks,
+    best_controllers,
     kpi_markdown_table,
     read_kpi_files,
     site_data_sources,
@@ -129,8 +132,9 @@ def test_files_exist(report: Path):
 
 def test_comparison_table(report: Path, inputs):
     table = pd.read_parquet(report.parent / "co2_comparison.parquet")
-    assert list(table.columns) == ["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS]
+    assert list(table.columns) == ["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS, *START_COLUMNS]
     assert (table.n_seeds == 1).all() and table.co2_kg_std.isna().all()  # one seed each: no spread
+    assert (table.start == "").all() and table.co2_vs_start_kg.isna().all()  # no learned planner here
     # one row per controller x split, ordered train then test: the registry's order, the causal controllers and the
     # agents (by name) before the bounds
     order = ["uncontrolled", "a2c", "ppo", "oracle"]
@@ -261,6 +265,47 @@ def test_seeds_are_averaged_with_their_spread(tmp_path):
     assert f"| uncontrolled | {reference} | – | 1,000.0 |" in md
     with pytest.raises(ValueError, match="with seed 2"):
         read_kpi_files([*files, shutil.copy(files[3], tmp_path / "again.parquet")])
+
+
+def test_learning_is_credited_only_against_its_untrained_start(tmp_path):
+    """Each learned planner's row names its start and its CO2 against it; the answer never names a learned controller
+    that does not beat its start on the train split (whatever it does on the test split), and says so."""
+
+    def kpi(controller, train, test, seed=None):
+        rows = [
+            {"controller": controller, "split": sp, **{k: 1.0 for k in KPI_COLUMNS}, "co2_kg": co2}
+            | ({} if seed is None else {"seed": float(seed)})
+            for sp, co2 in (("train", train), ("test", test))
+        ]
+        return write_parquet(pd.DataFrame(rows), tmp_path / f"{controller}.parquet")
+
+    files = [
+        kpi("uncontrolled", 1000.0, 1000.0),
+        kpi("oracle", 500.0, 500.0),
+        kpi("mpc_rl_start", 700.0, 800.0),
+        kpi("mpc_rl", 710.0, 750.0, seed=1),  # best on test, but no better than its start on train
+        kpi("mpc_tuned_start", 720.0, 820.0),
+        kpi("mpc_tuned", 690.0, 830.0, seed=1),  # beats its start on train
+        kpi("mpc_adaptive", 695.0, 760.0, seed=1),  # its start is mpc_tuned, which it does not beat on train
+    ]
+    table = read_kpi_files(files)
+    by = table.set_index(["controller", "split"])
+    assert by.loc[("mpc_rl", "train"), "start"] == "mpc_rl_start" and by.loc[("mpc_adaptive", "test"), "start"] == (
+        "mpc_tuned"
+    )
+    assert by.loc[("mpc_rl", "train"), "co2_vs_start_kg"] == pytest.approx(10.0)
+    assert by.loc[("mpc_rl", "test"), "co2_vs_start_kg"] == pytest.approx(-50.0)
+    assert by.loc[("mpc_tuned", "train"), "co2_vs_start_kg"] == pytest.approx(-30.0)
+    assert by.loc[("mpc_rl_start", "train"), "start"] == "" and math.isnan(
+        by.loc[("oracle", "test"), "co2_vs_start_kg"]
+    )
+    assert best_controllers(table) == {"causal": "mpc_rl_start", "learned": "mpc_tuned", "bound": "oracle"}
+    text = answer_blocks(table)[1].text
+    assert "Run **mpc_rl_start**" in text and "**mpc_rl** (its untrained start mpc_rl_start" in text
+    assert "**mpc_adaptive** (its untrained start mpc_tuned" in text and "**mpc_tuned** (" not in text
+    # without the start rows there is nothing to credit against: the learned rows compete as before
+    alone = read_kpi_files([f for f in files if "start" not in f.name])
+    assert best_controllers(alone)["causal"] == "mpc_rl"
 
 
 def test_report_shows_a_shipped_site_config_relative_to_the_project(tmp_path):

@@ -132,7 +132,15 @@ class AdaptivePlanner:
         return self.mpc(obs, env)
 
 
-def _run(site: Site, split: str, name: str, policy, seed: int, **extra) -> tuple[pd.DataFrame, pd.DataFrame]:
+def run_planner(
+    site: Site, split: str, name: str, policy, seed: int | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A learned planner's run over a whole split (socket actions, set-point BESS): ``(kpi_row, traces)`` as
+    :func:`envs.kpis.evaluate_policy` returns them, the seed in the row when it has one; prints its solves and CO2.
+
+    Args:
+        policy: an :class:`~pipeline.control.mpc.MPCController` or a policy holding one as ``mpc``.
+    """
     t0 = time.perf_counter()
     kpis, traces = evaluate_policy(
         policy,
@@ -142,12 +150,12 @@ def _run(site: Site, split: str, name: str, policy, seed: int, **extra) -> tuple
         action_mode="socket",
         bess_action="setpoint",
         train_wall_s=0.0,
-        seed=float(seed),
-        **extra,
+        **({} if seed is None else {"seed": float(seed)}),
     )
     mpc = getattr(policy, "mpc", policy)
+    tag = name if seed is None else f"{name} seed {seed}"
     print(
-        f"{name} seed {seed} {split}: {mpc.solves} solves, {mpc.solve_s:.1f} s solving, "
+        f"{tag} {split}: {mpc.solves} solves, {mpc.solve_s:.1f} s solving, "
         f"{time.perf_counter() - t0:.1f} s in all; CO2 {traces.co2_kg.sum():.1f} kg, "
         f"unserved {traces.unserved_kwh.sum():.3f} kWh",
         flush=True,
@@ -162,7 +170,14 @@ def simulate_tuned(site: Site, split: str, seed: int, tuned_dir: str | Path) -> 
         FileNotFoundError: no tuning of that seed in ``tuned_dir``.
     """
     params = tuning.load_params(tuned_dir, seed)
-    return _run(site, split, "mpc_tuned", MPCController(site.split(split), params, presolve=False), seed)
+    return run_planner(site, split, "mpc_tuned", MPCController(site.split(split), params, presolve=False), seed)
+
+
+def simulate_tuned_start(site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_tuned_start``, ``mpc_tuned``'s untrained start, over a whole split: the planner with the parameters the
+    tuning starts from (:meth:`~pipeline.control.mpc.PlannerParams.learned_start`); ``(kpi_row, traces)``."""
+    start = PlannerParams.learned_start(site.config)
+    return run_planner(site, split, "mpc_tuned_start", MPCController(site.split(split), start, presolve=False))
 
 
 def table_file(tuned_dir: str | Path, split: str, seed: int) -> Path:
@@ -224,4 +239,4 @@ def simulate_adaptive(site: Site, split: str, seed: int, tuned_dir: str | Path) 
         f"{weights}",
         flush=True,
     )
-    return _run(site, split, "mpc_adaptive", AdaptivePlanner(site.split(split), cands, chosen), seed)
+    return run_planner(site, split, "mpc_adaptive", AdaptivePlanner(site.split(split), cands, chosen), seed)

@@ -77,6 +77,9 @@ class Controller:
         seeded: runs once per seed of the study (its result files carry the seed, the report averages them).
         tuned: reads the planner parameters tuned on the train split (``<experiment>/tuned/``,
             :mod:`pipeline.control.tuning`), so it runs after the study's ``tune`` stage.
+        start: the row of its untrained start, which its learning is credited against (``mpc_tuned``: the tuning's
+            start, ``mpc_tuned_start``; ``mpc_adaptive``: ``mpc_tuned``, whose parameters its weekly re-choice starts
+            from; ``mpc_rl``: its policy's zero action, ``mpc_rl_start``); None where the table has none.
     """
 
     name: str
@@ -90,6 +93,7 @@ class Controller:
     retries: int = 1
     seeded: bool = False
     tuned: bool = False
+    start: str | None = None
 
     @property
     def simulated(self) -> bool:
@@ -136,17 +140,25 @@ CONTROLLERS: dict[str, Controller] = {
         Controller("mpc", "planner", True, False,
                    "24 h LP on a MOER regression refit daily and the past week's sessions (hand-set weights)",
                    mpc.simulate, ("mpc",), _mpc_enabled),
+        Controller("mpc_tuned_start", "learned planner", True, False,
+                   "mpc_tuned's untrained start: mpc on the learned MOER forecast at the site's [mpc] values, where"
+                   " CMA-ES starts",
+                   learned.simulate_tuned_start, (), _learned_enabled),
         Controller("mpc_tuned", "learned planner", True, True,
                    "mpc on a learned MOER forecast (5-minute data, forgets old days), its parameters tuned by"
                    " CMA-ES in closed loop on the train split's weeks",
-                   learned.simulate_tuned, (), _learned_enabled, seeded=True, tuned=True),
+                   learned.simulate_tuned, (), _learned_enabled, seeded=True, tuned=True, start="mpc_tuned_start"),
         Controller("mpc_adaptive", "learned planner", True, True,
                    "mpc_tuned, its demand weight re-chosen each week by backtesting the split's last weeks",
-                   learned.simulate_adaptive, (), _learned_enabled, seeded=True, tuned=True),
+                   learned.simulate_adaptive, (), _learned_enabled, seeded=True, tuned=True, start="mpc_tuned"),
+        Controller("mpc_rl_start", "learned planner", True, False,
+                   "mpc_rl's untrained start: its planner (learned MOER forecast, demand by day type) with the"
+                   " policy's zero action every day: demand weight 0.5, terminal value 1.0",
+                   rl_planner.simulate_start, (), _learned_enabled),
         Controller("mpc_rl", "learned planner", True, True,
                    "mpc on a learned MOER forecast and demand by day type, its demand weight and terminal value"
                    " set each day by a PPO policy trained on the train split",
-                   rl_planner.simulate_rl, (), _learned_enabled, seeded=True, tuned=True),
+                   rl_planner.simulate_rl, (), _learned_enabled, seeded=True, tuned=True, start="mpc_rl_start"),
         *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
                    mpc.simulate, ("mpc_perfect",), _mpc_enabled),

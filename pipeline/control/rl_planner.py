@@ -42,6 +42,7 @@ from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, load_site
 from pipeline.control.backtest import UNSERVED_COST, evaluation_site
+from pipeline.control.learned import run_planner
 from pipeline.control.mpc import MPCController, PlannerParams
 
 ENV_ID = "EVHubPlanner-v0"
@@ -269,6 +270,22 @@ def run_dir(tuned_dir: str | Path, seed: int) -> Path:
 def policy_file(run_dir: str | Path) -> Path:
     """The exported day-level policy of an ``mpc_rl`` training run."""
     return Path(run_dir) / "policy.pt2"
+
+
+def start_params(site: Site) -> PlannerParams:
+    """The planner's parameters under the untrained policy's action: the zero action every day (the mean of PPO's
+    Gaussian policy at its start, whose mean layer starts near zero): weight 0.5, terminal value 1.0, the others
+    :func:`base_params`'s."""
+    return day_params(base_params(site), np.zeros(2))
+
+
+def simulate_start(site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_rl_start``, ``mpc_rl``'s untrained start, over a whole split: its planner with the zero action every day
+    (:func:`start_params`); ``(kpi_row, traces)``."""
+    site = evaluation_site(site)
+    return run_planner(
+        site, split, "mpc_rl_start", MPCController(site.split(split), start_params(site), presolve=False)
+    )
 
 
 def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

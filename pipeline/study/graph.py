@@ -1,11 +1,11 @@
 """The study as one Dask graph.
 
 ``run(cfg)`` submits the whole study (validation fanned out per input, baselines per controller x split, the MPC
-controllers and the oracle per split, the learned planners' tuning (a task per week backtest) and ``mpc_rl``'s training
-per seed, the learned planners per planner x seed x split, training per agent x seed, evaluation per agent x seed x
-split, the report) and waits for the report. ``run(cfg, stages={"baselines"})`` computes only some stages; the outputs of the stages left out
-are taken from disk (this is how ``dodo.py`` runs one stage per doit task, so doit decides what is out of date and Dask
-fans out the work inside a stage).
+controllers and the oracle per split, the learned planners' tuning (a task per week backtest) and ``mpc_rl``'s
+training per seed, the learned planners per planner x seed x split, training per agent x seed, evaluation per agent x
+seed x split, the report) and waits for the report. ``run(cfg, stages={"baselines"})`` computes only some stages; the
+outputs of the stages left out are taken from disk (this is how ``dodo.py`` runs one stage per doit task, so doit
+decides what is out of date and Dask fans out the work inside a stage).
 
 The cluster is :func:`pipeline.study.cluster.get_client`'s: ``cfg.scheduler_address`` (or
 ``DASK_SCHEDULER_ADDRESS``) if given, else an embedded ``LocalCluster``; where training tasks run is

@@ -63,6 +63,11 @@ SEED_COLUMNS = ("n_seeds", *(f"{c}_std" for c in KPI_COLUMNS))
 """Columns of ``co2_comparison.parquet`` after the KPIs: how many seeds a row averages and each KPI's standard
 deviation over them (NaN for one seed)."""
 
+START_COLUMNS = ("start", "co2_vs_start_kg")
+"""Last columns of ``co2_comparison.parquet``: a learned controller's untrained start (the row its learning is credited
+against, :attr:`pipeline.control.registry.Controller.start`; "" where none) and its CO2 minus the start's on the same
+split, kg (negative: the learning cut CO2; NaN without a start row)."""
+
 TRACE_PLOT_COLUMNS = ("time", "pv_kw", "pv_curtailed_kw", "grid_import_kw", "soc", "ev_charge_kw", "moer_kg_per_kwh")
 """Trace columns :func:`write_report` plots (a subset of :data:`envs.kpis.TRACE_COLUMNS`)."""
 
@@ -72,6 +77,7 @@ SERVED_SHARE_MIN = 0.99
 # (column, header with unit, decimals) of the Markdown KPI tables
 TABLE_COLUMNS = (
     ("co2_kg", "CO2 (kg)", 1),
+    ("co2_vs_start_kg", "CO2 vs its untrained start (kg)", 1),
     ("co2_reduction_pct", "CO2 reduction vs uncontrolled (%)", 1),
     ("oracle_gap_closed_pct", "Share of the oracle's CO2 saving (%)", 1),
     ("ev_energy_served_pct", "EV energy served (%)", 1),
@@ -111,8 +117,8 @@ def read_kpi_files(kpi_files: Iterable[Path]) -> pd.DataFrame:
         :data:`KPI_COLUMNS` (float64, the mean over the seeds), then :data:`SEED_COLUMNS`: ``n_seeds`` (rows
         averaged: the training seeds of an agent, 1 for a baseline) and ``<kpi>_std`` for every KPI (sample
         standard deviation over the seeds, NaN for a single seed). Relative KPIs are recomputed per seed from
-        the uncontrolled and oracle rows before averaging. Rows are ordered by split (train, test, others)
-        then controller (see :func:`controller_sort_key`).
+        the uncontrolled and oracle rows before averaging. Then :data:`START_COLUMNS`. Rows are ordered by split
+        (train, test, others) then controller (see :func:`controller_sort_key`).
 
     Raises:
         ValueError: no files; a file lacks a required column (names the file and the columns); or a
@@ -154,7 +160,22 @@ def read_kpi_files(kpi_files: Iterable[Path]) -> pd.DataFrame:
     order = sorted(
         range(len(table)), key=lambda i: (split_sort_key(table.split[i]), controller_sort_key(table.controller[i]))
     )
-    return table.iloc[order].reset_index(drop=True)[["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS]]
+    table = table.iloc[order].reset_index(drop=True)
+    table["start"] = [registry.describe(c).start or "" for c in table.controller]
+    co2 = table.set_index(["controller", "split"]).co2_kg
+    table["co2_vs_start_kg"] = [
+        r.co2_kg - co2.get((r.start, r.split), math.nan) if r.start else math.nan for r in table.itertuples()
+    ]
+    return table[["controller", "split", *KPI_COLUMNS, *SEED_COLUMNS, *START_COLUMNS]]
+
+
+def beats_its_start(table: pd.DataFrame, name: str, split: str = "train") -> bool:
+    """Whether controller ``name``'s learning is credited: it emits less CO2 than its untrained start on ``split``
+    (the train split: a choice on the test split's outcome would break the protocol). True for a controller without
+    a start row in ``table``."""
+    start = registry.describe(name).start
+    rows = table[(table.split == split) & table.controller.isin([name, start])].set_index("controller").co2_kg
+    return not start or start not in rows or name not in rows or bool(rows[name] < rows[start])
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -440,8 +461,10 @@ def best_controllers(table: pd.DataFrame, split: str = "test") -> dict[str, str]
     """Which controller a site should run: on ``split`` (the held-out one), among the rows that serve the EVs
     (:func:`serving`), ``"causal"``: the lowest CO2 of the causal controllers (never ``mpc_perfect`` or the
     ``oracle``), ``"learned"``: the lowest of the causal learned ones (learned planners and agents), ``"bound"``: the
-    ``oracle`` when present. A key is absent when no row qualifies."""
+    ``oracle`` when present. A learned controller whose learning does not beat its untrained start on the train
+    split (:func:`beats_its_start`) is named by neither: its start is. A key is absent when no row qualifies."""
     rows = serving(table[table.split == split].dropna(subset=["co2_kg"]))
+    rows = rows[rows.controller.map(lambda n: beats_its_start(table, str(n)))]
     out = {}
     for key, keep in (("causal", lambda c: c.causal), ("learned", lambda c: c.causal and c.learned)):
         cand = rows[rows.controller.map(lambda n, keep=keep: keep(registry.describe(str(n))))]
@@ -487,6 +510,13 @@ def answer_blocks(table: pd.DataFrame) -> list[Block]:
         f"Run **{name}**: of the controllers that act only on what was realised before the hour they act on, it "
         f"emits the least CO2 on the held-out {split} split while serving the EVs."
     )
+    unearned = [
+        f"**{n}** (its untrained start {registry.describe(n).start} emits less on the train split)"
+        for n in dict.fromkeys(table.controller)
+        if not beats_its_start(table, str(n))
+    ]
+    if unearned:
+        text += " Left out, as their learning does not beat their start: " + ", ".join(unearned) + "."
     if "learned" in best and best["learned"] != name:
         text += f" The best learned controller is **{best['learned']}**."
     elif "learned" in best:
@@ -682,8 +712,10 @@ def report_blocks(
             "forgetting old days), its parameters tuned in closed loop (CMA-ES) on the train split, "
             "`mpc_adaptive` the same re-tuned each week on the split's own last weeks; `mpc_perfect` is the same "
             "controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is "
-            "worth. **Knows** says what each controller reads when it acts; only the causal ones (all but "
-            "`mpc_perfect` and `oracle`) can be run."
+            "worth. A learned controller is credited only against its untrained start (`mpc_tuned_start`: where "
+            "the tuning starts; `mpc_rl_start`: the policy's zero action; `mpc_adaptive`'s start is `mpc_tuned`): "
+            "`CO2 vs its untrained start` is its CO2 minus the start's. **Knows** says what each controller reads "
+            "when it acts; only the causal ones (all but `mpc_perfect` and `oracle`) can be run."
         )
     )
     if sizing is not None:
