@@ -511,7 +511,7 @@ def answer_blocks(table: pd.DataFrame) -> list[Block]:
         f"emits the least CO2 on the held-out {split} split while serving the EVs."
     )
     unearned = [
-        f"**{n}** (its untrained start {registry.describe(n).start} emits less on the train split)"
+        f"**{n}** (no lower than its untrained start, {registry.describe(n).start}, on the train split)"
         for n in dict.fromkeys(table.controller)
         if not beats_its_start(table, str(n))
     ]
