@@ -42,6 +42,18 @@ def _append(path: Path, text: bytes = b"\n# an edit\n") -> bytes:
     return before
 
 
+def _unseen_edits(files: list[Path], fingerprint, root: Path) -> list[str]:
+    """The files (relative to ``root``) whose edit leaves ``fingerprint()`` unchanged; each file is restored after."""
+    base = fingerprint()
+    unseen = []
+    for f in files:
+        before = _append(f)
+        if fingerprint() == base:
+            unseen.append(f.relative_to(root).as_posix())
+        f.write_bytes(before)
+    return unseen
+
+
 def test_each_file_of_a_training_run_changes_its_fingerprint_and_no_other_does(tmp_path, site_toml):
     root = tmp_path / "project"
     code = depends.training(ALGO)
@@ -58,12 +70,7 @@ def test_each_file_of_a_training_run_changes_its_fingerprint_and_no_other_does(t
 
     base = fingerprint()
     assert fingerprint() == base
-    unseen = []
-    for f in files:
-        before = _append(f)
-        if fingerprint() == base:
-            unseen.append(f.relative_to(root).as_posix())
-        f.write_bytes(before)
+    unseen = _unseen_edits(files, fingerprint, root)
     assert not unseen, f"edits the fingerprint does not see: {unseen}"
     assert fingerprint() == base
 
@@ -89,12 +96,7 @@ def test_each_file_of_envs_and_control_changes_the_tuning_fingerprint_and_no_oth
 
     base = fingerprint()
     assert fingerprint() == base and fingerprint("test") != base
-    unseen = []
-    for f in files:
-        before = _append(f)
-        if fingerprint() == base:
-            unseen.append(f.relative_to(root).as_posix())
-        f.write_bytes(before)
+    unseen = _unseen_edits(files, fingerprint, root)
     assert not unseen, f"edits the tuning's fingerprint does not see: {unseen}"
     for f in depends.site_files(site_toml):  # the site's config and data
         before = _append(f, b"\n")

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from envs.evhub import EVHubVectorEnv
-from envs.site import Site, SplitData, load_site, site_files
+from envs.site import Site, SplitData, load_site
+from pipeline import depends
 from pipeline.control.mpc import MPCController, PlannerParams
-from pipeline.depends import fingerprint
 
 WEEK_STEPS = 168
 """Steps of a week at the hourly step the shipped sites use (``dt_h = 1``); :func:`weeks` scales it by ``dt_h``."""
@@ -32,10 +32,15 @@ UNSERVED_COST = 10.0
 parameter that cuts CO2 by leaving cars short never wins a tuning."""
 
 
+def week_steps(dt_h: float) -> int:
+    """Env steps of a week at a step of ``dt_h`` hours (:data:`WEEK_STEPS` at one hour)."""
+    return max(1, int(round(WEEK_STEPS / dt_h)))
+
+
 def weeks(data: SplitData) -> list[tuple[int, int]]:
     """The split's weeks as ``(start, steps)``: consecutive windows of one week from its first step, the last one
     shorter when the split ends within a week."""
-    w = max(1, int(round(WEEK_STEPS / data.config.dt_h)))
+    w = week_steps(data.config.dt_h)
     T = data.num_steps
     return [(s, min(w, T - s)) for s in range(0, T, w)]
 
@@ -57,7 +62,7 @@ def _site(site: Site | str | Path) -> Site:
     :data:`_SITES_KEPT` sites used last are kept."""
     if isinstance(site, Site):
         return evaluation_site(site)
-    key = fingerprint(site_files(site).values())
+    key = depends.fingerprint(depends.site_files(site))
     if key not in _SITES:
         _SITES[key] = evaluation_site(load_site(site))
         while len(_SITES) > _SITES_KEPT:

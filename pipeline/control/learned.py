@@ -28,7 +28,7 @@ from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
 from pipeline.control import tuning
-from pipeline.control.backtest import WEEK_STEPS, WindowResult, weeks
+from pipeline.control.backtest import WindowResult, week_steps, weeks
 from pipeline.control.mpc import MPCController, PlannerParams
 
 ADAPTIVE_WEIGHTS = (0.25, 0.5, 0.75, 1.0)
@@ -124,7 +124,7 @@ class AdaptivePlanner:
             raise ValueError(f"adaptive candidates must share {', '.join(PlannerParams.FIXED)}")
         self.mpc = MPCController(data, cands[0], presolve=False)
         self.cands, self.chosen = cands, chosen
-        self.week = max(1, int(round(WEEK_STEPS / data.config.dt_h)))
+        self.week = week_steps(data.config.dt_h)
 
     def __call__(self, obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
         t = int(env.t[0])
