@@ -19,9 +19,9 @@ Run (defaults: ``caltech`` site, a preset sized to the device)::
     python algos/dqn.py --env-id Snake-v0
     python algos/dqn.py --env-id CartPole-v1 --vector-mode async --num-envs 8
 
-Outputs (``harness.Run``): TensorBoard events, ``metrics.parquet``, ``checkpoint.pt`` (with ``--save-buffer`` also
-the filled rows of the replay buffer; ``--resume`` without it refills the buffer for ``learning_starts`` steps
-before updating again), ``policy.pt2`` and, on EVHub-v0, the deterministic evaluation on ``eval_split``.
+Outputs (``harness.Run``): TensorBoard events, ``metrics.parquet``, ``checkpoint.pt`` (on a torch-batched env the
+replay buffer's log, :class:`harness.ReplayLog`, from which ``--resume`` rebuilds the buffer exactly; with
+``--save-buffer`` its rows), ``policy.pt2`` and, on EVHub-v0, the deterministic evaluation on ``eval_split``.
 
 The exported policy and the evaluation of EVHub-v0 use the *hub* action mode: the greedy policy returns the table
 row ``discrete_action_table()[argmax_a Q(obs, a)]`` ``(B, 2)`` in [-1, 1], which the hub mode steps exactly like the
@@ -147,8 +147,9 @@ class Args(harness.RunArgs):
     """treat the time-limit truncation as non-terminal (the site never terminates): bootstrap through the
     autoreset from the next window's first observation; False treats it as terminal like CleanRL"""
     save_buffer: bool = False
-    """also store the replay buffer in the checkpoint (its filled rows, write position and fill level; large);
-    without it a resumed run refills the buffer for learning_starts steps before updating again"""
+    """store the replay buffer's rows in the checkpoint (large) instead of its replay log; needed to resume a
+    gymnasium env's run with its buffer (its state cannot be replayed; without it the run refills the buffer for
+    learning_starts steps). On a torch-batched env the log alone rebuilds the same buffer (harness.ReplayLog)"""
     max_oom_retries: int = 3
     """halvings allowed after CUDA out-of-memory errors: in the gradient steps batch_size halves while it stays
     >= 64, then num_envs; stepping the envs (or at setup) num_envs halves (the replay buffer is kept). Each warns
@@ -273,110 +274,20 @@ def target_update(target: nn.Module, online: nn.Module, tau: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- replay buffer
-BUFFER_FIELDS = ("obs", "next_obs", "actions", "rewards", "dones")
-"""The per-transition tensors of the replay buffer (:func:`make_replay_buffer`)."""
-
-
-def make_replay_buffer(
-    size: int, obs_dim: int | tuple[int, ...], device: torch.device, obs_dtype: torch.dtype = torch.float32
-) -> dict:
-    """Circular replay memory preallocated on ``device``.
-
-    Tensors ``obs``, ``next_obs`` ``(size, *obs_shape)`` (``obs_dim``: an int or a shape), ``actions`` int64,
-    ``rewards``, ``dones`` float32 ``(size,)``; ``pos`` (next row written) and ``count`` (rows filled) are host ints
-    that only the writer changes, ``count_t`` is ``count`` as a device tensor, which the sampler reads (so sampling
-    never syncs and a captured update sees the buffer grow), and ``pos_t`` is ``pos`` as an int64 ``(1,)`` device
-    tensor, which the write reads and advances in place (so a compiled or captured env step writes at the right
-    rows on every call; one element, not 0-d: torch.compile drops in-place updates of 0-d CPU tensors in a dict).
-    """
-    shape = (obs_dim,) if isinstance(obs_dim, int) else tuple(obs_dim)
-    return {
-        "obs": torch.zeros(size, *shape, device=device, dtype=obs_dtype),
-        "next_obs": torch.zeros(size, *shape, device=device, dtype=obs_dtype),
-        "actions": torch.zeros(size, device=device, dtype=torch.int64),
-        "rewards": torch.zeros(size, device=device),
-        "dones": torch.zeros(size, device=device),
-        "pos": 0,
-        "count": 0,
-        "count_t": torch.zeros((), device=device),
-        "size": size,
-        "pos_t": torch.zeros(1, device=device, dtype=torch.int64),
-    }
-
-
-def buffer_add(rb: dict, obs, actions, rewards, next_obs, dones) -> None:
-    """Write one batch of ``n`` transitions (one per env) at ``pos``, wrapping around; ``n <= size``."""
-    n, size = obs.shape[0], rb["size"]
-    if n > size:
-        raise ValueError(f"buffer_size {size} is smaller than one batch of {n} transitions")
-    buffer_write(rb, obs, actions, rewards, next_obs, dones)
-    buffer_advance(rb, n)
-
-
-def buffer_write(rb: dict, obs, actions, rewards, next_obs, dones) -> None:
-    """The tensor half of :func:`buffer_add`: the ``n`` transitions written at ``pos_t``, which advances in place.
-    Reads no host counter and never syncs: it runs inside a compiled or captured env step."""
-    n, size = obs.shape[0], rb["size"]
-    idx = (rb["pos_t"] + torch.arange(n, device=rb["obs"].device)) % size
-    rb["obs"].index_copy_(0, idx, obs.to(rb["obs"].dtype))
-    rb["next_obs"].index_copy_(0, idx, next_obs.to(rb["obs"].dtype))
-    rb["actions"].index_copy_(0, idx, actions.to(torch.int64))
-    rb["rewards"].index_copy_(0, idx, rewards.to(torch.float32))
-    rb["dones"].index_copy_(0, idx, dones.to(torch.float32))
-    rb["pos_t"].add_(n).remainder_(size)
-
-
-def buffer_advance(rb: dict, n: int) -> None:
-    """The host half of :func:`buffer_add`: ``pos``, ``count`` and ``count_t`` after a :func:`buffer_write` of ``n``
-    transitions (known amounts, nothing read back from the device)."""
-    size = rb["size"]
-    rb["pos"] = (rb["pos"] + n) % size
-    rb["count"] = min(rb["count"] + n, size)
-    rb["count_t"].fill_(rb["count"])
-
-
-def buffer_sample(rb: dict, batch_size: int) -> tuple[torch.Tensor, ...]:
-    """Uniform sample of ``batch_size`` filled rows (with replacement): ``obs, actions, rewards, next_obs, dones``."""
-    u = torch.rand(batch_size, device=rb["obs"].device)
-    idx = (u * rb["count_t"]).long().clamp(max=rb["size"] - 1)
-    return rb["obs"][idx].float(), rb["actions"][idx], rb["rewards"][idx], rb["next_obs"][idx].float(), rb["dones"][idx]
-
-
-def buffer_state(rb: dict) -> dict:
-    """The buffer's contents for a checkpoint: ``{"pos", "count", "size"}`` and only the ``count`` filled rows of
-    each of :data:`BUFFER_FIELDS`, copied to the CPU with their own storage (a slice would save all ``size`` rows).
-    Until the buffer wraps around its filled rows are ``0 .. count - 1``; once full, all rows are."""
-    n = rb["count"]
-    rows = {key: rb[key][:n].to("cpu", copy=True) for key in BUFFER_FIELDS}
-    return {"pos": rb["pos"], "count": n, "size": rb["size"], **rows}
-
-
-def load_buffer_state(rb: dict, state: dict) -> None:
-    """Restore :func:`buffer_state` into ``rb`` in place: with the same ``size`` exactly (rows, ``pos``, ``count``);
-    with another, the newest ``min(count, size)`` transitions, oldest first from row 0.
-
-    Raises:
-        ValueError: the stored rows do not fit the buffer (another obs shape) or disagree with ``count``.
-    """
-    n, old_size, pos = int(state["count"]), int(state["size"]), int(state["pos"])
-    for key in BUFFER_FIELDS:
-        if state[key].shape[0] != n or state[key].shape[1:] != rb[key].shape[1:]:
-            raise ValueError(
-                f"stored replay buffer field {key!r} has shape {tuple(state[key].shape)}, expected "
-                f"({n}, {', '.join(map(str, rb[key].shape[1:]))}) for this buffer"
-            )
-    if old_size == rb["size"]:
-        for key in BUFFER_FIELDS:
-            rb[key][:n].copy_(state[key])
-        rb["pos"], rb["count"] = pos, n
-    else:  # chronological order: a full (wrapped) buffer's oldest row is at pos, a filling one's at row 0
-        order = torch.arange(n) if n < old_size else (torch.arange(n) + pos) % n
-        keep = order[max(0, n - rb["size"]) :]
-        for key in BUFFER_FIELDS:
-            rb[key][: len(keep)].copy_(state[key].index_select(0, keep.to(state[key].device)))
-        rb["pos"], rb["count"] = len(keep) % rb["size"], len(keep)
-    rb["count_t"].fill_(rb["count"])
-    rb["pos_t"].fill_(rb["pos"])
+def buffer_sample(rb: harness.ReplayBuffer, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """Uniform sample of ``batch_size`` filled rows (with replacement): ``obs, actions, rewards, next_obs, dones``.
+    Reads the filled-row count from the device (``size_t``), never from the host, so a captured update sees the
+    buffer grow."""
+    data = rb.data
+    u = torch.rand(batch_size, device=rb.device)
+    idx = (u * rb.size_t).long().clamp(max=rb.capacity - 1)
+    return (
+        data["obs"][idx].float(),
+        data["actions"][idx],
+        data["rewards"][idx],
+        data["next_obs"][idx].float(),
+        data["dones"][idx],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- hot paths
@@ -434,23 +345,11 @@ def choose_actions(act_fn, qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Ten
     return act_fn(obs, epsilon)
 
 
-def record_step(
-    rb: dict, obs: torch.Tensor, action: torch.Tensor, result: tuple, bootstrap_truncation: bool, reward_scale: float
-) -> torch.Tensor:
-    """Store the transition of one env step (``result``: the env's ``(obs2, reward, terminated, truncated, info)``)
-    and return ``obs2``. The stored next state is ``info["final_obs"]`` (the episode's last observation where the env
-    gives one, else ``obs2``); the stored reward is scaled by ``reward_scale``. No host sync."""
-    obs2, reward, terminated, truncated, info = result
-    done = terminated if bootstrap_truncation else terminated | truncated
-    buffer_add(rb, obs, action, reward * reward_scale, info["final_obs"], done)
-    return obs2
-
-
 def act_step_store(
     act_fn,
     qnet: QNetwork,
     env,
-    rb: dict,
+    rb: harness.ReplayBuffer,
     obs: torch.Tensor,
     epsilon: torch.Tensor,
     *,
@@ -459,15 +358,13 @@ def act_step_store(
     reward_scale: float,
 ) -> torch.Tensor:
     """One epsilon-greedy step of every env of a torch-batched ``env``: :func:`choose_actions` (``act_fn``:
-    :func:`act`, bound), the env step and :func:`buffer_write` of the transitions (the caller then calls
-    :func:`buffer_advance`); returns the next observation. ``epsilon`` a device scalar, ``update_norm`` a host flag
-    fixed per compiled or captured copy. Tensors only, every state updated in place, no host sync: ``--compile``
-    traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
+    :func:`act`, bound), the env step and the transitions written into ``rb`` (:func:`harness.store` without
+    advancing; the caller then calls :meth:`~harness.ReplayBuffer.advance`); returns the next observation.
+    ``epsilon`` a device scalar, ``update_norm`` a host flag fixed per compiled or captured copy. Tensors only, every
+    state updated in place, no host sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one
+    CUDA graph."""
     action = choose_actions(act_fn, qnet, obs, epsilon, update_norm)
-    obs2, reward, terminated, truncated, info = env.step(action)
-    done = terminated if bootstrap_truncation else terminated | truncated
-    buffer_write(rb, obs, action, reward * reward_scale, info["final_obs"], done)
-    return obs2
+    return harness.store(rb, obs, action, env.step(action), bootstrap_truncation, reward_scale, advance=False)
 
 
 def rollout(
@@ -486,17 +383,17 @@ def rollout(
 
     ``step`` (:func:`act_step_store` bound, for a torch-batched env; ``act_fn`` and ``update_norm`` are then unused)
     makes each step one call. With ``env.overlap`` (an async gymnasium env) the last step is only sent
-    (``env.step_async``): ``pending`` is its ``(obs, actions)``, for :func:`record_step` of ``env.step_wait()`` after
+    (``env.step_async``): ``pending`` is its ``(obs, actions)``, for :func:`harness.store` of ``env.step_wait()`` after
     the gradient steps; else None. No host sync on the torch-batched envs.
     """
     if step is not None:
         for _ in range(num_steps):
             next_obs = step(next_obs, epsilon)
-            buffer_advance(rb, next_obs.shape[0])
+            rb.advance(next_obs.shape[0])
         return next_obs, None
     for _ in range(num_steps - 1 if env.overlap else num_steps):
         action = choose_actions(act_fn, qnet, next_obs, epsilon, update_norm)
-        next_obs = record_step(rb, next_obs, action, env.step(action), args.bootstrap_truncation, args.reward_scale)
+        next_obs = harness.store(rb, next_obs, action, env.step(action), args.bootstrap_truncation, args.reward_scale)
     if not env.overlap:
         return next_obs, None
     action = choose_actions(act_fn, qnet, next_obs, epsilon, update_norm)
@@ -546,13 +443,15 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
         optimizer = optim.Adam(qnet.parameters(), lr=lr, capturable=args.cudagraphs)
         rb, sizes.buffer_size = harness.allocate_halving(
             run,
-            lambda size: make_replay_buffer(size, obs_shape, device),
+            lambda size: harness.ReplayBuffer(size, obs_shape, device),
             sizes.buffer_size,
             max(sizes.num_envs, sizes.batch_size),
             "buffer_size",
         )
 
         # TRY NOT TO MODIFY: start the game, or continue it
+        iteration_steps = sizes.num_envs * args.num_steps
+        log = harness.ReplayLog(rb, iteration_steps) if env.torch_batched else None
         next_obs, _ = env.reset(seed=args.seed)
         loaded = run.restore(handed, {"qnet": qnet, "target": target}, {"optimizer": optimizer}, env, {"optimizer": lr})
         learn_from = args.learning_starts
@@ -561,19 +460,20 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
                 next_obs = loaded["next_obs"].to(device)
             else:  # new episodes (another num_envs, or a gymnasium env)
                 next_obs, _ = env.reset(seed=args.seed + run.global_step)
-            if loaded.get("replay_buffer") is not None:
-                load_buffer_state(rb, loaded["replay_buffer"])
-                learn_from = int(loaded.get("learn_from", args.learning_starts))
-            else:  # refill the buffer for learning_starts steps first
-                learn_from = run.global_step + args.learning_starts
+
+            def replay(obs, a):  # one env step and its transitions, to rebuild the buffer from its replay log
+                return harness.store(rb, obs, a, env.step(a), args.bootstrap_truncation, args.reward_scale)
+
+            final_state = loaded["env"] if loaded["env_restored"] else None
+            message, kept = harness.restore_buffer(
+                rb, log, loaded.get("replay_buffer"), env, replay, sizes.num_envs, final_state, next_obs
+            )
+            # with its buffer back the run learns on from where it was; else it refills learning_starts steps first
+            learn_from = int(loaded.get("learn_from", args.learning_starts)) if kept else None
+            learn_from = run.global_step + args.learning_starts if learn_from is None else learn_from
             if handed is None:
-                print(
-                    f"replay buffer {rb['count']:,} rows restored"
-                    if loaded.get("replay_buffer") is not None
-                    else "replay buffer not stored, refilling it"
-                )
+                run.resume_note(replay_buffer=message, exact=kept)
         norm_frozen = run.global_step >= args.learning_starts
-        iteration_steps = sizes.num_envs * args.num_steps
         num_iterations = run.iteration + max(0, args.total_timesteps - run.global_step) // iteration_steps
         num_iterations = max(num_iterations, 1)
 
@@ -622,9 +522,8 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
         guard = run.new_guard()
 
         def state(live: bool = False) -> dict:
-            """What a checkpoint holds besides ``run.counters()``; the replay buffer with ``--save-buffer``, and
-            always in the ``live`` state handed over after an out-of-memory error."""
-            buffer = buffer_state(rb) if live or args.save_buffer else None
+            """What a checkpoint holds besides ``run.counters()``: the replay buffer's log (its rows with
+            ``--save-buffer``, and always in the ``live`` state handed over after an out-of-memory error)."""
             return {
                 "qnet": qnet.state_dict(),
                 "target": target.state_dict(),
@@ -634,7 +533,7 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
                 "next_obs": next_obs,
                 "learn_from": learn_from,
                 "sizes": dataclasses.asdict(sizes),
-                "replay_buffer": buffer,
+                "replay_buffer": harness.checkpoint_buffer(rb, log, run.global_step, live or args.save_buffer),
             }
 
         cnn = "CNN" if len(obs_shape) == 3 else "MLP"
@@ -648,6 +547,8 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
         )
 
         for iteration in run.iterations(num_iterations):
+            if log is not None:
+                log.mark(env, next_obs, run.global_step)
             epsilon.copy_(linear_schedule(args.start_e, args.end_e, duration, step_t))
             try:
                 next_obs, pending = rollout(
@@ -685,7 +586,7 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
                 if run.global_step // args.target_network_frequency > prev_step // args.target_network_frequency:
                     target_update(target, qnet, args.tau)
             if pending is not None:  # the overlapped env step: collect it, then store its transition
-                next_obs = record_step(rb, *pending, env.step_wait(), args.bootstrap_truncation, args.reward_scale)
+                next_obs = harness.store(rb, *pending, env.step_wait(), args.bootstrap_truncation, args.reward_scale)
 
             # TRY NOT TO MODIFY: record rewards and losses for plotting purposes, evaluate, checkpoint
             if run.logging_now():

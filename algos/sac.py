@@ -31,7 +31,8 @@ Run (defaults: ``caltech`` site, ``hub`` actions, a preset sized to the device):
     tensorboard --logdir outputs/
 
 Writes into the run folder: TensorBoard events, ``metrics.parquet``, ``checkpoint.pt`` (networks, optimizers,
-counters, RNG and env state, with ``--save-buffer`` the replay buffer; ``--resume`` continues from it),
+counters, RNG and env state; on a torch-batched env the replay buffer's log, :class:`harness.ReplayLog`, from which
+``--resume`` rebuilds the buffer exactly; with ``--save-buffer`` its rows; ``--resume`` continues from it),
 ``policy.pt2`` (the deterministic actor ``tanh(mean)``, actions in the env's units; ``policy.json`` beside it for
 EVHub-v0) and, for EVHub-v0, the deterministic evaluation on ``eval_split``. What is not SAC (vector envs, logging,
 checkpoints, export, speed switches, out-of-memory back-off) is ``algos/harness/`` and ``envs/vector.py``.
@@ -140,8 +141,10 @@ class Args(harness.RunArgs):
     the autoreset into the next window, on gymnasium envs from the episode's last observation (final_obs); False
     treats it as terminal"""
     save_buffer: bool = False
-    """also store the replay buffer in the checkpoint (large); without it a resumed run refills the buffer for
-    learning_starts steps with the current policy before updating again"""
+    """store the replay buffer's rows in the checkpoint (large) instead of its replay log; needed to resume a
+    gymnasium env's run with its buffer (its state cannot be replayed; without it the run refills the buffer for
+    learning_starts steps with the current policy). On a torch-batched env the log alone rebuilds the same buffer
+    (harness.ReplayLog)"""
 
 
 @dataclass
@@ -195,75 +198,6 @@ def check_observation_space(env_id: str, space: gym.Space) -> None:
             f"SAC's networks take flat observations (a 1-D Box), but {env_id} has {space}: {kind} is not "
             f"supported (algos/dqn.py has a CNN torso for image observations)"
         )
-
-
-# ---------------------------------------------------------------------------------------------- replay buffer
-class ReplayBuffer:
-    """Circular replay memory of preallocated float tensors on ``device``: ``obs`` and ``next_obs`` ``(capacity,
-    obs_dim)``, ``actions`` ``(capacity, act_dim)`` in [-1, 1], ``rewards`` and ``dones`` (0/1) ``(capacity,)``.
-
-    :meth:`add` writes ``n`` rows at the write position (wrapping past the end over the oldest rows); :meth:`sample`
-    draws rows uniformly with replacement among the filled ones. ``pos`` and ``size`` are host ints that advance by
-    known amounts, so neither reads anything back from the device. The write itself (:meth:`write`) reads only
-    ``pos_t``, the write position as an int64 ``(1,)`` device tensor advanced in place, so a compiled or captured
-    step writes at the right rows on every call; :meth:`advance` then moves the host counters.
-    """
-
-    FIELDS = ("obs", "actions", "rewards", "next_obs", "dones")
-
-    def __init__(self, capacity: int, obs_dim: int, act_dim: int, device: torch.device, dtype=torch.float32):
-        self.capacity, self.device = int(capacity), torch.device(device)
-        z = lambda *s: torch.zeros(self.capacity, *s, device=device, dtype=dtype)  # noqa: E731
-        self.data = {"obs": z(obs_dim), "actions": z(act_dim), "rewards": z(), "next_obs": z(obs_dim), "dones": z()}
-        self.pos, self.size = 0, 0
-        # one element, not 0-d: torch.compile drops in-place updates of 0-d CPU tensors it takes for constants
-        self.pos_t = torch.zeros(1, dtype=torch.int64, device=device)
-
-    def add(self, obs, actions, rewards, next_obs, dones) -> None:
-        """Write ``n`` transitions (first dimension ``n <= capacity``; ``dones`` may be bool). Raises ValueError if
-        ``n > capacity``."""
-        n = obs.shape[0]
-        if n > self.capacity:
-            raise ValueError(f"cannot add {n} transitions to a buffer of {self.capacity}")
-        self.write(obs, actions, rewards, next_obs, dones)
-        self.advance(n)
-
-    def write(self, obs, actions, rewards, next_obs, dones) -> None:
-        """The tensor half of :meth:`add`: the ``n`` rows written at ``pos_t``, which advances in place. No host
-        state read or changed, no host sync: it runs inside a compiled or captured step."""
-        n = obs.shape[0]
-        idx = (self.pos_t + torch.arange(n, device=self.device)) % self.capacity
-        for key, value in zip(self.FIELDS, (obs, actions, rewards, next_obs, dones)):
-            self.data[key].index_copy_(0, idx, value.to(self.data[key].dtype))
-        self.pos_t.add_(n).remainder_(self.capacity)
-
-    def advance(self, n: int) -> None:
-        """The host half of :meth:`add`: ``pos`` and ``size`` after a :meth:`write` of ``n`` rows."""
-        self.pos = (self.pos + n) % self.capacity
-        self.size = min(self.size + n, self.capacity)
-
-    def sample(self, batch_size: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """``batch_size`` rows drawn uniformly with replacement: a dict of the :data:`FIELDS`."""
-        if self.size == 0:
-            raise ValueError("sample from an empty replay buffer")
-        idx = torch.randint(0, self.size, (batch_size,), device=self.device, generator=generator)
-        return {key: value.index_select(0, idx) for key, value in self.data.items()}
-
-    def state_dict(self) -> dict:
-        """``pos``, ``size`` and the ``size`` filled rows of each field, copied to the CPU with their own storage (a
-        slice of the preallocated tensor would make ``torch.save`` write all ``capacity`` rows)."""
-        rows = {k: v[: self.size].to("cpu", copy=True) for k, v in self.data.items()}
-        return {"pos": self.pos, "size": self.size, **rows}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` in place; into a smaller buffer only its first ``capacity`` rows (written over
-        from the start)."""
-        n = min(int(state["size"]), self.capacity)
-        for key in self.FIELDS:
-            self.data[key][:n].copy_(state[key][:n])
-        self.size = n
-        self.pos = int(state["pos"]) % self.capacity if n == int(state["size"]) else 0
-        self.pos_t.fill_(self.pos)
 
 
 # ---------------------------------------------------------------------------------------------- networks
@@ -430,17 +364,14 @@ def update_actor(
 
 
 def act_step_store(
-    policy, env, rb: ReplayBuffer, obs: torch.Tensor, *, reward_scale: float, bootstrap_truncation: bool
+    policy, env, rb: harness.ReplayBuffer, obs: torch.Tensor, *, reward_scale: float, bootstrap_truncation: bool
 ) -> torch.Tensor:
     """One iteration's env step on a torch-batched env: ``policy`` (:func:`sample_action`, bound) acts on ``obs``, the
-    env steps, and the transitions go into ``rb`` (:meth:`ReplayBuffer.write`; the caller then calls
-    :meth:`ReplayBuffer.advance`). Returns the next observation. Tensors only, every state updated in place, no host
-    sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
+    env steps, and the transitions go into ``rb`` (:func:`harness.store` without advancing; the caller then calls
+    :meth:`~harness.ReplayBuffer.advance`). Returns the next observation. Tensors only, every state updated in place,
+    no host sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
     actions = policy(obs)
-    next_obs, rewards, terminations, truncations, infos = env.step(actions)
-    dones = terminations if bootstrap_truncation else terminations | truncations
-    rb.write(obs, actions, rewards * reward_scale, infos["final_obs"], dones)
-    return next_obs
+    return harness.store(rb, obs, actions, env.step(actions), bootstrap_truncation, reward_scale, advance=False)
 
 
 @torch.no_grad()
@@ -485,7 +416,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     }
     rb, sizes.buffer_size = harness.allocate_halving(
         run,
-        lambda n: ReplayBuffer(n, obs_dim, act_dim, device),
+        lambda n: harness.ReplayBuffer(n, obs_dim, device, (act_dim,), torch.float32),
         sizes.buffer_size,
         max(sizes.num_envs, sizes.batch_size),
         "buffer_size",
@@ -495,16 +426,29 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     obs, _ = env.reset(seed=args.seed)
     nets = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target}
     loaded = run.restore(state, nets, optimizers, env, lrs)
+    log = harness.ReplayLog(rb, sizes.num_envs) if env.torch_batched else None
     n_updates = 0
     if loaded is not None:
         with torch.no_grad():
             log_alpha.copy_(loaded["log_alpha"])
         n_updates = int(loaded["n_updates"])
-        if loaded["replay_buffer"] is not None:
-            rb.load_state_dict(loaded["replay_buffer"])
         obs = loaded["obs"].to(device) if loaded["env_restored"] else env.reset(seed=args.seed + run.global_step)[0]
+
+        def replay(obs, a):  # one env step and its transitions, to rebuild the buffer from its replay log
+            return harness.store(rb, obs, a, env.step(a), args.bootstrap_truncation, args.reward_scale)
+
+        message, kept = harness.restore_buffer(
+            rb,
+            log,
+            loaded["replay_buffer"],
+            env,
+            replay,
+            sizes.num_envs,
+            loaded["env"] if loaded["env_restored"] else None,
+            obs,
+        )
         if state is None:
-            print(f"resume: replay buffer {rb.size:,} rows")
+            run.resume_note(replay_buffer=message, exact=kept)
     # updates begin once the buffer holds learning_starts rows (a resumed run without its buffer refills it)
     updates_from = run.global_step + max(0, args.learning_starts - rb.size)
     steps_left = max(0, args.total_timesteps - run.global_step) // sizes.num_envs
@@ -559,7 +503,9 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     else:  # a host env steps between the device calls
         (policy,) = harness.bind(args, policy=policy)
 
-    def live_state(buffer: bool = True) -> dict:
+    def live_state(rows: bool = True) -> dict:
+        """What a checkpoint holds besides ``run.counters()``: the replay buffer's log, or its rows where ``rows``
+        (``--save-buffer``, and always in the live state handed over after an out-of-memory error)."""
         return {
             **{name: net.state_dict() for name, net in nets.items()},
             "log_alpha": log_alpha.detach(),
@@ -569,7 +515,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             "num_envs": sizes.num_envs,
             "obs": obs,
             "sizes": dataclasses.asdict(sizes),
-            "replay_buffer": rb.state_dict() if buffer else None,
+            "replay_buffer": harness.checkpoint_buffer(rb, log, run.global_step, rows),
         }
 
     nan = torch.full((), math.nan, device=device)
@@ -603,6 +549,8 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     )
     guard = run.new_guard()
     for iteration in run.iterations(num_iterations):
+        if log is not None:
+            log.mark(env, obs, run.global_step)
         stepped = in_update = False
         try:
             # ALGO LOGIC: put action logic here
@@ -623,15 +571,13 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
                         in_update = True
                         learn()
                         in_update = False
-                    next_obs, rewards, terminations, truncations, infos = env.step_wait()
+                    result = env.step_wait()
                 else:
-                    next_obs, rewards, terminations, truncations, infos = env.step(actions)
+                    result = env.step(actions)
 
                 # TRY NOT TO MODIFY: save data to the replay buffer; `final_obs` is the real next obs of an ended
                 # episode
-                dones = terminations if args.bootstrap_truncation else terminations | truncations
-                rb.add(obs, actions, rewards * args.reward_scale, infos["final_obs"], dones)
-                obs = next_obs
+                obs = harness.store(rb, obs, actions, result, args.bootstrap_truncation, args.reward_scale)
             run.global_step += sizes.num_envs
             stepped = True
 

@@ -221,18 +221,26 @@ TINY_PPO_ARGS = (
 """PPO flags (``algo_args``) of the pipeline fault tests: 192 env steps per iteration, a checkpoint every 2."""
 
 
-def tiny_ppo_pipeline_env(site_toml, out, total_timesteps: int, scheduler: str | None = None) -> dict:
-    """Environment of a ``doit run pipeline`` that trains only PPO (seed 1) with :data:`TINY_PPO_ARGS`."""
+def tiny_pipeline_env(
+    site_toml,
+    out,
+    total_timesteps: int,
+    scheduler: str | None = None,
+    algo: str = "ppo",
+    algo_args: str = TINY_PPO_ARGS,
+) -> dict:
+    """Environment of a ``doit run pipeline`` that trains only ``algo`` (seed 1; PPO with :data:`TINY_PPO_ARGS`
+    unless told otherwise)."""
     import os
 
     env = {
         **os.environ,
         "EVHUB_SITE": str(site_toml),
         "EVHUB_OUTPUT_DIR": str(out),
-        "EVHUB_ALGOS": "ppo",
+        "EVHUB_ALGOS": algo,
         "EVHUB_SEEDS": "1",
         "EVHUB_TOTAL_TIMESTEPS": str(total_timesteps),
-        "EVHUB_ALGO_ARGS": TINY_PPO_ARGS,
+        "EVHUB_ALGO_ARGS": algo_args,
     }
     env.pop("DASK_SCHEDULER_ADDRESS", None)
     if scheduler:

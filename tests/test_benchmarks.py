@@ -1,4 +1,4 @@
-"""The training, speed-switch, profile and report benchmarks at tiny sizes (no timing assertions)."""
+"""The training, speed-switch, profile, checkpoint and report benchmarks at tiny sizes (no timing assertions)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import make_site, write_site
 
 from benchmarks import profile, report, switches, training
 
@@ -149,3 +150,16 @@ def test_report_checks_targets_against_the_tables(tmp_path):
     sw.to_parquet(tmp_path / "switches_cuda.parquet")
     t = report.targets(tmp_path)
     assert t.measured.iloc[-1] == "not measured" and t.met.iloc[-1] is None
+
+
+def test_checkpoint_benchmark_rebuilds_the_buffer_it_measures(tmp_path):
+    from benchmarks import checkpoint
+
+    site = write_site(make_site(days=3, n_sockets=4), tmp_path / "site")
+    table = checkpoint.run(
+        checkpoint.Args(
+            site=str(site), presets=("cpu",), repeats=1, replay=True, num_envs=4, buffer_size=50, out_dir=str(tmp_path)
+        )
+    )
+    assert list(table.algo) == ["dqn", "sac"] and (tmp_path / "checkpoint.parquet").is_file()
+    assert (table.log_mb < table.rows_mb).all() and (table.rebuild_env_steps >= 50 // 4).all()

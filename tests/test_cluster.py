@@ -22,7 +22,7 @@ import torch
 from conftest import (
     assert_resumed_once_to_the_end,
     make_site,
-    tiny_ppo_pipeline_env,
+    tiny_pipeline_env,
     training_process,
     wait_for_checkpoint,
     write_site,
@@ -150,7 +150,7 @@ def test_a_worker_killed_mid_training_is_rescheduled_and_the_run_resumes(tmp_pat
     total = 4 * 48 * 150  # PPO: 150 iterations of 4 envs x 48 steps, a checkpoint every 2
     with cluster(tmp_path) as address:
         out = tmp_path / "outputs"
-        env = tiny_ppo_pipeline_env(write_site(make_site(days=7), tmp_path / "site"), out, total, scheduler=address)
+        env = tiny_pipeline_env(write_site(make_site(days=7), tmp_path / "site"), out, total, scheduler=address)
         cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
         doit_log = tmp_path / "doit.log"
         pipeline = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(doit_log, "w"), stderr=subprocess.STDOUT)

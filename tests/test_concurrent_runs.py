@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, make_site, tiny_ppo_pipeline_env, write_site
+from conftest import ROOT, make_site, tiny_pipeline_env, write_site
 
 from pipeline.study.runstate import LOCK_FILE, STATE_FILE, DamagedState, ExperimentBusy, ExperimentLock, check_state
 
@@ -26,7 +26,7 @@ TOTAL = 4 * 48 * 4  # 4 PPO iterations of TINY_PPO_ARGS
 
 
 def _env(site_toml, out, experiment: str) -> dict:
-    return {**tiny_ppo_pipeline_env(site_toml, out, TOTAL), "EVHUB_EXPERIMENT": experiment, "OMP_NUM_THREADS": "1"}
+    return {**tiny_pipeline_env(site_toml, out, TOTAL), "EVHUB_EXPERIMENT": experiment, "OMP_NUM_THREADS": "1"}
 
 
 def _wait_for_holder(folder, proc, timeout: float = 120) -> dict:

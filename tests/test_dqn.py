@@ -78,43 +78,6 @@ def test_target_update_hard_and_polyak():
         assert torch.equal(t, o)
 
 
-def test_replay_buffer_wraps_around():
-    dqn = load_dqn()
-    rb = dqn.make_replay_buffer(5, 2, torch.device("cpu"))
-    for k in range(3):  # 3 batches of 2: rows 0,1 | 2,3 | 4,0 (the 6th transition overwrites row 0)
-        ids = torch.tensor([2.0 * k, 2.0 * k + 1])
-        dqn.buffer_add(rb, ids[:, None].expand(2, 2), ids.long(), ids, ids[:, None].expand(2, 2) + 100, torch.zeros(2))
-    assert rb["pos"] == 1 and rb["count"] == 5 and float(rb["count_t"]) == 5 and rb["pos_t"].tolist() == [1]
-    assert rb["actions"].tolist() == [5, 1, 2, 3, 4]
-    assert rb["next_obs"][:, 0].tolist() == [105.0, 101.0, 102.0, 103.0, 104.0]
-    obs, actions, rewards, next_obs, dones = dqn.buffer_sample(rb, 1000)
-    assert set(actions.tolist()) == {1, 2, 3, 4, 5}  # only filled rows, all of them
-    torch.testing.assert_close(obs[:, 0], actions.float())
-    torch.testing.assert_close(next_obs[:, 0], rewards + 100)
-    with pytest.raises(ValueError, match="buffer_size"):
-        dqn.buffer_add(rb, torch.zeros(6, 2), torch.zeros(6), torch.zeros(6), torch.zeros(6, 2), torch.zeros(6))
-
-
-def test_buffer_write_moves_only_the_device_position():
-    """The tensor half of buffer_add (what a compiled or captured env step runs) reads and advances ``pos_t`` alone;
-    buffer_advance then moves the host counters; a restored buffer writes on where it stopped."""
-    dqn = load_dqn()
-    rb = dqn.make_replay_buffer(5, 1, torch.device("cpu"))
-    for k in range(2):  # rows 0, 1, 2 | 3, 4, 0
-        ids = torch.arange(3 * k, 3 * k + 3)
-        dqn.buffer_write(rb, ids[:, None].float(), ids, ids.float(), ids[:, None].float(), torch.zeros(3))
-        assert rb["pos"] == 0 and rb["count"] == 0 and rb["pos_t"].tolist() == [3 * (k + 1) % 5]
-    assert rb["actions"].tolist() == [5, 1, 2, 3, 4]
-    dqn.buffer_advance(rb, 3)
-    dqn.buffer_advance(rb, 3)
-    assert (rb["pos"], rb["count"], float(rb["count_t"])) == (1, 5, 5.0)
-    restored = dqn.make_replay_buffer(5, 1, torch.device("cpu"))
-    dqn.load_buffer_state(restored, dqn.buffer_state(rb))
-    assert restored["pos_t"].tolist() == [1]
-    dqn.buffer_add(restored, torch.zeros(1, 1), torch.tensor([9]), torch.zeros(1), torch.zeros(1, 1), torch.zeros(1))
-    assert restored["actions"].tolist() == [5, 9, 2, 3, 4]
-
-
 @pytest.mark.slow
 def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
     """Epsilon-greedy action (observation statistics updated, then frozen), EVHub-v0 step and buffer write trace as
@@ -128,7 +91,7 @@ def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
     for compiled in (False, True):
         env = RecordEpisodeStatistics(make_vec("EVHub-v0", 4, "cpu", site=site, split="train", action_mode="discrete"))
         obs, _ = env.reset(seed=3)
-        rb, net = dqn.make_replay_buffer(10, obs.shape[1], torch.device("cpu")), copy.deepcopy(qnet)
+        rb, net = harness.ReplayBuffer(10, obs.shape[1], torch.device("cpu")), copy.deepcopy(qnet)
         steps = {}
         for update_norm in (True, False):
             steps[update_norm] = partial(
@@ -147,15 +110,15 @@ def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
         torch.manual_seed(1)
         for t in range(7):  # 28 rows into 10: the write position wraps twice
             obs = steps[t < 4](obs, epsilon)
-            dqn.buffer_advance(rb, 4)
+            rb.advance(4)
         runs.append((obs, rb, net))
     (obs_e, rb_e, net_e), (obs_c, rb_c, net_c) = runs
-    assert rb_c["pos_t"].tolist() == rb_e["pos_t"].tolist() == [rb_e["pos"]] == [8]
+    assert rb_c.pos_t.tolist() == rb_e.pos_t.tolist() == [rb_e.pos] == [8]
     torch.testing.assert_close(obs_c, obs_e, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(net_c.obs_norm.mean, net_e.obs_norm.mean)
     assert float(net_c.obs_norm.count) == float(net_e.obs_norm.count)
-    for key in dqn.BUFFER_FIELDS:
-        torch.testing.assert_close(rb_c[key], rb_e[key], rtol=1e-5, atol=1e-6, msg=key)
+    for key in harness.ReplayBuffer.FIELDS:
+        torch.testing.assert_close(rb_c.data[key], rb_e.data[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_act_is_greedy_at_epsilon_zero_and_random_at_one():
@@ -445,8 +408,8 @@ def test_cnn_torso_is_chosen_for_image_observations():
     assert isinstance(cnn.mlp[0], torch.nn.Conv2d) and cnn(torch.rand(2, 3, 6, 5)).shape == (2, 4)
     mlp = dqn.QNetwork((4,), 2, 16)
     assert isinstance(mlp.mlp[0], torch.nn.Linear) and mlp(torch.rand(2, 4)).shape == (2, 2)
-    rb = dqn.make_replay_buffer(5, (3, 6, 5), torch.device("cpu"))
-    assert rb["obs"].shape == (5, 3, 6, 5)
+    rb = harness.ReplayBuffer(5, (3, 6, 5), torch.device("cpu"))
+    assert rb.data["obs"].shape == rb.data["next_obs"].shape == (5, 3, 6, 5)
 
 
 def test_shrink_halves_the_batch_in_the_gradient_steps_then_the_envs():

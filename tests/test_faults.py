@@ -1,13 +1,14 @@
-"""Faults caused for real: a training run killed with SIGKILL resumes from its last checkpoint (every algorithm),
-DQN's replay buffer survives the checkpoint round trip exactly, a pipeline killed mid-training resumes the run
-when started again, and a process killed while writing a Parquet file never leaves a truncated one.
+"""Faults caused for real: a training run killed with SIGKILL resumes from its last checkpoint to the uninterrupted
+run's networks, bit for bit (every algorithm; the replay buffers rebuilt from their logs), a pipeline killed
+mid-training resumes the run when started again, and a process killed while writing a Parquet file never leaves a
+truncated one. The replay buffer and its log alone are in ``tests/test_harness.py``.
 
 A Dask worker killed mid-training is in ``tests/test_cluster.py``; a non-finite loss in each ``tests/test_<algo>.py``.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import signal
 import subprocess
@@ -22,10 +23,9 @@ import torch
 from conftest import (
     ROOT,
     assert_resumed_once_to_the_end,
-    load_algo,
     make_site,
     run_algo,
-    tiny_ppo_pipeline_env,
+    tiny_pipeline_env,
     training_process,
     wait_for_checkpoint,
     write_site,
@@ -40,18 +40,14 @@ class KillCase:
 
     ``args`` are the tiny settings (site, output folder and budget are added by the test); ``total`` env steps is
     long enough for the run to be killed once its checkpoint reaches ``kill_after`` iterations with seconds of
-    training still ahead. For the replay-buffer algorithms, ``buffer_rows`` names the key of the checkpoint's
-    ``replay_buffer`` that counts its filled rows, ``resume_buffer`` is the resume message's report of them
-    (formatted with the row count) and ``loss`` is a loss column of ``metrics.parquet`` that is finite in a row only
-    if this session made updates before it.
+    training still ahead. ``replay`` marks the replay-buffer algorithms, whose buffer (200 rows) has wrapped around
+    and whose learning has started by the kill.
     """
 
     args: list[str]
     total: int
     kill_after: int
-    buffer_rows: str | None = None
-    resume_buffer: str = ""
-    loss: str = ""
+    replay: bool = False
 
 
 CASES = {
@@ -97,13 +93,10 @@ CASES = {
             "8",
             "--checkpoint-every",
             "16",
-            "--save-buffer",
         ],
         total=4 * 750,
         kill_after=64,
-        buffer_rows="size",
-        resume_buffer="buffer {:,} rows",
-        loss="qf_loss",
+        replay=True,
     ),
     "dqn": KillCase(
         # 8 env steps per iteration: the buffer (200 rows) has wrapped around and learning has started by the kill
@@ -128,13 +121,10 @@ CASES = {
             "4",
             "--checkpoint-every",
             "16",
-            "--save-buffer",
         ],
         total=8 * 750,
         kill_after=48,
-        buffer_rows="count",
-        resume_buffer="buffer {:,} rows restored",
-        loss="td_loss",
+        replay=True,
     ),
 }
 
@@ -167,132 +157,87 @@ def start_and_sigkill(name: str, args: list[str], ckpt, kill_after: int, timeout
     return torch.load(ckpt, weights_only=False)  # the checkpoint file is whole (atomic write)
 
 
+def final_state(out) -> dict:
+    """The last checkpoint's networks: ``{name: state_dict}`` of every ``nn.Module`` entry."""
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    return {k: v for k, v in ckpt.items() if isinstance(v, dict) and v and all(torch.is_tensor(t) for t in v.values())}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_sigkilled_run_resumes_to_the_full_step_count(name, site_toml, tmp_path):
+def test_sigkilled_run_resumes_to_the_uninterrupted_run(name, site_toml, tmp_path):
     case = CASES[name]
-    out = tmp_path / name
-    args = [
-        "--site",
-        str(site_toml),
-        "--output-dir",
-        str(out),
-        "--no-cuda",
-        "--eval-split",
-        "none",
-        *case.args,
-        "--total-timesteps",
-        str(case.total),
-    ]
+    runs = {}
+    for kind in ("killed", "uninterrupted"):
+        runs[kind] = [
+            "--site",
+            str(site_toml),
+            "--output-dir",
+            str(tmp_path / kind),
+            "--no-cuda",
+            "--eval-split",
+            "none",
+            *case.args,
+            "--total-timesteps",
+            str(case.total),
+        ]
+    out = tmp_path / "killed"
     ckpt = out / "checkpoint.pt"
-    killed = start_and_sigkill(name, args, ckpt, case.kill_after)
+    killed = start_and_sigkill(name, runs["killed"], ckpt, case.kill_after)
     killed_at = killed["global_step"]
     assert 0 < killed_at < case.total
     assert killed["iteration"] >= case.kill_after
     assert not (out / "policy.pt2").exists()
-    if case.buffer_rows:
-        rows = killed["replay_buffer"][case.buffer_rows]
-        assert rows == 200 and killed["replay_buffer"]["obs"].shape[0] == rows  # full, wrapped around, stored
+    if case.replay:  # the buffer is not stored, its replay log is: the actions since a snapshot of the env
+        log = killed["replay_buffer"]["log"]
+        assert "rows" not in killed["replay_buffer"] and log["size"] == 200
+        assert (
+            log["snapshots"][0].step <= killed_at - 200
+            and log["actions"].shape[0] == killed_at - log["snapshots"][0].step
+        )
 
-    resumed = run_algo(name, *args, "--resume", timeout=300)
+    resumed = run_algo(name, *runs["killed"], "--resume", timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {ckpt} at global_step {killed_at}" in resumed.stdout
+    if case.replay:
+        assert "replay buffer 200 rows rebuilt by replaying" in resumed.stdout, resumed.stdout[-3000:]
+        assert "(the same as the interrupted run's)" in resumed.stdout
     metrics = pd.read_parquet(out / "metrics.parquet")
     assert metrics.global_step.iloc[-1] == case.total
     assert metrics.global_step.is_monotonic_increasing and metrics.global_step.is_unique
-    final = torch.load(ckpt, weights_only=False)
-    assert final["global_step"] == case.total
+    assert torch.load(ckpt, weights_only=False)["global_step"] == case.total
     assert (out / "policy.pt2").is_file()
-    if case.buffer_rows:
-        assert case.resume_buffer.format(rows) in resumed.stdout, resumed.stdout[-3000:]
-        # with its buffer back the resumed run updates at once: the first log row after the resume has a loss,
-        # which a run refilling learning_starts (64) steps first would not have by then (32 steps on)
-        first = metrics[metrics.global_step > killed_at].iloc[0]
-        assert first.global_step - killed_at < 64 and math.isfinite(first[case.loss]), metrics.head(20)
-        assert final["replay_buffer"][case.buffer_rows] == 200
+    resumes = json.loads((out / "resumes.json").read_text())
+    assert [(r["from_global_step"], r["exact"]) for r in resumes] == [(killed_at, True)]
 
-
-# ---------------------------------------------------------------------------------------------- DQN replay buffer
-def filled_dqn_buffer(dqn, size: int, batches: int, obs_dim: int = 3, n: int = 4, seed: int = 0) -> dict:
-    """A DQN replay buffer of ``size`` rows after ``batches`` writes of ``n`` random transitions."""
-    g = torch.Generator().manual_seed(seed)
-    rb = dqn.make_replay_buffer(size, obs_dim, torch.device("cpu"))
-    for _ in range(batches):
-        dqn.buffer_add(
-            rb,
-            torch.randn(n, obs_dim, generator=g),
-            torch.randint(0, 15, (n,), generator=g),
-            torch.randn(n, generator=g),
-            torch.randn(n, obs_dim, generator=g),
-            (torch.rand(n, generator=g) < 0.2).float(),
-        )
-    return rb
-
-
-@pytest.mark.parametrize("batches", [2, 4, 5])  # 8 of 10 rows filled; full at pos 6; full at pos 0
-def test_dqn_checkpointed_replay_buffer_restores_identically(batches, tmp_path):
-    dqn = load_algo("dqn")
-    assert dqn.Args().save_buffer is False  # opt-in: the buffer makes checkpoints large
-    saved = filled_dqn_buffer(dqn, 10, batches)
-    path = tmp_path / "checkpoint.pt"
-    atomic_write(path, lambda tmp: torch.save({"replay_buffer": dqn.buffer_state(saved)}, tmp))
-    state = torch.load(path, weights_only=False)["replay_buffer"]
-    count = min(4 * batches, 10)
-    assert (state["pos"], state["count"], state["size"]) == (4 * batches % 10, count, 10)
-    for key in dqn.BUFFER_FIELDS:  # only the filled rows are written, not the whole preallocated tensor
-        assert state[key].shape[0] == count
-        assert state[key].untyped_storage().nbytes() == state[key].numel() * state[key].element_size()
-
-    restored = dqn.make_replay_buffer(10, 3, torch.device("cpu"))
-    dqn.load_buffer_state(restored, state)
-    assert (restored["pos"], restored["count"], restored["size"]) == (saved["pos"], saved["count"], saved["size"])
-    assert restored["count_t"].item() == saved["count_t"].item() == count
-    for key in dqn.BUFFER_FIELDS:
-        assert restored[key].dtype == saved[key].dtype
-        assert torch.equal(restored[key], saved[key]), key  # every row, the unfilled zeros included
-    # the same writes and the same random numbers then give the same samples
-    more = filled_dqn_buffer(dqn, 10, 1, seed=1)
-    for rb in (saved, restored):
-        dqn.buffer_add(
-            rb, more["obs"][:4], more["actions"][:4], more["rewards"][:4], more["next_obs"][:4], more["dones"][:4]
-        )
-    torch.manual_seed(3)
-    a = dqn.buffer_sample(saved, 16)
-    torch.manual_seed(3)
-    b = dqn.buffer_sample(restored, 16)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def test_dqn_stored_buffer_into_another_size_keeps_the_newest_transitions():
-    dqn = load_algo("dqn")
-    saved = filled_dqn_buffer(dqn, 10, 4)  # 16 writes into 10 rows: the newest 10 start at pos 6
-    state = dqn.buffer_state(saved)
-    oldest_first = torch.cat([saved["rewards"][6:], saved["rewards"][:6]])
-
-    small = dqn.make_replay_buffer(6, 3, torch.device("cpu"))
-    dqn.load_buffer_state(small, state)
-    assert (small["pos"], small["count"], small["count_t"].item()) == (0, 6, 6)
-    assert torch.equal(small["rewards"], oldest_first[-6:])
-
-    big = dqn.make_replay_buffer(16, 3, torch.device("cpu"))
-    dqn.load_buffer_state(big, state)
-    assert (big["pos"], big["count"]) == (10, 10)
-    assert torch.equal(big["rewards"][:10], oldest_first) and not big["rewards"][10:].any()
-
-    with pytest.raises(ValueError, match="obs"):
-        dqn.load_buffer_state(dqn.make_replay_buffer(10, 5, torch.device("cpu")), state)
+    # the same run uninterrupted ends with the same networks, bit for bit, and logs the same losses and episodes
+    whole = run_algo(name, *runs["uninterrupted"], timeout=300)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert not (tmp_path / "uninterrupted" / "resumes.json").exists()
+    a, b = final_state(out), final_state(tmp_path / "uninterrupted")
+    assert a.keys() == b.keys() and a
+    for net in a:
+        for key in a[net]:
+            assert torch.equal(a[net][key], b[net][key]), (net, key)
+    clocks = [c for c in metrics.columns if c in ("wall_s", "sps") or c.startswith("gpu_")]
+    reference = pd.read_parquet(tmp_path / "uninterrupted" / "metrics.parquet")
+    pd.testing.assert_frame_equal(metrics.drop(columns=clocks), reference.drop(columns=clocks))
 
 
 @pytest.mark.slow
-def test_a_pipeline_killed_mid_training_resumes_the_run_when_started_again(tmp_path):
-    total = 4 * 48 * 100  # PPO: 100 iterations, a checkpoint every 2
-    out = tmp_path / "outputs"
-    env = tiny_ppo_pipeline_env(write_site(make_site(days=7), tmp_path / "site"), out, total)
+def test_a_pipeline_killed_mid_training_resumes_to_the_rows_of_an_uninterrupted_one(tmp_path):
+    """DQN (a replay buffer, 200 rows, wrapped by the kill), killed with doit and its cluster after a checkpoint,
+    then the same command again: every row of the report equals an uninterrupted pipeline's."""
+    total = 8 * 750  # DQN: 750 iterations of 8 env steps, a checkpoint every 16
+    dqn_args = " ".join(CASES["dqn"].args) + " --no-cuda"
+    site = write_site(make_site(days=7), tmp_path / "site")
+    out, whole = tmp_path / "outputs", tmp_path / "uninterrupted"
+    env = tiny_pipeline_env(site, out, total, algo="dqn", algo_args=dqn_args)
     cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
-    run_dir = out / "synthetic" / "runs" / "ppo_seed1"
+    run_dir = out / "synthetic" / "runs" / "dqn_seed1"
     ckpt = run_dir / "checkpoint.pt"
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(tmp_path / "first.log", "w"), stderr=subprocess.STDOUT)
-    wait_for_checkpoint(ckpt, first, 4, tmp_path / "first.log")
+    wait_for_checkpoint(ckpt, first, 48, tmp_path / "first.log")
     trainer = training_process(run_dir)
     first.send_signal(signal.SIGKILL)  # doit, its embedded Dask cluster and the training run all die
     first.wait(timeout=60)
@@ -303,7 +248,27 @@ def test_a_pipeline_killed_mid_training_resumes_the_run_when_started_again(tmp_p
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     # the same run (same fingerprint) with a checkpoint: the second attempt passed --resume and went on from it
     assert_resumed_once_to_the_end(run_dir, killed_at, total)
-    assert (out / "synthetic" / "report" / "co2_comparison.parquet").is_file()
+    assert "replay buffer 200 rows rebuilt" in (run_dir / "train.log").read_text()
+    spec = json.loads((run_dir / "run.json").read_text())
+    assert [(r["from_global_step"], r["exact"]) for r in spec["resumed"]] == [(killed_at, True)]
+    report = (out / "synthetic" / "report" / "report.md").read_text()
+    assert f"dqn seed 1 from global step {killed_at:,} (every state restored)" in report
+
+    uninterrupted = subprocess.run(
+        [*cmd[:4], "--db-file", str(tmp_path / "whole.db"), "pipeline"],
+        cwd=ROOT,
+        env={**env, "EVHUB_OUTPUT_DIR": str(whole)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:] + uninterrupted.stderr[-3000:]
+    rows = {}
+    for name, root in (("resumed", out), ("uninterrupted", whole)):
+        table = pd.read_parquet(root / "synthetic" / "report" / "co2_comparison.parquet")
+        rows[name] = table.drop(columns=[c for c in table.columns if c.startswith(("train_wall_s", "steps_per_s"))])
+    assert "dqn" in set(rows["resumed"].controller)
+    pd.testing.assert_frame_equal(rows["resumed"], rows["uninterrupted"])
 
 
 ROWS = 300_000

@@ -15,6 +15,7 @@ from conftest import load_algo, make_site, run_algo, write_site
 
 import envs
 from algos import harness
+from envs.files import atomic_write
 from envs.kpis import POLICY_SPEC, evaluate_policy, load_policy, read_policy_spec
 from envs.vector import GymTorchVecEnv, NormalizeReward, RecordEpisodeStatistics, TorchVecEnv, make_vec
 
@@ -271,3 +272,192 @@ def test_help_prints_the_default_of_the_chosen_preset(name):
     assert flag in help_text
     after = help_text.rsplit(flag, 1)[1][:600]  # the option table comes after the usage examples
     assert f"(default: {module.PRESETS['gpu'][field]})" in after, after
+
+
+# ---------------------------------------------------------------------------------------------- replay memory
+def batch(start: int, n: int, act_dim: int | None = 1):
+    """``n`` transitions numbered ``start ..``: obs = number, next_obs = number + 0.5, reward = number."""
+    v = torch.arange(start, start + n, dtype=torch.float32)
+    actions = v.long() if act_dim is None else v[:, None].repeat(1, act_dim)
+    return v[:, None].repeat(1, 2), actions, v, v[:, None].repeat(1, 2) + 0.5, torch.zeros(n)
+
+
+def test_replay_buffer_wraps_around_and_samples_only_filled_rows():
+    rb = harness.ReplayBuffer(5, 2, torch.device("cpu"), (1,), torch.float32)
+    rb.add(*batch(1, 3))
+    assert (rb.pos, rb.size, float(rb.size_t)) == (3, 3, 3.0)
+    gen = torch.Generator().manual_seed(0)
+    drawn = rb.sample(1000, generator=gen)
+    assert set(drawn["rewards"].tolist()) == {1.0, 2.0, 3.0}  # never the empty rows (zeros)
+    torch.testing.assert_close(drawn["obs"][:, 0], drawn["rewards"])  # fields of one row stay together
+    torch.testing.assert_close(drawn["next_obs"][:, 1], drawn["rewards"] + 0.5)
+    rb.add(*batch(4, 3))  # rows 4, 5 fill the end, 6 wraps to the front over 1
+    assert (rb.pos, rb.size) == (1, 5) and rb.pos_t.tolist() == [1]
+    assert rb.data["rewards"].tolist() == [6.0, 2.0, 3.0, 4.0, 5.0]
+    assert rb.rows("rewards", 1, 6).tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]  # transition j sits in row j % capacity
+    rb.add(*batch(7, 5))  # a whole capacity at once, starting at pos 1
+    assert rb.data["rewards"].tolist() == [11.0, 7.0, 8.0, 9.0, 10.0]
+    assert set(rb.sample(1000, generator=gen)["rewards"].tolist()) == {7.0, 8.0, 9.0, 10.0, 11.0}
+    # DQN's sampler reads the filled-row count from the device
+    obs, actions, rewards, next_obs, dones = load_algo("dqn").buffer_sample(rb, 1000)
+    assert set(rewards.tolist()) == {7.0, 8.0, 9.0, 10.0, 11.0}
+    torch.testing.assert_close(obs[:, 0], rewards)
+    with pytest.raises(ValueError, match="buffer_size 5"):
+        rb.add(*batch(0, 6))
+
+
+def test_replay_buffer_write_moves_only_the_device_position():
+    """The tensor half of ``add`` (what a compiled or captured env step runs) moves ``pos_t`` alone; ``advance`` then
+    moves the host counters; a restored buffer writes on where it stopped."""
+    rb = harness.ReplayBuffer(5, 2, torch.device("cpu"))  # DQN's: int64 action indices
+    for k in range(2):  # rows 0, 1, 2 | 3, 4, 0
+        rb.write(*batch(3 * k, 3, act_dim=None))
+        assert (rb.pos, rb.size) == (0, 0) and rb.pos_t.tolist() == [3 * (k + 1) % 5]
+    assert rb.data["actions"].tolist() == [5, 1, 2, 3, 4] and rb.data["actions"].dtype == torch.int64
+    rb.advance(3)
+    rb.advance(3)
+    assert (rb.pos, rb.size, float(rb.size_t)) == (1, 5, 5.0)
+    restored = harness.ReplayBuffer(5, 2, torch.device("cpu"))
+    restored.load_state_dict(rb.state_dict())
+    assert restored.pos_t.tolist() == [1]
+    restored.add(*batch(9, 1, act_dim=None))
+    assert restored.data["actions"].tolist() == [5, 9, 2, 3, 4]
+
+
+@pytest.mark.parametrize("writes", [2, 4, 5])  # 8 of 10 rows filled; full at pos 6; full at pos 0
+def test_stored_replay_buffer_rows_restore_identically(writes, tmp_path):
+    saved = harness.ReplayBuffer(10, 2, torch.device("cpu"), (1,), torch.float32)
+    for k in range(writes):
+        saved.add(*batch(4 * k, 4))
+    path = tmp_path / "checkpoint.pt"
+    atomic_write(path, lambda tmp: torch.save({"replay_buffer": saved.state_dict()}, tmp))
+    state = torch.load(path, weights_only=False)["replay_buffer"]
+    size = min(4 * writes, 10)
+    assert (state["pos"], state["size"], state["capacity"]) == (4 * writes % 10, size, 10)
+    for key in harness.ReplayBuffer.FIELDS:  # only the filled rows are written, not the whole preallocated tensor
+        assert state[key].shape[0] == size
+        assert state[key].untyped_storage().nbytes() == state[key].numel() * state[key].element_size()
+    restored = harness.ReplayBuffer(10, 2, torch.device("cpu"), (1,), torch.float32)
+    restored.load_state_dict(state)
+    assert (restored.pos, restored.size, float(restored.size_t)) == (saved.pos, saved.size, size)
+    for key in harness.ReplayBuffer.FIELDS:
+        assert torch.equal(restored.data[key], saved.data[key]), key  # every row, the unfilled zeros included
+
+
+def test_stored_replay_buffer_into_another_capacity_keeps_the_newest_transitions():
+    saved = harness.ReplayBuffer(10, 2, torch.device("cpu"), (1,), torch.float32)
+    for k in range(4):  # 16 writes into 10 rows: the newest 10 (6 .. 15) start at pos 6
+        saved.add(*batch(4 * k, 4))
+    state = saved.state_dict()
+    small = harness.ReplayBuffer(6, 2, torch.device("cpu"), (1,), torch.float32)
+    small.load_state_dict(state)
+    assert (small.pos, small.size) == (0, 6) and small.data["rewards"].tolist() == list(range(10, 16))
+    big = harness.ReplayBuffer(16, 2, torch.device("cpu"), (1,), torch.float32)
+    big.load_state_dict(state)
+    assert (big.pos, big.size) == (10, 10) and big.data["rewards"][:10].tolist() == list(range(6, 16))
+    with pytest.raises(ValueError, match="obs"):
+        harness.ReplayBuffer(10, 5, torch.device("cpu"), (1,), torch.float32).load_state_dict(state)
+
+
+def _logged_run(site, capacity: int, num_envs: int, num_steps: int, iterations: int, action_mode: str):
+    """Random actions on EVHub-v0 into a buffer with its log, as a script's loop runs them: ``(env, rb, log, obs)``
+    after ``iterations`` iterations of ``num_steps`` env steps."""
+    env = RecordEpisodeStatistics(
+        make_vec("EVHub-v0", num_envs, "cpu", site=site, split="train", action_mode=action_mode)
+    )
+    obs, _ = env.reset(seed=5)
+    discrete = action_mode == "discrete"
+    act_dim = None if discrete else env.single_action_space.shape[0]
+    rb = harness.ReplayBuffer(
+        capacity,
+        obs.shape[1],
+        torch.device("cpu"),
+        () if discrete else (act_dim,),
+        torch.int64 if discrete else torch.float32,
+    )
+    log = harness.ReplayLog(rb, num_envs * num_steps)
+    g = torch.Generator().manual_seed(1)
+    for i in range(iterations):
+        log.mark(env, obs, i * num_envs * num_steps)
+        for _ in range(num_steps):
+            a = (
+                torch.randint(0, 15, (num_envs,), generator=g)
+                if discrete
+                else torch.rand(num_envs, act_dim, generator=g) * 2 - 1
+            )
+            obs = harness.store(rb, obs, a, env.step(a), True, 0.5)
+    return env, rb, log, obs
+
+
+@pytest.mark.parametrize(
+    "capacity, num_envs, num_steps, iterations, action_mode",
+    [
+        (40, 4, 1, 3, "hub"),  # not yet full: replayed from the start
+        (40, 4, 1, 37, "hub"),  # wrapped three times, laps aligned with the steps
+        (30, 4, 2, 29, "discrete"),  # a capacity that is no multiple of an iteration: steps straddle the wrap
+        (24, 3, 8, 17, "discrete"),  # an iteration the size of the buffer
+    ],
+)
+def test_replay_log_rebuilds_the_buffer_and_itself_exactly(capacity, num_envs, num_steps, iterations, action_mode):
+    site = make_site(days=3, n_sockets=4)
+    env, rb, log, obs = _logged_run(site, capacity, num_envs, num_steps, iterations, action_mode)
+    step = iterations * num_envs * num_steps
+    saved = harness.checkpoint_buffer(rb, log, step, rows=False)["log"]
+    # at most about two buffers of actions and a few snapshots, the first at or before the oldest row
+    assert saved["snapshots"][0].step <= step - rb.size and len(saved["snapshots"]) <= 3
+    assert saved["actions"].shape[0] == step - saved["snapshots"][0].step <= 2 * capacity + num_envs * num_steps
+    final_state = env.state_dict()
+
+    fresh_env = RecordEpisodeStatistics(
+        make_vec("EVHub-v0", num_envs, "cpu", site=site, split="train", action_mode=action_mode)
+    )
+    fresh_env.reset(seed=99)  # another state: the rebuild loads the snapshot
+    rebuilt = harness.ReplayBuffer(
+        capacity, rb.data["obs"].shape[1], torch.device("cpu"), rb.data["actions"].shape[1:], rb.data["actions"].dtype
+    )
+    fresh_log = harness.ReplayLog(rebuilt, num_envs * num_steps)
+
+    def replay(o, a):
+        return harness.store(rebuilt, o, a, fresh_env.step(a), True, 0.5)
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    message, exact = harness.restore_buffer(
+        rebuilt, fresh_log, {"log": saved}, fresh_env, replay, num_envs, final_state, obs
+    )
+    assert exact and "the same as the interrupted run's" in message, message
+    assert torch.equal(torch.get_rng_state(), before)  # the global generator is left as it was
+    assert (rebuilt.pos, rebuilt.size) == (rb.pos, rb.size) and rebuilt.pos_t.tolist() == rb.pos_t.tolist()
+    for key in harness.ReplayBuffer.FIELDS:
+        assert torch.equal(rebuilt.data[key][: rb.size], rb.data[key][: rb.size]), key
+    # the env is back at the checkpoint's state, and the log holds what the uninterrupted one holds from its anchor
+    assert all(torch.equal(a, b) for a, b in zip(flat(fresh_env.state_dict()), flat(final_state)))
+    again = fresh_log.state(step)
+    assert [s.step for s in again["snapshots"]] == [s.step for s in saved["snapshots"]]
+    assert torch.equal(again["actions"], saved["actions"]) and again["logged_to"] == saved["logged_to"] == log.end
+
+
+def flat(tree) -> list[torch.Tensor]:
+    """The tensors of a nested state dict, in key order."""
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree) for t in flat(tree[k])]
+    return [tree] if isinstance(tree, torch.Tensor) else []
+
+
+def test_replay_log_cannot_rebuild_rows_from_before_its_first_snapshot():
+    """A log started on a buffer that already holds rows (a hand-over after an out-of-memory error) covers them only
+    once they have all been written over; until then a checkpoint keeps the rows, or nothing."""
+    site = make_site(days=3, n_sockets=4)
+    env, rb, _, obs = _logged_run(site, 20, 4, 1, 7, "hub")  # 28 transitions, buffer full
+    log = harness.ReplayLog(rb, 4)
+    g = torch.Generator().manual_seed(2)
+    for i in range(7, 13):
+        log.mark(env, obs, 4 * i)
+        a = torch.rand(4, rb.data["actions"].shape[1], generator=g) * 2 - 1
+        obs = harness.store(rb, obs, a, env.step(a), True, 0.5)
+        covered = 4 * (i + 1) - 20 >= 28  # every row written after the log's first snapshot (step 28)
+        saved = harness.checkpoint_buffer(rb, log, 4 * (i + 1), rows=False)
+        assert (saved is not None) == covered, i
+    assert "rows" in harness.checkpoint_buffer(rb, log, 52, rows=True)
+    message, exact = harness.restore_buffer(rb, log, None, env, None, 4, None, obs)
+    assert not exact and "refilling" in message

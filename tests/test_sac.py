@@ -67,44 +67,6 @@ def test_soft_update_is_polyak_averaging():
         torch.testing.assert_close(t, s)
 
 
-def test_replay_buffer_wraps_around_and_samples_only_filled_rows():
-    sac = load_sac()
-    rb = sac.ReplayBuffer(5, obs_dim=2, act_dim=1, device=torch.device("cpu"))
-
-    def batch(start: int, n: int):
-        v = torch.arange(start, start + n, dtype=torch.float32)
-        return v[:, None].repeat(1, 2), v[:, None], v, v[:, None].repeat(1, 2) + 0.5, torch.zeros(n)
-
-    rb.add(*batch(1, 3))
-    assert (rb.pos, rb.size) == (3, 3)
-    gen = torch.Generator().manual_seed(0)
-    drawn = rb.sample(1000, generator=gen)
-    assert set(drawn["rewards"].tolist()) == {1.0, 2.0, 3.0}  # never the empty rows (zeros)
-    torch.testing.assert_close(drawn["obs"][:, 0], drawn["rewards"])  # fields of one row stay together
-    torch.testing.assert_close(drawn["next_obs"][:, 1], drawn["rewards"] + 0.5)
-
-    rb.add(*batch(4, 3))  # rows 4, 5 fill the end, 6 wraps to the front over 1
-    assert (rb.pos, rb.size) == (1, 5)
-    assert rb.pos_t.tolist() == [1]  # the write position on the device follows the host's
-    assert rb.data["rewards"].tolist() == [6.0, 2.0, 3.0, 4.0, 5.0]
-    rb.add(*batch(7, 5))  # a whole capacity at once, starting at pos 1
-    assert rb.data["rewards"].tolist() == [11.0, 7.0, 8.0, 9.0, 10.0]
-    assert set(rb.sample(1000, generator=gen)["rewards"].tolist()) == {7.0, 8.0, 9.0, 10.0, 11.0}
-
-    restored = sac.ReplayBuffer(5, obs_dim=2, act_dim=1, device=torch.device("cpu"))
-    restored.load_state_dict(rb.state_dict())
-    assert (restored.pos, restored.size) == (rb.pos, rb.size) and restored.pos_t.tolist() == [rb.pos]
-    torch.testing.assert_close(restored.data["obs"], rb.data["obs"])
-    # the tensor half alone (a compiled or captured step) moves pos_t; advance() then moves the host counters
-    rb.write(*batch(12, 3))  # rows 1, 2, 3
-    assert (rb.pos, rb.size) == (1, 5) and rb.pos_t.tolist() == [4]
-    assert rb.data["rewards"].tolist() == [11.0, 12.0, 13.0, 14.0, 10.0]
-    rb.advance(3)
-    assert (rb.pos, rb.size) == (4, 5) and rb.pos_t.tolist() == [4]
-    with pytest.raises(ValueError):
-        rb.add(*batch(0, 6))
-
-
 @pytest.mark.slow
 def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
     """Action, EVHub-v0 step and buffer write trace as one graph (``fullgraph=True``: a graph break fails) and write
@@ -117,7 +79,7 @@ def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
     for compiled in (False, True):
         env = RecordEpisodeStatistics(make_vec("EVHub-v0", 4, "cpu", site=site, split="train", action_mode="hub"))
         obs, _ = env.reset(seed=3)
-        rb = sac.ReplayBuffer(10, obs.shape[1], 2, torch.device("cpu"))
+        rb = harness.ReplayBuffer(10, obs.shape[1], torch.device("cpu"), (2,), torch.float32)
         step = partial(
             sac.act_step_store, partial(sac.sample_action, actor), env, rb, reward_scale=2.0, bootstrap_truncation=True
         )
@@ -132,7 +94,7 @@ def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
     (obs_e, rb_e), (obs_c, rb_c) = runs
     assert rb_c.pos_t.tolist() == rb_e.pos_t.tolist() == [rb_e.pos] == [8] and rb_c.size == 10
     torch.testing.assert_close(obs_c, obs_e, rtol=1e-5, atol=1e-6)
-    for key in sac.ReplayBuffer.FIELDS:
+    for key in harness.ReplayBuffer.FIELDS:
         torch.testing.assert_close(rb_c.data[key], rb_e.data[key], rtol=1e-5, atol=1e-6, msg=key)
 
 

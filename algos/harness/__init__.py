@@ -14,6 +14,9 @@ imports this package (``from algos import harness``) and takes every name below 
   :func:`envs.files.atomic_write` and resume, the deterministic evaluation on the site's split, and policy export;
 * :mod:`~algos.harness.checkpoint`: the checkpoint format, its RNG states, the checked read
   (:class:`CheckpointError`) and :func:`load_optimizer_state`;
+* :mod:`~algos.harness.replay`: the off-policy scripts' :class:`ReplayBuffer`, :func:`store` (one env step's
+  transitions into it) and :class:`ReplayLog`: what a checkpoint keeps so that ``--resume`` rebuilds the same buffer
+  by replaying the env (:func:`checkpoint_buffer`, :func:`restore_buffer`);
 * :mod:`~algos.harness.export`: policy export with one contract (:class:`EnvUnitsPolicy`, :func:`export_policy`);
 * :mod:`~algos.harness.speed`: :func:`bind`, the ``--compile`` / ``--cudagraphs`` switches, applied once to the plain
   hot functions (LeanRL's pattern); :class:`CudaGraphed` replays one from a CUDA graph; :func:`capture`,
@@ -26,7 +29,8 @@ imports this package (``from algos import harness``) and takes every name below 
   and training re-enters from that state; :func:`allocate_halving` for a buffer at setup.
 
 The modules import one another in one direction only: ``gpu``, ``speed``, ``nets``, ``export``, ``oom`` and
-``checkpoint`` stand alone, ``cli`` reads ``checkpoint``, ``run`` reads those, ``backoff`` reads ``run``.
+``checkpoint`` stand alone, ``cli`` and ``replay`` read ``checkpoint``, ``run`` reads those, ``backoff`` reads
+``run``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from .export import EnvUnitsPolicy, export_policy
 from .gpu import GPU_STAT_KEYS, gpu_stats
 from .nets import RunningObsNorm, Select, cnn_torso, explained_variance, layer_init, select
 from .oom import OutOfMemoryBackoffError, OutOfMemoryRestart, free_device_memory, out_of_memory_message, to_cpu
+from .replay import ReplayBuffer, ReplayLog, checkpoint_buffer, restore_buffer, store
 from .run import NonFiniteLossError, Run
 from .speed import CudaGraphed, bind, capture, device_lr, synced_clock
 
@@ -95,6 +100,12 @@ __all__ = [
     "read_checkpoint",
     "rng_states",
     "set_rng_states",
+    # replay
+    "ReplayBuffer",
+    "ReplayLog",
+    "checkpoint_buffer",
+    "restore_buffer",
+    "store",
     # export
     "EnvUnitsPolicy",
     "export_policy",

@@ -13,8 +13,9 @@ import torch
 
 from envs.vector import env_name
 
-CHECKPOINT_FORMAT = 2
-"""Version of the checkpoint layout written by :meth:`Run.save`; a checkpoint of another version is refused."""
+CHECKPOINT_FORMAT = 3
+"""Version of the checkpoint layout written by :meth:`Run.save`; a checkpoint of another version is refused (3: the
+replay buffer as ``{"rows"}`` or ``{"log"}``, :func:`algos.harness.replay.checkpoint_buffer`, and ``resumes``)."""
 
 
 class CheckpointError(RuntimeError):

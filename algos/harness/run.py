@@ -6,6 +6,7 @@ live state on a CUDA out-of-memory error."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -73,6 +74,7 @@ class Run:
         self.rows: list[dict] = []
         self.curve: list[dict] = []
         self.global_step, self.iteration, self.train_wall_prev = 0, 0, 0.0
+        self.resumes: list[dict] = []  # one entry per --resume of this run (kept in the checkpoints)
         self.sps = self.sps_steady = 0.0
         self.bar = None
         self._site = None
@@ -139,6 +141,7 @@ class Run:
             "train_wall_s": self.wall(),
             "args": dataclasses.asdict(self.args),
             "rng": rng_states(),
+            "resumes": self.resumes,
         }
 
     def restore(
@@ -192,6 +195,8 @@ class Run:
                 print(f"resume: {reason}; envs start new episodes")
             if state.get("env") is not None:
                 env.load_state_dict(state["env"], statistics_only=True)
+        if self.args.resume and not self.oom_history:  # exact: every state of the interrupted run is back
+            self.resumes = [*state.get("resumes", []), {"from_global_step": self.global_step, "exact": same}]
         if (self.out_dir / "metrics.parquet").is_file() and not self.rows:
             old = pd.read_parquet(self.out_dir / "metrics.parquet")
             self.rows = old[old.global_step <= self.global_step].to_dict("records")
@@ -202,6 +207,16 @@ class Run:
         if self.args.resume and not self.oom_history:
             print(f"resumed from {path} at global_step {self.global_step}, iteration {self.iteration}")
         return {**state, "env_restored": same}
+
+    def resume_note(self, **facts) -> None:
+        """Add ``facts`` to this resume's entry in :attr:`resumes` and print them (the replay buffer's restore:
+        ``replay_buffer`` what was done, ``exact=False`` where the buffer is not the interrupted run's). At the end
+        the entries are written to ``resumes.json`` (:meth:`finish`)."""
+        if self.resumes:
+            self.resumes[-1].update(facts, exact=bool(self.resumes[-1]["exact"] and facts.get("exact", True)))
+        for key, value in facts.items():
+            if key != "exact":
+                print(f"resume: {value}" if key == "replay_buffer" else f"resume: {key} {value}")
 
     # -- the loop
     def iterations(self, num_iterations: int, global_step_of: Callable[[], int] | None = None):
@@ -401,6 +416,8 @@ class Run:
             space = gym.spaces.Box(-1.0, 1.0, (envs.evhub.action_dim(mode, env.n_sockets),), np.float32)
             spec = {"env_id": EVHUB_ID, "action_mode": mode, "bess_action": args.bess_action}
         path = export_policy(actor, tuple(env.obs_shape), space, self.out_dir, spec)
+        if self.resumes:
+            atomic_write(self.out_dir / "resumes.json", lambda tmp: tmp.write_text(json.dumps(self.resumes, indent=2)))
         train_wall = self.train_wall_prev
         print(
             f"training: {self.global_step:,} steps in {train_wall:.1f} s ({self.sps:.0f} SPS, {self.sps_steady:.0f} "
@@ -413,6 +430,7 @@ class Run:
             "sps_steady": self.sps_steady,
             "policy": str(path),
             "vector_mode": None if env.torch_batched else env.vector_mode,
+            "resumes": self.resumes,
             **result,
         }
         self.close_env()

@@ -325,7 +325,36 @@ def train_agent(
         code = proc.wait()
     if code != 0:
         raise RuntimeError(f"{algo} (seed {seed}) failed with exit code {code}; end of {log_path}:\n{''.join(tail)}")
+    resumes = run / "resumes.json"  # written by a run that was resumed: from which steps, and whether exactly
+    if resumes.is_file():
+        spec = json.loads(spec_path.read_text())
+        write_text(spec_path, json.dumps({**spec, "resumed": json.loads(resumes.read_text())}, indent=2))
     return str(run)
+
+
+def resumed_note(run_dirs: dict[str, Path]) -> str | None:
+    """The report's note on the training runs (``{label: run folder}``) that were interrupted and resumed, from their
+    ``run.json`` (:func:`train_agent`): from which global step, and whether every state came back (the replay
+    buffer rebuilt the same: the row equals an uninterrupted run's on the same machine and torch build) or not
+    (the row may differ from one). None where no run was resumed."""
+    parts = []
+    for label, run in run_dirs.items():
+        try:
+            resumed = json.loads((Path(run) / "run.json").read_text()).get("resumed") or []
+        except (OSError, json.JSONDecodeError):
+            continue
+        for r in resumed:
+            lost = r.get("replay_buffer", "its envs started new episodes")
+            how = "every state restored" if r.get("exact") else f"not exactly: {lost}"
+            parts.append(f"{label} from global step {r['from_global_step']:,} ({how})")
+    if not parts:
+        return None
+    return (
+        "**Resumed training runs.** "
+        + "; ".join(parts)
+        + ". A run resumed with every state restored ends where an uninterrupted run ends on the same machine and "
+        "torch build; one that was not may differ from it."
+    )
 
 
 def worker_environ() -> set[str]:
@@ -426,6 +455,13 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
             f"**Constant grid factor** ({float(moer.iloc[0]):.4g} kg CO2/kWh): CO2 is proportional to grid import, "
             "so a controller can only cut it by importing less; read it beside the unserved energy."
         )
+    runs = {
+        f"{a} seed {sd}": Path(out_dir).parent / "runs" / results.run_name(a, sd)
+        for a in cfg_dict["algos"]
+        for sd in cfg_dict["seeds"]
+    }
+    if note := resumed_note(runs):
+        notes.append(note)
     sizing_file = Path(out_dir).parent / "sizing" / "sizing.parquet"  # a sizing study of this experiment, if run
     sizing = None
     if sizing_file.is_file():
