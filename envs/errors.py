@@ -17,7 +17,7 @@ This module imports nothing from the rest of the project.
 
 from __future__ import annotations
 
-__all__ = ["ExpectedError", "InputError", "is_expected", "one_message"]
+__all__ = ["ExpectedError", "InputError", "exit_code", "is_expected", "one_message"]
 
 
 class ExpectedError(Exception):
@@ -38,3 +38,19 @@ def is_expected(exc: BaseException) -> bool:
 def one_message(exc: BaseException) -> str:
     """The message of an expected error as printed: ``str(exc)``, or the class name where that is empty."""
     return str(exc).strip() or type(exc).__name__
+
+
+def exit_code(action) -> int:
+    """Run ``action()`` for a command's ``main``: 0 when it returns; 1 after printing ``error: <message>`` (one line
+    on stderr, no traceback) when it raises an expected error (:func:`is_expected`); any other exception propagates
+    with its traceback."""
+    import sys
+
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - only the expected kinds are caught, the others re-raised
+        if not is_expected(exc):
+            raise
+        print(f"error: {one_message(exc)}", file=sys.stderr, flush=True)
+        return 1
+    return 0

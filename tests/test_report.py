@@ -4,6 +4,8 @@ rollouts."""
 from __future__ import annotations
 
 import base64
+import html
+import json
 import math
 import re
 import shutil
@@ -18,13 +20,21 @@ import torch
 from conftest import make_site
 
 from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, evaluate_policy, write_parquet
+from pipeline.control import registry
+from pipeline.study.document import Paragraph, Table
 from pipeline.study.report import (
+    KIND_COLORS,
     SEED_COLUMNS,
     START_COLUMNS,
     answer_blocks,
     best_controllers,
+    controller_kind,
+    controller_legend,
+    gap_closed_figure,
     kpi_markdown_table,
+    ranked_by_gap,
     read_kpi_files,
+    results_table,
     site_data_sources,
     summary_paragraph,
     write_report,
@@ -173,6 +183,13 @@ def test_markdown(report: Path, inputs):
         assert f"On the **{split}** split the lowest CO2 apart from the oracle is **{best}**'s" in text
     assert "Every agent delivers at least 99% of the EV energy" in text
     assert "Unserved energy always stands beside CO2" in text
+    # the long "knows" texts stand once each in a legend, not in the tables
+    for name in CONTROLLERS:
+        knows = registry.describe(name).knows
+        assert f"- **{name}** ({registry.describe(name).family}" in text and f"): {knows}" in text
+        assert not any(knows in line for line in text.splitlines() if line.startswith("|"))
+    # every KPI, folded in the page, is a plain section here
+    assert "**Every KPI of the train split, and its ordering by CO2**" in text and "Peak import (kW)" in text
     for png in ("co2_by_controller.png", "test_week_traces.png", "learning_curves.png"):
         assert f"]({png})" in text
 
@@ -257,12 +274,12 @@ def test_seeds_are_averaged_with_their_spread(tmp_path):
     assert dqn.n_seeds == 1 and math.isnan(dqn.co2_kg_std)
     assert table.loc["uncontrolled"].n_seeds == 1
     md = kpi_markdown_table(table.reset_index())
-    from pipeline.control import registry
-
-    agent, reference = registry.describe("ppo").knows, registry.describe("uncontrolled").knows
-    assert f"| ppo | {agent} | 3 | 800.0 ± 100.0 |" in md
-    assert f"| dqn | {agent} | 1 (single seed) | 650.0 |" in md
-    assert f"| uncontrolled | {reference} | – | 1,000.0 |" in md
+    assert "| ppo | 3 | 800.0 ± 100.0 |" in md
+    assert "| dqn | 1 (single seed) | 650.0 |" in md
+    assert "| uncontrolled | – | 1,000.0 |" in md
+    compact = results_table(table.reset_index())
+    assert compact.header[:3] == ("Controller", "Seeds", "CO2 (kg)") and "Unserved (kWh)" in compact.header
+    assert ("ppo", "3", "800.0 ± 100.0") == compact.rows[list(table.index).index("ppo")][:3]
     with pytest.raises(ValueError, match="with seed 2"):
         read_kpi_files([*files, shutil.copy(files[3], tmp_path / "again.parquet")])
 
@@ -300,9 +317,14 @@ def test_learning_is_credited_only_against_its_untrained_start(tmp_path):
         by.loc[("oracle", "test"), "co2_vs_start_kg"]
     )
     assert best_controllers(table) == {"causal": "mpc_rl_start", "learned": "mpc_tuned", "bound": "oracle"}
-    text = answer_blocks(table)[1].text
+    text = " ".join(b.text for b in answer_blocks(table) if isinstance(b, Paragraph))
     assert "Run **mpc_rl_start**" in text and "**mpc_rl** (no lower than its untrained start, mpc_rl_start," in text
     assert "**mpc_adaptive** (no lower than its untrained start, mpc_tuned," in text and "**mpc_tuned** (" not in text
+    # the compact table keeps each learned row's CO2 against its start; the legend names the start
+    compact = results_table(table[table.split == "test"])
+    col = compact.header.index("CO2 vs untrained start (kg)")
+    assert {r[0]: r[col] for r in compact.rows}["mpc_rl"] == "-50.0"
+    assert "credited against its untrained start, `mpc_tuned`" in controller_legend(["mpc_adaptive"]).items[0]
     # without the start rows there is nothing to credit against: the learned rows compete as before
     alone = read_kpi_files([f for f in files if "start" not in f.name])
     assert best_controllers(alone)["causal"] == "mpc_rl"
@@ -317,8 +339,8 @@ def test_report_shows_a_shipped_site_config_relative_to_the_project(tmp_path):
 
 # ------------------------------------------------------------------------------------------- report.html
 class _Page(HTMLParser):
-    """What a reader sees in report.html: headings, list items, table rows, paragraphs and captions (text
-    without tags, in document order), and the attributes of every <img>."""
+    """What a reader sees in report.html: headings, list items, table rows, paragraphs, fold summaries and captions
+    (text without tags, in document order), the attributes of every <img>, and the rows of tables inside a fold."""
 
     def __init__(self, text: str):
         super().__init__()
@@ -328,16 +350,21 @@ class _Page(HTMLParser):
         self.texts: list[str] = []  # <p> and <figcaption>
         self.imgs: list[dict] = []
         self.tags: set[str] = set()
+        self.folded_rows = 0  # rows of tables inside a <details>
+        self._depth = 0  # open <details>
         self._buf: list[str] | None = None
         self._cell: list[str] | None = None
         self.feed(text)
 
     def handle_starttag(self, tag, attrs):
         self.tags.add(tag)
-        if tag in ("h1", "h2", "h3", "li", "p", "figcaption"):
+        if tag in ("h1", "h2", "h3", "li", "p", "figcaption", "summary"):
             self._buf = []
+        elif tag == "details":
+            self._depth += 1
         elif tag == "tr":
             self.rows.append([])
+            self.folded_rows += self._depth > 0
         elif tag in ("td", "th"):
             self._cell = []
         elif tag == "img":
@@ -347,9 +374,12 @@ class _Page(HTMLParser):
         if tag in ("td", "th") and self._cell is not None:
             self.rows[-1].append("".join(self._cell).strip())
             self._cell = None
-        elif tag in ("h1", "h2", "h3", "li", "p", "figcaption") and self._buf is not None:
+        elif tag == "details":
+            self._depth -= 1
+        elif tag in ("h1", "h2", "h3", "li", "p", "figcaption", "summary") and self._buf is not None:
             text = "".join(self._buf).strip()
-            {"li": self.items, "p": self.texts, "figcaption": self.texts}.get(tag, self.headings).append(text)
+            texts = {"li": self.items, "p": self.texts, "figcaption": self.texts, "summary": self.texts}
+            texts.get(tag, self.headings).append(text)
             self._buf = None
 
     def handle_data(self, data):
@@ -389,11 +419,13 @@ def test_html_page_has_the_markdown_content_and_embedded_figures(report: Path):
     page, md = _Page(text), _markdown_view(report.read_text())
     assert page.headings == md["headings"] and page.headings[0] == "Synthetic site: CO2 comparison"
     assert page.items == md["items"] and "PV: 10 kWp" in page.items
-    # the answer first (header, the controller to run, the oracle: the best one is also the best learned), then a KPI
-    # table per split
-    assert page.headings[1] == "The answer"
-    assert page.rows == md["rows"] and len(page.rows) == 3 + 2 * (1 + len(CONTROLLERS))
+    # the answer first (header, the controller to run, the oracle: the best one is also the best learned), then per
+    # split a compact table and, folded, every KPI
+    assert page.headings[:3] == ["Synthetic site: CO2 comparison", "The answer", "Results"]
+    assert page.rows == md["rows"] and len(page.rows) == 3 + 2 * 2 * (1 + len(CONTROLLERS))
+    assert page.folded_rows == 2 * (1 + len(CONTROLLERS)) and text.count("<details>") == 2
     assert page.texts == md["texts"]
+    assert "Every KPI of the test split, and its ordering by CO2" in page.texts
     assert any("lowest CO2 apart from the oracle is a2c's" in t for t in page.texts)
     # every figure is embedded, byte for byte, with its alt text
     assert [(i["alt"], i["src"].split(",")[0]) for i in page.imgs] == [
@@ -437,7 +469,7 @@ def test_html_sizing_results_data_sources_and_escaping(inputs, tmp_path: Path):
         '<strong>EV sessions</strong>: made up, see <a href="https://example.org/data">https://example.org/data</a>.'
         in text
     )
-    assert len(page.imgs) == 1 and page.imgs[0]["alt"] == "CO2 by controller"  # no traces, no metrics given
+    assert len(page.imgs) == 1 and page.imgs[0]["alt"] == "Gap closed by controller"  # no traces, no metrics given
 
 
 def test_site_data_sources_from_the_shipped_readmes(tmp_path: Path):
@@ -452,9 +484,39 @@ def test_site_data_sources_from_the_shipped_readmes(tmp_path: Path):
 
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+SCREEN = (1280, 900)  # the desktop window the page is laid out for: width, height in CSS px
+
+# Measures the page as a reader's window shows it and writes the result, as JSON, into ``data-layout`` on <html>: the
+# viewport, the page's scroll width, the answer's kg cells (text, right and bottom edge in px from the top-left of
+# the page, before any scrolling), and every <table>'s width against its box, with every fold (<details>) opened.
+LAYOUT_SCRIPT = """<script>
+window.addEventListener("load", function () {
+  var each = function (list, f) { return Array.prototype.map.call(list, f); };
+  var kg = [], answer = document.getElementById("answer");
+  if (answer) {
+    var heads = each(answer.querySelectorAll("thead th"), function (th) { return th.textContent; });
+    each(answer.querySelectorAll("tbody tr"), function (tr) {
+      each(tr.children, function (td, i) {
+        if (heads[i].indexOf("(kg)") >= 0) {
+          var r = td.getBoundingClientRect();
+          kg.push({text: td.textContent.trim(), right: r.right, bottom: r.bottom});
+        }
+      });
+    });
+  }
+  each(document.querySelectorAll("details"), function (d) { d.open = true; });
+  var tables = each(document.querySelectorAll("table"), function (t) {
+    return {width: t.scrollWidth, box: t.parentElement.clientWidth, folded: t.closest("details") !== null};
+  });
+  var root = document.documentElement;
+  root.setAttribute("data-layout", JSON.stringify({
+    viewport: [window.innerWidth, window.innerHeight], page_width: [root.scrollWidth, root.clientWidth],
+    answer_kg: kg, tables: tables}));
+});
+</script>"""
 
 
-def _headless(browser: str, profile: Path, page: Path, *args: str) -> subprocess.CompletedProcess:
+def _headless(browser: str, profile: Path, page: Path, *args: str, window=SCREEN) -> subprocess.CompletedProcess:
     cmd = [
         browser,
         "--headless",
@@ -463,7 +525,7 @@ def _headless(browser: str, profile: Path, page: Path, *args: str) -> subprocess
         "--disable-dev-shm-usage",
         "--hide-scrollbars",
         f"--user-data-dir={profile}",
-        "--window-size=1280,4200",
+        f"--window-size={window[0]},{window[1]}",
         "--virtual-time-budget=5000",
         *args,
         page.as_uri(),
@@ -473,36 +535,137 @@ def _headless(browser: str, profile: Path, page: Path, *args: str) -> subprocess
     return proc
 
 
+def _layout(browser: str, profile: Path, text: str, copy: Path) -> tuple[dict, str]:
+    """``text`` (a report.html) measured in the browser at :data:`SCREEN` (:data:`LAYOUT_SCRIPT`), from a copy at
+    ``copy``; returns the measurements and the dumped DOM."""
+    copy.write_text(text.replace("</head>", LAYOUT_SCRIPT + "\n</head>", 1), encoding="utf-8")
+    dom = _headless(browser, profile, copy, "--dump-dom").stdout
+    found = re.search(r'data-layout="([^"]*)"', dom)
+    assert found, dom[:500]
+    return json.loads(html.unescape(found.group(1))), dom
+
+
 def test_html_renders_in_headless_chromium(report: Path, tmp_path: Path):
+    """At 1280 x 900 px every figure decodes, no table (folded ones opened) is wider than its box, the page does not
+    scroll sideways, and the answer's kg figures are in the first screen; a screenshot of that screen is taken."""
     browser = next((b for b in BROWSERS if shutil.which(b)), None)
     if browser is None:
         pytest.skip(
             f"no headless browser on PATH (looked for {', '.join(BROWSERS)}); `apt-get install chromium` runs this test"
         )
     page = report.parent / "report.html"
-    n_figures = len(_Page(page.read_text(encoding="utf-8")).imgs)
+    text = page.read_text(encoding="utf-8")
+    n_figures = len(_Page(text).imgs)
     assert n_figures == 3
 
+    layout, dom = _layout(browser, tmp_path / "profile", text, tmp_path / "measured.html")
     # the page's own check, written into the DOM on load: every <img> complete with a natural width
-    dom = _headless(browser, tmp_path / "profile", page, "--dump-dom").stdout
     assert f'data-figures-loaded="{n_figures}/{n_figures}"' in dom, dom[:500]
+    assert layout["viewport"][0] == SCREEN[0]
+    tables = layout["tables"]
+    assert len(tables) == 1 + 2 * 2, tables  # the answer's, then per split the compact one and the folded one
+    assert sum(t["folded"] for t in tables) == 2
+    assert all(t["width"] <= t["box"] for t in tables), f"a table wider than its box: {tables}"
+    assert layout["page_width"][0] <= layout["page_width"][1], layout["page_width"]
+    # the answer's kg figures: the named controllers' CO2 on both splits, whole and in the first screen
+    table = pd.read_parquet(report.parent / "co2_comparison.parquet")
+    named = best_controllers(table)
+    expected = {f"{r.co2_kg:,.1f}" for r in table.itertuples() if r.controller in named.values()}
+    assert {c["text"] for c in layout["answer_kg"]} == expected and len(layout["answer_kg"]) == len(expected)
+    assert all(c["bottom"] <= SCREEN[1] and c["right"] <= SCREEN[0] for c in layout["answer_kg"]), layout["answer_kg"]
 
-    shot = tmp_path / "report.png"
+    shot = tmp_path / "first_screen.png"
     _headless(browser, tmp_path / "profile", page, f"--screenshot={shot}")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib import image as mimage
 
     pixels = mimage.imread(shot)
-    assert pixels.shape[:2] == (4200, 1280)
+    assert pixels.shape[:2] == (SCREEN[1], SCREEN[0])
     rgb = np.round(pixels[..., :3] * 255).astype(np.uint32)
     colours = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # one int per pixel
     assert len(np.unique(colours)) > 100, "the screenshot is (nearly) one colour"
-    assert len(np.unique(colours[2000:])) > 50, "nothing drawn where the figures are (below the tables)"
 
-    # and the check does fail on a figure that does not decode
-    broken = tmp_path / "broken.html"
-    text = page.read_text(encoding="utf-8")
+    # and the checks do fail: on a figure that does not decode, a table wider than its box, an answer pushed down
     truncated = re.sub(r"data:image/png;base64,[^\"]+", "data:image/png;base64,iVBORw0KGgoAAAAA", text, count=1)
-    broken.write_text(truncated, encoding="utf-8")
-    dom = _headless(browser, tmp_path / "profile", broken, "--dump-dom").stdout
+    broken = truncated.replace("</style>", "table { width: 1500px; } h1 { margin-bottom: 1000px; }\n</style>", 1)
+    layout, dom = _layout(browser, tmp_path / "profile", broken, tmp_path / "broken.html")
     assert f'data-figures-loaded="{n_figures - 1}/{n_figures}"' in dom, dom[:500]
+    assert all(t["width"] > t["box"] for t in layout["tables"]), layout["tables"]
+    assert layout["answer_kg"] and all(c["bottom"] > SCREEN[1] for c in layout["answer_kg"]), layout["answer_kg"]
+
+
+# ------------------------------------------------------------------------------------------- the main figure
+def test_main_figure_ranks_the_gap_closed_by_kind(inputs):
+    """One panel per split, the controllers sorted by the share of the oracle's saving they close, one colour per kind,
+    their CO2 and unserved energy beside each bar; a controller that starves the EVs is flagged in red."""
+    from matplotlib.colors import to_hex
+
+    table = read_kpi_files(inputs["kpi_files"])
+    starving = (table.split == "test") & (table.controller == "a2c")
+    base = float(table[(table.split == "test") & (table.controller == "uncontrolled")].ev_energy_delivered_kwh.iloc[0])
+    table.loc[starving, "ev_energy_delivered_kwh"] = 0.9 * base
+    table.loc[starving, "unserved_kwh"] = 12.34
+    fig = gap_closed_figure(table)
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["train split", "test split"]  # no other panel
+    for ax, split in zip(axes, ("train", "test")):
+        rows = table[table.split == split]
+        ranked = ranked_by_gap(rows)
+        names = [t.get_text() for t in ax.get_yticklabels()]
+        assert names == list(ranked.controller) and sorted(names) == sorted(CONTROLLERS)
+        bars = ax.containers[0]
+        widths = [b.get_width() for b in bars]
+        assert widths == pytest.approx(list(ranked.oracle_gap_closed_pct)) and widths == sorted(widths, reverse=True)
+        assert ax.yaxis_inverted() and widths[0] == pytest.approx(100.0) and names[0] == "oracle"  # most closed on top
+        assert [to_hex(b.get_facecolor()) for b in bars] == [KIND_COLORS[controller_kind(c)] for c in names]
+        texts = [t.get_text() for t in ax.texts]
+        for r in rows.itertuples():  # CO2 and unserved energy stated beside every bar
+            assert f"{r.co2_kg:,.0f}" in texts and f"{r.unserved_kwh:,.1f}" in texts
+        red = {t.get_text() for t in ax.texts if to_hex(t.get_color()) == "#b00020"}
+        assert red == ({"90.0% served", "12.3", f"{table[starving].co2_kg.iloc[0]:,.0f}"} if split == "test" else set())
+    # agents share a colour, the oracle has its own; the legend names only the kinds shown
+    assert controller_kind("a2c") == controller_kind("ppo") == "agents" and controller_kind("oracle") == "foresight"
+    assert controller_kind("mpc_tuned_start") == "learned planners" and controller_kind("rule_based") == "baselines"
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["baselines", "agents", "foresight"]
+
+
+def test_rows_without_the_ratio_rank_last():
+    rows = pd.DataFrame(
+        {"controller": ["a", "b", "c", "d"], "oracle_gap_closed_pct": [10.0, math.nan, 50.0, 10.0],
+         "co2_kg": [5.0, 1.0, 3.0, 4.0]}
+    )  # fmt: skip
+    assert list(ranked_by_gap(rows).controller) == ["c", "d", "a", "b"]
+    # a split where the oracle saves nothing has no ratio: its panel has no bar and says why
+    flat = rows.assign(split="test", oracle_gap_closed_pct=math.nan, unserved_kwh=0.0, ev_energy_delivered_kwh=1.0)
+    (ax,) = gap_closed_figure(flat).axes
+    assert [b.get_width() for b in ax.containers[0]] == [0.0] * 4
+    assert any(t.get_text().startswith("no gap closed known") for t in ax.texts)
+
+
+def test_answer_is_a_compact_table_of_numbers(report: Path):
+    """The answer's table: role, controller and, per split (the held-out one first), CO2, cut, gap closed and unserved
+    energy, all numbers; what the named controllers know follows it, not in it."""
+    table = pd.read_parquet(report.parent / "co2_comparison.parquet")
+    blocks = answer_blocks(table)
+    (answer,) = [b for b in blocks if isinstance(b, Table)]
+    assert answer.id == "answer"
+    assert answer.header == (
+        "",
+        "Controller",
+        *(
+            f"{sp}: {h}"
+            for sp in ("test", "train")
+            for h in ("CO2 (kg)", "CO2 cut (%)", "gap closed (%)", "unserved (kWh)")
+        ),
+    )
+    by = table.set_index(["controller", "split"])
+    named = best_controllers(table)
+    assert [r[1] for r in answer.rows] == list(dict.fromkeys(named.values()))
+    for row in answer.rows:
+        for k, sp in enumerate(("test", "train")):
+            r = by.loc[(row[1], sp)]
+            want = [f"{v:,.1f}" for v in (r.co2_kg, r.co2_reduction_pct, r.oracle_gap_closed_pct, r.unserved_kwh)]
+            assert list(row[2 + 4 * k : 6 + 4 * k]) == want
+    legend = blocks[-1].items
+    assert [i.split("**")[1] for i in legend] == [r[1] for r in answer.rows]
+    assert all(registry.describe(r[1]).knows in i for r, i in zip(answer.rows, legend))

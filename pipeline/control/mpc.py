@@ -186,6 +186,12 @@ class Plan:
     """Per-socket EV power, ``(N,)``."""
     co2_planned_kg: float
     """LP objective's CO2 part over the window (forecast MOER; net of the export credit where there is one)."""
+    bess_kw_steps: np.ndarray | None = None
+    """Battery power over the whole window, kW, ``(H,)``, + = charge: ``ch - dis`` of each step (step 0 as applied,
+    ``bess_charge_kw - bess_discharge_kw``)."""
+    ev_kw_steps: np.ndarray | None = None
+    """Per-socket power of the plugged EVs over the whole window, kW, ``(N, H)``: each one's LP columns until its
+    departure, 0 after it and for a free socket (expected arrivals have no socket yet); step 0 is :attr:`ev_kw`."""
 
 
 @dataclass
@@ -396,6 +402,12 @@ class MPCController:
         ok = span > 1e-12
         action[1:][ok] = np.clip((ev[ok] - floor_all[ok]) / span[ok], 0.0, 1.0)
         g = z[off["g"] : off["g"] + H] - z[off["x"] : off["x"] + H] * (cfg.grid.export_credit == "moer")
+        bess_steps = np.maximum(z[off["ch"] : off["ch"] + H], 0.0) - np.maximum(z[off["dis"] : off["dis"] + H], 0.0)
+        bess_steps[0] = ch - dis
+        ev_steps = np.zeros((N, H))
+        for i, c0, n in zip(s0, col0, dep[is_plugged]):  # a plugged EV's columns: steps 0 .. its departure
+            ev_steps[i, :n] = np.clip(z[c0 : c0 + n], 0.0, pmax[i])
+        ev_steps[:, 0] = ev
         plan = Plan(
             t=t,
             action=action,
@@ -406,6 +418,8 @@ class MPCController:
             bess_discharge_kw=dis,
             ev_kw=ev,
             co2_planned_kg=float((g * moer).sum() * dt),
+            bess_kw_steps=bess_steps,
+            ev_kw_steps=ev_steps,
         )
         self.solves += 1
         self.solve_s += time.perf_counter() - t0

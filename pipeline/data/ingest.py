@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
-import sys
 import textwrap
 from pathlib import Path
 
@@ -45,7 +44,7 @@ import pandas as pd
 import envs
 from envs import files
 from envs.config import SITES_DIR
-from envs.errors import is_expected, one_message
+from envs.errors import exit_code
 from envs.schemas import validate_site_data
 from pipeline.data.pv import read_pv
 from pipeline.data.readers import read_carbon, read_sessions
@@ -769,14 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out-dir", type=Path, default=None, help="output folder (default: the site's data_dir beside its TOML)"
     )
     a = ap.parse_args(argv)
-    try:
-        ingest(a.site, a.out_dir)
-    except Exception as exc:  # noqa: BLE001 - only the expected kinds are caught, the others re-raised
-        if not is_expected(exc):
-            raise
-        print(f"error: {one_message(exc)}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return exit_code(lambda: ingest(a.site, a.out_dir))
 
 
 if __name__ == "__main__":

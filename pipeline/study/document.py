@@ -1,6 +1,10 @@
 """The small document model of the study's pages (the report, the sizing page): a list of blocks whose text is
 inline Markdown (``**bold**``, ``*italic*``, backticks), rendered once to Markdown and once to one self-contained
 HTML page, so the two always carry the same tables and sentences; and figures written atomically.
+
+The HTML page is laid out for a desktop browser window (1280 px wide): headers wrap at about nine characters' width,
+text cells and a number's ``± spread`` wrap at spaces (a number itself never breaks), folded tables are set smaller,
+and a table that is still wider than the page scrolls inside its own box rather than the page.
 """
 
 from __future__ import annotations
@@ -67,11 +71,13 @@ class Bullets:
 
 @dataclass(frozen=True)
 class Table:
-    """Rows of formatted cells; ``align`` is ``"left"`` or ``"right"`` per column."""
+    """Rows of formatted cells; ``align`` is ``"left"`` or ``"right"`` per column; ``id``, when given, names the
+    table's box in report.html (``<div class="table-wrap" id=...>``)."""
 
     header: tuple[str, ...]
     align: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
+    id: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,16 @@ class FigureRef:
     caption: str
 
 
-Block = Heading | Paragraph | Note | Bullets | Table | FigureRef
+@dataclass(frozen=True)
+class Details:
+    """Blocks folded under a one-line summary: an HTML ``<details>`` (closed until the reader opens it); in
+    Markdown, which has no fold, the summary as a bold line followed by the blocks."""
+
+    summary: str
+    blocks: tuple[Heading | Paragraph | Note | Bullets | Table | FigureRef, ...]
+
+
+Block = Heading | Paragraph | Note | Bullets | Table | FigureRef | Details
 
 
 def _cell(value: object) -> str:
@@ -115,10 +130,13 @@ def markdown_table(table: Table) -> str:
 
 
 def render_markdown(blocks: Iterable[Block]) -> str:
-    """A Markdown page from blocks (each followed by a blank line)."""
+    """A Markdown page from blocks (each followed by a blank line); a :class:`Details` becomes its summary in bold
+    followed by its blocks."""
     md: list[str] = []
     for b in blocks:
-        if isinstance(b, Heading):
+        if isinstance(b, Details):
+            md += [f"**{b.summary}**", "", render_markdown(b.blocks).rstrip("\n")]
+        elif isinstance(b, Heading):
             md += [f"{'#' * b.level} {b.text}"]
         elif isinstance(b, Paragraph):
             md += [b.text]
@@ -160,35 +178,44 @@ def inline_html(text: str) -> str:
 
 def _html_table(table: Table) -> str:
     def cells(tag: str, row: tuple[str, ...]) -> str:
+        wrap = ("<span>", "</span>") if tag == "th" else ("", "")  # a header wraps at its span's max-width
         return "".join(
-            f'<{tag} class="{"num" if a == "right" else "txt"}">{inline_html(c)}</{tag}>'
+            f'<{tag} class="{"num" if a == "right" else "txt"}">{wrap[0]}{inline_html(c)}{wrap[1]}</{tag}>'
             for c, a in zip(row, table.align)
         )
 
     body = "\n".join(f"<tr>{cells('td', r)}</tr>" for r in table.rows)
     head = f"<thead><tr>{cells('th', table.header)}</tr></thead>"
-    return f'<div class="table-wrap"><table>\n{head}\n<tbody>\n{body}\n</tbody>\n</table></div>'
+    box = f' id="{html.escape(table.id)}"' if table.id else ""
+    return f'<div class="table-wrap"{box}><table>\n{head}\n<tbody>\n{body}\n</tbody>\n</table></div>'
 
 
 _HTML_STYLE = """
   body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif;
          color: #1f2328; background: #ffffff; margin: 0; line-height: 1.5; }
-  main { max-width: 1180px; margin: 0 auto; padding: 1.5rem 2rem 3rem; }
-  h1 { font-size: 1.7rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3rem; }
+  main { max-width: 1180px; margin: 0 auto; padding: 1rem 2rem 3rem; }
+  h1 { font-size: 1.6rem; margin: 0.6rem 0 0.4rem; border-bottom: 2px solid #d0d7de; padding-bottom: 0.3rem; }
   h2 { font-size: 1.35rem; margin-top: 2.2rem; border-bottom: 1px solid #d8dee4; padding-bottom: 0.2rem; }
+  h1 + h2, blockquote + h2 { margin-top: 1rem; }
   h3 { font-size: 1.1rem; margin-top: 1.6rem; }
   blockquote { margin: 1rem 0; padding: 0.6rem 1rem; background: #fff8e6; border-left: 4px solid #d4a72c; }
+  blockquote p { margin: 0; }
   ul { padding-left: 1.4rem; }
   code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 0.9em;
          background: #f0f2f4; padding: 0.05rem 0.3rem; border-radius: 4px; }
   .table-wrap { overflow-x: auto; margin: 0.8rem 0; }
   table { border-collapse: collapse; font-size: 0.86rem; }
   th, td { border: 1px solid #d0d7de; padding: 0.3rem 0.55rem; }
-  th { background: #f3f5f7; vertical-align: bottom; }
-  td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+  th { background: #f3f5f7; vertical-align: bottom; font-weight: 600; }
+  th > span { display: inline-block; max-width: 9em; }
+  td.num { text-align: right; font-variant-numeric: tabular-nums; }
   th.num { text-align: right; }
-  td.txt, th.txt { text-align: left; white-space: nowrap; }
+  td.txt, th.txt { text-align: left; }
   tbody tr:nth-child(even) { background: #fafbfc; }
+  details { margin: 0.8rem 0; }
+  details table { font-size: 0.78rem; }
+  details th, details td { padding: 0.25rem 0.4rem; }
+  summary { cursor: pointer; color: #0b5cad; }
   figure { margin: 1.5rem 0; }
   figure img { max-width: 100%; height: auto; border: 1px solid #e1e4e8; }
   figcaption { color: #57606a; font-style: italic; margin-top: 0.3rem; }
@@ -203,17 +230,13 @@ _HTML_IMAGE_CHECK = """
 """
 
 
-def render_html(blocks: Iterable[Block], title: str, figure_dir: Path) -> str:
-    """One self-contained HTML page from the same blocks as :func:`render_markdown`.
-
-    Figures are read from ``figure_dir`` and embedded as base64 ``data:`` URIs (their alt text on the
-    ``<img>``); the style is inline and a Content-Security-Policy forbids any fetch. A few lines of inline
-    script set ``data-figures-loaded="<decoded>/<images>"`` on ``<html>`` once the page has loaded, so a
-    headless browser can check that every figure decoded.
-    """
+def _html_blocks(blocks: Iterable[Block], figure_dir: Path) -> list[str]:
     body: list[str] = []
     for b in blocks:
-        if isinstance(b, Heading):
+        if isinstance(b, Details):
+            inner = "\n".join(_html_blocks(b.blocks, figure_dir))
+            body.append(f"<details>\n<summary>{inline_html(b.summary)}</summary>\n{inner}\n</details>")
+        elif isinstance(b, Heading):
             body.append(f"<h{b.level}>{inline_html(b.text)}</h{b.level}>")
         elif isinstance(b, Paragraph):
             body.append(f"<p>{inline_html(b.text)}</p>")
@@ -232,6 +255,19 @@ def render_html(blocks: Iterable[Block], title: str, figure_dir: Path) -> str:
             )
         else:
             raise TypeError(f"unknown report block {b!r}")
+    return body
+
+
+def render_html(blocks: Iterable[Block], title: str, figure_dir: Path) -> str:
+    """One self-contained HTML page from the same blocks as :func:`render_markdown`.
+
+    Figures are read from ``figure_dir`` and embedded as base64 ``data:`` URIs (their alt text on the
+    ``<img>``); a :class:`Details` is a ``<details>`` element, closed; the style is inline and a
+    Content-Security-Policy forbids any fetch. A few lines of inline script set
+    ``data-figures-loaded="<decoded>/<images>"`` on ``<html>`` once the page has loaded, so a headless browser can
+    check that every figure decoded.
+    """
+    body = _html_blocks(blocks, figure_dir)
     plain_title = _STRONG.sub(r"\1", title)
     csp = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'"
     return "\n".join(

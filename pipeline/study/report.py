@@ -6,13 +6,16 @@ agents; each a Parquet written by :func:`envs.kpis.kpi_row`), their hourly trace
 
 - ``co2_comparison.parquet``: one row per controller x split, columns ``controller``, ``split`` and exactly
   :data:`envs.kpis.KPI_COLUMNS`, relative KPIs filled by :func:`envs.kpis.add_relative_kpis`;
-- ``co2_by_controller.png``: CO2 (kg) per controller, one group per split, with unserved energy (kWh)
-  beside it;
+- ``co2_by_controller.png``: the main figure (:func:`gap_closed_figure`): the share of the oracle's CO2 saving each
+  controller closes, sorted, one colour per kind of controller, one panel per split, with its CO2 (kg) and unserved
+  energy (kWh) beside each bar;
 - ``test_week_traces.png``: one test-split week of hourly traces (the week with the most EV energy);
 - ``learning_curves.png``: episodic CO2 and unserved energy vs ``global_step`` per agent (when metrics exist);
-- ``report.md``: title, site summary, KPI tables per split, a generated summary and the figures;
+- ``report.md``: title, the answer (the controller a site should run, with its numbers), the results (main figure,
+  a compact table per split with every KPI folded under it, what each controller knows), the site, the figures;
 - ``report.html``: the same content as one self-contained page (inline CSS, figures embedded as ``data:``
-  URIs, nothing fetched). Both pages are rendered from one list of blocks (:func:`report_blocks`), so their
+  URIs, nothing fetched), laid out so that at 1280 px no table is wider than its box and the answer's numbers are
+  in the first screen. Both pages are rendered from one list of blocks (:func:`report_blocks`), so their
   tables and sentences cannot drift apart.
 
 Every file is written atomically (temporary name in the output folder, then :func:`os.replace`), so a
@@ -30,6 +33,7 @@ import numpy as np
 import pandas as pd
 from matplotlib import dates as mdates
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from envs.files import write_parquet, write_text
 from envs.kpis import KPI_COLUMNS, add_relative_kpis
@@ -37,6 +41,7 @@ from pipeline.control import registry
 from pipeline.study.document import (
     Block,
     Bullets,
+    Details,
     FigureRef,
     Heading,
     Note,
@@ -71,15 +76,27 @@ split, kg (negative: the learning cut CO2; NaN without a start row)."""
 TRACE_PLOT_COLUMNS = ("time", "pv_kw", "pv_curtailed_kw", "grid_import_kw", "soc", "ev_charge_kw", "moer_kg_per_kwh")
 """Trace columns :func:`write_report` plots (a subset of :data:`envs.kpis.TRACE_COLUMNS`)."""
 
+MAIN_FIGURE = "co2_by_controller.png"
+"""The report's main figure (:func:`plot_gap_closed`), shown at the head of its results."""
+
 SERVED_SHARE_MIN = 0.99
 """An agent must deliver at least this share of the uncontrolled controller's delivered EV energy."""
 
-# (column, header with unit, decimals) of the Markdown KPI tables
+RESULTS_COLUMNS = (
+    ("co2_kg", "CO2 (kg)", 1),
+    ("co2_vs_start_kg", "CO2 vs untrained start (kg)", 1),
+    ("co2_reduction_pct", "CO2 cut vs uncontrolled (%)", 1),
+    ("oracle_gap_closed_pct", "Gap closed (%)", 1),
+    ("ev_energy_served_pct", "EV energy served (%)", 1),
+    ("unserved_kwh", "Unserved (kWh)", 1),
+)
+"""``(column, header with unit, decimals)`` of the compact results table of each split (:func:`results_table`)."""
+
 TABLE_COLUMNS = (
     ("co2_kg", "CO2 (kg)", 1),
     ("co2_vs_start_kg", "CO2 vs its untrained start (kg)", 1),
     ("co2_reduction_pct", "CO2 reduction vs uncontrolled (%)", 1),
-    ("oracle_gap_closed_pct", "Share of the oracle's CO2 saving (%)", 1),
+    ("oracle_gap_closed_pct", "Gap closed: share of the oracle's CO2 saving (%)", 1),
     ("ev_energy_served_pct", "EV energy served (%)", 1),
     ("unserved_kwh", "Unserved energy (kWh)", 1),
     ("sessions_rejected", "Sessions rejected (count)", 0),
@@ -89,6 +106,27 @@ TABLE_COLUMNS = (
     ("train_wall_s", "Training wall time (s)", 0),
     ("steps_per_s", "Training steps/s", 0),
 )
+"""``(column, header with unit, decimals)`` of the full KPI table of each split (:func:`kpi_table`, folded in the
+page)."""
+
+KINDS = {
+    "reference": "baselines",
+    "rule": "baselines",
+    "planner": "planners",
+    "learned planner": "learned planners",
+    "agent": "agents",
+    "bound": "foresight",
+}
+"""The kind each registry family (:data:`pipeline.control.registry.FAMILIES`) is shown as in the main figure."""
+
+KIND_COLORS = {
+    "baselines": "#8a8a8a",
+    "planners": "#0072b2",
+    "learned planners": "#009e73",
+    "agents": "#e69f00",
+    "foresight": "#cc79a7",
+}
+"""One colour per kind (colour-blind safe), in legend order."""
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -101,6 +139,12 @@ def controller_sort_key(name: str) -> tuple[int, str]:
 def split_sort_key(name: str) -> tuple[int, str]:
     """Sort key: ``train``, ``test``, then other splits alphabetically."""
     return (SPLIT_ORDER.index(name), "") if name in SPLIT_ORDER else (len(SPLIT_ORDER), name)
+
+
+def controller_kind(name: str) -> str:
+    """The kind of controller ``name`` (a key of :data:`KIND_COLORS`), from its registry family; an unknown name is
+    an agent."""
+    return KINDS[registry.describe(name).family]
 
 
 # ------------------------------------------------------------------------------------------ the table
@@ -179,46 +223,93 @@ def beats_its_start(table: pd.DataFrame, name: str, split: str = "train") -> boo
 
 
 # ---------------------------------------------------------------------------------------------- figures
-def plot_co2_by_controller(table: pd.DataFrame, path: Path) -> Path:
-    """Grouped bars of CO2 (kg, left) and unserved energy (kWh, right) per controller, one group per split.
+GAP_FIGURE_COLUMNS = (("co2_kg", "CO2\n(kg)", 0, 44), ("unserved_kwh", "unserved\n(kWh)", 1, 100))
+"""The text columns beside the main figure's bars: ``(KPI, header, decimals, right edge in points from the axes)``."""
+
+
+def _beside(ax, text: str, y: float, x_pt: float, ha: str, xycoords=None, **kw) -> None:
+    """``text`` at ``x_pt`` points right of ``ax``'s right edge, at data ``y`` (or as ``xycoords`` say)."""
+    where = ax.get_yaxis_transform() if xycoords is None else xycoords
+    ax.annotate(text, (1.0, y), xycoords=where, xytext=(x_pt, 0), textcoords="offset points", ha=ha, **kw)
+
+
+def ranked_by_gap(rows: pd.DataFrame) -> pd.DataFrame:
+    """One split's rows ordered as the main figure shows them: the largest ``oracle_gap_closed_pct`` first, ties by the
+    lower CO2, rows without the ratio (NaN) last."""
+    key = rows.oracle_gap_closed_pct.fillna(-math.inf)
+    return (
+        rows.assign(_gap=key)
+        .sort_values(["_gap", "co2_kg"], ascending=[False, True], kind="mergesort")
+        .drop(columns="_gap")
+    )
+
+
+def gap_closed_figure(table: pd.DataFrame) -> Figure:
+    """The main figure: each controller's share of the oracle's CO2 saving (``oracle_gap_closed_pct``, %) as a
+    horizontal bar, one panel per split side by side (train, test, others), rows in :func:`ranked_by_gap` order from
+    the top, one colour per kind (:func:`controller_kind`, :data:`KIND_COLORS`, a legend of the kinds shown). Beside
+    the bars two columns of text, CO2 (kg) and unserved EV energy (kWh) (:data:`GAP_FIGURE_COLUMNS`); a row that
+    serves less than :data:`SERVED_SHARE_MIN` of the uncontrolled EV energy is in red with its share served. A row
+    without the ratio (no uncontrolled or oracle row on its split, or no saving between them) gets no bar, only its
+    text; a panel without any says so.
 
     Args:
-        table: the ``co2_comparison`` table (:func:`read_kpi_files`).
-        path: PNG to write (atomically).
+        table: the ``co2_comparison`` table (:func:`read_kpi_files`), at least one row.
     """
     splits = sorted(table.split.unique(), key=split_sort_key)
-    controllers = sorted(table.controller.unique(), key=controller_sort_key)
-    colors = {c: f"C{i % 10}" for i, c in enumerate(controllers)}
-    fig = Figure(figsize=(max(8.0, 2.2 * len(splits) * (1 + 0.35 * len(controllers))), 4.8), layout="constrained")
-    ax_co2, ax_uns = fig.subplots(1, 2, width_ratios=(2, 1))
-    width = 0.8 / max(len(controllers), 1)
-    x = np.arange(len(splits))
-    for ax, col, unit, decimals in (
-        (ax_co2, "co2_kg", "CO2 (kg)", 0),
-        (ax_uns, "unserved_kwh", "Unserved EV energy (kWh)", 1),
-    ):
-        for j, c in enumerate(controllers):
-            vals = []
-            for s in splits:
-                row = table[(table.controller == c) & (table.split == s)]
-                vals.append(float(row[col].iloc[0]) if len(row) else math.nan)
-            pos = x - 0.4 + width * (j + 0.5)
-            bars = ax.bar(pos, np.nan_to_num(vals), width * 0.92, color=colors[c], label=c)
-            labels = ["" if math.isnan(v) else f"{v:,.{decimals}f}" for v in vals]
-            ax.bar_label(bars, labels=labels, fontsize=7, padding=2, rotation=90 if len(controllers) > 4 else 0)
-        ax.set_xticks(x, [f"{s} split" for s in splits])
-        ax.set_ylabel(unit)
-        ax.margins(y=0.18)
-        top = np.nanmax(table[col].to_numpy(np.float64)) if table[col].notna().any() else 0.0
-        ax.set_ylim(0.0, max(1.2 * top, 1.0))  # all-zero unserved energy still gets an axis from 0 up
-        ax.grid(axis="y", alpha=0.3)
-    ax_co2.set_title("Grid CO2 per controller")
-    ax_uns.set_title("Unserved EV energy (always beside CO2)")
-    handles, labels = ax_co2.get_legend_handles_labels()
-    fig.legend(
-        handles, labels, title="controller", loc="outside lower center", ncols=min(len(controllers), 8), fontsize=9
-    )
-    return atomic_savefig(fig, path)
+    n_rows = max((int((table.split == sp).sum()) for sp in splits), default=1)
+    fig = Figure(figsize=(5.9 * len(splits), 1.9 + 0.34 * n_rows), layout="constrained")
+    axes = fig.subplots(1, len(splits), squeeze=False)[0]
+    kinds_shown: set[str] = set()
+    red = "#b00020"
+    for ax, sp in zip(axes, splits):
+        rows = table[table.split == sp]
+        serves = set(serving(rows).controller)
+        base = rows[rows.controller == "uncontrolled"].ev_energy_delivered_kwh
+        rows = ranked_by_gap(rows)
+        y = np.arange(len(rows))
+        gap = rows.oracle_gap_closed_pct.to_numpy(np.float64)
+        kinds = [controller_kind(c) for c in rows.controller]
+        kinds_shown |= set(kinds)
+        ax.barh(y, np.nan_to_num(gap), height=0.72, color=[KIND_COLORS[k] for k in kinds])
+        lo = min(0.0, float(np.nanmin(gap)) if np.isfinite(gap).any() else 0.0)
+        ax.set_xlim(lo - 3.0 if lo < 0 else 0.0, 125.0)
+        for yi, g in zip(y, gap):
+            if not math.isnan(g):
+                ax.text(max(g, 0.0) + 1.0, yi, f"{g:.1f}%", va="center", ha="left", fontsize=10)
+        for col, header, decimals, right in GAP_FIGURE_COLUMNS:
+            _beside(ax, header, 1.0, right, "right", ax.transAxes, va="bottom", fontsize=9.5, color="#57606a")
+            for yi, r in zip(y, rows.itertuples()):
+                short = r.controller not in serves
+                style = {"color": red, "fontweight": "bold"} if short else {"color": "#1f2328"}
+                value = format_number(getattr(r, col), decimals)
+                _beside(ax, value, yi, right, "right", va="center", fontsize=10, **style)
+        for yi, r in zip(y, rows.itertuples()):
+            if r.controller not in serves and len(base) and float(base.iloc[0]) > 0:
+                served = f"{100 * r.ev_energy_delivered_kwh / float(base.iloc[0]):.1f}% served"
+                right = GAP_FIGURE_COLUMNS[-1][3]
+                _beside(ax, served, yi, right + 6, "left", va="center", fontsize=10, color=red, fontweight="bold")
+        ax.set_yticks(y, list(rows.controller), fontsize=11)
+        ax.invert_yaxis()  # the most closed on top
+        ax.set_xticks([t for t in (0, 20, 40, 60, 80, 100) if t >= ax.get_xlim()[0]])
+        ax.tick_params(axis="x", labelsize=10)
+        ax.axvline(0.0, color="#1f2328", lw=0.8)
+        ax.axvline(100.0, color="#1f2328", lw=0.8, ls=":")
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.set_xlabel("gap closed: share of the oracle's CO2 saving (%)\n0% = uncontrolled, 100% = oracle", fontsize=10)
+        ax.set_title(f"{sp} split", fontsize=12, fontweight="bold")
+        if not np.isfinite(gap).any():
+            ax.text(0.5, 0.5, "no gap closed known: no saving\nbetween uncontrolled and oracle", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=10, color="#57606a")  # fmt: skip
+    handles = [Patch(color=KIND_COLORS[k], label=k) for k in KIND_COLORS if k in kinds_shown]
+    fig.legend(handles=handles, loc="outside upper center", ncols=len(handles), fontsize=10.5, frameon=False)
+    return fig
+
+
+def plot_gap_closed(table: pd.DataFrame, path: Path) -> Path:
+    """Write :func:`gap_closed_figure` of ``table`` as a PNG to ``path`` (atomically); returns ``path``."""
+    return atomic_savefig(gap_closed_figure(table), path)
 
 
 def _read_traces(path: Path) -> pd.DataFrame:
@@ -373,40 +464,61 @@ def plot_learning_curves(metrics_files: Mapping[str, Path], path: Path) -> Path 
     return atomic_savefig(fig, path)
 
 
-def kpi_table(rows: pd.DataFrame) -> Table:
-    """The main KPIs of one split's rows as a :class:`Table` (headers carry units; NaN shows as –).
+def _seeds_cell(r: pd.Series) -> str:
+    n = int(r.get("n_seeds", 1))
+    seeded = registry.describe(str(r.controller)).seeded or registry.is_agent(str(r.controller))
+    return "–" if not seeded else (str(n) if n > 1 else "1 (single seed)")
 
-    "Knows" is what the controller reads when it acts (:attr:`pipeline.control.registry.Controller.knows`). A
-    seeded controller (an agent, a learned planner) averaged over several seeds shows ``mean ± std`` and its number
-    of seeds; one with one seed is marked ``1 (single seed)``; the deterministic controllers show –.
-    """
+
+def _kpi_rows(rows: pd.DataFrame, columns: Sequence[tuple[str, str, int]]) -> Table:
     body = []
     for _, r in rows.iterrows():
         n = int(r.get("n_seeds", 1))
-        seeded = registry.describe(str(r.controller)).seeded or registry.is_agent(str(r.controller))
-        seeds = "–" if not seeded else (str(n) if n > 1 else "1 (single seed)")
 
         def cell(c: str, d: int, r=r, n=n) -> str:
             std = r.get(f"{c}_std", math.nan)
             return format_number(r[c], d) + (f" ± {format_number(std, d)}" if n > 1 and not math.isnan(std) else "")
 
-        body.append(
-            (
-                str(r.controller),
-                registry.describe(str(r.controller)).knows,
-                seeds,
-                *(cell(c, d) for c, _, d in TABLE_COLUMNS),
-            )
-        )
+        body.append((str(r.controller), _seeds_cell(r), *(cell(c, d) for c, _, d in columns)))
     return Table(
-        header=("Controller", "Knows", "Seeds", *(h for _, h, _ in TABLE_COLUMNS)),
-        align=("left", "left", *("right" for _ in range(len(TABLE_COLUMNS) + 1))),
+        header=("Controller", "Seeds", *(h for _, h, _ in columns)),
+        align=("left", *("right" for _ in range(len(columns) + 1))),
         rows=tuple(body),
     )
 
 
+def results_table(rows: pd.DataFrame) -> Table:
+    """The compact results of one split's rows (:data:`RESULTS_COLUMNS`: CO2, CO2 against the untrained start, the
+    cut, the gap closed, EV energy served, unserved energy) as a :class:`Table`; what each controller knows is in
+    :func:`controller_legend`, every KPI in :func:`kpi_table`.
+
+    A seeded controller (an agent, a learned planner) averaged over several seeds shows ``mean ± std`` and its number
+    of seeds; one with one seed is marked ``1 (single seed)``; the deterministic controllers show –. NaN shows as –.
+    """
+    return _kpi_rows(rows, RESULTS_COLUMNS)
+
+
+def kpi_table(rows: pd.DataFrame) -> Table:
+    """Every KPI of the report (:data:`TABLE_COLUMNS`, headers with units) of one split's rows as a :class:`Table`,
+    seeds as in :func:`results_table`."""
+    return _kpi_rows(rows, TABLE_COLUMNS)
+
+
+def controller_legend(names: Iterable[str]) -> Bullets:
+    """One line per controller: its name, family (:data:`pipeline.control.registry.FAMILIES`), the untrained start its
+    learning is credited against (where it has one) and what it reads when it acts
+    (:attr:`pipeline.control.registry.Controller.knows`)."""
+    items = []
+    for name in dict.fromkeys(names):
+        c = registry.describe(name)
+        start = f"; credited against its untrained start, `{c.start}`" if c.start else ""
+        causal = "" if c.causal else "; not causal, cannot be run"
+        items.append(f"**{name}** ({c.family}{start}{causal}): {c.knows}")
+    return Bullets(tuple(items))
+
+
 def kpi_markdown_table(rows: pd.DataFrame) -> str:
-    """Markdown table of the main KPIs of one split's rows (:func:`kpi_table`)."""
+    """Markdown table of every KPI of one split's rows (:func:`kpi_table`)."""
     return markdown_table(kpi_table(rows))
 
 
@@ -475,9 +587,20 @@ def best_controllers(table: pd.DataFrame, split: str = "test") -> dict[str, str]
     return out
 
 
+ANSWER_COLUMNS = (
+    ("co2_kg", "CO2 (kg)"),
+    ("co2_reduction_pct", "CO2 cut (%)"),
+    ("oracle_gap_closed_pct", "gap closed (%)"),
+    ("unserved_kwh", "unserved (kWh)"),
+)
+"""``(column, header)`` of the answer's table, once per split (headers ``"<split>: <header>"``), one decimal."""
+
+
 def answer_blocks(table: pd.DataFrame) -> list[Block]:
-    """The report's first section: the controller a site can run with the lowest CO2 on the held-out split, its CO2
-    cut and unserved energy on both splits, the best learned controller beside it, and the perfect-foresight limit."""
+    """The report's first section: the controller a site can run with the lowest CO2 on the held-out split, the best
+    learned controller beside it and the perfect-foresight limit, in a compact table (:data:`ANSWER_COLUMNS` per
+    split, the held-out split first, ``id="answer"``); then the learned controllers left out and what the named ones
+    know. ``[]`` when no causal controller serves the EVs."""
     split = "test" if (table.split == "test").any() else str(table.split.iloc[0])
     best = best_controllers(table, split)
     if "causal" not in best:
@@ -487,49 +610,48 @@ def answer_blocks(table: pd.DataFrame) -> list[Block]:
         "learned": "best learned controller",
         "bound": "perfect-foresight limit",
     }
-    splits = sorted(table.split.unique(), key=split_sort_key)
+    splits = sorted(table.split.unique(), key=lambda sp: (sp != split, split_sort_key(sp)))
     body = []
     for key, name in best.items():
         if key == "learned" and name == best["causal"]:
             continue
-        cells = [roles[key], name, registry.describe(name).knows]
+        cells = [roles[key], name]
         for sp in splits:
             r = table[(table.split == sp) & (table.controller == name)]
-            if r.empty:
-                cells.append("–")
-                continue
-            r = r.iloc[0]
-            cells.append(
-                f"{format_number(r.co2_kg, 1)} kg, {format_number(r.co2_reduction_pct, 1)}% cut, "
-                f"{format_number(r.oracle_gap_closed_pct, 1)}% of the oracle's saving, "
-                f"unserved {format_number(r.unserved_kwh, 1)} kWh"
-            )
+            cells += ["–" if r.empty else format_number(r.iloc[0][c], 1) for c, _ in ANSWER_COLUMNS]
         body.append(tuple(cells))
     name = best["causal"]
     text = (
         f"Run **{name}**: of the controllers that act only on what was realised before the hour they act on, it "
         f"emits the least CO2 on the held-out {split} split while serving the EVs."
     )
+    if "learned" in best and best["learned"] != name:
+        text += f" The best learned controller is **{best['learned']}**."
+    elif "learned" in best:
+        text += " It is also the best learned controller."
+    blocks: list[Block] = [
+        Heading(2, "The answer"),
+        Paragraph(text),
+        Table(
+            header=("", "Controller", *(f"{sp}: {h}" for sp in splits for _, h in ANSWER_COLUMNS)),
+            align=("left", "left", *("right" for _ in range(len(splits) * len(ANSWER_COLUMNS)))),
+            rows=tuple(body),
+            id="answer",
+        ),
+    ]
     unearned = [
         f"**{n}** (no lower than its untrained start, {registry.describe(n).start}, on the train split)"
         for n in dict.fromkeys(table.controller)
         if not beats_its_start(table, str(n))
     ]
+    after = (
+        "CO2 cut: against uncontrolled; gap closed: the share of the perfect-foresight oracle's CO2 saving; unserved: "
+        "EV energy still needed at departure."
+    )
     if unearned:
-        text += " Left out, as their learning does not beat their start: " + ", ".join(unearned) + "."
-    if "learned" in best and best["learned"] != name:
-        text += f" The best learned controller is **{best['learned']}**."
-    elif "learned" in best:
-        text += " It is also the best learned controller."
-    return [
-        Heading(2, "The answer"),
-        Paragraph(text),
-        Table(
-            header=("", "Controller", "Knows", *(f"{sp} split" for sp in splits)),
-            align=("left", "left", "left", *("left" for _ in splits)),
-            rows=tuple(body),
-        ),
-    ]
+        after += " Left out, as their learning does not beat their start: " + ", ".join(unearned) + "."
+    blocks += [Paragraph(after), controller_legend(dict.fromkeys(best.values()))]
+    return blocks
 
 
 def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
@@ -639,12 +761,13 @@ def write_report(
     write_parquet(table, out_dir / "co2_comparison.parquet")
     figures: list[FigureRef] = []
 
-    plot_co2_by_controller(table, out_dir / "co2_by_controller.png")
+    plot_gap_closed(table, out_dir / MAIN_FIGURE)
     figures.append(
         FigureRef(
-            "co2_by_controller.png",
-            "CO2 by controller",
-            "Grid CO2 (kg) and unserved EV energy (kWh) per controller and split.",
+            MAIN_FIGURE,
+            "Gap closed by controller",
+            "Each controller's share of the oracle's CO2 saving (0% = uncontrolled, 100% = the oracle), most closed "
+            "first, coloured by kind; beside each bar its CO2 (kg) and unserved EV energy (kWh).",
         )
     )
 
@@ -684,29 +807,32 @@ def report_blocks(
 ) -> list[Block]:
     """The report's content, once, for both report.md and report.html (see :func:`write_report`).
 
+    In order: the title and notes, the answer (:func:`answer_blocks`), the results (the main figure
+    :data:`MAIN_FIGURE` when in ``figures``; per split a compact table, its summary and, folded, every KPI and the
+    ordering by CO2; what each controller knows), the site, the sizing results when given, the other figures.
     ``figures`` are the figures written (the week figure is ``test_week_traces.png``, the learning curves
     ``learning_curves.png``); a sentence says which of those two is omitted.
     """
     blocks: list[Block] = [Heading(1, title)]
     blocks += [Note(n) for n in notes]
     blocks += answer_blocks(table)
-    site = tuple(f"**{k}**: {v}" for k, v in site_summary.items()) or ("(no site summary given)",)
-    blocks += [Heading(2, "Site"), Bullets(site)]
-    if data_sources:
-        blocks += [Heading(3, "Data sources"), Bullets(tuple(data_sources))]
     blocks.append(Heading(2, "Results"))
+    blocks += [f for f in figures if f.file == MAIN_FIGURE]
     for split in sorted(table.split.unique(), key=split_sort_key):
         rows = table[table.split == split]
-        blocks += [Heading(3, f"{split} split"), kpi_table(rows), Paragraph(summary_paragraph(split, rows))]
+        blocks += [Heading(3, f"{split} split"), results_table(rows), Paragraph(summary_paragraph(split, rows))]
+        folded: list[Block] = [kpi_table(rows)]
         if order := ordering_sentence(split, rows):
-            blocks.append(Paragraph(order))
+            folded.append(Paragraph(order))
+        blocks.append(Details(f"Every KPI of the {split} split, and its ordering by CO2", tuple(folded)))
+    blocks += [Heading(3, "What each controller knows"), controller_legend(table.controller)]
     blocks.append(
         Note(
             "**Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; the "
             "unserved energy (kWh still needed at departure) and the share of EV energy served show whether a saving "
-            "is real. `CO2 reduction` is relative to the uncontrolled controller; `Share of the oracle's CO2 saving` "
-            "is the part of the perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the "
-            "oracle is the physical lower bound). `mpc` re-solves a linear program over the next hours every hour from "
+            "is real. `CO2 cut` is relative to the uncontrolled controller; the `gap closed` is the share of the "
+            "perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the "
+            "physical lower bound). `mpc` re-solves a linear program over the next hours every hour from "
             "what is known then (MOER forecasts, the plugged EVs, the demand of the same hours of the past week); "
             "`mpc_tuned` is that planner on a learned MOER forecast (the same regression on the 5-minute data, "
             "forgetting old days), its parameters tuned in closed loop (CMA-ES) on the train split, "
@@ -714,10 +840,14 @@ def report_blocks(
             "controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is "
             "worth. A learned controller is credited only against its untrained start (`mpc_tuned_start`: where "
             "the tuning starts; `mpc_rl_start`: the policy's zero action; `mpc_adaptive`'s start is `mpc_tuned`): "
-            "`CO2 vs its untrained start` is its CO2 minus the start's. **Knows** says what each controller reads "
-            "when it acts; only the causal ones (all but `mpc_perfect` and `oracle`) can be run."
+            "`CO2 vs untrained start` is its CO2 minus the start's. Only the causal controllers (all but "
+            "`mpc_perfect` and `oracle`) can be run."
         )
     )
+    site = tuple(f"**{k}**: {v}" for k, v in site_summary.items()) or ("(no site summary given)",)
+    blocks += [Heading(2, "Site"), Bullets(site)]
+    if data_sources:
+        blocks += [Heading(3, "Data sources"), Bullets(tuple(data_sources))]
     if sizing is not None:
         blocks += [Heading(2, "Sizing results"), frame_table(sizing)]
         blocks.append(
@@ -727,7 +857,7 @@ def report_blocks(
             )
         )
     blocks.append(Heading(2, "Figures"))
-    blocks += list(figures)
+    blocks += [f for f in figures if f.file != MAIN_FIGURE]
     files = {f.file for f in figures}
     if "learning_curves.png" not in files:
         blocks.append(Paragraph("No training metrics were found, so the learning curves are omitted."))

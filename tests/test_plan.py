@@ -1,0 +1,443 @@
+"""The live planner (pipeline/live.py, ``evhub-plan``): the live path is the simulated path, its charging profiles are
+OCPP 1.6J, a bad state gets one clear line and writes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import ROOT, make_site, write_site
+
+from envs.evhub import EVHubVectorEnv
+from envs.schemas import MOER_5MIN_COLUMNS
+from envs.site import Site
+from pipeline import live
+from pipeline.control import registry, rl_planner, tuning
+from pipeline.control.mpc import PlannerParams
+
+AT = "2021-08-23T08:00:00-07:00"
+"""The hour of the issue's example on the shipped caltech site (its test split)."""
+
+
+def _site(days: int) -> Site:
+    """A synthetic site with a 6 h window and the 5-minute MOER columns the learned planners read."""
+    site = make_site(days=days, n_sockets=6, mpc={"horizon_h": 6})
+    hourly = site.hourly.copy()
+    for i, c in enumerate(MOER_5MIN_COLUMNS):
+        hourly[c] = (hourly["moer_kg_per_kwh"] * (0.98 + 0.003 * i)).astype(np.float32)
+    return Site(site.config, hourly, site.sessions, dict(site.source))
+
+
+class _DayPolicy(torch.nn.Module):
+    """A fixed day-level policy for ``mpc_rl`` that reads every feature of its observation."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.linspace(-1.0, 1.0, 2 * len(rl_planner.OBS_NAMES)).reshape(len(rl_planner.OBS_NAMES), 2)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w)
+
+
+def _study(out, name: str = "synthetic") -> None:
+    """A study folder ``out/<name>/tuned`` as the pipeline leaves it: tuned planner parameters of seed 1 and an
+    exported ``mpc_rl`` policy."""
+    tuned = out / name / "tuned"
+    tuned.mkdir(parents=True)
+    params = PlannerParams(
+        horizon_h=6, expected_demand_weight=0.6, demand_day_type=True, moer_half_life_days=3.0, moer_five_minute=True
+    )
+    tuning.result_files(tuned, 1)[0].write_text(json.dumps({"params": params.as_dict()}))
+    policy = rl_planner.policy_file(rl_planner.run_dir(tuned, 1))
+    policy.parent.mkdir()
+    torch.export.save(torch.export.export(_DayPolicy(), (torch.zeros(1, len(rl_planner.OBS_NAMES)),)), str(policy))
+
+
+def _replay(site: Site, split: str, name: str, **kw) -> tuple[float, float, list[live.LivePlan]]:
+    """Step ``split`` hour by hour through :func:`pipeline.live.make_plan`: the state read off the env (its time, SOC,
+    plugged cars; the history realised by then; the SOC and need at the last midnight), the plan's first step applied
+    in the env. Returns the env's CO2 (kg), its unserved energy (kWh) and the plans."""
+    data, cfg = site.split(split), site.config
+    env = EVHubVectorEnv(
+        1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64, bess_action="setpoint"
+    )
+    env.reset(seed=0)
+    dt = pd.Timedelta(hours=cfg.dt_h)
+    end = cfg.split_bounds(split)[1]
+    local = data.time.tz_convert(cfg.timezone)
+    co2 = unserved = 0.0
+    plans, day_start = [], None
+    for t in range(data.num_steps):
+        need, left = env.ev_need_kwh[0].numpy().copy(), env.ev_steps_left[0].numpy().copy()
+        soc = float(env.energy_kwh[0]) / cfg.bess.capacity_kwh
+        if t == 0 or (local[t].hour == 0 and local[t].minute == 0):
+            day_start = live.DayStart(soc, float(need.sum()))
+        hourly, sessions = live.realised_history(site, split, t)
+        now = data.time[t]
+        evs = [live.PluggedEV(int(i), float(need[i]), now + int(left[i]) * dt) for i in np.flatnonzero(left > 0)]
+        state = live.LiveState(local[t], soc, evs, hourly, sessions, day_start=day_start, window_end=end)
+        plan = live.make_plan(site, state, name, **kw)
+        plans.append(plan)
+        _, _, _, _, info = env.step(torch.as_tensor(plan.action)[None])
+        co2 += float(info["co2_kg"][0])
+        unserved += float(info["unserved_kwh"][0])
+    return co2, unserved, plans
+
+
+def _row(site: Site, name: str, tuned_dir=None):
+    c = registry.get(name)
+    kpis, _ = c.simulate(site, "test", seed=1, tuned_dir=tuned_dir) if c.tuned else c.simulate(site, "test")
+    return kpis.iloc[0]
+
+
+def _assert_replays(site: Site, name: str, out=None) -> list[live.LivePlan]:
+    row = _row(site, name, out / "synthetic" / "tuned" if out else None)
+    kw = {"output_dir": out, "experiment": "synthetic"} if out else {}
+    co2, unserved, plans = _replay(site, "test", name, **kw)
+    assert abs(co2 - row.co2_kg) < 0.1, (name, co2, row.co2_kg)
+    assert abs(unserved - row.unserved_kwh) < 1e-3
+    assert len(plans) == site.split("test").num_steps
+    return plans
+
+
+def test_the_live_path_reproduces_mpcs_report_row():
+    """``mpc``, stepped hour by hour through make_plan (each plan rebuilt from the state and the history alone),
+    emits the CO2 of the study's run of it over the split, to 0.1 kg; its plans span its window (shortened at the
+    split's end, as the study's)."""
+    site = _site(days=10)
+    plans = _assert_replays(site, "mpc")
+    assert {len(p.battery_kw) for p in plans[:-6]} == {6} and len(plans[-1].battery_kw) == 1
+    assert any(p.charging_profiles for p in plans)
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """A 15-day synthetic site (three weeks of test split: mpc_adaptive re-chooses its weight twice; the MOER regression
+    warms up in the second week) with a study folder."""
+    out = tmp_path_factory.mktemp("out")
+    _study(out)
+    return _site(days=15), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mpc_tuned_start", "mpc_rl_start", "mpc_tuned", "mpc_adaptive", "mpc_rl"])
+def test_the_live_path_reproduces_every_supported_controllers_row(study, name):
+    """Every controller evhub-plan runs, stepped hour by hour through make_plan, emits its study row's CO2 to 0.1 kg:
+    the weekly re-choice of mpc_adaptive (backtests of the history's past weeks), mpc_rl's daily parameters (from the
+    state at the last midnight) and the refit MOER forecasts are rebuilt from the data realised before each hour."""
+    site, out = study
+    plans = _assert_replays(site, name, out)
+    if name == "mpc_adaptive":  # the choice moved off mpc_tuned's weight after the first week
+        weights = {round(p.params.expected_demand_weight, 3) for p in plans}
+        assert len(weights) >= 2, weights
+    if name == "mpc_rl":
+        weights = {round(p.params.expected_demand_weight, 3) for p in plans}
+        assert len(weights) >= 3, weights  # a day's weight from its own midnight's state
+
+
+def test_the_plan_reads_nothing_after_the_states_time():
+    """The history given past the state's time (the realised MOER, forecasts and 5-minute values of the hours to come)
+    leaves the plan as it is: the function blanks them before any controller sees them."""
+    site = _site(days=10)
+    t = 8 * 24 + 9
+    state = live.state_at(site, site.split("test").time[t])
+    plan = live.make_plan(site, state, "mpc_tuned_start")
+    start, end = site.config.split_bounds("test")
+    future = site.hourly[(site.hourly.time >= start) & (site.hourly.time < end)].reset_index(drop=True)
+    future = future.astype({c: np.float64 for c in future.columns if c != "time"})
+    told = live.LiveState(state.time, state.soc, state.evs, future, state.sessions, window_end=state.window_end)
+    again = live.make_plan(site, told, "mpc_tuned_start")
+    np.testing.assert_array_equal(again.battery_kw, plan.battery_kw)
+    np.testing.assert_array_equal(again.ev_kw, plan.ev_kw)
+    shuffled = future.copy()
+    later = shuffled.time > state.time
+    shuffled.loc[later, "moer_fc_h0"] = shuffled.loc[later, "moer_fc_h0"].to_numpy()[::-1] * 3
+    told = live.LiveState(state.time, state.soc, state.evs, shuffled, state.sessions, window_end=state.window_end)
+    np.testing.assert_array_equal(live.make_plan(site, told, "mpc_tuned_start").battery_kw, plan.battery_kw)
+
+
+# ------------------------------------------------------------------------------------------------ OCPP 1.6J
+def _ocpp_accepts(payload: dict) -> None:
+    """The ``ocpp`` package's own check of a call it would send (its JSON schema, decimals for the limits)."""
+    from ocpp.messages import Call, validate_payload
+
+    asyncio.run(validate_payload(Call(unique_id="1", action="SetChargingProfile", payload=payload), "1.6"))
+
+
+@pytest.fixture(scope="module")
+def caltech_plan():
+    site = live.load_site("caltech")
+    state = live.state_at(site, AT)
+    return site, state, live.make_plan(site, state, "mpc")
+
+
+def test_caltechs_profiles_are_ocpp_16_and_within_each_sockets_power(caltech_plan):
+    """At the issue's hour on caltech: one TxProfile per connector with a car, Absolute from the state's time, in W, one
+    period per hour of the car's stay within the window, each limit between 0 and its socket's power; ocpp accepts
+    every payload; the limits are the plan's EV power, and the first step's is what the env applies."""
+    site, state, plan = caltech_plan
+    assert state.evs and len(plan.charging_profiles) == len(state.evs)
+    assert plan.horizon_h == 24 and len(plan.battery_kw) == 24
+    kw = site.split("test").socket_kw
+    dt = pd.Timedelta(hours=1)
+    for ev, entry in zip(state.evs, plan.charging_profiles):
+        p = entry["payload"]
+        _ocpp_accepts(p)
+        prof = p["csChargingProfiles"]
+        assert (prof["chargingProfilePurpose"], prof["chargingProfileKind"]) == ("TxProfile", "Absolute")
+        sched = prof["chargingSchedule"]
+        assert sched["chargingRateUnit"] == "W" and sched["startSchedule"] == "2021-08-23T15:00:00Z"
+        stay = min(int((ev.departure - state.time) / dt), 24)
+        periods = sched["chargingSchedulePeriod"]
+        assert [q["startPeriod"] for q in periods] == [3600 * k for k in range(stay)]
+        assert sched["duration"] == 3600 * stay
+        limits = np.array([q["limit"] for q in periods])
+        assert entry["socket"] == ev.socket and entry["station_id"] == ev.station_id
+        assert (np.copysign(1.0, limits) > 0).all() and (limits <= kw[ev.socket] * 1000).all()  # no -0.0 either
+        np.testing.assert_allclose(limits, plan.ev_kw[ev.socket, :stay] * 1000, atol=0.051)
+    assert abs(plan.battery_kw).max() <= site.config.bess.power_kw + 1e-9
+
+
+def test_a_limit_above_the_socket_is_cut_and_a_bad_payload_is_refused():
+    """The profile never asks more than the socket gives (a plan rounding up is cut to it), carries the transaction
+    when known, and the validator refuses what OCPP 1.6J refuses (a limit finer than 0.1 W, a missing schedule)."""
+    kw = np.array([6.60004, 1.23456, -1e-12])  # a solver's -0.0 or a hair below 0 is sent as 0.0
+    p = live.charging_profile(pd.Timestamp(AT), 3, 2, kw, 6.6, 1.0, transaction_id=7)
+    live.validate_profile(p)
+    _ocpp_accepts(p)
+    limits = [q["limit"] for q in p["csChargingProfiles"]["chargingSchedule"]["chargingSchedulePeriod"]]
+    assert limits == [6600.0, 1234.6, 0.0] and np.copysign(1.0, limits[2]) == 1.0
+    assert p["connectorId"] == 2 and p["csChargingProfiles"]["transactionId"] == 7
+    bad = json.loads(json.dumps(p))
+    bad["csChargingProfiles"]["chargingSchedule"]["chargingSchedulePeriod"][1]["limit"] = 1234.56
+    with pytest.raises(ValueError, match="multiple of 0.1"):
+        live.validate_profile(bad)
+    del bad["csChargingProfiles"]["chargingSchedule"]
+    with pytest.raises(ValueError, match="chargingSchedule"):
+        live.validate_profile(bad)
+
+
+# ------------------------------------------------------------------------------------------------ the command
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The 10-day synthetic site written to disk, and a state file rebuilt from it at 09:00 of the test split's
+    ninth day (``--at ... --save-state``)."""
+    folder = tmp_path_factory.mktemp("plan")
+    site = _site(days=10)
+    toml = write_site(site, folder)
+    at = site.split("test").time[8 * 24 + 9].tz_convert(site.config.timezone).isoformat()
+    state = folder / "state.json"
+    assert live.main(["--site", str(toml), "--at", at, "--controller", "mpc", "--save-state", str(state)]) == 0
+    return toml, at, state
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = live.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_state_file_plans_as_its_hour_does(written, capsys, tmp_path):
+    """The state written by ``--save-state`` (the JSON of docs/live-state.schema.json and its history as Parquet)
+    gives the plan ``--at`` gives at that hour: the file path and the rebuilt path are one."""
+    toml, at, state = written
+    doc = json.loads(state.read_text())
+    assert doc["time"] == at and doc["hourly"] == "state_hourly.parquet" and doc["evs"]
+    code, out, err = _cli(capsys, "--site", str(toml), "--at", at, "--controller", "mpc")
+    assert code == 0, err
+    code, again, err = _cli(capsys, "--site", str(toml), "--state", str(state), "--controller", "mpc")
+    assert code == 0, err
+    assert json.loads(again) == json.loads(out)
+    assert json.loads(out)["charging_profiles"]
+
+
+def test_the_state_schema_in_docs_is_the_one_the_command_reads():
+    """docs/live-state.schema.json is :data:`pipeline.live.STATE_SCHEMA` written out."""
+    assert json.loads((ROOT / "docs" / "live-state.schema.json").read_text()) == live.STATE_SCHEMA
+
+
+def _edited(state, folder, **changes):
+    """A copy of the state file with top-level fields changed (``evs__0__socket=...`` for a car's field)."""
+    doc = json.loads(state.read_text())
+    for key, value in changes.items():
+        *path, last = key.split("__")
+        d = doc
+        for p in path:
+            d = d[int(p)] if isinstance(d, list) else d[p]
+        d[int(last) if isinstance(d, list) else last] = value
+    for f in ("hourly", "sessions"):
+        (folder / doc[f]).write_bytes((state.parent / doc[f]).read_bytes())
+    path = folder / "state.json"
+    path.write_text(json.dumps(doc))
+    return path, doc
+
+
+BAD_STATES = {
+    "unknown station": ({"evs__0__socket": "CA-999"}, "evs[0].socket: unknown socket 'CA-999'"),
+    "unknown socket index": ({"evs__0__socket": 6}, "evs[0].socket: unknown socket 6: the site has sockets 0..5"),
+    "departure in the past": (
+        {"evs__0__departure": "2019-05-19T07:00:00-07:00"},
+        "evs[0].departure: 2019-05-19T07:00:00-07:00 is not after the state's time",
+    ),
+    "soc above 1": ({"soc": 1.5}, "soc: 1.5 is greater than the maximum of 1"),
+    "soc below 0": ({"soc": -0.2}, "soc: -0.2 is less than the minimum of 0"),
+    "stale forecast": (
+        {"moer_forecast__issued_at": "2019-05-19T06:00:00-07:00"},
+        "moer_forecast.issued_at: 2019-05-19T06:00:00-07:00 is 3 h before the state's time",
+    ),
+    "time without offset": ({"time": "2019-05-19T09:00:00"}, "time: '2019-05-19T09:00:00' has no UTC offset"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STATES))
+def test_a_bad_state_gets_one_line_naming_the_field_and_writes_nothing(written, capsys, tmp_path, case):
+    toml, at, state = written
+    changes, message = BAD_STATES[case]
+    path, doc = _edited(state, tmp_path, **changes)
+    assert doc["time"] == "2019-05-19T09:00:00-07:00" or case == "time without offset"
+    out_file = tmp_path / "plan.json"
+    code, out, err = _cli(
+        capsys, "--site", str(toml), "--state", str(path), "--controller", "mpc", "--out", str(out_file)
+    )
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out_file.exists() and not list(tmp_path.glob(".plan.json*"))
+
+
+BAD_REQUESTS = {
+    "--at outside the data": (["--at", "2020-03-02T08:00:00-08:00"], "--at: 2020-03-02T08:00:00-08:00 lies outside"),
+    "--at between steps": (["--at", "2019-05-19T09:30:00-07:00"], "--at: 2019-05-19T09:30:00-07:00 is not on a step"),
+    "--soc outside [0, 1]": (["--at", "2019-05-19T09:00:00-07:00", "--soc", "1.2"], "--soc: 1.2 is outside [0, 1]"),
+    "not causal": (["--at", "2019-05-19T09:00:00-07:00", "--controller", "oracle"], "'oracle' cannot run at a site"),
+    "an agent": (["--at", "2019-05-19T09:00:00-07:00", "--controller", "ppo"], "'ppo' is not supported"),
+    "a baseline": (
+        ["--at", "2019-05-19T09:00:00-07:00", "--controller", "rule_based"],
+        "'rule_based' cannot run at a site: it is the battery's own self-consumption rule",
+    ),
+    "unknown controller": (["--at", "2019-05-19T09:00:00-07:00", "--controller", "mcp"], "did you mean 'mpc'"),
+    "no results to answer from": (["--at", "2019-05-19T09:00:00-07:00"], "run `doit run pipeline` first, or pass"),
+    "no tuning": (["--at", "2019-05-19T09:00:00-07:00", "--controller", "mpc_tuned"], "holds none: run `doit run"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_a_bad_request_gets_one_line_and_writes_nothing(written, capsys, tmp_path, case):
+    toml, at, state = written
+    argv, message = BAD_REQUESTS[case]
+    if "--controller" not in argv and case != "no results to answer from":
+        argv = [*argv, "--controller", "mpc"]
+    out_file = tmp_path / "plan.json"
+    code, out, err = _cli(
+        capsys, "--site", str(toml), *argv, "--out", str(out_file), "--output-dir", str(tmp_path / "outputs")
+    )
+    assert code == 1 and out == "" and message in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not out_file.exists()
+
+
+def test_the_default_controller_is_the_reports_answer(written, tmp_path, capsys):
+    """Without --controller, the plan is the report's answer read from the study's results: the lowest-CO2 causal row
+    on the test split that beats its untrained start on the train split (here mpc_rl_start: mpc_rl is lower on the
+    test split but not on the train split; mpc_perfect and the oracle are lower still but not causal)."""
+    toml, at, state = written
+    rows = [
+        ("uncontrolled", 300.0, 200.0),
+        ("rule_based", 280.0, 180.0),
+        ("mpc", 260.0, 170.0),
+        ("mpc_rl_start", 250.0, 160.0),
+        ("mpc_rl", 251.0, 150.0),
+        ("mpc_perfect", 200.0, 120.0),
+        ("oracle", 199.0, 119.0),
+    ]
+    table = pd.DataFrame(
+        [
+            {"controller": c, "split": sp, "co2_kg": co2, "ev_energy_delivered_kwh": 100.0}
+            for c, train, test in rows
+            for sp, co2 in (("train", train), ("test", test))
+        ]
+    )
+    report = tmp_path / "outputs" / "synthetic" / "report"
+    report.mkdir(parents=True)
+    table.to_parquet(report / "co2_comparison.parquet")
+    site = live.load_site(toml)
+    assert live.answer(site, tmp_path / "outputs") == "mpc_rl_start"
+    code, out, err = _cli(capsys, "--site", str(toml), "--at", at, "--output-dir", str(tmp_path / "outputs"))
+    assert code == 0, err
+    assert json.loads(out)["controller"] == "mpc_rl_start"
+
+
+def test_evhub_plan_from_a_subprocess_at_caltechs_hour(tmp_path):
+    """``evhub-plan --site caltech --at 2021-08-23T08:00:00-07:00 --out plan.json`` run as a process (here with
+    --controller mpc: a fresh clone has no study results to read the answer from): exit 0, nothing on stdout, a plan
+    whose profiles ocpp accepts; the console script is declared."""
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["evhub-plan"] == "pipeline.live:main"
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "pipeline.live", "--site", "caltech", "--at", AT, "--controller", "mpc"]
+    proc = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == ""
+    plan = json.loads(out.read_text())
+    assert plan["issued_at"] == AT and plan["controller"] == "mpc" and plan["horizon_h"] == 24
+    assert len(plan["battery_kw"]) == 24 and plan["charging_profiles"]
+    for entry in plan["charging_profiles"]:
+        _ocpp_accepts(entry["payload"])
+    naive = [
+        sys.executable,
+        "-m",
+        "pipeline.live",
+        "--site",
+        "caltech",
+        "--at",
+        "2021-08-23T08:00:00",
+        "--out",
+        str(out),
+    ]
+    out.unlink()
+    bad = subprocess.run(naive, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stdout == "" and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == (
+        "error: --at: '2021-08-23T08:00:00' has no UTC offset: give one, e.g. 2021-08-23T08:00:00-07:00"
+    )
+    assert not out.exists()
+
+
+def test_a_state_with_its_history_inline_and_cars_by_station_plans_the_same(written, capsys, tmp_path):
+    """The history may be given inline (rows as JSON objects, times with their offsets) rather than as files, and a
+    car by its station id (the socket its sessions go to), with the OCPP connector and transaction it has there."""
+    toml, at, state = written
+    doc = json.loads(state.read_text())
+    code, out, err = _cli(capsys, "--site", str(toml), "--state", str(state), "--controller", "mpc")
+    assert code == 0, err
+    by_station = live.station_sockets(live.load_site(toml).config, live.load_site(toml).sessions.station_id)
+    inline = dict(doc)
+    for f in ("hourly", "sessions"):
+        df = pd.read_parquet(state.parent / doc[f])
+        for c in ("time", "arrival", "departure"):
+            if c in df:
+                df[c] = df[c].map(lambda x: x.isoformat())
+        inline[f] = json.loads(df.to_json(orient="records"))
+    ev = inline["evs"][0]
+    station = next(st for st, i in by_station.items() if i == ev["socket"])
+    inline["evs"] = [{**ev, "socket": station, "connector_id": 2, "transaction_id": 41}, *inline["evs"][1:]]
+    path = tmp_path / "inline.json"
+    path.write_text(json.dumps(inline))
+    code, again, err = _cli(capsys, "--site", str(toml), "--state", str(path), "--controller", "mpc")
+    assert code == 0, err
+    a, b = json.loads(out), json.loads(again)
+    assert a["battery_kw"] == b["battery_kw"]
+    first = next(p for p in b["charging_profiles"] if p["socket"] == ev["socket"])
+    assert first["station_id"] == station and first["payload"]["connectorId"] == 2
+    assert first["payload"]["csChargingProfiles"]["transactionId"] == 41
+    assert [p["payload"]["csChargingProfiles"]["chargingSchedule"] for p in a["charging_profiles"]] == [
+        p["payload"]["csChargingProfiles"]["chargingSchedule"] for p in b["charging_profiles"]
+    ]
