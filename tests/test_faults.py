@@ -361,3 +361,25 @@ def test_a_failing_writer_leaves_the_previous_file_and_no_temporary(tmp_path):
         atomic_write(path, half_then_fail)
     pd.testing.assert_frame_equal(pd.read_parquet(path), previous)
     assert [p.name for p in tmp_path.iterdir()] == ["kpis.parquet"]
+
+
+def test_the_reports_note_names_every_resumed_run_and_what_was_not_restored(tmp_path):
+    from pipeline.study.tasks import resumed_note
+
+    runs = {name: tmp_path / name for name in ("dqn seed 1", "sac seed 2", "mpc_rl's policy, seed 1", "ppo seed 1")}
+    for run in runs.values():
+        run.mkdir()
+    resumed = {
+        "dqn seed 1": [{"from_global_step": 256000, "exact": True, "replay_buffer": "rebuilt"}],
+        "sac seed 2": [{"from_global_step": 64000, "exact": False, "replay_buffer": "replay buffer not stored"}],
+        "mpc_rl's policy, seed 1": [{"from_global_step": 1200, "exact": True}],
+    }
+    for name, entries in resumed.items():
+        (runs[name] / "run.json").write_text(json.dumps({"fingerprint": "x", "resumed": entries}))
+    (runs["ppo seed 1"] / "run.json").write_text(json.dumps({"fingerprint": "x"}))  # never interrupted
+    note = resumed_note(runs)
+    assert "dqn seed 1 from global step 256,000 (every state restored)" in note
+    assert "sac seed 2 from global step 64,000 (not exactly: replay buffer not stored)" in note
+    assert "mpc_rl's policy, seed 1 from global step 1,200 (every state restored)" in note
+    assert "ppo" not in note
+    assert resumed_note({"ppo seed 1": runs["ppo seed 1"], "a2c seed 1": tmp_path / "missing"}) is None
