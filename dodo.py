@@ -51,11 +51,10 @@ from pathlib import Path
 
 from doit.exceptions import InvalidDodoFile
 
-from envs.errors import ExpectedError, one_message
 from pipeline import depends
 from pipeline.study.cluster import stages_side_by_side
 from pipeline.study.config import PROJECT_ROOT, from_environment
-from pipeline.study.failures import doit_action, quiet_worker_failures
+from pipeline.study.failures import ExpectedError, doit_action, one_message, quiet_worker_failures
 from pipeline.study.graph import outputs, run
 from pipeline.study.runstate import current_doit_command, doit_config, stage_table, timed
 

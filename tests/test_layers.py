@@ -139,11 +139,6 @@ def test_inside_the_pipeline_data_and_control_do_not_import_what_stands_on_them(
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dodo.py imports envs directly today (envs.errors for its one-line messages, envs.config in "
-    "_site_files): design.md's rule, not yet kept; remove this mark once dodo reaches envs only through pipeline",
-)
 def test_dodo_imports_the_pipeline_and_nothing_below_it():
     bad = _violations(lambda a: a == "dodo", lambda a, b: not _under(b, "envs", "algos"))
     assert not bad, "\n".join(bad)

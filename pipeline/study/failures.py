@@ -9,6 +9,9 @@ the client re-raises it with the worker's frames).
 A Dask worker logs every task that raises ("Compute Failed", with the traceback's text) on its own; the workers
 of the embedded ``LocalCluster`` write to the doit command's terminal, so :func:`quiet_worker_failures` drops that
 record there, where the client re-raises the same error anyway.
+
+``dodo.py`` reaches the error types through this module (:class:`~envs.errors.ExpectedError`,
+:func:`~envs.errors.one_message`), never ``envs`` itself.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from envs.errors import is_expected, one_message
+from envs.errors import ExpectedError, is_expected, one_message
+
+__all__ = ["ExpectedError", "doit_action", "is_expected", "one_message", "quiet_worker_failures"]
 
 
 def doit_action(fn: Callable[[], object], also: tuple[type[BaseException], ...] = ()) -> Callable[[], object]:
