@@ -23,8 +23,8 @@ ENV = ("envs/**/*.py",)
 """The environments and what they stand on (site model, schemas, KPIs, vector envs, seeding, file writing)."""
 HARNESS = ("algos/harness.py", "algos/harness/**/*.py")
 """The agents' shared harness (a module or a package)."""
-DATA = ("pipeline/data/**/*.py",)
-"""Ingestion: raw sources, readers, PV models, synthetic fleets."""
+DATA = ("pipeline/data/**/*.py", "envs/schemas.py", "envs/site.py")
+"""Ingestion: raw sources, readers, PV models, synthetic fleets, and the site config and schemas it checks with."""
 CONTROL = ("pipeline/control/**/*.py",)
 """The simulated controllers: registry, baselines, planners, the oracle, the learned planners' tuning."""
 REPORT = (
@@ -46,6 +46,11 @@ def files(*patterns: str, root: Path = PROJECT_ROOT) -> list[Path]:
 def training(algo: str, root: Path = PROJECT_ROOT) -> list[Path]:
     """The code a training run of ``algos/<algo>.py`` depends on: its script, the harness and every file of ``envs``."""
     return files(f"algos/{algo}.py", *HARNESS, *ENV, root=root)
+
+
+def ingestion(root: Path = PROJECT_ROOT) -> list[Path]:
+    """The code the doit task ``ingest`` depends on (:data:`DATA`)."""
+    return files(*DATA, root=root)
 
 
 def controllers(root: Path = PROJECT_ROOT) -> list[Path]:

@@ -41,11 +41,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-import envs
 from envs import files
 from envs.config import SITES_DIR
 from envs.errors import exit_code
 from envs.schemas import validate_site_data
+from pipeline import depends
 from pipeline.data.pv import read_pv
 from pipeline.data.readers import read_carbon, read_sessions
 from pipeline.data.sources import SourceError, Sources, load_sources, period, period_index
@@ -611,13 +611,6 @@ def status(site: str | Path) -> tuple[str, str]:
     )
 
 
-def code_files() -> list[Path]:
-    """The code ingestion runs, which the doit task ``ingest`` depends on: every module of ``pipeline.data`` and the
-    site config and schemas of ``envs`` it checks with."""
-    here, env = Path(__file__).resolve().parent, Path(envs.__file__).resolve().parent
-    return sorted(here.glob("*.py")) + [env / "schemas.py", env / "site.py"]
-
-
 def task_plan(site: str | Path) -> dict:
     """What the doit task ``ingest`` of ``site`` needs, decided without reading any raw file's content.
 
@@ -650,7 +643,7 @@ def task_plan(site: str | Path) -> dict:
     return {
         "state": "ready",
         "line": f"ingest {_shown(path)}",
-        "file_dep": [str(p) for p in raw] + [str(p) for p in code_files()],
+        "file_dep": [str(p) for p in raw] + depends.as_strings(depends.ingestion()),
         "targets": [str(src.data_dir / n) for n in OUTPUTS],
         "settings": src.settings(),
     }
