@@ -586,7 +586,7 @@ def _adaptive_params(hist: History, tuned_dir: Path, seed: int, weeks_cache: Wee
     past = weeks(hist.data)[max(0, w - lookback) : w]
     digests = [weeks_cache.data_digest(hist, s, n, tuned.horizon_h) for s, n in past]
     cost = np.array([[weeks_cache.cost(hist, c, s, n, g) for c in cands] for (s, n), g in zip(past, digests)])
-    return cands[int(np.argmin(cost.mean(0)))]
+    return cands[learned.week_choice(cost)]
 
 
 def _train_week_table(site: Site, tuned_dir: Path, seed: int, cands: list) -> pd.DataFrame:

@@ -91,8 +91,14 @@ def schedule(table: pd.DataFrame, lookback: int) -> np.ndarray:
     cost = table.pivot(index="week", columns="candidate", values="cost_kg").sort_index().to_numpy()
     out = np.zeros(len(cost), np.int64)
     for w in range(1, len(cost)):
-        out[w] = int(np.argmin(cost[max(0, w - lookback) : w].mean(0)))
+        out[w] = week_choice(cost[max(0, w - lookback) : w])
     return out
+
+
+def week_choice(past_costs: np.ndarray) -> int:
+    """The candidate a week runs with, from the backtested costs of the weeks before it (``(weeks, candidates)`` kg,
+    at least one week): the least mean cost (ties: the lower index)."""
+    return int(np.argmin(np.asarray(past_costs).mean(0)))
 
 
 def schedule_cost(table: pd.DataFrame, chosen: np.ndarray) -> float:
