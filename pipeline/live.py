@@ -51,7 +51,7 @@ from envs.errors import InputError, exit_code
 from envs.files import write_parquet, write_text
 from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site, SplitData, load_site
-from pipeline.control import registry
+from pipeline.control import registry, scenario
 from pipeline.control.mpc import MPCController, PlannerParams
 from pipeline.paths import PROJECT_ROOT, shown_path
 
@@ -512,11 +512,11 @@ class StepPlan:
     params: PlannerParams | None = None
 
 
-def _mpc_step(hist: History, params: PlannerParams, presolve: bool) -> StepPlan:
-    m = MPCController(hist.data, params, presolve=presolve)
-    _catch_up(m, hist.t)
+def _plan_step(hist: History, m: MPCController, since: int = 0) -> StepPlan:
+    """``m``'s plan from the state (its forecast refit up to the state's day first, from ``since``'s day on)."""
+    _catch_up(m, hist.t, since)
     p = m.plan(hist.t, hist.energy_kwh, hist.ev_need_kwh, hist.ev_steps_left)
-    return StepPlan(p.action, p.bess_kw_steps, p.ev_kw_steps, params)
+    return StepPlan(p.action, p.bess_kw_steps, p.ev_kw_steps, m.params)
 
 
 class WeekCosts:
@@ -717,8 +717,7 @@ def _seed(name: str, tuned_dir: Path, seed: int | None) -> int:
 
 
 def horizon_of(site: Site, name: str, tuned_dir: Path, seed: int | None) -> tuple[PlannerParams, int]:
-    """The planner parameters a controller starts from (the site's ``[mpc]`` ones for the baselines, whose window they
-    are projected over) and its window, steps."""
+    """The planner parameters a controller starts from and its window, steps."""
     from pipeline.control import rl_planner, tuning
 
     cfg = site.config
@@ -732,8 +731,10 @@ def horizon_of(site: Site, name: str, tuned_dir: Path, seed: int | None) -> tupl
         params = rl_planner.base_params(site)
     elif name in ("mpc_tuned", "mpc_adaptive"):
         params = tuning.load_params(tuned_dir, seed)
-    else:
-        params = PlannerParams.of_site(cfg)
+    elif name == "mpc_scenario":
+        params = scenario.base_params(cfg)
+    else:  # supported() grew without a branch here
+        raise NotImplementedError(f"evhub-plan has no planner parameters for {name!r} yet")
     return params, max(1, int(round(params.horizon_h / cfg.dt_h)))
 
 
@@ -885,18 +886,21 @@ def make_plan(
     params, H = horizon_of(site, name, tuned_dir, seed)
     hist = history(site, state, H)
     if name == "mpc":
-        step = _mpc_step(hist, params, presolve=True)
+        step = _plan_step(hist, MPCController(hist.data, params, presolve=True))
     elif name == "mpc_adaptive":
         cache = week_costs if week_costs is not None else WeekCosts(root / "live")
-        step = _mpc_step(hist, _adaptive_params(hist, tuned_dir, seed, cache), presolve=False)
+        params = _adaptive_params(hist, tuned_dir, seed, cache)
+        step = _plan_step(hist, MPCController(hist.data, params, presolve=False))
         cache.save()
     elif name == "mpc_rl":
         params, m, midnight = _rl_params(hist, tuned_dir, seed)
-        _catch_up(m, hist.t, since=midnight)
-        p = m.plan(hist.t, hist.energy_kwh, hist.ev_need_kwh, hist.ev_steps_left)
-        step = StepPlan(p.action, p.bess_kw_steps, p.ev_kw_steps, params)
-    else:
-        step = _mpc_step(hist, params, presolve=False)
+        step = _plan_step(hist, m, since=midnight)
+    elif name == "mpc_scenario":
+        step = _plan_step(hist, scenario.controller(hist.data))
+    elif name in ("mpc_tuned", "mpc_tuned_start", "mpc_rl_start"):
+        step = _plan_step(hist, MPCController(hist.data, params, presolve=False))
+    else:  # supported() grew without a branch here
+        raise NotImplementedError(f"evhub-plan has no way to run {name!r} yet")
     cfg = site.config
     issued = _timestamp(state.time, "time").tz_convert(cfg.timezone)
     profiles = []
@@ -1142,7 +1146,8 @@ class Args:
     site: str = "caltech"
     """the site: a shipped name (caltech, iquitos) or the path of a site TOML"""
     controller: str | None = None
-    """a causal planner of the registry (mpc, mpc_tuned_start, mpc_tuned, mpc_adaptive, mpc_rl_start, mpc_rl);
+    """a causal planner of the registry (mpc, mpc_tuned_start, mpc_tuned, mpc_adaptive, mpc_rl_start, mpc_rl,
+    mpc_scenario);
     default: the report's answer for the site, read from its results"""
     at: str | None = None
     """rebuild the state from the site's data at this hour (ISO 8601 with a UTC offset, e.g.

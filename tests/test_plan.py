@@ -126,7 +126,9 @@ def study(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mpc_tuned_start", "mpc_rl_start", "mpc_tuned", "mpc_adaptive", "mpc_rl"])
+@pytest.mark.parametrize(
+    "name", ["mpc_tuned_start", "mpc_rl_start", "mpc_tuned", "mpc_adaptive", "mpc_rl", "mpc_scenario"]
+)
 def test_the_live_path_reproduces_every_supported_controllers_row(study, name):
     """Every controller evhub-plan runs, stepped hour by hour through make_plan, emits its study row's CO2 to 0.1 kg:
     the weekly re-choice of mpc_adaptive (backtests of the history's past weeks), mpc_rl's daily parameters (from the

@@ -337,26 +337,54 @@ class MPCController:
     def plan(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> Plan:
         """Solve the window LP at step ``t`` from the given state; returns its first step and the env action."""
         t0 = time.perf_counter()
-        d = self.data
-        cfg = d.config
-        b, dt, pmax = cfg.bess, cfg.dt_h, d.socket_kw  # pmax: (N,) kW, each socket's own power
-        N = cfg.ev.n_sockets
-        H = min(self.H, d.num_steps - t)
+        H = min(self.H, self.data.num_steps - t)
         need_all = np.asarray(ev_need_kwh, dtype=np.float64)
         left_all = np.asarray(ev_steps_left, dtype=np.int64)
-        pv, load = d.pv_kw[t : t + H], d.load_kw[t : t + H]
         moer = self.moer_outlook(t, H)
+        cap_all, floor_all = self._step0_env_bounds(need_all, left_all)
+        w = self._window_lp(t, H, moer, energy_kwh, self.sessions(t, H, need_all, left_all), cap_all, floor_all)
+        lp = w["lp"]
+        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t)
+        if self.data.config.grid.export_credit == "moer":
+            z = self._env_rules_at_step0(lp["c"], lp, lp["bounds"], z, t, w["col0"], cap_all[w["s0"]])
+        plan = self._plan_of(t, z, w, moer, cap_all, floor_all)
+        self.solves += 1
+        self.solve_s += time.perf_counter() - t0
+        if self.keep_plans:
+            self.plans.append(plan)
+        return plan
 
-        # the env's per-socket bounds of this step (EVHubVectorEnv._ev_bounds)
+    def _step0_env_bounds(self, need_all: np.ndarray, left_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The env's per-socket power bounds of this step (``EVHubVectorEnv._ev_bounds``): ``(cap, floor)``, kW,
+        ``(N,)`` each, from each socket's remaining energy (kWh) and steps to departure."""
+        cfg = self.data.config
+        dt, pmax = cfg.dt_h, self.data.socket_kw
         occupied = left_all > 0
         cap_all = np.where(occupied, np.minimum(need_all / dt, pmax), 0.0)
         if cfg.ev.deadline_floor:
             later = pmax * dt * np.maximum(left_all - 1, 0)
             floor_all = np.minimum(np.maximum((need_all - later) / dt, 0.0), cap_all)
         else:
-            floor_all = np.zeros(N)
+            floor_all = np.zeros(cfg.ev.n_sockets)
+        return cap_all, floor_all
 
-        arr, end, need, sock, weight = self.sessions(t, H, need_all, left_all)
+    def _window_lp(
+        self, t: int, H: int, moer: np.ndarray, energy_kwh: float, sessions: tuple, cap_all, floor_all
+    ) -> dict:
+        """The window LP of the module docstring at step ``t`` over ``H`` steps for the MOER outlook ``moer`` (``(H,)``
+        kg/kWh) and the window's ``sessions`` (:meth:`sessions`' tuple, the plugged EVs first): the oracle's LP with
+        the deferral, terminal value, tie-breaks and the env's step-0 bounds (``cap_all``, ``floor_all``: ``(N,)`` kW).
+
+        Returns:
+            dict: ``lp`` (:func:`~pipeline.control.oracle.assemble_lp`'s dict, its ``c`` and ``bounds`` amended),
+            ``col0`` (the step-0 column of each plugged EV), ``s0`` (its socket), ``dep0`` (its last step + 1 in the
+            window), ``H``.
+        """
+        d = self.data
+        cfg = d.config
+        b, dt, pmax = cfg.bess, cfg.dt_h, d.socket_kw  # pmax: (N,) kW, each socket's own power
+        pv, load = d.pv_kw[t : t + H], d.load_kw[t : t + H]
+        arr, end, need, sock, weight = sessions
         dep = np.minimum(end, H)
         p_max = pmax[np.where(sock >= 0, sock, -1 - sock)] * weight  # (S,) kW, its socket's power (its share of it)
         defer = np.minimum(need, p_max * dt * np.maximum(end - H, 0))
@@ -388,10 +416,14 @@ class MPCController:
             floor = floor * max(room, 0.0) / floor.sum()
         bounds[col0, 0] = floor
         bounds[col0, 1] = cap_all[s0]
+        return {"lp": lp, "col0": col0, "s0": s0, "dep0": dep[is_plugged], "H": H}
 
-        z = self._solve(c, lp["A_eq"], lp["b_eq"], bounds, t)
-        if cfg.grid.export_credit == "moer":
-            z = self._env_rules_at_step0(c, lp, bounds, z, t, col0, cap_all[s0])
+    def _plan_of(self, t: int, z: np.ndarray, w: dict, moer: np.ndarray, cap_all, floor_all) -> Plan:
+        """The :class:`Plan` of the solution ``z`` of :meth:`_window_lp`'s LP ``w`` (its columns first in ``z``)."""
+        cfg = self.data.config
+        b, dt, pmax, N = cfg.bess, cfg.dt_h, self.data.socket_kw, cfg.ev.n_sockets
+        lp, col0, s0, H = w["lp"], w["col0"], w["s0"], w["H"]
+        off, bounds = lp["off"], lp["bounds"]
         step0 = lambda name: float(np.clip(z[off[name]], bounds[off[name], 0], bounds[off[name], 1]))  # noqa: E731
         ch, dis = step0("ch"), step0("dis")
         ev = np.zeros(N)
@@ -405,10 +437,10 @@ class MPCController:
         bess_steps = np.maximum(z[off["ch"] : off["ch"] + H], 0.0) - np.maximum(z[off["dis"] : off["dis"] + H], 0.0)
         bess_steps[0] = ch - dis
         ev_steps = np.zeros((N, H))
-        for i, c0, n in zip(s0, col0, dep[is_plugged]):  # a plugged EV's columns: steps 0 .. its departure
+        for i, c0, n in zip(s0, col0, w["dep0"]):  # a plugged EV's columns: steps 0 .. its departure
             ev_steps[i, :n] = np.clip(z[c0 : c0 + n], 0.0, pmax[i])
         ev_steps[:, 0] = ev
-        plan = Plan(
+        return Plan(
             t=t,
             action=action,
             grid_import_kw=step0("g"),
@@ -421,11 +453,6 @@ class MPCController:
             bess_kw_steps=bess_steps,
             ev_kw_steps=ev_steps,
         )
-        self.solves += 1
-        self.solve_s += time.perf_counter() - t0
-        if self.keep_plans:
-            self.plans.append(plan)
-        return plan
 
     def _env_rules_at_step0(self, c, lp: dict, bounds: np.ndarray, z: np.ndarray, t: int, col0, cap0) -> np.ndarray:
         """Make step 0 of a plan what the env does with it when exported energy is credited.

@@ -30,7 +30,7 @@ import pandas as pd
 from envs.config import SiteConfig
 from envs.site import Site
 from envs.toml_table import did_you_mean
-from pipeline.control import baselines, learned, mpc, oracle, rl_planner
+from pipeline.control import baselines, learned, mpc, oracle, rl_planner, scenario
 
 FAMILIES = ("reference", "rule", "planner", "learned planner", "agent", "bound")
 """Controller families in report order."""
@@ -159,6 +159,10 @@ CONTROLLERS: dict[str, Controller] = {
                    "mpc on a learned MOER forecast and demand by day type, its demand weight and terminal value"
                    " set each day by a PPO policy trained on the train split",
                    rl_planner.simulate_rl, (), _learned_enabled, seeded=True, tuned=True, start="mpc_rl_start"),
+        Controller("mpc_scenario", "learned planner", True, False,
+                   "a 24 h two-stage LP over scenarios: the real sessions of each of the last 21 past days of the"
+                   " same day type, one shared first step; the learned MOER forecast",
+                   scenario.simulate, (), _learned_enabled),
         *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
                    mpc.simulate, ("mpc_perfect",), _mpc_enabled),

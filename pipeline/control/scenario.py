@@ -1,0 +1,302 @@
+"""Scenario MPC (``mpc_scenario``): a two-stage stochastic plan over futures drawn from the site's realised past.
+
+``mpc`` and the learned planners plan on one expected future: the past days' sessions scaled by a hand-set weight
+and one MOER curve. The weight hedges against cars that may not come, and the right weight moves with the regime
+(``docs/agents.md``). A plan over scenarios hedges without one: each hour, one linear program over ``K`` futures of
+the next ``H`` hours, each of probability ``p_k``, with a first step shared by all of them (the one carried out:
+the battery's charge and discharge, each plugged EV's power, the grid and curtailment of step 0) and each scenario's
+own recourse after it (EV charging of its own arrivals, battery, grid). What the controller knows at step ``t``:
+
+- the env's state, PV and base load as ``mpc`` knows them;
+- the MOER outlook of its planner (:meth:`~pipeline.control.mpc.MPCController.moer_outlook`, the learned planners'
+  forecast by default); with ``moer_scenarios`` scenario ``k`` adds to it the errors the same forecast made at the
+  same leads when it was issued ``k + 1`` days before (realised MOER minus that forecast; known by ``t`` for leads
+  within a day, 0 beyond), clipped at 0; only outlooks the controller issued itself are read, so a run that starts
+  mid-split plans on the forecast alone for its first days;
+- arrivals: scenario ``k`` is the ``k``-th most recent past day of the same day type (weekday or weekend, local time;
+  any day without ``demand_day_type``) whose arrivals are realised by ``t``, chosen for each step of the window as
+  :meth:`~pipeline.control.mpc.MPCController._same_day_type_sources` chooses its days: every session that arrived at
+  that hour of that day, moved into the window with its stay and its real, unscaled energy (weight 1). While fewer
+  than ``K`` such days exist (a split's first days) the available days are repeated in turn.
+
+Probabilities: ``p_k`` proportional to ``0.5 ** (k / recency_half_life)`` (``k = 0`` the most recent day), or ``1 / K``
+with half-life 0; the demand weight of :class:`~pipeline.control.mpc.PlannerParams` has no role.
+
+The LP: each scenario's window LP is ``mpc``'s (:meth:`~pipeline.control.mpc.MPCController._window_lp`: the oracle's
+constraints, deferral past the window, terminal value, tie-breaks, the env's step-0 floors and caps and import-limit
+cut), its objective times ``p_k``; the ``K`` blocks are stacked block-diagonally, and non-anticipativity rows tie the
+step-0 columns (``ch``, ``dis``, ``g``, ``u``, ``x`` and every plugged EV's first column) of every scenario to the
+first one's. With ``grid.export_credit = "moer"`` step 0 keeps the env's dispatch rules as ``mpc``'s does. The
+returned :class:`~pipeline.control.mpc.Plan` is step 0 (shared) and, over the window, the probability-weighted mean of
+the scenarios' battery and plugged-EV power; ``co2_planned_kg`` is the expected CO2. With one scenario equal to
+``mpc``'s expected demand and its MOER outlook the LP is ``mpc``'s, column for column.
+
+How ``K``, the half-life and the MOER scenarios were chosen (the train split only) and what each is worth:
+``docs/agents.md``, "Scenario MPC".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+import torch
+
+from envs.config import SiteConfig
+from envs.evhub import EVHubVectorEnv
+from envs.site import Site, SplitData, load_site
+from pipeline.control.backtest import WindowResult, _site
+from pipeline.control.mpc import MPCController, Plan, PlannerParams
+
+N_SCENARIOS = 21
+"""``K``, past days (scenarios) per plan, chosen on the train split (``docs/agents.md``)."""
+RECENCY_HALF_LIFE = 0.0
+"""Half-life of the scenarios' probabilities in same-type days (0: every scenario ``1 / K``), chosen on the train
+split."""
+MOER_SCENARIOS = False
+"""Whether each scenario adds the forecast's past errors to the MOER outlook, chosen on the train split."""
+
+
+def base_params(site_config: SiteConfig) -> PlannerParams:
+    """The planner ``mpc_scenario`` stands on: ``mpc``'s ``[mpc]`` values on the learned MOER forecast
+    (:meth:`~pipeline.control.mpc.PlannerParams.learned_start`), past days drawn by day type, terminal value 1 (as
+    ``mpc_rl_start``'s planner; the demand weight is not used)."""
+    return replace(PlannerParams.learned_start(site_config), demand_day_type=True, terminal_value=1.0)
+
+
+@dataclass
+class ScenarioMPC(MPCController):
+    """A two-stage stochastic receding-horizon controller (module docstring); a policy ``(obs, env) -> action``.
+
+    Args (besides :class:`~pipeline.control.mpc.MPCController`'s; ``perfect`` must stay False):
+        n_scenarios: ``K``, at least 1.
+        recency_half_life: half-life of the scenarios' probabilities, in same-type days (0: uniform).
+        moer_scenarios: add the forecast's past errors at each lead to each scenario's MOER outlook.
+
+    Attributes:
+        lp_shape: ``(rows, columns, nonzeros)`` of the last LP solved.
+        lp_total: those of every LP solved, summed (``lp_total / solves``: the mean LP).
+
+    Raises:
+        ValueError: ``n_scenarios < 1``, a negative half-life, or ``perfect``.
+    """
+
+    n_scenarios: int = N_SCENARIOS
+    recency_half_life: float = RECENCY_HALF_LIFE
+    moer_scenarios: bool = MOER_SCENARIOS
+
+    def __post_init__(self):
+        if self.n_scenarios < 1 or not self.recency_half_life >= 0 or self.perfect:
+            raise ValueError(
+                f"ScenarioMPC: n_scenarios >= 1, recency_half_life >= 0 and perfect=False required, got "
+                f"{self.n_scenarios}, {self.recency_half_life}, {self.perfect}"
+            )
+        super().__post_init__()
+        self._issued: dict[int, np.ndarray] = {}  # step -> the MOER outlook issued then (kg/kWh)
+        self.lp_shape = (0, 0, 0)
+        self.lp_total = np.zeros(3, np.int64)
+
+    # ---------------------------------------------------------------- what is known at step t
+    def probabilities(self) -> np.ndarray:
+        """The scenarios' probabilities, ``(K,)``, summing to 1 (module docstring)."""
+        k = np.arange(self.n_scenarios, dtype=np.float64)
+        w = 0.5 ** (k / self.recency_half_life) if self.recency_half_life > 0 else np.ones_like(k)
+        return w / w.sum()
+
+    def scenario_days(self, t: int, H: int) -> np.ndarray:
+        """The past day of each scenario for each step of the window: ``(K, H)`` int64 day offsets ``j`` (the source of
+        step ``t + k`` is step ``t + k - j * day``, realised by ``t``), 0 where no past day exists (and at ``k = 0``,
+        whose arrivals are the plugged EVs)."""
+        day, K = self._day, self.n_scenarios
+        by_type = self.params.demand_day_type
+        weekend = self._weekend
+        out = np.zeros((K, H), np.int64)
+        for k in range(1, H):
+            u = t + k
+            wk = weekend[min(u, len(weekend) - 1)]
+            js = np.arange(max(1, -(-(u - t) // day)), u // day + 1)  # u - j * day <= t and >= 0
+            if by_type:
+                js = js[weekend[u - js * day] == wk]
+            js = js[:K]
+            if len(js):
+                out[:, k] = js[np.arange(K) % len(js)]
+        return out
+
+    def scenario_sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray) -> list[tuple]:
+        """Each scenario's sessions in the window: the plugged EVs, then its past days' arrivals (weight 1), as
+        :meth:`~pipeline.control.mpc.MPCController.sessions`' tuple ``(arr, end, need, socket, weight)``; a list of
+        ``K``."""
+        d = self.data
+        plugged = np.flatnonzero((steps_left > 0) & (need > 1e-9))
+        n0 = len(plugged)
+        days = self.scenario_days(t, H)
+        k = np.arange(H)
+        out = []
+        for m in range(self.n_scenarios):
+            ks = k[days[m] > 0]
+            src = t + ks - days[m, ks] * self._day  # (n,) source steps, each <= t
+            r, i = np.nonzero(d.arrival_stay_steps[src] > 0)
+            a = ks[r]
+            out.append(
+                (
+                    np.concatenate([np.zeros(n0, np.int64), a]),
+                    np.concatenate([steps_left[plugged].astype(np.int64), a + d.arrival_stay_steps[src[r], i]]),
+                    np.concatenate([need[plugged], d.arrival_need_kwh[src[r], i]]).astype(np.float64),
+                    np.concatenate([plugged, -1 - i.astype(np.int64)]),
+                    np.ones(n0 + len(a)),
+                )
+            )
+        return out
+
+    def scenario_moer(self, t: int, H: int, moer: np.ndarray) -> np.ndarray:
+        """Each scenario's MOER over the window, ``(K, H)`` kg/kWh: the outlook ``moer`` (``(H,)``), plus, with
+        ``moer_scenarios``, scenario ``k``'s past error at each lead (module docstring). Only outlooks this
+        controller issued itself and MOER realised before ``t`` are read."""
+        out = np.repeat(moer[None], self.n_scenarios, 0)
+        if not self.moer_scenarios:
+            return out
+        for m in range(self.n_scenarios):
+            u = t - (m + 1) * self._day
+            past = self._issued.get(u)
+            if past is None:
+                continue
+            n = min(H, len(past), t - u)  # leads whose target u + k lies before t
+            out[m, :n] = np.maximum(moer[:n] + self.data.moer[u : u + n] - past[:n], 0.0)
+        return out
+
+    # ---------------------------------------------------------------- one solve
+    def plan(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> Plan:
+        """Solve the scenario LP at step ``t`` from the given state; returns its shared first step and the env action.
+
+        Raises:
+            RuntimeError: HiGHS finds no optimum.
+        """
+        t0 = time.perf_counter()
+        H = min(self.H, self.data.num_steps - t)
+        need_all = np.asarray(ev_need_kwh, dtype=np.float64)
+        left_all = np.asarray(ev_steps_left, dtype=np.int64)
+        moer = self.moer_outlook(t, H)
+        if self.moer_scenarios:
+            self._issued[t] = moer
+            self._issued.pop(t - (self.n_scenarios + 1) * self._day, None)
+        cap_all, floor_all = self._step0_env_bounds(need_all, left_all)
+        moers = self.scenario_moer(t, H, moer)
+        prob = self.probabilities()
+        blocks = [
+            self._window_lp(t, H, moers[m], energy_kwh, sess, cap_all, floor_all)
+            for m, sess in enumerate(self.scenario_sessions(t, H, need_all, left_all))
+        ]
+        lp = self.stack(blocks, prob)
+        w0 = blocks[0]
+        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t)
+        if self.data.config.grid.export_credit == "moer":
+            z = self._env_rules_at_step0(lp["c"], lp, lp["bounds"], z, t, w0["col0"], cap_all[w0["s0"]])
+        plans = [
+            self._plan_of(t, z[o : o + len(w["lp"]["c"])], w, moers[m], cap_all, floor_all)
+            for m, (w, o) in enumerate(zip(blocks, lp["starts"]))
+        ]
+        plan = plans[0]
+        plan.co2_planned_kg = float(sum(p * q.co2_planned_kg for p, q in zip(prob, plans)))
+        plan.bess_kw_steps = sum(p * q.bess_kw_steps for p, q in zip(prob, plans))
+        plan.ev_kw_steps = sum(p * q.ev_kw_steps for p, q in zip(prob, plans))
+        self.lp_shape = (*lp["A_eq"].shape, lp["A_eq"].nnz)
+        self.lp_total += self.lp_shape
+        self.solves += 1
+        self.solve_s += time.perf_counter() - t0
+        if self.keep_plans:
+            self.plans.append(plan)
+        return plan
+
+    @staticmethod
+    def stack(blocks: list[dict], prob: np.ndarray) -> dict:
+        """The two-stage LP of the scenarios' window LPs (:meth:`_window_lp`'s dicts, ``K``) with probabilities
+        ``prob`` (``(K,)``): block-diagonal equality rows, then non-anticipativity rows ``z0[j] - zk[j] = 0`` for each
+        step-0 column ``j`` of scenario 0 (``ch, dis, g, u, x`` and the plugged EVs' first columns); costs times
+        ``p_k``. Returns a dict with ``c``, ``A_eq`` (CSR), ``b_eq``, ``bounds``, ``off`` (scenario 0's, which comes
+        first) and ``starts`` (each block's first column)."""
+        lps = [w["lp"] for w in blocks]
+        sizes = np.array([len(lp["c"]) for lp in lps])
+        starts = np.cumsum(sizes) - sizes
+        # each block's step-0 columns, in its own numbering (its EV block, hence its offsets, has its own size; the
+        # plugged EVs come first in every block, so their first columns are the same)
+        shared = [
+            np.r_[[lp["off"][n] for n in ("ch", "dis", "g", "u", "x")], w["col0"]].astype(np.int64)
+            for lp, w in zip(lps, blocks)
+        ]
+        A = sp.block_diag([lp["A_eq"] for lp in lps], format="csr")
+        n_tie = len(shared[0]) * (len(lps) - 1)
+        if n_tie:
+            r = np.arange(n_tie)
+            cols_k = np.concatenate([s + sh for s, sh in zip(starts[1:], shared[1:])])
+            cols = np.r_[np.tile(shared[0], len(lps) - 1), cols_k]
+            vals = np.r_[np.ones(n_tie), -np.ones(n_tie)]
+            tie = sp.csr_matrix((vals, (np.r_[r, r], cols)), shape=(n_tie, int(sizes.sum())))
+            A = sp.vstack([A, tie], format="csr")
+        return {
+            "c": np.concatenate([p * lp["c"] for p, lp in zip(prob, lps)]),
+            "A_eq": A,
+            "b_eq": np.concatenate([lp["b_eq"] for lp in lps] + [np.zeros(n_tie)]),
+            "bounds": np.concatenate([lp["bounds"] for lp in lps]),
+            "off": lps[0]["off"],
+            "starts": starts,
+        }
+
+
+def controller(data: SplitData, **settings) -> ScenarioMPC:
+    """``mpc_scenario``'s controller for a split: :func:`base_params`' planner, HiGHS without presolve, and the
+    chosen ``n_scenarios``, ``recency_half_life``, ``moer_scenarios`` unless ``settings`` give others."""
+    return ScenarioMPC(data, base_params(data.config), presolve=False, **settings)
+
+
+def run_window(site: Site | str, split: str, start: int, steps: int, **settings) -> WindowResult:
+    """Backtest ``mpc_scenario`` (:func:`controller` with ``settings``) over steps ``[start, start + steps)`` of
+    ``split``, begun as :func:`pipeline.control.backtest.run_window` begins a window.
+
+    Raises:
+        ValueError: a window outside the split. RuntimeError: an LP not solved, or the balance violated.
+    """
+    site = _site(site)
+    data = site.split(split)
+    if start < 0 or steps < 1 or start + steps > data.num_steps:
+        raise ValueError(f"window [{start}, {start + steps}) lies outside split '{split}' of {data.num_steps} steps")
+    env = EVHubVectorEnv(
+        1, site=site, split=split, action_mode="socket", episode_steps=steps, dtype=torch.float64,
+        bess_action="setpoint",
+    )  # fmt: skip
+    mpc = controller(data, **settings)
+    obs, _ = env.reset(seed=0, options={"start_steps": [start]})
+    co2 = unserved = 0.0
+    with torch.no_grad():
+        for _ in range(steps):
+            obs, _, _, _, info = env.step(mpc(obs, env))
+            co2 += float(info["co2_kg"][0])
+            unserved += float(info["unserved_kwh"][0])
+    if not math.isfinite(co2):
+        raise RuntimeError(f"backtest of split '{split}' steps [{start}, {start + steps}) gave CO2 {co2}")
+    return WindowResult(start, steps, co2, unserved, mpc.solves, mpc.solve_s)
+
+
+def simulate(site: Site | str, split: str, **settings) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_scenario`` over a whole split (socket actions, set-point BESS): ``(kpi_row, traces)``; prints its solves,
+    their seconds and the LP's size.
+
+    Raises:
+        KeyError: unknown split. RuntimeError: an LP not solved, or the balance violated.
+    """
+    from pipeline.control.learned import run_planner
+
+    site = load_site(site)
+    mpc = controller(site.split(split), **settings)
+    out = run_planner(site, split, "mpc_scenario", mpc)
+    rows, cols, nnz = mpc.lp_total / max(mpc.solves, 1)
+    print(
+        f"mpc_scenario {split}: K {mpc.n_scenarios}, recency half-life {mpc.recency_half_life:g}, MOER scenarios "
+        f"{'on' if mpc.moer_scenarios else 'off'}; {1e3 * mpc.solve_s / max(mpc.solves, 1):.1f} ms per solve (build "
+        f"and HiGHS); the mean LP {rows:.0f} rows x {cols:.0f} columns, {nnz:.0f} nonzeros",
+        flush=True,
+    )
+    return out
