@@ -455,11 +455,9 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
             f"**Constant grid factor** ({float(moer.iloc[0]):.4g} kg CO2/kWh): CO2 is proportional to grid import, "
             "so a controller can only cut it by importing less; read it beside the unserved energy."
         )
-    root = Path(out_dir).parent
-    runs = {
-        f"{a} seed {sd}": root / "runs" / results.run_name(a, sd) for a in cfg_dict["algos"] for sd in cfg_dict["seeds"]
-    }
-    runs |= {f"mpc_rl's policy, seed {sd}": rl_planner.run_dir(root / "tuned", sd) for sd in cfg_dict["seeds"]}
+    root, seeds = Path(out_dir).parent, cfg_dict.get("seeds", ())
+    runs = {f"{a} seed {sd}": root / "runs" / results.run_name(a, sd) for a in cfg_dict["algos"] for sd in seeds}
+    runs |= {f"mpc_rl's policy, seed {sd}": rl_planner.run_dir(root / "tuned", sd) for sd in seeds}
     if note := resumed_note(runs):
         notes.append(note)
     sizing_file = Path(out_dir).parent / "sizing" / "sizing.parquet"  # a sizing study of this experiment, if run
