@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,8 +107,20 @@ def run_window(
     Raises:
         ValueError: a window outside the split. RuntimeError: an LP not solved, or the balance violated.
     """
-    site = _site(site)
     params = params if isinstance(params, PlannerParams) else PlannerParams.from_dict(params)
+    return run_controller(site, split, start, steps, lambda data: MPCController(data, params, presolve=False))
+
+
+def run_controller(
+    site: Site | str | Path, split: str, start: int, steps: int, make: Callable[[SplitData], MPCController]
+) -> WindowResult:
+    """:func:`run_window`'s loop for any planner: ``make(split_data)`` builds it (a :class:`MPCController` or a
+    subclass), run over steps ``[start, start + steps)`` of ``split`` as :func:`run_window` runs one.
+
+    Raises:
+        ValueError: a window outside the split. RuntimeError: an LP not solved, or the balance violated.
+    """
+    site = _site(site)
     data = site.split(split)
     if start < 0 or steps < 1 or start + steps > data.num_steps:
         raise ValueError(f"window [{start}, {start + steps}) lies outside split '{split}' of {data.num_steps} steps")
@@ -120,7 +133,7 @@ def run_window(
         dtype=torch.float64,
         bess_action="setpoint",
     )
-    mpc = MPCController(data, params, presolve=False)
+    mpc = make(data)
     obs, _ = env.reset(seed=0, options={"start_steps": [start]})
     co2 = unserved = 0.0
     with torch.no_grad():

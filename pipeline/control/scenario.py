@@ -37,19 +37,16 @@ How ``K``, the half-life and the MOER scenarios were chosen (the train split onl
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
-import torch
 
 from envs.config import SiteConfig
-from envs.evhub import EVHubVectorEnv
 from envs.site import Site, SplitData, load_site
-from pipeline.control.backtest import WindowResult, _site
+from pipeline.control.backtest import WindowResult, run_controller
 from pipeline.control.mpc import MPCController, Plan, PlannerParams
 
 N_SCENARIOS = 21
@@ -259,25 +256,7 @@ def run_window(site: Site | str, split: str, start: int, steps: int, **settings)
     Raises:
         ValueError: a window outside the split. RuntimeError: an LP not solved, or the balance violated.
     """
-    site = _site(site)
-    data = site.split(split)
-    if start < 0 or steps < 1 or start + steps > data.num_steps:
-        raise ValueError(f"window [{start}, {start + steps}) lies outside split '{split}' of {data.num_steps} steps")
-    env = EVHubVectorEnv(
-        1, site=site, split=split, action_mode="socket", episode_steps=steps, dtype=torch.float64,
-        bess_action="setpoint",
-    )  # fmt: skip
-    mpc = controller(data, **settings)
-    obs, _ = env.reset(seed=0, options={"start_steps": [start]})
-    co2 = unserved = 0.0
-    with torch.no_grad():
-        for _ in range(steps):
-            obs, _, _, _, info = env.step(mpc(obs, env))
-            co2 += float(info["co2_kg"][0])
-            unserved += float(info["unserved_kwh"][0])
-    if not math.isfinite(co2):
-        raise RuntimeError(f"backtest of split '{split}' steps [{start}, {start + steps}) gave CO2 {co2}")
-    return WindowResult(start, steps, co2, unserved, mpc.solves, mpc.solve_s)
+    return run_controller(site, split, start, steps, lambda data: controller(data, **settings))
 
 
 def simulate(site: Site | str, split: str, **settings) -> tuple[pd.DataFrame, pd.DataFrame]:
