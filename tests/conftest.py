@@ -367,3 +367,30 @@ def tiny_runs(tiny_site_toml, tmp_path_factory):
         return done[name]
 
     return get
+
+
+def changed_future(site, split: str, cut: int):
+    """A copy of ``site`` whose MOER (and MOER forecasts) from step ``cut`` of ``split`` on are scrambled and whose
+    sessions arriving from that step on are replaced by others."""
+    import numpy as np
+    import pandas as pd
+
+    from envs.schemas import MOER_5MIN_COLUMNS
+    from envs.site import Site
+
+    start, _ = site.config.split_bounds(split)
+    t_cut = start + pd.Timedelta(hours=cut)
+    hourly = site.hourly.copy()
+    later = hourly.time >= t_cut
+    rng = np.random.default_rng(7)
+    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2", *MOER_5MIN_COLUMNS):
+        if c in hourly.columns:
+            hourly.loc[later, c] = rng.uniform(0.0, 0.7, later.sum()).astype(np.float32)
+    s = site.sessions
+    keep = s[s.arrival < t_cut]
+    moved = s[s.arrival >= t_cut].copy()
+    moved["arrival"] += pd.Timedelta(hours=2)
+    moved["departure"] += pd.Timedelta(hours=5)
+    moved["energy_kwh"] = (moved.energy_kwh * 0.5).astype(np.float32)
+    sessions = pd.concat([keep, moved], ignore_index=True)
+    return Site(site.config, hourly, sessions, dict(site.source))

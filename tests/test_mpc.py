@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import make_site, write_site
+from conftest import changed_future, make_site, write_site
 
 from envs.config import ConfigError
 from envs.kpis import balance_residual, evaluate_policy
@@ -100,27 +100,6 @@ def test_planned_first_step_is_what_the_env_does(perfect, overrides):
     assert (np.minimum(traces.grid_import_kw, traces.pv_curtailed_kw) < 1e-7).all()
 
 
-def _changed_future(site: Site, split: str, cut: int) -> Site:
-    """A copy of ``site`` whose MOER (and MOER forecasts) from step ``cut`` of ``split`` on are scrambled and whose
-    sessions arriving from that step on are replaced by others."""
-    start, _ = site.config.split_bounds(split)
-    t_cut = start + pd.Timedelta(hours=cut)
-    hourly = site.hourly.copy()
-    later = hourly.time >= t_cut
-    rng = np.random.default_rng(7)
-    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2", *MOER_5MIN_COLUMNS):
-        if c in hourly.columns:
-            hourly.loc[later, c] = rng.uniform(0.0, 0.7, later.sum()).astype(np.float32)
-    s = site.sessions
-    keep = s[s.arrival < t_cut]
-    moved = s[s.arrival >= t_cut].copy()
-    moved["arrival"] += pd.Timedelta(hours=2)
-    moved["departure"] += pd.Timedelta(hours=5)
-    moved["energy_kwh"] = (moved.energy_kwh * 0.5).astype(np.float32)
-    sessions = pd.concat([keep, moved], ignore_index=True)
-    return Site(site.config, hourly, sessions, dict(site.source))
-
-
 @pytest.mark.parametrize("perfect", [False, True], ids=["mpc", "mpc_perfect"])
 def test_never_uses_data_past_its_horizon_or_future_arrivals(perfect):
     site = make_site(days=10, n_sockets=4)
@@ -128,7 +107,7 @@ def test_never_uses_data_past_its_horizon_or_future_arrivals(perfect):
     # regression is in use from day REGRESSION_WARMUP_DAYS on and refit once more by `last`
     cut = last + H if perfect else last + 1  # the first step whose data the controller may not see by step `last`
     _, _, a = _run(site, "train", perfect, horizon_h=H)
-    _, _, b = _run(_changed_future(site, "train", cut), "train", perfect, horizon_h=H)
+    _, _, b = _run(changed_future(site, "train", cut), "train", perfect, horizon_h=H)
     for pa, pb in zip(a.plans[: last + 1], b.plans[: last + 1]):
         np.testing.assert_array_equal(pa.action, pb.action, err_msg=f"step {pa.t}")
     # ... and the change does matter afterwards
@@ -165,7 +144,7 @@ def test_moer_regression_is_causal_and_learns_what_the_data_forecasts_miss():
     assert (err[:4] < 0.8 * err_profile[:4]).all(), (err[:4], err_profile[:4])
     # causal: scrambling the MOER and its forecasts from step `cut` on leaves every forecast issued before it unchanged
     cut = REGRESSION_WARMUP_DAYS * 24 + 30
-    changed = _changed_future(site, "train", cut).split("train")
+    changed = changed_future(site, "train", cut).split("train")
     other = MPCController(changed, _params(changed, horizon_h=24))
     for t in range(cut):
         np.testing.assert_array_equal(mpc.moer_outlook(t, 24), other.moer_outlook(t, 24), err_msg=f"step {t}")
@@ -211,7 +190,7 @@ def test_moer_regression_with_forgetting_is_the_weighted_fit_it_documents():
         np.testing.assert_allclose(at_once(u, H), daily(u, H), rtol=1e-9, atol=1e-12, err_msg=f"step {u}")
     # causal: changing the MOER and its forecasts from step `cut` leaves every forecast issued before it unchanged
     cut = 10 * day + 9
-    other = MOERRegression(_changed_future(site, "train", cut).split("train"), H, half_life_days=half_life)
+    other = MOERRegression(changed_future(site, "train", cut).split("train"), H, half_life_days=half_life)
     mine = MOERRegression(data, H, half_life_days=half_life)
     for u in range(REGRESSION_WARMUP_DAYS * day + day, cut):
         np.testing.assert_array_equal(mine(u, H), other(u, H), err_msg=f"step {u}")
@@ -250,7 +229,7 @@ def test_moer_regression_reads_the_five_minute_values_causally_where_the_data_ha
     # causal: changing every column (the 5-minute ones too) from step `cut` leaves the forecasts before it as they were
     cut = 11 * 24 + 7
     mine = MOERRegression(data, H, 5.0, five_minute=True)
-    other = MOERRegression(_changed_future(site, "train", cut).split("train"), H, 5.0, five_minute=True)
+    other = MOERRegression(changed_future(site, "train", cut).split("train"), H, 5.0, five_minute=True)
     for t in range(REGRESSION_WARMUP_DAYS * 24 + 24, cut):
         np.testing.assert_array_equal(mine(t, H), other(t, H), err_msg=f"step {t}")
     assert not np.array_equal(mine(cut, H), other(cut, H))

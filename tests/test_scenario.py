@@ -6,12 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pandas as pd
 import pytest
-from conftest import make_site
+from conftest import changed_future, make_site
 
 from envs.kpis import balance_residual, evaluate_policy
-from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site
 from pipeline.control import registry, scenario
 from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
@@ -149,33 +147,13 @@ def test_moer_scenarios_are_the_forecasts_past_errors():
     np.testing.assert_array_equal(off.scenario_moer(t, H, outlook), np.tile(outlook, (3, 1)))
 
 
-def _changed_future(site: Site, split: str, cut: int) -> Site:
-    """``site`` with its MOER (and forecasts) from step ``cut`` of ``split`` scrambled and the sessions arriving from
-    then on moved and shrunk."""
-    start, _ = site.config.split_bounds(split)
-    t_cut = start + pd.Timedelta(hours=cut)
-    hourly = site.hourly.copy()
-    later = hourly.time >= t_cut
-    rng = np.random.default_rng(7)
-    for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2", *MOER_5MIN_COLUMNS):
-        if c in hourly.columns:
-            hourly.loc[later, c] = rng.uniform(0.0, 0.7, later.sum()).astype(np.float32)
-    s = site.sessions
-    moved = s[s.arrival >= t_cut].copy()
-    moved["arrival"] += pd.Timedelta(hours=2)
-    moved["departure"] += pd.Timedelta(hours=5)
-    moved["energy_kwh"] = (moved.energy_kwh * 0.5).astype(np.float32)
-    sessions = pd.concat([s[s.arrival < t_cut], moved], ignore_index=True)
-    return Site(site.config, hourly, sessions, dict(site.source))
-
-
 def test_never_reads_data_after_the_hour():
     """Changing the MOER and the sessions from step ``last + 1`` on leaves every action up to ``last`` unchanged (MOER
     scenarios on), and the change matters afterwards."""
     site = make_site(days=10, n_sockets=4)
     last = (REGRESSION_WARMUP_DAYS + 1) * 24 + 5
     runs = []
-    for s in (site, _changed_future(site, "train", last + 1)):
+    for s in (site, changed_future(site, "train", last + 1)):
         data = s.split("train")
         params = dataclasses.replace(scenario.base_params(data.config), horizon_h=12)
         m = ScenarioMPC(data, params, n_scenarios=3, recency_half_life=2.0, moer_scenarios=True, keep_plans=True)
