@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 from conftest import changed_future, make_site
 
 from envs.kpis import balance_residual, evaluate_policy
@@ -36,12 +37,13 @@ def _run(site: Site, split: str, ctrl):
     ids=["default", "export_credit"],
 )
 def test_one_scenario_of_the_expected_demand_is_mpcs_lp(overrides):
-    """With one scenario equal to ``mpc``'s expected demand and its MOER outlook, every plan is ``mpc``'s."""
+    """With one scenario equal to ``mpc``'s expected demand and its MOER outlook, every plan is ``mpc``'s (both
+    solved from a cold start, so HiGHS takes the same path to the same vertex)."""
     site = make_site(days=9, n_sockets=4, **overrides)
     data = site.split("train")
     params = dataclasses.replace(PlannerParams.of_site(data.config), horizon_h=12)
     a = MPCController(data, params, presolve=False, keep_plans=True)
-    b = _OneMean(data, params, presolve=False, keep_plans=True, n_scenarios=1)
+    b = _OneMean(data, params, presolve=False, keep_plans=True, n_scenarios=1, warm_start=False)
     ka, _ = _run(site, "train", a)
     kb, _ = _run(site, "train", b)
     assert len(a.plans) == len(b.plans) == data.num_steps
@@ -51,6 +53,60 @@ def test_one_scenario_of_the_expected_demand_is_mpcs_lp(overrides):
         np.testing.assert_array_equal(pa.ev_kw_steps, pb.ev_kw_steps, err_msg=f"step {pa.t}")
         assert pa.co2_planned_kg == pb.co2_planned_kg
     assert float(ka.co2_kg.iloc[0]) == float(kb.co2_kg.iloc[0])
+
+
+def test_a_warm_start_reaches_each_hours_optimum_in_fewer_iterations(monkeypatch):
+    """The basis carried from hour to hour (``warm_start``) changes how HiGHS gets to each LP's optimum, not the
+    optimum: every hour's warm-started objective equals a cold solve of the same LP, and the split takes fewer simplex
+    iterations in all."""
+    site = make_site(days=9, n_sockets=4)
+    data = site.split("train")
+    iterations = {True: 0, False: 0}
+    solve = MPCController._solve
+
+    def checked(self, c, A_eq, b_eq, bounds, t, strict=True, keys=None):
+        z = solve(self, c, A_eq, b_eq, bounds, t, strict, keys)
+        iterations[self.warm_start] += self._highs.getInfo().simplex_iteration_count
+        if keys is not None and self.warm_start:
+            cold = solve(self, c, A_eq, b_eq, bounds, t, strict)
+            assert float(c @ z) == pytest.approx(float(c @ cold), rel=1e-9, abs=1e-9), f"step {t}"
+        return z
+
+    monkeypatch.setattr(MPCController, "_solve", checked)
+    runs = {}
+    for warm in (False, True):
+        m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=5, warm_start=warm)
+        runs[warm], _ = _run(site, "train", m)
+    assert iterations[True] < 0.7 * iterations[False]
+    # the runs themselves may part where an hour's LP has several optimal vertices (another first step at the same
+    # planned cost), so only what every run must do is checked
+    for kpi in runs.values():
+        assert float(kpi.unserved_kwh.iloc[0]) < 1e-6
+
+
+def test_the_scenarios_lp_is_their_window_lps_stacked():
+    """The ``K`` scenarios' window LP built in one go equals each scenario's LP built alone (``mpc``'s window LP) and
+    stacked block-diagonally: the same columns, rows, costs and bounds, bit for bit."""
+    site = make_site(days=10, n_sockets=4, grid={"export_allowed": True, "export_credit": "moer"}, pv={"kwp": 25.0})
+    data = site.split("train")
+    m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=5)
+    need = np.array([12.0, 0.0, 4.0, 20.0])
+    left = np.array([6, 0, 2, 9], dtype=np.int64)
+    cap, floor = m._step0_env_bounds(need, left)
+    rng = np.random.default_rng(0)
+    for t in (8 * 24 + 7, 9 * 24 + 20):
+        H = min(m.H, data.num_steps - t)
+        sessions = m.scenario_sessions(t, H, need, left)
+        moers = m.moer_outlook(t, H) * rng.uniform(0.5, 1.5, (5, H))  # each scenario its own MOER
+        block = np.repeat(np.arange(5), [len(x[0]) for x in sessions])
+        merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
+        lp = m._window_lp(t, H, moers, 30.0, merged, cap, floor, block)["lp"]
+        alone = [m._window_lp(t, H, moers[k], 30.0, x, cap, floor)["lp"] for k, x in enumerate(sessions)]
+        A, B = lp["A_eq"].tocsc(), sp.block_diag([a["A_eq"] for a in alone], format="csc")
+        for x, y in ((A.indptr, B.indptr), (A.indices, B.indices), (A.data, B.data)):
+            np.testing.assert_array_equal(x, y)
+        for name in ("c", "b_eq", "bounds"):
+            np.testing.assert_array_equal(lp[name], np.concatenate([a[name] for a in alone]))
 
 
 def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
@@ -64,24 +120,29 @@ def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
     left = np.array([6, 0, 2, 9], dtype=np.int64)
     cap, floor = m._step0_env_bounds(need, left)
     moer = m.moer_outlook(t, H)
-    blocks = [m._window_lp(t, H, moer, 10.0, s, cap, floor) for s in m.scenario_sessions(t, H, need, left)]
-    assert len({len(w["lp"]["c"]) for w in blocks}) > 1  # the scenarios' arrivals differ
+    sessions = m.scenario_sessions(t, H, need, left)
+    assert len({len(x[0]) for x in sessions}) > 1  # the scenarios' arrivals differ
+    block = np.repeat(np.arange(4), [len(x[0]) for x in sessions])
+    merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
+    w = m._window_lp(t, H, np.tile(moer, (4, 1)), 10.0, merged, cap, floor, block)
     prob = m.probabilities()
-    stacked = m.stack(blocks, prob)
-    z = m._solve(stacked["c"], stacked["A_eq"], stacked["b_eq"], stacked["bounds"], t)
+    lp = m.two_stage(w, prob)
+    z = m._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t)
 
-    def step0(zz, w):
-        off = w["lp"]["off"]
-        return np.r_[[zz[off[n]] for n in ("ch", "dis", "g", "u", "x")], zz[w["col0"]]]
+    def step0(zz, v):
+        return np.r_[[zz[v["off"][n]] for n in ("ch", "dis", "g", "u", "x")], zz[v["col0"]]]
 
-    parts = [z[o : o + len(w["lp"]["c"])] for w, o in zip(blocks, stacked["starts"])]
-    first = [step0(zz, w) for zz, w in zip(parts, blocks)]
+    first = [step0(z, v) for v in w["views"]]
     for f in first[1:]:
         np.testing.assert_allclose(f, first[0], atol=1e-7)
-    later = [zz[w["lp"]["off"]["ch"] + 1 : w["lp"]["off"]["ch"] + H] for zz, w in zip(parts, blocks)]
+    later = [z[v["off"]["ch"] + 1 : v["off"]["ch"] + H] for v in w["views"]]
     assert any(not np.allclose(x, later[0], atol=1e-6) for x in later[1:])
     # each scenario alone plans another first step: the shared one is a compromise
-    alone = [step0(m._solve(w["lp"]["c"], w["lp"]["A_eq"], w["lp"]["b_eq"], w["lp"]["bounds"], t), w) for w in blocks]
+    alone = []
+    for x in sessions:
+        one = m._window_lp(t, H, moer, 10.0, x, cap, floor)
+        o = one["lp"]
+        alone.append(step0(m._solve(o["c"], o["A_eq"], o["b_eq"], o["bounds"], t), one["views"][0]))
     assert any(not np.allclose(x, alone[0], atol=1e-6) for x in alone[1:])
     np.testing.assert_allclose(prob, np.full(4, 0.25))
     m2 = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=3, recency_half_life=1.0)

@@ -26,6 +26,10 @@ Two controllers share the code and differ only in what they know (:data:`PERFECT
 * ``mpc_perfect`` knows the true MOER over the horizon and the sessions arriving within it (arrival step,
   departure, energy), besides the same state and PV.
 
+Between the two, a controller may be given the truth of one unknown only (``MPCController(perfect_moer=True)`` or
+``perfect_arrivals=True``) and forecast the other as ``mpc`` does: what knowing each is worth
+(:mod:`pipeline.study.information`).
+
 The window ends at ``min(t + horizon_h, T)`` (the split's end; the env ends there too).
 
 The LP is :func:`pipeline.control.oracle.assemble_lp` over the window (the oracle's variables and constraints:
@@ -202,14 +206,23 @@ class MPCController:
         data: the split it controls.
         params: its :class:`PlannerParams` (default: the site's ``[mpc]`` table, :meth:`PlannerParams.of_site`);
             :meth:`set_params` changes them between steps.
-        perfect: give it the true MOER and the arrivals within the horizon (``mpc_perfect``).
+        perfect: give it the true MOER and the arrivals within the horizon (``mpc_perfect``); sets both of the
+            next two.
+        perfect_moer: give it the true MOER within the horizon (:meth:`moer_outlook`); the arrivals as ``params``
+            say unless ``perfect_arrivals``.
+        perfect_arrivals: give it the true arrivals within the horizon (:meth:`sessions`); the MOER forecast unless
+            ``perfect_moer``. With both, ``perfect`` is set: the controller is ``mpc_perfect``'s.
         forecaster: the causal MOER forecast, a callable ``(t, H) -> (H,) kg/kWh or None`` while it warms up
             (default :class:`~pipeline.control.forecast.MOERRegression` over the horizon with the parameters'
             half-life and 5-minute regressors); when None is returned
-            :func:`~pipeline.control.forecast.profile_outlook` is used.
+            :func:`~pipeline.control.forecast.profile_outlook` is used. Not built, nor called, when the MOER is true.
         presolve: HiGHS presolve (off halves the solve time on these small LPs; the optimum is the same, the
             vertex chosen among equal-cost plans may differ).
         keep_plans: keep the :class:`Plan` of every solve in ``plans``.
+        warm_start: start HiGHS's dual simplex from the last solve's basis, carried over to this hour's LP by what
+            each column and row stands for (:meth:`_lp_keys`); HiGHS completes it to a basis of the new LP. Fewer
+            iterations (about a quarter on ``mpc_scenario``'s LPs); the optimum is the same, the vertex chosen among
+            equal-cost plans may differ.
 
     Attributes:
         H: the horizon in steps.
@@ -220,18 +233,24 @@ class MPCController:
     data: SplitData
     params: PlannerParams | None = None
     perfect: bool = False
+    perfect_moer: bool = False
+    perfect_arrivals: bool = False
     forecaster: object | None = None
     presolve: bool = True
     keep_plans: bool = False
+    warm_start: bool = False
     solves: int = 0
     solve_s: float = 0.0
     plans: list = field(default_factory=list)
 
     def __post_init__(self):
+        if self.perfect or (self.perfect_moer and self.perfect_arrivals):
+            self.perfect = self.perfect_moer = self.perfect_arrivals = True
         self._highs = highspy.Highs()
         self._highs.setOptionValue("output_flag", False)
         self._highs.setOptionValue("random_seed", 0)
         self._highs.setOptionValue("threads", 1)
+        self._basis: tuple | None = None  # (column keys, their statuses, row keys, theirs) of the last solve
         if not self.presolve:
             self._highs.setOptionValue("presolve", "off")
         cfg = self.data.config
@@ -241,7 +260,7 @@ class MPCController:
         self.H = max(1, int(round(p.horizon_h / cfg.dt_h)))
         self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
         self._weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
-        if self.forecaster is None and not self.perfect:
+        if self.forecaster is None and not self.perfect_moer:
             self.forecaster = MOERRegression(
                 self.data, self.H, half_life_days=p.moer_half_life_days, five_minute=p.moer_five_minute
             )
@@ -264,9 +283,10 @@ class MPCController:
 
     # ---------------------------------------------------------------- what is known at step t
     def moer_outlook(self, t: int, H: int) -> np.ndarray:
-        """MOER over steps ``t .. t+H-1``, kg/kWh: the truth (perfect) or the causal forecast (module docstring)."""
+        """MOER over steps ``t .. t+H-1``, kg/kWh, ``(H,)``: the truth (``perfect_moer``) or the causal forecast (module
+        docstring)."""
         d, p = self.data, self.params
-        if self.perfect:
+        if self.perfect_moer:
             return d.moer[t : t + H].copy()
         fc = self.forecaster(t, H)
         fc = profile_outlook(d, t, H) if fc is None else fc
@@ -278,9 +298,9 @@ class MPCController:
     def sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray):
         """The window's sessions: the plugged EVs (one per socket) and those expected to arrive in ``(t, t+H)``.
 
-        Expected arrivals: when perfect, the true ones; otherwise every session that arrived at step ``s <= t`` with
-        ``s + j * day`` in ``(t, t+H)`` for some ``j`` in ``1..expected_demand_days``, moved to that step with its
-        stay, weighted ``expected_demand_weight / expected_demand_days`` (module docstring).
+        Expected arrivals: with ``perfect_arrivals``, the true ones; otherwise every session that arrived at step
+        ``s <= t`` with ``s + j * day`` in ``(t, t+H)`` for some ``j`` in ``1..expected_demand_days``, moved to that
+        step with its stay, weighted ``expected_demand_weight / expected_demand_days`` (module docstring).
 
         Returns:
             ``(arr, end, need, socket, weight)``: first step in the window, departure step relative to ``t`` (may lie
@@ -293,12 +313,12 @@ class MPCController:
         arr, end = [np.zeros(len(plugged), np.int64)], [steps_left[plugged].astype(np.int64)]
         e, sock, w = [need[plugged]], [plugged], [np.ones(len(plugged))]
         p = self.params
-        if self.perfect:
+        if self.perfect_arrivals:
             sources = [(t, 1.0)]
         else:  # no days (or no weight): the plugged EVs only
             days, total = p.expected_demand_days, p.expected_demand_weight
             sources = [(t - j * self._day, total / days) for j in range(1, days + 1) if total > 0]
-        if p.demand_day_type and not self.perfect and p.expected_demand_weight > 0:
+        if p.demand_day_type and not self.perfect_arrivals and p.expected_demand_weight > 0:
             sources = self._same_day_type_sources(t, H)
         for shift, share in sources:  # arrivals at steps shift + k, k in 1..H-1, that are known at t
             s = np.arange(max(shift + 1, 0), min(shift + H, t + 1 if shift < t else d.num_steps))
@@ -342,12 +362,14 @@ class MPCController:
         left_all = np.asarray(ev_steps_left, dtype=np.int64)
         moer = self.moer_outlook(t, H)
         cap_all, floor_all = self._step0_env_bounds(need_all, left_all)
-        w = self._window_lp(t, H, moer, energy_kwh, self.sessions(t, H, need_all, left_all), cap_all, floor_all)
-        lp = w["lp"]
-        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t)
+        sessions = self.sessions(t, H, need_all, left_all)
+        w = self._window_lp(t, H, moer, energy_kwh, sessions, cap_all, floor_all)
+        lp, view = w["lp"], w["views"][0]
+        keys = self._lp_keys(t, lp, sessions) if self.warm_start else None
+        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t, keys=keys)
         if self.data.config.grid.export_credit == "moer":
-            z = self._env_rules_at_step0(lp["c"], lp, lp["bounds"], z, t, w["col0"], cap_all[w["s0"]])
-        plan = self._plan_of(t, z, w, moer, cap_all, floor_all)
+            z = self._env_rules_at_step0(lp, view, z, t, cap_all[view["s0"]])
+        plan = self._plan_of(t, z, lp, view, moer, cap_all, floor_all)
         self.solves += 1
         self.solve_s += time.perf_counter() - t0
         if self.keep_plans:
@@ -369,42 +391,58 @@ class MPCController:
         return cap_all, floor_all
 
     def _window_lp(
-        self, t: int, H: int, moer: np.ndarray, energy_kwh: float, sessions: tuple, cap_all, floor_all
+        self, t: int, H: int, moer: np.ndarray, energy_kwh: float, sessions: tuple, cap_all, floor_all, block=None
     ) -> dict:
         """The window LP of the module docstring at step ``t`` over ``H`` steps for the MOER outlook ``moer`` (``(H,)``
         kg/kWh) and the window's ``sessions`` (:meth:`sessions`' tuple, the plugged EVs first): the oracle's LP with
         the deferral, terminal value, tie-breaks and the env's step-0 bounds (``cap_all``, ``floor_all``: ``(N,)`` kW).
+        Or ``K`` such LPs at once, as :func:`~pipeline.control.oracle.assemble_lp`'s blocks (the scenarios of
+        :mod:`pipeline.control.scenario`): ``moer`` ``(K, H)`` and ``block`` each session's block (``(S,)``,
+        non-decreasing; each block's sessions its plugged EVs first); the same LP as the ``K`` built one by one and
+        stacked block-diagonally.
 
         Returns:
-            dict: ``lp`` (:func:`~pipeline.control.oracle.assemble_lp`'s dict, its ``c`` and ``bounds`` amended),
-            ``col0`` (the step-0 column of each plugged EV), ``s0`` (its socket), ``dep0`` (its last step + 1 in the
-            window), ``H``.
+            dict: ``lp`` (:func:`~pipeline.control.oracle.assemble_lp`'s dict, its ``c`` and ``bounds`` amended) and
+            ``views``, one dict per block: ``off`` (the block's first column of each variable, in the LP's
+            numbering), ``col0`` (the step-0 column of each plugged EV), ``s0`` (its socket), ``dep0`` (its last step
+            + 1 in the window) and ``H``.
         """
         d = self.data
         cfg = d.config
         b, dt, pmax = cfg.bess, cfg.dt_h, d.socket_kw  # pmax: (N,) kW, each socket's own power
         pv, load = d.pv_kw[t : t + H], d.load_kw[t : t + H]
         arr, end, need, sock, weight = sessions
+        moer_k = np.atleast_2d(moer)  # (K, H)
+        K = moer_k.shape[0]
+        blk = np.zeros(len(arr), np.int64) if block is None else np.asarray(block, dtype=np.int64)
         dep = np.minimum(end, H)
         p_max = pmax[np.where(sock >= 0, sock, -1 - sock)] * weight  # (S,) kW, its socket's power (its share of it)
         defer = np.minimum(need, p_max * dt * np.maximum(end - H, 0))
-        lp = assemble_lp(cfg, pv, load, moer, energy_kwh, arr, dep, need, p_max=p_max, defer_kwh=defer)
+        lp = assemble_lp(
+            cfg, pv, load, moer_k, energy_kwh, arr, dep, need, p_max=p_max, defer_kwh=defer, block=blk, n_blocks=K
+        )
         off, c, bounds = lp["off"], lp["c"], lp["bounds"]
-        S = lp["S"]
-        ramp = np.arange(H) / H
-        c[off["g"] : off["g"] + H] *= 1.0 - IMPORT_DISCOUNT * ramp
-        c[off["ch"] : off["ch"] + H] += EPS_CYCLE * dt
-        c[off["dis"] : off["dis"] + H] += EPS_CYCLE * dt
-        c[off["u"] : off["u"] + H] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)
-        c[off["x"] : off["x"] + H] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)  # export: a surplus, like curtailment
+        steps = np.arange(H)
+        ramp = steps / H
+
+        def at(name: str) -> np.ndarray:  # (K, H) columns of a per-step variable
+            return off[name][:, None] + steps
+
+        c[at("g")] *= 1.0 - IMPORT_DISCOUNT * ramp
+        c[at("ch")] += EPS_CYCLE * dt
+        c[at("dis")] += EPS_CYCLE * dt
+        c[at("u")] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)
+        c[at("x")] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)  # export: a surplus, like curtailment
         # (the export credit, -MOER per kWh with grid.export_credit = "moer", is already in assemble_lp's cost)
-        c[off["defer"] : off["defer"] + S] = float(moer.mean())
+        mean = np.array([float(m.mean()) for m in moer_k])  # (K,) each block's mean MOER over the window
+        c[off["defer"][blk] + lp["s_local"]] = mean[blk]
         if t + H < d.num_steps:  # energy left in the battery when the window ends is worth what it displaces later
-            c[off["E"] + H - 1] -= self.params.terminal_value * b.eta_discharge * float(moer.mean())
+            c[off["E"] + H - 1] -= self.params.terminal_value * b.eta_discharge * mean
         # step 0 of each plugged EV (its first EV column) between the env's floor and cap
-        first = np.cumsum(dep - arr) - (dep - arr)
+        stay = dep - arr
+        first = lp["p_col"][np.cumsum(stay) - stay] if len(stay) else np.zeros(0, np.int64)
         is_plugged = sock >= 0
-        col0, s0 = first[is_plugged], sock[is_plugged]
+        col0, s0, b0, dep0 = first[is_plugged], sock[is_plugged], blk[is_plugged], dep[is_plugged]
         floor = floor_all[s0]
         room = (
             cfg.grid.import_limit_kw
@@ -412,18 +450,34 @@ class MPCController:
             - load[0]
             + min(b.power_kw, max(energy_kwh - b.soc_min * b.capacity_kwh, 0.0) * b.eta_discharge / dt)
         )
-        if floor.sum() > max(room, 0.0):  # the env cuts the floors too when the import limit binds
-            floor = floor * max(room, 0.0) / floor.sum()
+        for m in range(K) if len(floor) else ():  # the env cuts the floors too when the import limit binds
+            sel = b0 == m
+            f = floor[sel]
+            if f.sum() > max(room, 0.0):
+                floor[sel] = f * max(room, 0.0) / f.sum()
         bounds[col0, 0] = floor
         bounds[col0, 1] = cap_all[s0]
-        return {"lp": lp, "col0": col0, "s0": s0, "dep0": dep[is_plugged], "H": H}
+        views = []
+        for m in range(K):
+            sel = b0 == m
+            views.append(
+                {
+                    "off": {k: int(v[m]) for k, v in off.items()},
+                    "col0": col0[sel],
+                    "s0": s0[sel],
+                    "dep0": dep0[sel],
+                    "H": H,
+                }
+            )
+        return {"lp": lp, "views": views}
 
-    def _plan_of(self, t: int, z: np.ndarray, w: dict, moer: np.ndarray, cap_all, floor_all) -> Plan:
-        """The :class:`Plan` of the solution ``z`` of :meth:`_window_lp`'s LP ``w`` (its columns first in ``z``)."""
+    def _plan_of(self, t: int, z: np.ndarray, lp: dict, view: dict, moer: np.ndarray, cap_all, floor_all) -> Plan:
+        """The :class:`Plan` of block ``view`` (one of :meth:`_window_lp`'s ``views``) in the solution ``z`` of the LP
+        ``lp``, for its MOER outlook ``moer`` (``(H,)`` kg/kWh)."""
         cfg = self.data.config
         b, dt, pmax, N = cfg.bess, cfg.dt_h, self.data.socket_kw, cfg.ev.n_sockets
-        lp, col0, s0, H = w["lp"], w["col0"], w["s0"], w["H"]
-        off, bounds = lp["off"], lp["bounds"]
+        col0, s0, H = view["col0"], view["s0"], view["H"]
+        off, bounds = view["off"], lp["bounds"]
         step0 = lambda name: float(np.clip(z[off[name]], bounds[off[name], 0], bounds[off[name], 1]))  # noqa: E731
         ch, dis = step0("ch"), step0("dis")
         ev = np.zeros(N)
@@ -437,7 +491,7 @@ class MPCController:
         bess_steps = np.maximum(z[off["ch"] : off["ch"] + H], 0.0) - np.maximum(z[off["dis"] : off["dis"] + H], 0.0)
         bess_steps[0] = ch - dis
         ev_steps = np.zeros((N, H))
-        for i, c0, n in zip(s0, col0, w["dep0"]):  # a plugged EV's columns: steps 0 .. its departure
+        for i, c0, n in zip(s0, col0, view["dep0"]):  # a plugged EV's columns: steps 0 .. its departure
             ev_steps[i, :n] = np.clip(z[c0 : c0 + n], 0.0, pmax[i])
         ev_steps[:, 0] = ev
         return Plan(
@@ -454,7 +508,7 @@ class MPCController:
             ev_kw_steps=ev_steps,
         )
 
-    def _env_rules_at_step0(self, c, lp: dict, bounds: np.ndarray, z: np.ndarray, t: int, col0, cap0) -> np.ndarray:
+    def _env_rules_at_step0(self, lp: dict, view: dict, z: np.ndarray, t: int, cap0) -> np.ndarray:
         """Make step 0 of a plan what the env does with it when exported energy is credited.
 
         Two dispatch rules of the env are not in the LP: the battery discharges only into the site's deficit (in a
@@ -467,12 +521,15 @@ class MPCController:
         kept. Later steps of the window keep the LP's relaxation.
 
         Args:
-            col0, cap0: LP column and env cap (kW) of each plugged EV's step-0 power.
+            lp, view: the LP and the block whose step 0 is carried out (:meth:`_window_lp`; with several blocks, the
+                non-anticipativity rows tie the others' step 0 to it).
+            cap0: env cap (kW) of each plugged EV's step-0 power (column ``view["col0"]``).
 
         Raises:
             RuntimeError: neither way has an optimum.
         """
-        off, tol = lp["off"], 1e-7
+        off, col0, tol = view["off"], view["col0"], 1e-7
+        c, bounds = lp["c"], lp["bounds"]
         surplus = z[off["x"]] + z[off["u"]]
         below_cap = len(col0) > 0 and float((cap0 - z[col0]).max()) > tol
         to_ev = self.data.config.ev.surplus_to_ev
@@ -494,8 +551,60 @@ class MPCController:
             )
         return best
 
-    def _solve(self, c, A_eq, b_eq, bounds, t: int, strict: bool = True) -> np.ndarray | None:
+    def _lp_keys(
+        self, t: int, lp: dict, sessions: tuple, block: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """What each column and row of :meth:`_window_lp`'s LP ``lp`` at step ``t`` stands for, as int64 keys that are
+        the same in the next hour's LP where the variable or row is the same (the basis :attr:`warm_start` carries
+        over): its kind, its block (scenario), and the absolute step, or the session (socket and absolute arrival
+        step; a plugged EV: its socket) and the step within it. Equal keys within one LP are harmless (a worse
+        start).
+
+        Args:
+            sessions, block: the LP's sessions and each one's block, as given to :meth:`_window_lp`.
+
+        Returns:
+            ``(column keys, row keys)``, ``(n,)`` and ``(rows,)`` int64.
+        """
+        H, off, row_off = lp["T"], lp["off"], lp["row_off"]
+        arr, sock = sessions[0], sessions[3]
+        blk = np.zeros(len(arr), np.int64) if block is None else np.asarray(block, dtype=np.int64)
+        code = np.where(sock >= 0, sock, _KEY_SOCKETS - 1 - sock)  # (S,) plugged EVs and expected arrivals apart
+        when = np.where(sock >= 0, 0, t + arr)  # an expected arrival's absolute step (0: plugged)
+        ps, step, p_col = lp["p_sess"], t + lp["p_step"], lp["p_col"]
+        steps = np.arange(H, dtype=np.int64)
+        K = len(row_off)
+        m = np.arange(K, dtype=np.int64)[:, None]
+
+        def key(kind: int, scenario, a, b) -> np.ndarray:  # kind (4 bits) | scenario (9) | a (20) | b (30)
+            return ((np.int64(kind) << 9 | scenario & 511) << 20 | a) << 30 | b
+
+        cols = np.empty(len(lp["c"]), np.int64)
+        pb = blk[ps]
+        cols[p_col] = np.where(
+            sock[ps] >= 0, key(0, pb, code[ps], step), key(1, pb, code[ps], when[ps] << 10 | step - t - arr[ps])
+        )
+        for kind, name in enumerate(("ch", "dis", "E", "g", "u", "x"), start=2):
+            cols[off[name][:, None] + steps] = key(kind, m, 0, t + steps)
+        s_col = lp["s_local"]
+        cols[off["slack"][blk] + s_col] = key(8, blk, code, when)
+        if "defer" in off:
+            cols[off["defer"][blk] + s_col] = key(9, blk, code, when)
+        rows = np.empty(len(lp["b_eq"]), np.int64)
+        rows[row_off[:, None] + steps] = key(10, m, 0, t + steps)
+        rows[row_off[:, None] + H + steps] = key(11, m, 0, t + steps)
+        rows[row_off[blk] + 2 * H + s_col] = key(12, blk, code, when)
+        return cols, rows
+
+    def _solve(
+        self, c, A_eq, b_eq, bounds, t: int, strict: bool = True, keys: tuple | None = None
+    ) -> np.ndarray | None:
         """Solve the LP with HiGHS; the solution, or None when it has no optimum and ``strict`` is False.
+
+        Args:
+            keys: ``(column keys, row keys)`` of the LP (:meth:`_lp_keys`): with :attr:`warm_start`, HiGHS starts from
+                the last keyed solve's basis (columns and rows it does not know start at their lower bound and basic)
+                and this solve's basis is kept for the next; None: a cold start, nothing kept.
 
         Raises:
             RuntimeError: no optimum and ``strict``.
@@ -514,13 +623,28 @@ class MPCController:
         lp.a_matrix_.value_ = A.data
         h = self._highs
         h.passModel(lp)
+        warm = self.warm_start and keys is not None and self._basis is not None
+        if warm:
+            h.setBasis(_carried_basis(self._basis, keys))
         h.run()
         status = h.getModelStatus()
+        if warm and status != highspy.HighsModelStatus.kOptimal:  # a carried basis that did not help: start cold
+            h.clearSolver()
+            h.run()
+            status = h.getModelStatus()
         if status != highspy.HighsModelStatus.kOptimal and not strict:
             return None
         if status != highspy.HighsModelStatus.kOptimal:
             raise RuntimeError(
                 f"MPC LP at step {t} of split '{self.data.split}' not solved: HiGHS {h.modelStatusToString(status)}"
+            )
+        if self.warm_start and keys is not None:
+            basis = h.getBasis()
+            self._basis = (
+                keys[0],
+                np.array(basis.col_status, dtype=object),
+                keys[1],
+                np.array(basis.row_status, dtype=object),
             )
         return np.asarray(h.getSolution().col_value)
 
@@ -580,3 +704,29 @@ def run_mpc(
 def simulate(site: Site, split: str, controller: str = "mpc") -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`run_mpc` at the site's horizon: ``(kpi_row, traces)`` (the registry's runner)."""
     return run_mpc(site, split, controller)[:2]
+
+
+_KEY_SOCKETS = 1 << 19
+"""Socket codes in :meth:`MPCController._lp_keys`: a plugged EV's socket ``i``, an expected arrival's ``2**19 + i``."""
+
+
+def _carried_basis(last: tuple, keys: tuple) -> highspy.HighsBasis:
+    """The last solve's basis ``(column keys, statuses, row keys, statuses)`` carried to an LP with ``keys``: each
+    column and row whose key the last LP had takes its status, the others start at their lower bound (columns) or
+    basic (rows); an alien basis, which HiGHS completes to a basis of the LP."""
+    S = highspy.HighsBasisStatus
+
+    def carry(new: np.ndarray, old: np.ndarray, status: np.ndarray, default) -> list:
+        order = np.argsort(old, kind="stable")
+        i = np.minimum(np.searchsorted(old[order], new), len(old) - 1)
+        hit = old[order[i]] == new
+        out = np.full(len(new), default, dtype=object)
+        out[hit] = status[order[i[hit]]]
+        return out.tolist()
+
+    basis = highspy.HighsBasis()
+    basis.col_status = carry(keys[0], last[0], last[1], S.kLower)
+    basis.row_status = carry(keys[1], last[2], last[3], S.kBasic)
+    basis.alien = True
+    basis.valid = True
+    return basis

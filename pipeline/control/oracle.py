@@ -113,14 +113,18 @@ def assemble_lp(
     need: np.ndarray,
     p_max: np.ndarray | None = None,
     defer_kwh: np.ndarray | None = None,
+    block: np.ndarray | None = None,
+    n_blocks: int = 1,
 ) -> dict:
     """The LP of the module docstring over ``T = len(pv_kw)`` steps from explicit arrays (shared by the
-    oracle, over a whole split, and by :mod:`pipeline.control.mpc`, over a receding window).
+    oracle, over a whole split, and by :mod:`pipeline.control.mpc`, over a receding window); or ``K`` such LPs at
+    once, stacked block-diagonally (the scenarios of :mod:`pipeline.control.scenario`).
 
     Args:
         cfg: the site config (BESS, EV socket power, grid limits and export credit, ``dt_h``).
-        pv_kw, load_kw, moer: the exogenous series over the ``T`` steps, ``(T,)`` each (kW, kW, kg/kWh).
-        energy_init_kwh: BESS energy before step 0, kWh.
+        pv_kw, load_kw: the exogenous series over the ``T`` steps, ``(T,)`` each, kW; every block shares them.
+        moer: kg/kWh, ``(T,)`` (every block) or ``(K, T)`` (each block its own).
+        energy_init_kwh: BESS energy before step 0, kWh (every block).
         arr, dep, need: sessions' first step, end step (exclusive; ``0 <= arr < dep <= T``) and energy to
             deliver, kWh, ``(S,)`` each.
         p_max: each session's power limit, kW, ``(S,)``: the power of its socket (default ``cfg.ev.socket_kw``
@@ -128,89 +132,123 @@ def assemble_lp(
         defer_kwh: energy of each session that may be left for after step ``T`` (kWh, ``(S,)``): adds the
             block ``defer`` (``sum_t p*dt + slack + defer = need``, ``0 <= defer <= defer_kwh``) with zero cost;
             None: no such block (the oracle).
+        block: each session's block, ``(S,)`` int in ``[0, n_blocks)``, non-decreasing; None: one block.
+        n_blocks: ``K``, the number of blocks.
 
     Returns:
-        the dict described in :func:`build_lp`; with ``defer_kwh`` the columns end with ``defer (S)``.
+        the dict described in :func:`build_lp`; with ``defer_kwh`` each block's columns end with ``defer (S_k)``.
+        With ``block`` given, the LP is the ``K`` blocks' LPs one after another (columns and rows, each block laid
+        out as one LP is, its sessions in their order), the same matrix as ``scipy.sparse.block_diag`` of the
+        ``K`` LPs built one by one; then ``off`` maps each name to a ``(K,)`` int64 array (each block's first
+        column of it), and the dict adds ``row_off`` (``(K,)``: each block's first row), ``col_block`` (``(n,)``:
+        the block of each column), ``p_col`` (``(n_p,)``: the column of each EV variable, in ``p_sess`` order) and
+        ``s_local`` (``(S,)``: each session's index within its block).
+
+    Raises:
+        ValueError: ``block`` out of range or decreasing, or ``moer`` of another shape.
     """
     b, dt = cfg.bess, cfg.dt_h
     T = len(pv_kw)
     S = len(arr)
+    K = int(n_blocks)
+    blk = np.zeros(S, np.int64) if block is None else np.asarray(block, dtype=np.int64)
+    if len(blk) != S or (S and (blk[0] < 0 or blk[-1] >= K or (np.diff(blk) < 0).any())):
+        raise ValueError(f"assemble_lp: block must be {S} non-decreasing ints in [0, {K}), got {blk}")
+    moer_k = np.asarray(moer, dtype=np.float64)
+    moer_k = np.broadcast_to(moer_k, (K, T)) if moer_k.ndim == 1 else moer_k
+    if moer_k.shape != (K, T):
+        raise ValueError(f"assemble_lp: moer must be ({T},) or ({K}, {T}), got {np.shape(moer)}")
     p_max = np.full(S, cfg.ev.socket_kw) if p_max is None else np.asarray(p_max, dtype=np.float64)
 
     # EV power variables: one per (session, step of its stay), vectorised
     stay = dep - arr
     n_p = int(stay.sum())
     p_sess = np.repeat(np.arange(S, dtype=np.int64), stay)
-    starts = np.cumsum(stay) - stay  # first EV column of each session
+    starts = np.cumsum(stay) - stay  # first EV variable of each session
     p_step = np.arange(n_p, dtype=np.int64) - np.repeat(starts, stay) + np.repeat(arr, stay)
 
-    off = {}
-    col = n_p
-    blocks = [("ch", T), ("dis", T), ("E", T), ("g", T), ("u", T), ("x", T), ("slack", S)]
-    if defer_kwh is not None:
-        blocks.append(("defer", S))
-    for name, size in blocks:
-        off[name] = col
-        col += size
-    off["p"] = 0
-    n = col
+    # the blocks: each [p (n_p_k), ch, dis, E, g, u, x (T each), slack (S_k), defer (S_k)], rows [balance, storage, EV]
+    s_k = np.bincount(blk, minlength=K)  # (K,) sessions per block
+    np_k = np.bincount(blk, weights=stay, minlength=K).astype(np.int64)  # (K,) EV variables per block
+    with_defer = defer_kwh is not None
+    size = np_k + 6 * T + s_k * (2 if with_defer else 1)
+    base = np.cumsum(size) - size
+    row_off = np.cumsum(2 * T + s_k) - (2 * T + s_k)
+    off = {"p": base}
+    for i, name in enumerate(("ch", "dis", "E", "g", "u", "x")):
+        off[name] = base + np_k + i * T
+    off["slack"] = base + np_k + 6 * T
+    if with_defer:
+        off["defer"] = off["slack"] + s_k
+    n = int(size.sum())
+    n_row = int((2 * T + s_k).sum())
+    s_local = np.arange(S, dtype=np.int64) - (np.cumsum(s_k) - s_k)[blk]  # each session's index in its block
+    p_blk = blk[p_sess]
+    p_col = base[p_blk] + np.arange(n_p, dtype=np.int64) - (np.cumsum(np_k) - np_k)[p_blk]
     steps = np.arange(T, dtype=np.int64)
 
-    # ---- equality rows: balance (0..T-1), storage (T..2T-1), EV energy (2T..2T+S-1)
-    rows, cols, vals = [], [], []
+    def cols(name: str, k: np.ndarray = steps) -> np.ndarray:  # the columns of a per-step block at steps k, (K*len(k),)
+        return (off[name][:, None] + k).ravel()
+
+    balance = (row_off[:, None] + steps).ravel()  # (K*T,)
+    storage = balance + T
+    ev_row = row_off[blk] + 2 * T + s_local  # (S,)
+
+    # ---- equality rows: balance (0..T-1), storage (T..2T-1), EV energy (2T..2T+S-1) of each block
+    rows, cols_, vals = [], [], []
 
     def add(r, c, v):
         rows.append(np.asarray(r, dtype=np.int64))
-        cols.append(np.asarray(c, dtype=np.int64))
+        cols_.append(np.asarray(c, dtype=np.int64))
         vals.append(np.broadcast_to(np.asarray(v, dtype=np.float64), np.shape(r)))
 
     # balance: -u + g + dis - ch - x - sum_s p = load - pv
-    add(p_step, off["p"] + np.arange(n_p), -1.0)
-    add(steps, off["ch"] + steps, -1.0)
-    add(steps, off["dis"] + steps, 1.0)
-    add(steps, off["g"] + steps, 1.0)
-    add(steps, off["u"] + steps, -1.0)
-    add(steps, off["x"] + steps, -1.0)
+    add(row_off[p_blk] + p_step, p_col, -1.0)
+    add(balance, cols("ch"), -1.0)
+    add(balance, cols("dis"), 1.0)
+    add(balance, cols("g"), 1.0)
+    add(balance, cols("u"), -1.0)
+    add(balance, cols("x"), -1.0)
     # storage: E[t] - E[t-1] - eta_c*dt*ch[t] + dt/eta_d*dis[t] = (E_init if t == 0 else 0)
-    add(T + steps, off["E"] + steps, 1.0)
-    add(T + steps[1:], off["E"] + steps[:-1], -1.0)
-    add(T + steps, off["ch"] + steps, -b.eta_charge * dt)
-    add(T + steps, off["dis"] + steps, dt / b.eta_discharge)
+    add(storage, cols("E"), 1.0)
+    add((row_off[:, None] + T + steps[1:]).ravel(), cols("E", steps[:-1]), -1.0)
+    add(storage, cols("ch"), -b.eta_charge * dt)
+    add(storage, cols("dis"), dt / b.eta_discharge)
     # EV energy: sum_t p*dt + slack (+ defer) = need
-    add(2 * T + p_sess, off["p"] + np.arange(n_p), dt)
-    add(2 * T + np.arange(S), off["slack"] + np.arange(S), 1.0)
-    if defer_kwh is not None:
-        add(2 * T + np.arange(S), off["defer"] + np.arange(S), 1.0)
+    add(ev_row[p_sess], p_col, dt)
+    add(ev_row, off["slack"][blk] + s_local, 1.0)
+    if with_defer:
+        add(ev_row, off["defer"][blk] + s_local, 1.0)
 
-    A_eq = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(2 * T + S, n))
-    b_eq = np.zeros(2 * T + S)
-    b_eq[:T] = load_kw - pv_kw
-    b_eq[T] = energy_init_kwh
-    b_eq[2 * T :] = need
+    A_eq = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols_))), shape=(n_row, n))
+    b_eq = np.zeros(n_row)
+    b_eq[balance] = np.tile(load_kw - pv_kw, K)
+    b_eq[row_off + T] = energy_init_kwh
+    b_eq[ev_row] = need
 
     # ---- bounds
     lo = np.zeros(n)
     hi = np.full(n, np.inf)
-    hi[:n_p] = p_max[p_sess]
-    hi[off["ch"] : off["ch"] + T] = b.power_kw
-    hi[off["dis"] : off["dis"] + T] = b.power_kw
-    lo[off["E"] : off["E"] + T] = b.soc_min * b.capacity_kwh
-    hi[off["E"] : off["E"] + T] = b.soc_max * b.capacity_kwh
-    hi[off["g"] : off["g"] + T] = np.maximum(cfg.grid.import_limit_kw, load_kw - pv_kw)
-    hi[off["u"] : off["u"] + T] = pv_kw
+    hi[p_col] = p_max[p_sess]
+    hi[cols("ch")] = b.power_kw
+    hi[cols("dis")] = b.power_kw
+    lo[cols("E")] = b.soc_min * b.capacity_kwh
+    hi[cols("E")] = b.soc_max * b.capacity_kwh
+    hi[cols("g")] = np.tile(np.maximum(cfg.grid.import_limit_kw, load_kw - pv_kw), K)
+    hi[cols("u")] = np.tile(pv_kw, K)
     if not cfg.grid.export_allowed:
-        hi[off["x"] : off["x"] + T] = 0.0
-    if defer_kwh is not None:
-        hi[off["defer"] : off["defer"] + S] = defer_kwh
+        hi[cols("x")] = 0.0
+    if with_defer:
+        hi[off["defer"][blk] + s_local] = defer_kwh
 
     # ---- objective: kg CO2 of import (minus the export credit) + penalty on unserved EV energy
     c = np.zeros(n)
-    c[off["g"] : off["g"] + T] = moer * dt
+    c[cols("g")] = (moer_k * dt).ravel()
     if cfg.grid.export_credit == "moer":
-        c[off["x"] : off["x"] + T] = -moer * dt
-    c[off["slack"] : off["slack"] + S] = UNSERVED_PENALTY
+        c[cols("x")] = (-moer_k * dt).ravel()
+    c[off["slack"][blk] + s_local] = UNSERVED_PENALTY
 
-    return {
+    out = {
         "c": c,
         "A_eq": A_eq,
         "b_eq": b_eq,
@@ -220,9 +258,12 @@ def assemble_lp(
         "n_p": n_p,
         "p_sess": p_sess,
         "p_step": p_step,
-        "off": off,
+        "off": {k: int(v[0]) for k, v in off.items()} if block is None else off,
         "dep": dep,
     }
+    if block is not None:
+        out.update(row_off=row_off, col_block=np.repeat(np.arange(K), size), p_col=p_col, s_local=s_local)
+    return out
 
 
 def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> tuple[pd.DataFrame, pd.DataFrame]:

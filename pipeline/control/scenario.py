@@ -24,12 +24,15 @@ with half-life 0; the demand weight of :class:`~pipeline.control.mpc.PlannerPara
 
 The LP: each scenario's window LP is ``mpc``'s (:meth:`~pipeline.control.mpc.MPCController._window_lp`: the oracle's
 constraints, deferral past the window, terminal value, tie-breaks, the env's step-0 floors and caps and import-limit
-cut), its objective times ``p_k``; the ``K`` blocks are stacked block-diagonally, and non-anticipativity rows tie the
-step-0 columns (``ch``, ``dis``, ``g``, ``u``, ``x`` and every plugged EV's first column) of every scenario to the
-first one's. With ``grid.export_credit = "moer"`` step 0 keeps the env's dispatch rules as ``mpc``'s does. The
-returned :class:`~pipeline.control.mpc.Plan` is step 0 (shared) and, over the window, the probability-weighted mean of
-the scenarios' battery and plugged-EV power; ``co2_planned_kg`` is the expected CO2. With one scenario equal to
-``mpc``'s expected demand and its MOER outlook the LP is ``mpc``'s, column for column.
+cut), its objective times ``p_k``; the ``K`` blocks are stacked block-diagonally (built in one go: ``_window_lp`` with
+a block per scenario, the same LP as the ``K`` built one by one), and non-anticipativity rows tie the step-0 columns
+(``ch``, ``dis``, ``g``, ``u``, ``x`` and every plugged EV's first column) of every scenario to the first one's. HiGHS
+starts each hour from the last hour's basis (``warm_start``: about a quarter of the simplex iterations; the optimum is
+the same, the vertex chosen among plans of equal cost may differ). With ``grid.export_credit = "moer"`` step 0 keeps
+the env's dispatch rules as ``mpc``'s does. The returned :class:`~pipeline.control.mpc.Plan` is step 0 (shared) and,
+over the window, the probability-weighted mean of the scenarios' battery and plugged-EV power; ``co2_planned_kg`` is
+the expected CO2. With one scenario equal to ``mpc``'s expected demand and its MOER outlook the LP is ``mpc``'s, column
+for column (and, from cold starts, so are its plans).
 
 How ``K``, the half-life and the MOER scenarios were chosen (the train split only) and what each is worth:
 ``docs/agents.md``, "Scenario MPC".
@@ -85,6 +88,7 @@ class ScenarioMPC(MPCController):
     n_scenarios: int = N_SCENARIOS
     recency_half_life: float = RECENCY_HALF_LIFE
     moer_scenarios: bool = MOER_SCENARIOS
+    warm_start: bool = True
 
     def __post_init__(self):
         if self.n_scenarios < 1 or not self.recency_half_life >= 0 or self.perfect:
@@ -183,19 +187,20 @@ class ScenarioMPC(MPCController):
         cap_all, floor_all = self._step0_env_bounds(need_all, left_all)
         moers = self.scenario_moer(t, H, moer)
         prob = self.probabilities()
-        blocks = [
-            self._window_lp(t, H, moers[m], energy_kwh, sess, cap_all, floor_all)
-            for m, sess in enumerate(self.scenario_sessions(t, H, need_all, left_all))
-        ]
-        lp = self.stack(blocks, prob)
-        w0 = blocks[0]
-        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t)
+        sessions = self.scenario_sessions(t, H, need_all, left_all)
+        block = np.repeat(np.arange(len(sessions)), [len(x[0]) for x in sessions])
+        merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
+        w = self._window_lp(t, H, moers, energy_kwh, merged, cap_all, floor_all, block)
+        lp, views = self.two_stage(w, prob), w["views"]
+        keys = None
+        if self.warm_start:
+            cols, rows = self._lp_keys(t, w["lp"], merged, block)
+            n_tie = len(lp["b_eq"]) - len(rows)
+            keys = (cols, np.r_[rows, (np.int64(13) << 59) + np.arange(n_tie, dtype=np.int64)])  # the j-th tie row
+        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t, keys=keys)
         if self.data.config.grid.export_credit == "moer":
-            z = self._env_rules_at_step0(lp["c"], lp, lp["bounds"], z, t, w0["col0"], cap_all[w0["s0"]])
-        plans = [
-            self._plan_of(t, z[o : o + len(w["lp"]["c"])], w, moers[m], cap_all, floor_all)
-            for m, (w, o) in enumerate(zip(blocks, lp["starts"]))
-        ]
+            z = self._env_rules_at_step0(lp, views[0], z, t, cap_all[views[0]["s0"]])
+        plans = [self._plan_of(t, z, lp, v, moers[m], cap_all, floor_all) for m, v in enumerate(views)]
         plan = plans[0]
         plan.co2_planned_kg = float(sum(p * q.co2_planned_kg for p, q in zip(prob, plans)))
         plan.bess_kw_steps = sum(p * q.bess_kw_steps for p, q in zip(prob, plans))
@@ -209,43 +214,33 @@ class ScenarioMPC(MPCController):
         return plan
 
     @staticmethod
-    def stack(blocks: list[dict], prob: np.ndarray) -> dict:
-        """The two-stage LP of the scenarios' window LPs (:meth:`_window_lp`'s dicts, ``K``) with probabilities
-        ``prob`` (``(K,)``): block-diagonal equality rows, then non-anticipativity rows ``z0[j] - zk[j] = 0`` for each
-        step-0 column ``j`` of scenario 0 (``ch, dis, g, u, x`` and the plugged EVs' first columns); costs times
-        ``p_k``. Returns a dict with ``c``, ``A_eq`` (CSR), ``b_eq``, ``bounds``, ``off`` (scenario 0's, which comes
-        first) and ``starts`` (each block's first column)."""
-        lps = [w["lp"] for w in blocks]
-        sizes = np.array([len(lp["c"]) for lp in lps])
-        starts = np.cumsum(sizes) - sizes
-        # each block's step-0 columns, in its own numbering (its EV block, hence its offsets, has its own size; the
-        # plugged EVs come first in every block, so their first columns are the same)
-        shared = [
-            np.r_[[lp["off"][n] for n in ("ch", "dis", "g", "u", "x")], w["col0"]].astype(np.int64)
-            for lp, w in zip(lps, blocks)
-        ]
-        A = sp.block_diag([lp["A_eq"] for lp in lps], format="csr")
-        n_tie = len(shared[0]) * (len(lps) - 1)
+    def two_stage(w: dict, prob: np.ndarray) -> dict:
+        """The two-stage LP of the scenarios' window LPs (:meth:`_window_lp`'s dict ``w`` with ``K`` blocks) with
+        probabilities ``prob`` (``(K,)``): each block's costs times its ``p_k``, and non-anticipativity rows
+        ``z0[j] - zk[j] = 0`` after the blocks' rows for each step-0 column ``j`` of scenario 0 (``ch, dis, g, u,
+        x`` and the plugged EVs' first columns; the plugged EVs come first in every block, in the same order).
+        Returns a dict with ``c``, ``A_eq`` (CSR), ``b_eq`` and ``bounds`` (``w["lp"]``'s, shared)."""
+        lp, views = w["lp"], w["views"]
+        shared = [np.r_[[v["off"][n] for n in ("ch", "dis", "g", "u", "x")], v["col0"]].astype(np.int64) for v in views]
+        A = lp["A_eq"]
+        n_tie = len(shared[0]) * (len(views) - 1)
         if n_tie:
             r = np.arange(n_tie)
-            cols_k = np.concatenate([s + sh for s, sh in zip(starts[1:], shared[1:])])
-            cols = np.r_[np.tile(shared[0], len(lps) - 1), cols_k]
+            cols = np.r_[np.tile(shared[0], len(views) - 1), np.concatenate(shared[1:])]
             vals = np.r_[np.ones(n_tie), -np.ones(n_tie)]
-            tie = sp.csr_matrix((vals, (np.r_[r, r], cols)), shape=(n_tie, int(sizes.sum())))
+            tie = sp.csr_matrix((vals, (np.r_[r, r], cols)), shape=(n_tie, A.shape[1]))
             A = sp.vstack([A, tie], format="csr")
         return {
-            "c": np.concatenate([p * lp["c"] for p, lp in zip(prob, lps)]),
+            "c": prob[lp["col_block"]] * lp["c"],
             "A_eq": A,
-            "b_eq": np.concatenate([lp["b_eq"] for lp in lps] + [np.zeros(n_tie)]),
-            "bounds": np.concatenate([lp["bounds"] for lp in lps]),
-            "off": lps[0]["off"],
-            "starts": starts,
+            "b_eq": np.concatenate([lp["b_eq"], np.zeros(n_tie)]),
+            "bounds": lp["bounds"],
         }
 
 
 def controller(data: SplitData, **settings) -> ScenarioMPC:
-    """``mpc_scenario``'s controller for a split: :func:`base_params`' planner, HiGHS without presolve, and the
-    chosen ``n_scenarios``, ``recency_half_life``, ``moer_scenarios`` unless ``settings`` give others."""
+    """``mpc_scenario``'s controller for a split: :func:`base_params`' planner, HiGHS without presolve and warm-started,
+    and the chosen ``n_scenarios``, ``recency_half_life``, ``moer_scenarios`` unless ``settings`` give others."""
     return ScenarioMPC(data, base_params(data.config), presolve=False, **settings)
 
 
