@@ -33,6 +33,10 @@ processed data as they are.
     doit run sizing controllers=rule_based,oracle         # EVHUB_SIZING_CONTROLLERS (uncontrolled always runs)
     doit run sizing workers=2                             # EVHUB_WORKERS (LocalCluster worker processes)
 
+``doit run value_of_information`` (not part of ``pipeline``) runs the planner of ``mpc_rl_start`` given the true MOER,
+the true arrivals or both, on both splits (``pipeline.study.information``), into
+``outputs/<experiment>/report/value_of_information.{parquet,md}``; the report shows it once it is there.
+
 ``doit bench`` runs the speed benchmarks (``benchmarks/``) into ``outputs/bench``::
 
     doit bench                 # part=auto: the CPU part, and the GPU part too where CUDA is available
@@ -282,18 +286,25 @@ def task_report():
         + _targets("evaluate")
         + depends.as_strings(depends.files(*depends.REPORT)),
         "targets": _targets("report"),
-        "uptodate": [_sizing_results_changed()],  # the report shows a sizing study's headline once one has run
+        "uptodate": [_shown_results_changed()],  # a sizing study or value-of-information table made since
         "clean": True,
     }
 
 
-def _sizing_results_changed():
-    """``uptodate`` of the report on ``<experiment>/sizing/sizing.parquet`` (its mtime and size; "" when absent).
-    Not a file_dep: that would make the report depend on the ``sizing`` task, which is not part of the pipeline."""
+def _shown_results_changed():
+    """``uptodate`` of the report on ``<experiment>/sizing/sizing.parquet`` and
+    ``<experiment>/report/value_of_information.parquet`` (their mtime and size; "" when absent). Not file_deps: that
+    would make the report depend on the ``sizing`` and ``value_of_information`` tasks, which are not part of the
+    pipeline."""
     from doit.tools import config_changed
 
-    p = CFG.root / "sizing" / "sizing.parquet"
-    return config_changed({"sizing_results": f"{p.stat().st_mtime_ns}:{p.stat().st_size}" if p.is_file() else ""})
+    def stamp(p: Path) -> str:
+        return f"{p.stat().st_mtime_ns}:{p.stat().st_size}" if p.is_file() else ""
+
+    shown = {"sizing_results": stamp(CFG.root / "sizing" / "sizing.parquet")}
+    if information := stamp(CFG.root / "report" / "value_of_information.parquet"):
+        shown["information_results"] = information  # only when there: a report made before it stays up to date
+    return config_changed(shown)
 
 
 def task_pipeline():
@@ -348,6 +359,34 @@ def task_sizing():
         + depends.as_strings(depends.files("pipeline/study/sizing.py", "pipeline/study/document.py")),
         "targets": targets,
         "uptodate": [config_changed(spec.as_dict())],
+        "clean": True,
+        "verbosity": 2,
+    }
+
+
+def task_value_of_information():
+    """What forecasting what is worth at the site (not in pipeline): the planner given the true MOER, arrivals, both.
+
+    ``doit run value_of_information`` runs the planner of ``mpc_rl_start`` with forecasts of both unknowns, the true
+    MOER, the true arrivals and both true (``mpc_perfect``) over each whole split, one Dask task per run x split
+    (``pipeline.study.information``), against ``rule_based`` and the ``oracle``; a row the study's ``baselines/``
+    already holds, newer than the site and the controllers' code, is read instead of run. It writes
+    ``<experiment>/report/value_of_information.parquet`` and ``value_of_information.md`` (a reading line per split);
+    the report shows the table once it is there. Same settings as the pipeline (``site=``, ``experiment=``,
+    ``scheduler=``).
+    """
+    from pipeline.study import information
+
+    def action():
+        quiet_worker_failures(CFG.scheduler_address)
+        information.run(SITE_TOML, CFG.root, scheduler_address=CFG.scheduler_address)
+
+    return {
+        "actions": [timed("value_of_information", doit_action(action))],
+        "file_dep": _site_files()
+        + CONTROLLER_CODE
+        + depends.as_strings(depends.files("pipeline/study/information.py", "pipeline/study/document.py")),
+        "targets": [str(p) for p in information.outputs(CFG.root)],
         "clean": True,
         "verbosity": 2,
     }

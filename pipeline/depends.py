@@ -30,6 +30,7 @@ CONTROL = ("pipeline/control/**/*.py",)
 REPORT = (
     "pipeline/study/report.py",
     "pipeline/study/document.py",
+    "pipeline/study/information.py",
     "pipeline/study/tasks.py",
     "pipeline/study/results.py",
     "pipeline/control/registry.py",

@@ -54,6 +54,7 @@ from pipeline.study.document import (
     render_html,
     render_markdown,
 )
+from pipeline.study.information import page_blocks as information_blocks
 
 SPLIT_ORDER = ("train", "test")
 """Splits in report order; other split names follow alphabetically."""
@@ -722,6 +723,7 @@ def write_report(
     notes: Iterable[str] = (),
     data_sources: Sequence[str] = (),
     sizing: pd.DataFrame | None = None,
+    information: pd.DataFrame | None = None,
 ) -> Path:
     """Write the CO2 comparison report (table, figures, Markdown and HTML pages) into ``out_dir``.
 
@@ -743,6 +745,8 @@ def write_report(
             :func:`site_data_sources` of the site's data README); the section is left out when empty.
         sizing: results of a sizing study, one row per sized variant; shown as a "Sizing results" table
             when given (:func:`pipeline.study.document.frame_table`), left out when ``None``.
+        information: the value-of-information table (:func:`pipeline.study.information.table`, ``doit run
+            value_of_information``); shown as the section "What forecasting is worth" when given.
 
     Returns:
         Path of ``report.md``. Beside it: ``report.html`` (the same content as one self-contained page, figures
@@ -791,7 +795,16 @@ def write_report(
     for stale in {"test_week_traces.png", "learning_curves.png"} - {f.file for f in figures}:
         (out_dir / stale).unlink(missing_ok=True)  # left by an earlier run; this report does not show it
 
-    blocks = report_blocks(title, site_summary, table, figures, notes=notes, data_sources=data_sources, sizing=sizing)
+    blocks = report_blocks(
+        title,
+        site_summary,
+        table,
+        figures,
+        notes=notes,
+        data_sources=data_sources,
+        sizing=sizing,
+        information=information,
+    )
     write_text(out_dir / "report.html", render_html(blocks, title, out_dir))  # before report.md, the task's target
     return write_text(out_dir / "report.md", render_markdown(blocks))
 
@@ -804,12 +817,14 @@ def report_blocks(
     notes: Iterable[str] = (),
     data_sources: Sequence[str] = (),
     sizing: pd.DataFrame | None = None,
+    information: pd.DataFrame | None = None,
 ) -> list[Block]:
     """The report's content, once, for both report.md and report.html (see :func:`write_report`).
 
     In order: the title and notes, the answer (:func:`answer_blocks`), the results (the main figure
     :data:`MAIN_FIGURE` when in ``figures``; per split a compact table, its summary and, folded, every KPI and the
-    ordering by CO2; what each controller knows), the site, the sizing results when given, the other figures.
+    ordering by CO2; what each controller knows), what forecasting is worth when ``information`` is given
+    (:func:`pipeline.study.information.page_blocks`), the site, the sizing results when given, the other figures.
     ``figures`` are the figures written (the week figure is ``test_week_traces.png``, the learning curves
     ``learning_curves.png``); a sentence says which of those two is omitted.
     """
@@ -844,6 +859,8 @@ def report_blocks(
             "`mpc_perfect` and `oracle`) can be run."
         )
     )
+    if information is not None:
+        blocks += information_blocks(information)
     site = tuple(f"**{k}**: {v}" for k, v in site_summary.items()) or ("(no site summary given)",)
     blocks += [Heading(2, "Site"), Bullets(site)]
     if data_sources:

@@ -419,7 +419,8 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     under it; a ``data_note`` is shown in the site section; a site whose hourly MOER is one constant gets a
     note that its CO2 follows grid import, to be read beside unserved energy. When a sizing study of the experiment
     has run (``<experiment>/sizing/sizing.parquet``, ``doit run sizing``), its headline is shown too
-    (:func:`pipeline.study.sizing.report_summary`).
+    (:func:`pipeline.study.sizing.report_summary`); likewise the value-of-information table
+    (``report/value_of_information.parquet``, ``doit run value_of_information``).
     """
 
     c, toml = load_config(cfg_dict["site_toml"])
@@ -464,6 +465,8 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     sizing = None
     if sizing_file.is_file():
         sizing = report_summary(pd.read_parquet(sizing_file))
+    information_file = Path(out_dir) / "value_of_information.parquet"  # from `doit run value_of_information`, if run
+    information = pd.read_parquet(information_file) if information_file.is_file() else None
     path = write_report(
         [Path(p) for p in kpi_paths],
         {tuple(k.split("|")): Path(v) for k, v in trace_paths.items()},
@@ -474,5 +477,6 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         notes=notes,
         data_sources=site_data_sources(toml.parent / c.data_dir / "README.md"),
         sizing=sizing,
+        information=information,
     )
     return str(path)
