@@ -257,3 +257,12 @@ def test_registry_row_and_runner(capsys):
     assert "mpc_scenario test: K 2" in capsys.readouterr().out
     with pytest.raises(ValueError, match="n_scenarios"):
         ScenarioMPC(site.split("test"), n_scenarios=0)
+
+
+@pytest.mark.parametrize("flag", ["perfect", "perfect_moer", "perfect_arrivals"])
+def test_a_scenario_planner_given_the_truth_is_refused(flag):
+    """Its scenarios are its forecast: a ``perfect`` flag of the one-mean planner has no meaning here, and is refused
+    rather than ignored."""
+    data = make_site(days=3, n_sockets=2).split("train")
+    with pytest.raises(ValueError, match="perfect"):
+        ScenarioMPC(data, scenario.base_params(data.config), **{flag: True})

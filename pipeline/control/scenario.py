@@ -72,7 +72,8 @@ def base_params(site_config: SiteConfig) -> PlannerParams:
 class ScenarioMPC(MPCController):
     """A two-stage stochastic receding-horizon controller (module docstring); a policy ``(obs, env) -> action``.
 
-    Args (besides :class:`~pipeline.control.mpc.MPCController`'s; ``perfect`` must stay False):
+    Args (besides :class:`~pipeline.control.mpc.MPCController`'s; ``perfect``, ``perfect_moer`` and
+    ``perfect_arrivals`` must stay False: its scenarios are its forecast):
         n_scenarios: ``K``, at least 1.
         recency_half_life: half-life of the scenarios' probabilities, in same-type days (0: uniform).
         moer_scenarios: add the forecast's past errors at each lead to each scenario's MOER outlook.
@@ -82,7 +83,7 @@ class ScenarioMPC(MPCController):
         lp_total: those of every LP solved, summed (``lp_total / solves``: the mean LP).
 
     Raises:
-        ValueError: ``n_scenarios < 1``, a negative half-life, or ``perfect``.
+        ValueError: ``n_scenarios < 1``, a negative half-life, or a ``perfect`` flag.
     """
 
     n_scenarios: int = N_SCENARIOS
@@ -91,10 +92,11 @@ class ScenarioMPC(MPCController):
     warm_start: bool = True
 
     def __post_init__(self):
-        if self.n_scenarios < 1 or not self.recency_half_life >= 0 or self.perfect:
+        perfect = self.perfect or self.perfect_moer or self.perfect_arrivals
+        if self.n_scenarios < 1 or not self.recency_half_life >= 0 or perfect:
             raise ValueError(
-                f"ScenarioMPC: n_scenarios >= 1, recency_half_life >= 0 and perfect=False required, got "
-                f"{self.n_scenarios}, {self.recency_half_life}, {self.perfect}"
+                f"ScenarioMPC: n_scenarios >= 1, recency_half_life >= 0 and no perfect, perfect_moer or "
+                f"perfect_arrivals required, got {self.n_scenarios}, {self.recency_half_life}, {perfect}"
             )
         super().__post_init__()
         self._issued: dict[int, np.ndarray] = {}  # step -> the MOER outlook issued then (kg/kWh)
