@@ -266,3 +266,31 @@ def test_a_scenario_planner_given_the_truth_is_refused(flag):
     data = make_site(days=3, n_sockets=2).split("train")
     with pytest.raises(ValueError, match="perfect"):
         ScenarioMPC(data, scenario.base_params(data.config), **{flag: True})
+
+
+def test_session_model_scenarios_are_causal_and_seeded():
+    """With ``scenario_source = "session_model"`` the scenarios are the session model's draws, after the plugged EVs:
+    changing the data from step k + 1 on leaves the actions up to k unchanged, and a seed gives the same run twice."""
+    site = make_site(days=12, n_sockets=4)
+    k = 9 * 24 + 5
+
+    def actions(s: Site, seed: int = 1) -> np.ndarray:
+        data = s.split("train")
+        m = ScenarioMPC(
+            data,
+            scenario.base_params(data.config),
+            n_scenarios=3,
+            scenario_source="session_model",
+            seed=seed,
+            keep_plans=True,
+        )
+        _run(s, "train", m)
+        return np.array([p.action for p in m.plans])
+
+    a = actions(site)
+    np.testing.assert_array_equal(a, actions(site))
+    b = actions(changed_future(site, "train", k + 1))
+    np.testing.assert_array_equal(a[: k + 1], b[: k + 1])
+    assert not np.array_equal(a, actions(site, seed=2))
+    with pytest.raises(ValueError, match="scenario_source"):
+        ScenarioMPC(site.split("train"), scenario.base_params(site.config), scenario_source="past_weeks")

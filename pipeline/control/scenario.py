@@ -17,7 +17,10 @@ own recourse after it (EV charging of its own arrivals, battery, grid). What the
   any day without ``demand_day_type``) whose arrivals are realised by ``t``, chosen for each step of the window as
   :meth:`~pipeline.control.mpc.MPCController._same_day_type_sources` chooses its days: every session that arrived at
   that hour of that day, moved into the window with its stay and its real, unscaled energy (weight 1). While fewer
-  than ``K`` such days exist (a split's first days) the available days are repeated in turn.
+  than ``K`` such days exist (a split's first days) the available days are repeated in turn. With
+  ``scenario_source = "session_model"`` scenario ``k`` is instead the ``k``-th draw of a session model fit on the
+  split's realised past (:mod:`pipeline.control.sessions`: arrivals per hour by day type and socket group, stays and
+  energies, forgetting), seeded.
 
 Probabilities: ``p_k`` proportional to ``0.5 ** (k / recency_half_life)`` (``k = 0`` the most recent day), or ``1 / K``
 with half-life 0; the demand weight of :class:`~pipeline.control.mpc.PlannerParams` has no role.
@@ -51,6 +54,7 @@ from envs.config import SiteConfig
 from envs.site import Site, SplitData, load_site
 from pipeline.control.backtest import WindowResult, run_controller
 from pipeline.control.mpc import MPCController, Plan, PlannerParams
+from pipeline.control.sessions import SessionModel
 
 N_SCENARIOS = 21
 """``K``, past days (scenarios) per plan, chosen on the train split (``docs/agents.md``)."""
@@ -59,6 +63,12 @@ RECENCY_HALF_LIFE = 0.0
 split."""
 MOER_SCENARIOS = False
 """Whether each scenario adds the forecast's past errors to the MOER outlook, chosen on the train split."""
+SCENARIO_SOURCE = "past_days"
+"""Where each scenario's arrivals come from: ``"past_days"`` (the ``k``-th most recent past day of the same type) or
+``"session_model"`` (a draw of :class:`~pipeline.control.sessions.SessionModel` with :data:`SESSION_MODEL`), chosen on
+the train split (``docs/agents.md``)."""
+SESSION_MODEL = {"half_life_days": 112.0, "band_h": 3.0, "dispersion": True}
+"""The session model's settings, chosen by its log-likelihood on held-out train-split weeks (``docs/agents.md``)."""
 
 
 def base_params(site_config: SiteConfig) -> PlannerParams:
@@ -77,18 +87,23 @@ class ScenarioMPC(MPCController):
         n_scenarios: ``K``, at least 1.
         recency_half_life: half-life of the scenarios' probabilities, in same-type days (0: uniform).
         moer_scenarios: add the forecast's past errors at each lead to each scenario's MOER outlook.
+        scenario_source: ``"past_days"`` or ``"session_model"`` (:data:`SCENARIO_SOURCE`).
+        seed: the session model's draws' generator (``"session_model"`` only).
+        warm_start: start each hour's HiGHS from the last hour's basis (:class:`~pipeline.control.mpc.MPCController`).
 
     Attributes:
         lp_shape: ``(rows, columns, nonzeros)`` of the last LP solved.
         lp_total: those of every LP solved, summed (``lp_total / solves``: the mean LP).
 
     Raises:
-        ValueError: ``n_scenarios < 1``, a negative half-life, or a ``perfect`` flag.
+        ValueError: ``n_scenarios < 1``, a negative half-life, a ``perfect`` flag or an unknown scenario source.
     """
 
     n_scenarios: int = N_SCENARIOS
     recency_half_life: float = RECENCY_HALF_LIFE
     moer_scenarios: bool = MOER_SCENARIOS
+    scenario_source: str = SCENARIO_SOURCE
+    seed: int = 1
     warm_start: bool = True
 
     def __post_init__(self):
@@ -98,7 +113,13 @@ class ScenarioMPC(MPCController):
                 f"ScenarioMPC: n_scenarios >= 1, recency_half_life >= 0 and no perfect, perfect_moer or "
                 f"perfect_arrivals required, got {self.n_scenarios}, {self.recency_half_life}, {perfect}"
             )
+        if self.scenario_source not in ("past_days", "session_model"):
+            raise ValueError(
+                f"ScenarioMPC: scenario_source 'past_days' or 'session_model', got {self.scenario_source!r}"
+            )
         super().__post_init__()
+        self._model = SessionModel(self.data, **SESSION_MODEL) if self.scenario_source == "session_model" else None
+        self._rng = np.random.default_rng(self.seed)
         self._issued: dict[int, np.ndarray] = {}  # step -> the MOER outlook issued then (kg/kWh)
         self.lp_shape = (0, 0, 0)
         self.lp_total = np.zeros(3, np.int64)
@@ -130,30 +151,37 @@ class ScenarioMPC(MPCController):
         return out
 
     def scenario_sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray) -> list[tuple]:
-        """Each scenario's sessions in the window: the plugged EVs, then its past days' arrivals (weight 1), as
-        :meth:`~pipeline.control.mpc.MPCController.sessions`' tuple ``(arr, end, need, socket, weight)``; a list of
-        ``K``."""
+        """Each scenario's sessions in the window: the plugged EVs, then its arrivals (weight 1): its past day's
+        (``"past_days"``) or the session model's draw (``"session_model"``, fit on what was realised before ``t``'s
+        day and the day's arrivals up to ``t``); as :meth:`~pipeline.control.mpc.MPCController.sessions`' tuple
+        ``(arr, end, need, socket, weight)``; a list of ``K``."""
         d = self.data
         plugged = np.flatnonzero((steps_left > 0) & (need > 1e-9))
         n0 = len(plugged)
-        days = self.scenario_days(t, H)
-        k = np.arange(H)
-        out = []
-        for m in range(self.n_scenarios):
-            ks = k[days[m] > 0]
-            src = t + ks - days[m, ks] * self._day  # (n,) source steps, each <= t
-            r, i = np.nonzero(d.arrival_stay_steps[src] > 0)
-            a = ks[r]
-            out.append(
-                (
-                    np.concatenate([np.zeros(n0, np.int64), a]),
-                    np.concatenate([steps_left[plugged].astype(np.int64), a + d.arrival_stay_steps[src[r], i]]),
-                    np.concatenate([need[plugged], d.arrival_need_kwh[src[r], i]]).astype(np.float64),
-                    np.concatenate([plugged, -1 - i.astype(np.int64)]),
-                    np.ones(n0 + len(a)),
+        if self._model is not None:
+            arrivals = [x[:4] for x in self._model.draw(t, H, self.n_scenarios, self._rng, steps_left=steps_left)]
+        else:
+            days = self.scenario_days(t, H)
+            k = np.arange(H)
+            arrivals = []
+            for m in range(self.n_scenarios):
+                ks = k[days[m] > 0]
+                src = t + ks - days[m, ks] * self._day  # (n,) source steps, each <= t
+                r, i = np.nonzero(d.arrival_stay_steps[src] > 0)
+                a = ks[r]
+                arrivals.append(
+                    (a, a + d.arrival_stay_steps[src[r], i], d.arrival_need_kwh[src[r], i], -1 - i.astype(np.int64))
                 )
+        return [
+            (
+                np.concatenate([np.zeros(n0, np.int64), a]),
+                np.concatenate([steps_left[plugged].astype(np.int64), end]),
+                np.concatenate([need[plugged], e]).astype(np.float64),
+                np.concatenate([plugged, sock]),
+                np.ones(n0 + len(a)),
             )
-        return out
+            for a, end, e, sock in arrivals
+        ]
 
     def scenario_moer(self, t: int, H: int, moer: np.ndarray) -> np.ndarray:
         """Each scenario's MOER over the window, ``(K, H)`` kg/kWh: the outlook ``moer`` (``(H,)``), plus, with
