@@ -279,13 +279,15 @@ def start_params(site: Site) -> PlannerParams:
     return day_params(base_params(site), np.zeros(2))
 
 
-def simulate_start(site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+def simulate_start(
+    site: Site, split: str, controller: str = "mpc_rl_start", **truth: bool
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``mpc_rl_start``, ``mpc_rl``'s untrained start, over a whole split: its planner with the zero action every day
-    (:func:`start_params`); ``(kpi_row, traces)``."""
+    (:func:`start_params`); ``(kpi_row, traces)``. ``truth``: :class:`~pipeline.control.mpc.MPCController`'s
+    ``perfect_moer`` / ``perfect_arrivals``, for the value-of-information table's runs (named ``controller``)."""
     site = evaluation_site(site)
-    return run_planner(
-        site, split, "mpc_rl_start", MPCController(site.split(split), start_params(site), presolve=False)
-    )
+    mpc = MPCController(site.split(split), start_params(site), presolve=False, **truth)
+    return run_planner(site, split, controller, mpc)
 
 
 def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -49,9 +49,6 @@ from envs.files import write_parquet, write_text
 from envs.site import Site, load_site
 from pipeline import depends
 from pipeline.control import registry, rl_planner
-from pipeline.control.backtest import evaluation_site
-from pipeline.control.learned import run_planner
-from pipeline.control.mpc import MPCController
 from pipeline.study import results
 from pipeline.study.cluster import PRIORITY, get_client
 from pipeline.study.config import SPLITS
@@ -128,8 +125,7 @@ def simulate(site: Site, split: str, controller: str) -> tuple[pd.DataFrame, pd.
     :func:`envs.kpis.evaluate_policy` returns them.
 
     A registry row runs by the registry's runner (exactly as the study runs it); the other variants are the planner of
-    ``mpc_rl_start`` (:func:`pipeline.control.rl_planner.start_params`, every session kept, HiGHS without presolve)
-    given the truth of what the variant says (:func:`pipeline.control.learned.run_planner`).
+    ``mpc_rl_start`` given the truth of what the variant says (:func:`pipeline.control.rl_planner.simulate_start`).
 
     Raises:
         KeyError: a name that is neither a variant's nor a reference's, or an unknown split.
@@ -142,15 +138,9 @@ def simulate(site: Site, split: str, controller: str) -> tuple[pd.DataFrame, pd.
         raise KeyError(
             f"{controller!r} is not a run of the value-of-information table (runs: {', '.join(controllers())})"
         )
-    site = evaluation_site(site)
-    mpc = MPCController(
-        site.split(split),
-        rl_planner.start_params(site),
-        perfect_moer=variant.perfect_moer,
-        perfect_arrivals=variant.perfect_arrivals,
-        presolve=False,
+    return rl_planner.simulate_start(
+        site, split, controller, perfect_moer=variant.perfect_moer, perfect_arrivals=variant.perfect_arrivals
     )
-    return run_planner(site, split, controller, mpc)
 
 
 def run_row(site_toml: str, controller: str, split: str, out_dir: str) -> str:
