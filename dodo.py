@@ -56,7 +56,6 @@ from pathlib import Path
 from doit.exceptions import InvalidDodoFile
 
 from pipeline import depends
-from pipeline.study.cluster import stages_side_by_side
 from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study.failures import ExpectedError, doit_action, one_message, quiet_worker_failures
 from pipeline.study.graph import outputs, run
@@ -87,10 +86,9 @@ except ExpectedError as exc:  # ExperimentBusy, DamagedState
     raise InvalidDodoFile(one_message(exc)) from None
 
 DOIT_CONFIG = {"default_tasks": ["pipeline"], "verbosity": 2, "action_string_formatting": "new", **_STATE}
-if stages_side_by_side(CFG.scheduler_address):
-    # the stages run at once, in threads of this process sharing one Dask client: the cluster places the work
-    # (pipeline.study.cluster); one thread per stage that can be ready at a time (``-n 1`` runs them one by one)
-    DOIT_CONFIG |= {"num_process": len(CFG.algos) + 3, "par_type": "thread"}
+# the stages run at once, in threads of this process sharing one Dask client: the cluster places the work
+# (pipeline.study.cluster); one thread per stage that can be ready at a time (``-n 1`` runs them one by one)
+DOIT_CONFIG |= {"num_process": len(CFG.algos) + 3, "par_type": "thread"}
 
 
 def _site_files() -> list[str]:

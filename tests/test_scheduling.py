@@ -19,26 +19,42 @@ class FakeClient:
         return {"workers": {f"tcp://w{i}": {"resources": r} for i, r in enumerate(self.resources)}}
 
 
-@pytest.mark.parametrize("cuda", [False, True])
-def test_a_cluster_with_gpu_workers_gives_each_training_a_gpu(monkeypatch, cuda):
-    monkeypatch.setattr(cluster, "local_cuda", lambda: cuda)
-    place = cluster.training_placement(FakeClient({"GPU": 1}, {}), "tcp://scheduler:8786")
-    assert place == cluster.TrainingPlacement({"GPU": 1}, one_at_a_time=False)
+def test_a_cluster_with_gpu_workers_gives_each_training_a_gpu():
+    assert cluster.training_placement(FakeClient({"GPU": 1}, {})) == cluster.TrainingPlacement({"GPU": 1})
 
 
-def test_a_cpu_only_machine_trains_side_by_side_and_runs_the_stages_at_once(monkeypatch):
-    monkeypatch.setattr(cluster, "local_cuda", lambda: False)
-    assert cluster.training_placement(FakeClient({}, {}), None) == cluster.TrainingPlacement(None, False)
-    assert cluster.stages_side_by_side(None)
+def test_a_cluster_without_gpu_workers_trains_side_by_side():
+    assert cluster.training_placement(FakeClient({}, {})) == cluster.TrainingPlacement(None)
 
 
-def test_the_embedded_cluster_of_a_cuda_machine_trains_one_after_another(monkeypatch):
-    monkeypatch.setattr(cluster, "local_cuda", lambda: True)
-    assert cluster.training_placement(FakeClient({}, {}), None) == cluster.TrainingPlacement(None, True)
-    assert not cluster.stages_side_by_side(None)
-    # a user's cluster places the work itself, whatever this machine has
-    assert cluster.training_placement(FakeClient({}), "tcp://scheduler:8786").one_at_a_time is False
-    assert cluster.stages_side_by_side("tcp://scheduler:8786")
+@pytest.mark.slow
+def test_the_embedded_cluster_of_a_cuda_machine_holds_one_gpu_worker_beside_the_cpu_workers():
+    """Its GPU worker takes the training tasks, one at a time, while the others run the rest."""
+    from distributed import Client, Lock, get_worker
+
+    with cluster.local_cluster(3, gpu=True) as local, Client(local) as client:
+        assert cluster.gpu_workers(client) == 1
+        place = cluster.training_placement(client)
+        assert place == cluster.TrainingPlacement({"GPU": 1})
+
+        def busy(tag):
+            lock = Lock("probe")  # held by at most one task at a time: two at once would have to wait
+            got = lock.acquire(blocking=False)
+            time.sleep(0.5)
+            if got:
+                lock.release()
+            return tag, get_worker().name, got
+
+        trained = client.gather([client.submit(busy, f"train{i}", pure=False, **place.options) for i in range(3)])
+        others = client.gather([client.submit(busy, f"sim{i}", pure=False) for i in range(4)])  # after: no overlap
+    assert {name for _, name, _ in trained} == {"gpu"}  # every training on the GPU worker
+    assert all(got for *_, got in trained)  # never two at once there (each found the lock free)
+    assert {name for _, name, _ in others} - {"gpu"}  # the rest also reach the CPU workers
+
+
+def test_the_embedded_cluster_needs_a_worker_beside_the_gpu_one():
+    with pytest.raises(ValueError, match="at least 2 workers with a GPU"):
+        cluster.local_cluster(1, gpu=True)
 
 
 def test_the_stage_clock_lists_the_tasks_in_the_order_they_started(monkeypatch):

@@ -232,9 +232,13 @@ class DailyPolicyPlanner:
 def ppo_args(days: int) -> tuple[str, ...]:
     """``algos/ppo.py``'s flags for ``mpc_rl`` (besides seed, output folder and ``--total-timesteps days``): two async
     workers (each day is 24 LP solves), rollouts of one week per worker, a small net, gamma 0.9 (a day's parameters
-    matter mostly that day and the next)."""
+    matter mostly that day and the next); the ``cpu`` preset on the CPU on every machine (the LPs bound it, and the
+    policy is then the same with or without a GPU)."""
     steps = EPISODE_DAYS
     return (
+        "--preset",
+        "cpu",
+        "--no-cuda",
         "--env-id",
         f"pipeline.control.rl_planner:{ENV_ID}",
         "--vector-mode",

@@ -1,17 +1,19 @@
 """The one place where the study's Dask cluster is chosen: a scheduler address if the user gives one, else an
-embedded ``LocalCluster`` (started once per process and size, by whichever thread asks first).
+embedded cluster on this machine (started once per process and size, by whichever thread asks first).
 
 Where training runs is decided here too (:func:`training_placement`): on a cluster whose workers declare the resource
-``GPU`` (``dask worker ... --resources GPU=1``, :func:`gpu_workers`) each training task asks for ``GPU=1``; on the
-embedded cluster of a machine with CUDA the agents train one after another on its GPU; on a CPU-only machine they
-train side by side, one per worker (each worker has one thread, so as many at once as there are workers, and the
-simulated controllers fill the workers left). Workers must see the same file system paths as the client (outputs
-and site data are passed as paths).
+``GPU`` (``dask worker ... --resources GPU=1``, :func:`gpu_workers`) each training task asks for ``GPU=1``. The
+embedded cluster of a machine with CUDA is such a cluster: one of its workers declares the GPU, so the agents take
+turns on it while the other workers run the simulations and the tuning (:func:`local_cluster`). On a CPU-only
+machine the agents train side by side, one per worker (each worker has one thread, so as many at once as there are
+workers, and the simulated controllers fill the workers left). Workers must see the same file system paths as the
+client (outputs and site data are passed as paths).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -33,12 +35,12 @@ PRIORITY = {"collect": 100, "train": 10, "tune": 2, "simulate": 1, "backtest": 0
 
 
 def get_client(scheduler_address: str | None = None, n_workers: int | None = None):
-    """A ``distributed.Client`` for the study: the given scheduler, else an embedded LocalCluster (cached).
+    """A ``distributed.Client`` for the study: the given scheduler, else the embedded cluster (cached).
 
     Args:
-        scheduler_address: an existing Dask scheduler; None starts a LocalCluster.
-        n_workers: worker processes of the LocalCluster (one thread each; default ``min(4, cores)``); ignored
-            with a scheduler address. A LocalCluster is cached per size.
+        scheduler_address: an existing Dask scheduler; None starts :func:`local_cluster`.
+        n_workers: worker processes of the embedded cluster (one thread each; default :func:`local_workers`);
+            ignored with a scheduler address. The embedded cluster is cached per size.
 
     Raises:
         OSError / TimeoutError: the scheduler cannot be reached (message names the address).
@@ -48,7 +50,7 @@ def get_client(scheduler_address: str | None = None, n_workers: int | None = Non
 
 
 def _get_client(scheduler_address: str | None, n_workers: int | None):
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     key = scheduler_address if scheduler_address or not n_workers else f"local:{n_workers}"
     if key in _CLIENTS:
@@ -59,12 +61,34 @@ def _get_client(scheduler_address: str | None, n_workers: int | None):
         except (OSError, TimeoutError) as exc:
             raise OSError(f"cannot reach the Dask scheduler at {scheduler_address}: {exc}") from exc
     else:
-        n = n_workers or local_workers()
-        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None)
+        cluster = local_cluster(n_workers or local_workers(), gpu=local_cuda())
         client = Client(cluster)
         atexit.register(lambda: (client.close(), cluster.close()))
     _CLIENTS[key] = client
     return client
+
+
+def local_cluster(n_workers: int, gpu: bool):
+    """The embedded cluster: ``n_workers`` worker processes on 127.0.0.1, one thread and an equal share of this
+    machine's memory each (``distributed.SpecCluster``, the class under Dask's ``LocalCluster``, given each worker's
+    spec). With ``gpu`` one of them declares the resource ``GPU=1`` (at least one other stays for the CPU work), so
+    the training tasks queue for it (:func:`training_placement`) and the stages run side by side as on any cluster.
+
+    Raises:
+        ValueError: ``n_workers`` < 1, or < 2 with ``gpu``.
+    """
+    from distributed import Nanny, Scheduler, SpecCluster
+    from distributed.system import MEMORY_LIMIT
+
+    if n_workers < 1 + gpu:
+        raise ValueError(f"the embedded cluster needs at least {1 + gpu} workers{' with a GPU' * gpu}, not {n_workers}")
+    options = {"nthreads": 1, "host": "127.0.0.1", "memory_limit": MEMORY_LIMIT // n_workers}
+    options["silence_logs"] = logging.WARNING  # as LocalCluster: the workers' INFO lines stay out of the terminal
+    workers = {f"cpu-{i}": {"cls": Nanny, "options": options} for i in range(n_workers - gpu)}
+    if gpu:
+        workers["gpu"] = {"cls": Nanny, "options": options | {"resources": {"GPU": 1}}}
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
+    return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING)
 
 
 def gpu_workers(client) -> int:
@@ -77,8 +101,13 @@ def gpu_workers(client) -> int:
 
 
 def local_workers() -> int:
-    """Worker processes of the embedded LocalCluster: one per core, at most 4 (each has one thread)."""
-    return max(1, min(4, os.cpu_count() or 1))
+    """Worker processes of the embedded cluster: one per core, at least 2 on a machine with CUDA (one of them holds
+    the GPU) and at most :data:`MAX_LOCAL_WORKERS` (each has one thread)."""
+    return max(1 + local_cuda(), min(MAX_LOCAL_WORKERS, os.cpu_count() or 1))
+
+
+MAX_LOCAL_WORKERS = 16
+"""The embedded cluster's largest size: each worker holds the site's data and torch (about 0.5 GiB)."""
 
 
 def local_cuda() -> bool:
@@ -93,12 +122,11 @@ class TrainingPlacement:
     """Where the study's training tasks run.
 
     Attributes:
-        resources: Dask resources each training task asks for (``{"GPU": 1}`` on a cluster with GPU workers).
-        one_at_a_time: each training waits for the one before it (the embedded cluster of a CUDA machine: one GPU).
+        resources: Dask resources each training task asks for (``{"GPU": 1}`` on a cluster with GPU workers, the
+            embedded cluster of a CUDA machine included; None: any worker, side by side).
     """
 
     resources: dict | None
-    one_at_a_time: bool
 
     @property
     def options(self) -> dict:
@@ -106,15 +134,6 @@ class TrainingPlacement:
         return {"resources": self.resources, "priority": PRIORITY["train"]}
 
 
-def training_placement(client, scheduler_address: str | None) -> TrainingPlacement:
+def training_placement(client) -> TrainingPlacement:
     """The placement of training tasks on ``client``'s cluster (module docstring)."""
-    if gpu_workers(client):
-        return TrainingPlacement({"GPU": 1}, one_at_a_time=False)
-    return TrainingPlacement(None, one_at_a_time=not scheduler_address and local_cuda())
-
-
-def stages_side_by_side(scheduler_address: str | None) -> bool:
-    """Whether the study's stages may run at once (doit's parallel execution): not on the embedded cluster of a CUDA
-    machine, where the agents train one after another on its GPU and each stage waits as before; everywhere else
-    the cluster places the work (:func:`training_placement`)."""
-    return bool(scheduler_address) or not local_cuda()
+    return TrainingPlacement({"GPU": 1} if gpu_workers(client) else None)

@@ -190,17 +190,15 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     else:
         planner_files = on_disk("planners") if "report" in stages else None
 
-    # training: one task per agent x seed, placed by training_placement (one per GPU worker; side by side on the
-    # workers of a CPU-only machine; one after another on the GPU of a CUDA machine's embedded cluster)
+    # training: one task per agent x seed, placed by training_placement (one at a time per GPU worker, the GPU of a
+    # CUDA machine's embedded cluster included; side by side on the workers of a CPU-only machine)
     runs: dict[tuple[str, int], object] = {}
     if "train" in stages:
-        place = training_placement(client, cfg.scheduler_address)
-        previous = None
+        place = training_placement(client)
         for algo in cfg.algos:
             for seed in cfg.seeds:
                 run_dir = str(root / "runs" / results.run_name(algo, seed))
-                deps = (validated, previous) if place.one_at_a_time and previous is not None else (validated,)
-                fut = submit(
+                runs[(algo, seed)] = submit(
                     tasks.train_agent,
                     algo,
                     seed,
@@ -208,13 +206,12 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                     run_dir,
                     cfg.total_timesteps,
                     cfg.extra_algo_args,
-                    *deps,
+                    validated,
                     **place.options,
                     retries=1,
                     pure=False,
                     key=f"train-{algo}-seed{seed}-{cfg.experiment}",
                 )
-                runs[(algo, seed)] = previous = fut
         futures["train"] = collect(list, list(runs.values()))
     elif stages & {"evaluate", "report"}:
         if "evaluate" in stages:

@@ -24,7 +24,7 @@ from envs.site import load_site
 from pipeline import depends
 from pipeline.control import registry, rl_planner, tuning
 from pipeline.study import results
-from pipeline.study.cluster import PRIORITY, training_placement
+from pipeline.study.cluster import PRIORITY
 from pipeline.study.config import PROJECT_ROOT, SPLITS, shown_path
 from pipeline.study.report import site_data_sources, write_report
 from pipeline.study.sizing import report_summary
@@ -139,7 +139,7 @@ def train_rl_planners(site_toml: str, seeds, tuned_dir: str, budget: str, client
         for seed in todo:
             train_rl_planner(site_toml, seed, str(rl_planner.run_dir(tuned_dir, seed)), days)
     else:
-        options = training_placement(client, None).options  # only its resources and priority are read
+        options = {"priority": PRIORITY["train"]}  # CPU work (each day is 24 LP solves): no GPU asked for
         client.gather(
             [
                 client.submit(
