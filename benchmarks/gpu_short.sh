@@ -9,6 +9,7 @@
 # OUT_DIR gets gpu_short.log (everything printed, each line with the seconds since the start), the env and profile
 # tables, the pipeline's co2_comparison.parquet and report.md. The pipeline runs in outputs/ as usual and is stopped
 # when the whole script has run LIMIT_S seconds (default 580), leaving the lines it printed so far.
+# EVHUB_GPU_SLOTS=k in the environment lets k agents share the GPU (docs/cluster.md).
 set -u
 out=${1:?usage: bash benchmarks/gpu_short.sh OUT_DIR [LIMIT_S]}
 deadline=$(( $(date +%s) + ${2:-580} ))
@@ -43,7 +44,7 @@ t0=$(date +%s.%N)
     cp "$work"/profile/*.parquet "$out"/ 2>/dev/null
 
     limit=$(( deadline - $(date +%s) - 10 ))
-    echo "== doit run pipeline (agents: --compile --cudagraphs), limit ${limit} s"
+    echo "== doit run pipeline (agents: --compile --cudagraphs; gpu_slots ${EVHUB_GPU_SLOTS:-1}), limit ${limit} s"
     start=$SECONDS
     timeout "$limit" env EVHUB_ALGO_ARGS="--compile --cudagraphs" python3 -m doit run pipeline
     echo "pipeline: exit $?, $((SECONDS - start)) s"

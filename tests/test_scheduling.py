@@ -32,7 +32,7 @@ def test_the_embedded_cluster_of_a_cuda_machine_holds_one_gpu_worker_beside_the_
     """Its GPU worker takes the training tasks, one at a time, while the others run the rest."""
     from distributed import Client, Lock, get_worker
 
-    with cluster.local_cluster(3, gpu=True) as local, Client(local) as client:
+    with cluster.local_cluster(3, gpu_slots=1) as local, Client(local) as client:
         assert cluster.gpu_workers(client) == 1
         place = cluster.training_placement(client)
         assert place == cluster.TrainingPlacement({"GPU": 1})
@@ -52,9 +52,33 @@ def test_the_embedded_cluster_of_a_cuda_machine_holds_one_gpu_worker_beside_the_
     assert {name for _, name, _ in others} - {"gpu"}  # the rest also reach the CPU workers
 
 
-def test_the_embedded_cluster_needs_a_worker_beside_the_gpu_one():
+@pytest.mark.slow
+def test_gpu_slots_let_trainings_share_the_gpu_worker():
+    from distributed import Client, get_worker
+
+    def busy():
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        return get_worker().name, t0, time.monotonic()
+
+    with cluster.local_cluster(2, gpu_slots=2) as local, Client(local) as client:
+        options = cluster.training_placement(client).options
+        runs = client.gather([client.submit(busy, pure=False, **options) for _ in range(2)])
+    assert {name for name, *_ in runs} == {"gpu"}
+    (_, a0, a1), (_, b0, b1) = runs
+    assert a0 < b1 and b0 < a1  # the two trainings overlapped in time
+
+
+def test_the_embedded_cluster_needs_a_worker_beside_the_gpu_one(monkeypatch):
     with pytest.raises(ValueError, match="at least 2 workers with a GPU"):
-        cluster.local_cluster(1, gpu=True)
+        cluster.local_cluster(1, gpu_slots=1)
+    monkeypatch.setenv("EVHUB_GPU_SLOTS", "0")
+    with pytest.raises(ValueError, match="EVHUB_GPU_SLOTS='0': gpu_slots must be a positive integer"):
+        cluster.gpu_slots()
+    monkeypatch.setenv("EVHUB_GPU_SLOTS", "4")
+    assert cluster.gpu_slots() == 4
+    monkeypatch.delenv("EVHUB_GPU_SLOTS")
+    assert cluster.gpu_slots() == 1
 
 
 def test_the_stage_clock_lists_the_tasks_in_the_order_they_started(monkeypatch):

@@ -4,7 +4,8 @@ embedded cluster on this machine (started once per process and size, by whicheve
 Where training runs is decided here too (:func:`training_placement`): on a cluster whose workers declare the resource
 ``GPU`` (``dask worker ... --resources GPU=1``, :func:`gpu_workers`) each training task asks for ``GPU=1``. The
 embedded cluster of a machine with CUDA is such a cluster: one of its workers declares the GPU, so the agents take
-turns on it while the other workers run the simulations and the tuning (:func:`local_cluster`). On a CPU-only
+turns on it (or share it, :func:`gpu_slots`) while the other workers run the simulations and the tuning
+(:func:`local_cluster`). On a CPU-only
 machine the agents train side by side, one per worker (each worker has one thread, so as many at once as there are
 workers, and the simulated controllers fill the workers left). Workers must see the same file system paths as the
 client (outputs and site data are passed as paths).
@@ -61,34 +62,58 @@ def _get_client(scheduler_address: str | None, n_workers: int | None):
         except (OSError, TimeoutError) as exc:
             raise OSError(f"cannot reach the Dask scheduler at {scheduler_address}: {exc}") from exc
     else:
-        cluster = local_cluster(n_workers or local_workers(), gpu=local_cuda())
+        cluster = local_cluster(n_workers or local_workers(), gpu_slots=gpu_slots() if local_cuda() else 0)
         client = Client(cluster)
         atexit.register(lambda: (client.close(), cluster.close()))
     _CLIENTS[key] = client
     return client
 
 
-def local_cluster(n_workers: int, gpu: bool):
-    """The embedded cluster: ``n_workers`` worker processes on 127.0.0.1, one thread and an equal share of this
-    machine's memory each (``distributed.SpecCluster``, the class under Dask's ``LocalCluster``, given each worker's
-    spec). With ``gpu`` one of them declares the resource ``GPU=1`` (at least one other stays for the CPU work), so
-    the training tasks queue for it (:func:`training_placement`) and the stages run side by side as on any cluster.
+def local_cluster(n_workers: int, gpu_slots: int = 0):
+    """The embedded cluster: ``n_workers`` worker processes on 127.0.0.1, an equal share of this machine's memory each
+    (``distributed.SpecCluster``, the class under Dask's ``LocalCluster``, given each worker's spec). Each has one
+    thread, except that with ``gpu_slots`` > 0 one of them declares the resource ``GPU=gpu_slots`` and has as many
+    threads (at least one other stays for the CPU work): the training tasks, which ask for ``GPU=1``
+    (:func:`training_placement`), then run ``gpu_slots`` at a time on it, and the stages run side by side as on any
+    cluster.
 
     Raises:
-        ValueError: ``n_workers`` < 1, or < 2 with ``gpu``.
+        ValueError: ``n_workers`` < 1, or < 2 with a GPU worker; ``gpu_slots`` < 0.
     """
     from distributed import Nanny, Scheduler, SpecCluster
     from distributed.system import MEMORY_LIMIT
 
-    if n_workers < 1 + gpu:
-        raise ValueError(f"the embedded cluster needs at least {1 + gpu} workers{' with a GPU' * gpu}, not {n_workers}")
+    gpu = gpu_slots > 0
+    if gpu_slots < 0 or n_workers < 1 + gpu:
+        raise ValueError(
+            f"the embedded cluster needs at least {1 + gpu} workers{' with a GPU' * gpu} and gpu_slots >= 0, "
+            f"not {n_workers} and {gpu_slots}"
+        )
     options = {"nthreads": 1, "host": "127.0.0.1", "memory_limit": MEMORY_LIMIT // n_workers}
     options["silence_logs"] = logging.WARNING  # as LocalCluster: the workers' INFO lines stay out of the terminal
     workers = {f"cpu-{i}": {"cls": Nanny, "options": options} for i in range(n_workers - gpu)}
     if gpu:
-        workers["gpu"] = {"cls": Nanny, "options": options | {"resources": {"GPU": 1}}}
+        workers["gpu"] = {"cls": Nanny, "options": options | {"nthreads": gpu_slots, "resources": {"GPU": gpu_slots}}}
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
     return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING)
+
+
+def gpu_slots() -> int:
+    """Trainings at once on the GPU of a CUDA machine's embedded cluster: the doit variable ``gpu_slots``
+    (``EVHUB_GPU_SLOTS``), default 1 (the agents take turns). More share the GPU, each in its own process.
+
+    Raises:
+        ValueError: not a positive integer (names the variable and the value).
+    """
+    from pipeline.study.config import variable
+
+    given = variable("gpu_slots")
+    if given is None or not given[0].strip():
+        return 1
+    text, origin = given
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"{origin}: gpu_slots must be a positive integer (trainings at once on the GPU)")
+    return int(text)
 
 
 def gpu_workers(client) -> int:

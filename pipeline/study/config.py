@@ -121,11 +121,13 @@ VARIABLES = {
     "bess_kw_per_kwh": "EVHUB_SIZING_BESS_KW_PER_KWH",
     "controllers": "EVHUB_SIZING_CONTROLLERS",
     "workers": "EVHUB_WORKERS",
+    "gpu_slots": "EVHUB_GPU_SLOTS",
     "tune_budget": "EVHUB_TUNE_BUDGET",
 }
 """Every doit variable of ``dodo.py`` and the environment variable standing in for it (``part`` belongs
 to ``doit bench``; ``kwp``, ``bess_kwh``, ``bess_kw_per_kwh``, ``controllers`` and ``workers`` to ``doit run
-sizing``, see :mod:`pipeline.study.sizing`; the others to the study)."""
+sizing``, see :mod:`pipeline.study.sizing`; ``gpu_slots`` to the embedded cluster of a CUDA machine,
+:func:`pipeline.study.cluster.gpu_slots`; the others to the study)."""
 
 
 def _doit_variables() -> dict[str, str]:
