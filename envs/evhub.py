@@ -168,6 +168,8 @@ class EVHubVectorEnv(VectorEnv):
         device: torch device of all state and returned tensors.
         full_split: run the whole split once from step 0 (evaluation) instead of random windows.
         episode_steps: training window length in steps (default: the site's ``episode.train_steps``).
+        window_end: training windows lie within the split's steps ``[0, window_end)`` (default: the whole split);
+            the online learners train on an acting split's realised past this way.
         dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
         bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
             ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always stored;
@@ -189,7 +191,8 @@ class EVHubVectorEnv(VectorEnv):
     ``reset(seed=..., options={"start_steps": [...]})`` can pin each env's first step.
 
     Raises:
-        ValueError: bad ``action_mode`` or ``bess_action``, ``num_envs < 1``, or a window longer than the split.
+        ValueError: bad ``action_mode`` or ``bess_action``, ``num_envs < 1``, or a window longer than the split
+            (or than ``window_end``).
     """
 
     metadata = {"autoreset_mode": AutoresetMode.SAME_STEP, "render_modes": []}
@@ -206,6 +209,7 @@ class EVHubVectorEnv(VectorEnv):
         dtype: torch.dtype = torch.float32,
         bess_action: str = "setpoint",
         edf: str | None = None,
+        window_end: int | None = None,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -226,6 +230,12 @@ class EVHubVectorEnv(VectorEnv):
         self.episode_steps = T if full_split else int(episode_steps or cfg.episode.train_steps)
         if self.episode_steps > T:
             raise ValueError(f"episode_steps={self.episode_steps} exceeds the {T} steps of split '{split}'")
+        self.window_end = T if window_end is None or full_split else int(window_end)
+        if not self.episode_steps <= self.window_end <= T:
+            raise ValueError(
+                f"window_end={self.window_end} must lie in [episode_steps={self.episode_steps}, {T}] (the steps of "
+                f"split '{split}'): a training window of {self.episode_steps} steps must fit before it"
+            )
         self.n_sockets = cfg.ev.n_sockets
 
         adim = action_dim(action_mode, self.n_sockets)
@@ -431,7 +441,7 @@ class EVHubVectorEnv(VectorEnv):
         the others'."""
         x = rng.draw(self.rng, 2)
         if starts is None:
-            high = 1 if self.full_split else self._num_steps_total - self.episode_steps + 1
+            high = 1 if self.full_split else self.window_end - self.episode_steps + 1
             starts = rng.below(x[:, 0], high)
         self.t.copy_(torch.where(mask, starts, self.t))
         self.elapsed.masked_fill_(mask, 0)

@@ -24,6 +24,8 @@ from .checkpoint import CheckpointError
 
 EVHUB_ONLY_ARGS = (
     "site",
+    "train_split",
+    "train_window_end",
     "action_mode",
     "bess_action",
     "socket_features",
@@ -64,6 +66,11 @@ class RunArgs:
     start); ignored for the torch-batched envs (EVHub-v0, Snake-v0)"""
     site: str = "caltech"
     """site to train on (EVHub-v0 only): a shipped site name or a path to a site TOML file"""
+    train_split: str = "train"
+    """split the training windows are drawn from (EVHub-v0 only)"""
+    train_window_end: int = 0
+    """training windows end before this step of train_split (0: anywhere in it; EVHub-v0 only): training on a
+    split's realised past, as the online learners do (pipeline/control/online.py)"""
     bess_action: Literal["surplus", "setpoint"] = DEFAULT_BESS_ACTION
     """meaning of the BESS action (EVHub-v0 only): 'surplus' (the PV surplus is always stored; -1 = cover the
     deficit, the self-consumption rule; 0 = hold at a deficit; +1 = charge at full power) or 'setpoint' (a_bess
@@ -87,6 +94,10 @@ class RunArgs:
     outputs/runs/{exp_name}_{env_id}_seed{seed} otherwise)"""
     resume: bool = False
     """continue from output_dir/checkpoint.pt (networks, optimizers, counters, RNG and env state)"""
+    init_from: str | None = None
+    """fine-tune: start the networks (their observation statistics included) from this checkpoint.pt, or a run
+    folder's, of the same algorithm and env; optimizers, counters, the env and the replay buffer start afresh
+    (--resume wins)"""
     log_every: int = 1
     """iterations between host reads of the statistics (TensorBoard, metrics.parquet, the progress bar)"""
     checkpoint_every: int = 0
@@ -224,13 +235,18 @@ def setup(args) -> torch.device:
 
 # ---------------------------------------------------------------------------------------------- environments
 def make_env(args, num_envs: int, device: torch.device, action_mode: str | None = None) -> RecordEpisodeStatistics:
-    """The script's training env: :func:`envs.vector.make_vec` of ``args.env_id`` (EVHub-v0 on the train split of
-    ``args.site`` with ``action_mode`` and ``args.bess_action``) inside :class:`envs.vector.RecordEpisodeStatistics`
+    """The script's training env: :func:`envs.vector.make_vec` of ``args.env_id`` (EVHub-v0 on ``args.train_split``
+    of ``args.site``, windows before ``args.train_window_end``, with ``action_mode`` and ``args.bess_action``) inside
+    :class:`envs.vector.RecordEpisodeStatistics`
     (EVHub-v0's ``co2_kg`` and ``unserved_kwh`` besides return and length)."""
     kwargs = {}
     if is_evhub(args.env_id):
         kwargs = dict(
-            site=envs.load_site(args.site), split="train", action_mode=action_mode, bess_action=args.bess_action
+            site=envs.load_site(args.site),
+            split=args.train_split,
+            action_mode=action_mode,
+            bess_action=args.bess_action,
+            window_end=args.train_window_end or None,
         )
     return RecordEpisodeStatistics(make_vec(args.env_id, num_envs, device, args.vector_mode, **kwargs))
 

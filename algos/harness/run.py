@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -144,11 +145,30 @@ class Run:
             "resumes": self.resumes,
         }
 
+    def _initialise(self, modules: dict[str, nn.Module]) -> None:
+        """``--init-from``: load ``modules`` (observation statistics included) from another run's checkpoint.
+
+        Raises:
+            CheckpointError: as :meth:`restore` (the message names the file).
+        """
+        path = Path(self.args.init_from)
+        path = path / "checkpoint.pt" if path.is_dir() else path
+        state = read_checkpoint(path, self.device, self.algo, self.args.env_id)
+        try:
+            for name, module in modules.items():
+                module.load_state_dict(state[name])
+        except (KeyError, RuntimeError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise CheckpointError(
+                f"--init-from {path}: it does not fit this run's networks ({type(exc).__name__}: {first})"
+            ) from exc
+
     def restore(
         self, state: dict | None, modules: dict[str, nn.Module], optimizers: dict, env, lrs: dict | None = None
     ):
         """Load the live ``state`` handed over after an out-of-memory error, else, with ``--resume``, the checkpoint;
-        returns the loaded dict (None for a fresh start) and sets the counters.
+        returns the loaded dict (None for a fresh start, whose networks ``--init-from`` may have set) and sets the
+        counters.
 
         ``modules`` and ``optimizers`` (name -> object) are loaded from the entries of the same name; an optimizer
         keeps this run's learning rate (``lrs[name]``: a float or device tensor) and ``capturable`` flag. The env's
@@ -162,6 +182,8 @@ class Run:
                 file, what is wrong and the way out.
         """
         if state is None and not self.args.resume:
+            if self.args.init_from:
+                self._initialise(modules)
             return None
         path = self.ckpt_path
         if state is None:

@@ -269,13 +269,14 @@ def train_agent(
     env_vars: dict[str, str] | None = None,
     code: tuple[str, ...] = (),
     tag: str | None = None,
+    echo: bool = True,
 ) -> str:
     """Train one agent by running its script in a subprocess (``--eval-split none``: the study's ``evaluate`` stage
     evaluates the policy on both splits, so the script's own final evaluation is left out); returns the run folder.
 
     ``env_vars`` are set in the script's environment; ``code`` are globs (relative to the project root) of code the
     run depends on besides :func:`pipeline.study.depends.training` (the env of another id, say), in its fingerprint
-    too; ``tag`` prefixes its echoed lines (default ``<algo> seed <seed>``).
+    too; ``tag`` prefixes its echoed lines (default ``<algo> seed <seed>``; ``echo=False`` only logs them).
 
     The script's output is appended to ``<run_dir>/train.log`` (one header line per attempt) and echoed
     line by line. The task is safe to repeat: ``<run_dir>/run.json`` records the run's fingerprint
@@ -320,7 +321,7 @@ def train_agent(
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line])[-40:]
-            if "\r" not in line:
+            if echo and "\r" not in line:
                 print(f"[{tag or f'{algo} seed {seed}'}] {line}", end="", flush=True)
         code = proc.wait()
     if code != 0:

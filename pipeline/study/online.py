@@ -1,0 +1,138 @@
+"""Online agents: a trained agent that keeps learning, week by week, from the realised past of the split it acts in.
+
+``<algo>_online`` (:func:`evaluate_online`; ``dqn_online`` for the study's DQN): the agent starts from the checkpoint
+of its train-split run and acts over a whole split one week at a time (the weeks of
+:func:`pipeline.control.backtest.weeks`). At the start of each week from the second on it fine-tunes
+(``algos/<algo>.py --init-from``, a subprocess as every training, :func:`pipeline.study.tasks.train_agent`) for
+:data:`FINE_TUNE_STEPS` env steps on training windows of the acting split that end where the week begins
+(``--train-split``, ``--train-window-end``), from the networks the last week ended with, then acts greedily for the
+week with the policy it exported. Its start is the agent itself (the policy it never fine-tunes).
+
+What it reads: at step ``t`` of week ``w`` its policy has seen the sessions and MOER of the acting split before week
+``w`` (the windows) and, as every agent, the observation of step ``t``; nothing after ``t`` (tested by changing the
+data after a step, ``tests/test_online.py``). The settings of the fine-tuning (:data:`FINE_TUNE_ARGS`) are the
+agent's own at the end of its training (epsilon 0.05) but for a replay buffer filled for one batch size's worth of
+iterations before the gradient steps start.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from envs.kpis import evaluate_policy, load_policy, read_policy_spec
+from envs.site import load_site
+from pipeline.control.backtest import week_steps
+from pipeline.study import tasks
+
+FINE_TUNE_STEPS = {"dqn": 10_000}
+"""Env steps of each weekly fine-tuning, by agent (how chosen: docs/agents.md, "Online agents")."""
+
+FINE_TUNE_ARGS = {"dqn": ("--learning-starts", "1024", "--start-e", "0.05", "--end-e", "0.05")}
+"""Flags of each weekly fine-tuning besides the run's own (epsilon at its trained end value; a buffer of 1,024
+transitions before the first gradient step)."""
+
+KEEP = ("preset", "num_envs", "num_steps", "gradient_steps", "batch_size", "buffer_size", "learning_rate", "gamma")
+KEEP += ("tau", "target_network_frequency", "double_q", "max_grad_norm", "hidden_size", "reward_scale")
+KEEP += ("socket_features", "weekday_features", "norm_obs", "bootstrap_truncation", "bess_action", "cuda")
+"""The run's arguments a fine-tuning repeats (its networks, sizes and update rule); the rest are its own."""
+
+
+def run_flags(run_dir: str | Path) -> tuple[str, ...]:
+    """The command-line flags of the arguments in :data:`KEEP` that the run in ``run_dir`` was trained with (read
+    from its ``checkpoint.pt``), so that a fine-tuning builds the same networks and update.
+
+    Raises:
+        FileNotFoundError: the run has no checkpoint.
+    """
+    path = Path(run_dir) / "checkpoint.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint to fine-tune from (did training finish?)")
+    args = torch.load(path, map_location="cpu", weights_only=False)["args"]
+    flags: list[str] = []
+    for name in KEEP:
+        if name not in args:
+            continue
+        flag, value = "--" + name.replace("_", "-"), args[name]
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        else:
+            flags += [flag, str(value)]
+    return tuple(flags)
+
+
+class OnlineAgent:
+    """A :data:`envs.kpis.Policy` that fine-tunes itself at each week's start (module docstring).
+
+    Args:
+        algo: the agent's script (``algos/<algo>.py``); a key of :data:`FINE_TUNE_STEPS`.
+        seed: the run's seed; week ``w``'s fine-tuning has seed ``1000 * seed + w``.
+        run_dir: the agent's train-split run (``checkpoint.pt``, ``policy.pt2``).
+        site_toml: the site. split: the split it acts in. work_dir: where the weekly runs go (one folder each).
+        steps: env steps of each fine-tuning (default :data:`FINE_TUNE_STEPS`); 0 never fine-tunes (the start).
+    """
+
+    def __init__(
+        self, algo: str, seed: int, run_dir: str | Path, site_toml: str, split: str, work_dir: str | Path, steps=None
+    ):
+        self.algo, self.seed, self.site_toml, self.split = algo, seed, str(site_toml), split
+        self.steps = FINE_TUNE_STEPS[algo] if steps is None else int(steps)
+        self.work_dir = Path(work_dir)
+        self.flags = run_flags(run_dir)
+        self.last_run = Path(run_dir)
+        self.policy = load_policy(Path(run_dir) / "policy.pt2")
+        self.week = week_steps(load_site(site_toml).config.dt_h)
+        self.update_s: list[float] = []  # wall seconds of each weekly fine-tuning
+
+    def __call__(self, obs: torch.Tensor, env) -> torch.Tensor:
+        """Actions of the current policy; at a week's start (after the first), fine-tune first."""
+        t = int(env.t[0])
+        if self.steps and t > 0 and t % self.week == 0:
+            self._fine_tune(t)
+        return self.policy(obs, env)
+
+    def _fine_tune(self, t: int) -> None:
+        """Fine-tune on the windows before step ``t`` from the last week's networks; act with the result."""
+        w = t // self.week
+        out = self.work_dir / f"week{w:03d}"
+        extra = (
+            *self.flags,
+            *FINE_TUNE_ARGS[self.algo],
+            "--train-split",
+            self.split,
+            "--train-window-end",
+            str(t),
+            "--init-from",
+            str(self.last_run / "checkpoint.pt"),
+            "--checkpoint-every",
+            "0",
+        )
+        t0 = time.perf_counter()
+        tasks.train_agent(
+            self.algo, 1000 * self.seed + w, self.site_toml, str(out), self.steps, extra, echo=False
+        )  # fmt: skip
+        self.update_s.append(time.perf_counter() - t0)
+        self.last_run = out
+        self.policy = load_policy(out / "policy.pt2")
+
+
+def evaluate_online(
+    algo: str, seed: int, run_dir: str, site_toml: str, split: str, out_dir: str, work_dir: str, steps=None
+) -> list[str]:
+    """Run ``<algo>_online`` (:class:`OnlineAgent`) over ``split`` and write its KPI row and traces like
+    :func:`pipeline.study.tasks.evaluate_agent`; the row's ``update_s`` is the mean wall time of a weekly
+    fine-tuning. Returns ``[kpi_path, traces_path]``.
+
+    Raises:
+        FileNotFoundError: the run has no checkpoint or policy. RuntimeError: a fine-tuning failed.
+    """
+    agent = OnlineAgent(algo, seed, run_dir, site_toml, split, Path(work_dir) / f"{algo}_{split}_seed{seed}", steps)
+    spec = read_policy_spec(run_dir)
+    kpis, traces = evaluate_policy(
+        agent, load_site(site_toml), split, f"{algo}_online", spec["action_mode"], bess_action=spec["bess_action"]
+    )
+    kpis["seed"] = float(seed)
+    kpis["update_s"] = sum(agent.update_s) / max(len(agent.update_s), 1)
+    return tasks._write_run(kpis, traces, out_dir, f"{algo}_online", split, seed)

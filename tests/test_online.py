@@ -1,0 +1,100 @@
+"""The online agents (``pipeline/study/online.py``): training windows that end where asked, a fine-tuning that starts from
+another run's networks, and the online agent's causality (changing the data after a step leaves its actions up to that
+step unchanged)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from conftest import DQN_TINY, load_algo, make_site, write_site
+
+from algos import harness
+from envs.evhub import EVHubVectorEnv
+from envs.site import Site
+
+
+def test_training_windows_end_where_asked():
+    site = make_site(days=21)
+    env = EVHubVectorEnv(64, site=site, split="test", episode_steps=48, window_end=200)
+    starts = []
+    for seed in range(10):
+        env.reset(seed=64 * seed)  # 640 streams of their own
+        starts += env.t.tolist()
+    assert min(starts) == 0 and 140 <= max(starts) <= 200 - 48  # starts over all that fit, none after
+    for _ in range(60):  # windows that end and restart stay inside too
+        env.step(torch.zeros(64, 2))
+        assert int(env.t.max()) < 200
+    for bad in (47, 21 * 24 + 1):
+        with pytest.raises(ValueError, match=f"window_end={bad} must lie in"):
+            EVHubVectorEnv(2, site=site, split="test", episode_steps=48, window_end=bad)
+
+
+def _dqn(*argv: str):
+    dqn = load_algo("dqn")
+    return dqn, harness.cli(dqn.Args, dqn.PRESETS, dqn.ENV_DEFAULTS, list(argv))
+
+
+def test_init_from_starts_from_the_runs_networks(tmp_path):
+    toml = write_site(make_site(days=14), tmp_path / "site")
+    common = ["--site", str(toml), "--eval-split", "none", "--no-norm-obs", *DQN_TINY]
+    dqn, args = _dqn(*common, "--output-dir", str(tmp_path / "a"), "--total-timesteps", "160")
+    dqn.main(args)
+    # fewer steps than learning_starts: no gradient step, so the networks are the ones it started from
+    _, args = _dqn(*common, "--output-dir", str(tmp_path / "b"), "--total-timesteps", "16", "--init-from",
+                   str(tmp_path / "a"))  # fmt: skip
+    result = dqn.main(args)
+    assert result["global_step"] == 16  # its own counters
+    a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    for name in ("qnet", "target"):
+        assert a[name].keys() == b[name].keys()
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name])
+    fresh = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)  # a run from scratch differs
+    _, args = _dqn(*common, "--output-dir", str(tmp_path / "c"), "--total-timesteps", "16", "--seed", "2")
+    dqn.main(args)
+    c = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)
+    assert not all(torch.equal(fresh["qnet"][k], c["qnet"][k]) for k in fresh["qnet"])
+    # networks of another size: a clear error naming the file
+    _, args = _dqn(*common, "--hidden-size", "8", "--output-dir", str(tmp_path / "d"), "--total-timesteps", "16", "--init-from",
+                   str(tmp_path / "a"))  # fmt: skip
+    with pytest.raises(harness.CheckpointError, match=r"--init-from .*a/checkpoint.pt: it does not fit"):
+        dqn.main(args)
+
+
+def _changed_after(site: Site, split: str, k: int) -> Site:
+    """``site`` with the MOER and the sessions of ``split`` from step ``k + 1`` on changed."""
+    start = site.split(split).time[k + 1]  # UTC
+    hourly = site.hourly.copy()
+    later = hourly.time >= start
+    hourly.loc[later, ["moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]] *= 3.0
+    sessions = site.sessions.copy()
+    sessions = sessions[pd.to_datetime(sessions.arrival) < start]  # the later sessions never come
+    return Site(site.config, hourly, sessions.reset_index(drop=True), dict(site.source))
+
+
+@pytest.mark.slow
+def test_the_online_agent_acts_on_the_past_alone(tmp_path):
+    """Weeks of 168 steps: the fine-tunings at steps 168 and 336 read the windows before them; the data after step
+    336 changed leave every action up to step 336 as it was, and change later ones."""
+    from pipeline.study import online, tasks
+
+    site = make_site(days=21)
+    toml = write_site(site, tmp_path / "site")
+    tiny = ("--learning-starts", "64", "--num-envs", "4", "--hidden-size", "16", "--buffer-size", "2000")
+    run = tasks.train_agent("dqn", 1, str(toml), str(tmp_path / "run"), 800, tiny, echo=False)
+    k = 336
+    changed = write_site(_changed_after(site, "test", k), tmp_path / "changed")
+    traces = {}
+    for name, path in (("as is", toml), ("changed", changed)):
+        files = online.evaluate_online("dqn", 1, run, str(path), "test", str(tmp_path / name), str(tmp_path / name),
+                                       steps=1500)  # fmt: skip
+        traces[name] = pd.read_parquet(files[1])
+        row = pd.read_parquet(files[0]).iloc[0]
+        assert row.controller == "dqn_online" and row.update_s > 0
+        assert len(list((tmp_path / name / "dqn_test_seed1").glob("week*/policy.pt2"))) == 2  # weeks 2 and 3
+    a, b = traces["as is"], traces["changed"]
+    acted = ["bess_charge_kw", "bess_discharge_kw", "ev_charge_kw"]
+    assert acted, a.columns
+    pd.testing.assert_frame_equal(a.iloc[: k + 1][acted], b.iloc[: k + 1][acted])  # up to step k: the same
+    assert not a.iloc[k + 1 :][acted].equals(b.iloc[k + 1 :][acted])  # after it: the change is seen
