@@ -1,6 +1,6 @@
-"""The online agents (``pipeline/study/online.py``): training windows that end where asked, a fine-tuning that starts from
-another run's networks, and the online agent's causality (changing the data after a step leaves its actions up to that
-step unchanged)."""
+"""The online agents (``pipeline/study/online.py``): training windows that end where asked, a fine-tuning that starts
+from another run's networks, and the online agent's causality (changing the data after a step leaves its actions up to
+that step unchanged)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def test_init_from_starts_from_the_runs_networks(tmp_path):
     c = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)
     assert not all(torch.equal(fresh["qnet"][k], c["qnet"][k]) for k in fresh["qnet"])
     # networks of another size: a clear error naming the file
-    _, args = _dqn(*common, "--hidden-size", "8", "--output-dir", str(tmp_path / "d"), "--total-timesteps", "16", "--init-from",
-                   str(tmp_path / "a"))  # fmt: skip
+    _, args = _dqn(*common, "--hidden-size", "8", "--output-dir", str(tmp_path / "d"), "--total-timesteps", "16",
+                   "--init-from", str(tmp_path / "a"))  # fmt: skip
     with pytest.raises(harness.CheckpointError, match=r"--init-from .*a/checkpoint.pt: it does not fit"):
         dqn.main(args)
 
