@@ -37,6 +37,10 @@ processed data as they are.
 the true arrivals or both, on both splits (``pipeline.study.information``), into
 ``outputs/<experiment>/report/value_of_information.{parquet,md}``; the report shows it once it is there.
 
+``doit run online`` (not part of ``pipeline``) runs the online agents (``dqn_online``, ``ppo_online``: the trained
+agent fine-tuned at each week's start on the acting split's past weeks, ``pipeline.study.online``) into
+``outputs/<experiment>/online/``; the report shows their rows once they are there.
+
 ``doit bench`` runs the speed benchmarks (``benchmarks/``) into ``outputs/bench``::
 
     doit bench                 # part=auto: the CPU part, and the GPU part too where CUDA is available
@@ -284,16 +288,16 @@ def task_report():
         + _targets("evaluate")
         + depends.as_strings(depends.files(*depends.REPORT)),
         "targets": _targets("report"),
-        "uptodate": [_shown_results_changed()],  # a sizing study or value-of-information table made since
+        "uptodate": [_shown_results_changed()],  # a sizing study, value-of-information table or online rows made since
         "clean": True,
     }
 
 
 def _shown_results_changed():
-    """``uptodate`` of the report on ``<experiment>/sizing/sizing.parquet`` and
-    ``<experiment>/report/value_of_information.parquet`` (their mtime and size; "" when absent). Not file_deps: that
-    would make the report depend on the ``sizing`` and ``value_of_information`` tasks, which are not part of the
-    pipeline."""
+    """``uptodate`` of the report on ``<experiment>/sizing/sizing.parquet``,
+    ``<experiment>/report/value_of_information.parquet`` and ``<experiment>/online/*.parquet`` (their mtime and size;
+    "" when absent). Not file_deps: that would make the report depend on the ``sizing``, ``value_of_information`` and
+    ``online`` tasks, which are not part of the pipeline."""
     from doit.tools import config_changed
 
     def stamp(p: Path) -> str:
@@ -302,6 +306,8 @@ def _shown_results_changed():
     shown = {"sizing_results": stamp(CFG.root / "sizing" / "sizing.parquet")}
     if information := stamp(CFG.root / "report" / "value_of_information.parquet"):
         shown["information_results"] = information  # only when there: a report made before it stays up to date
+    if online := ",".join(stamp(p) for p in sorted((CFG.root / "online").glob("*.parquet"))):
+        shown["online_results"] = online
     return config_changed(shown)
 
 
@@ -385,6 +391,35 @@ def task_value_of_information():
         + CONTROLLER_CODE
         + depends.as_strings(depends.files("pipeline/study/information.py", "pipeline/study/document.py")),
         "targets": [str(p) for p in information.outputs(CFG.root)],
+        "clean": True,
+        "verbosity": 2,
+    }
+
+
+def task_online():
+    """The online agents (not in pipeline): each trained agent with an online form fine-tuned week by week on the past.
+
+    ``doit run online`` runs ``dqn_online`` and ``ppo_online`` (``pipeline.study.online``) for each seed on both
+    splits, one Dask task each, from the study's trained runs (it trains them first where they are missing): at each
+    week's start it
+    fine-tunes on the acting split's weeks before it, then acts. It writes ``<experiment>/online/``; the report shows
+    the rows once they are there. Same settings as the pipeline (``site=``, ``experiment=``, ``seeds=``,
+    ``scheduler=``).
+    """
+    from pipeline.study import online
+
+    cfg = replace(CFG, algos=online.online_algos(CFG.algos))
+
+    def action():
+        quiet_worker_failures(CFG.scheduler_address)
+        online.run(cfg)
+
+    return {
+        "actions": [timed("online", doit_action(action))],
+        "file_dep": [str(p) for p in outputs(cfg)["train"]]
+        + _site_files()
+        + depends.as_strings(depends.files(*depends.ENV, "pipeline/study/online.py")),
+        "targets": [str(p) for p in online.outputs(CFG.root, cfg.algos, cfg.seeds)],
         "clean": True,
         "verbosity": 2,
     }

@@ -473,7 +473,8 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
             learn_from = run.global_step + args.learning_starts if learn_from is None else learn_from
             if handed is None:
                 run.resume_note(replay_buffer=message, exact=kept)
-        norm_frozen = run.global_step >= args.learning_starts
+        # the statistics freeze when learning starts; a fine-tuning (--init-from) keeps those its networks came with
+        norm_frozen = run.global_step >= args.learning_starts or bool(args.init_from)
         num_iterations = run.iteration + max(0, args.total_timesteps - run.global_step) // iteration_steps
         num_iterations = max(num_iterations, 1)
 

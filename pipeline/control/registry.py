@@ -13,6 +13,8 @@ Families, in report order:
 - ``planner``: ``mpc``, the receding-horizon LP with hand-set parameters (:mod:`pipeline.control.mpc`);
 - ``learned planner``: the planners that learn from the site's realised data (their own section of the docs);
 - ``agent``: the model-free agents, one script each;
+- ``online agent``: an agent that keeps learning, week by week, from the realised past of the split it acts in
+  (``pipeline.study.online``; ``doit run online``, not part of the pipeline);
 - ``bound``: ``mpc_perfect`` (the planner given the true future within its horizon) and the ``oracle`` (the
   perfect-foresight LP over the whole split): not causal, they bracket what information is worth.
 
@@ -32,7 +34,7 @@ from envs.site import Site
 from envs.toml_table import did_you_mean
 from pipeline.control import baselines, learned, mpc, oracle, rl_planner, scenario
 
-FAMILIES = ("reference", "rule", "planner", "learned planner", "agent", "bound")
+FAMILIES = ("reference", "rule", "planner", "learned planner", "agent", "online agent", "bound")
 """Controller families in report order."""
 
 Simulate = Callable[[Site, str], tuple[pd.DataFrame, pd.DataFrame]]
@@ -114,6 +116,8 @@ class Controller:
             KeyError: unknown split. RuntimeError: an LP not solved, or an energy-balance violation.
             FileNotFoundError: a ``tuned`` controller whose tuning is not in ``tuned_dir``.
         """
+        if self.family == "online agent":
+            raise TypeError(f"controller {self.name!r} is an online agent: run it with doit run online")
         if self.runner is None:
             raise TypeError(f"controller {self.name!r} is an agent: train it with algos/{self.name}.py")
         kwargs = {}
@@ -164,6 +168,9 @@ CONTROLLERS: dict[str, Controller] = {
                    " same day type, one shared first step; the learned MOER forecast",
                    scenario.simulate, (), _learned_enabled),
         *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
+        *(Controller(f"{a}_online", "online agent", True, True,
+                     f"{a}'s observation; from the second week on, fine-tuned at each week's start on the acting "
+                     "split's past weeks", seeded=True, start=a) for a in ("ppo", "dqn")),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
                    mpc.simulate, ("mpc_perfect",), _mpc_enabled),
         Controller("oracle", "bound", False, False, "the whole split (perfect-foresight LP)",
@@ -213,11 +220,9 @@ def describe(name: str) -> Controller:
 
 
 def sort_key(name: str) -> tuple[int, str]:
-    """Report order: the non-agent controllers in table order around the agents, the agents (and unknown names)
-    by name, after the learned planners and before the bounds."""
-    order = [n for n, c in CONTROLLERS.items() if c.family != "agent"]
-    first_bound = next(i for i, n in enumerate(order) if CONTROLLERS[n].family == "bound")
+    """Report order: the table's order, the agents (and unknown names) by name where the first agent stands."""
+    names = list(CONTROLLERS)
+    first_agent = next(i for i, n in enumerate(names) if CONTROLLERS[n].family == "agent")
     if is_agent(name):
-        return (first_bound, name)
-    i = order.index(name)
-    return (i if i < first_bound else i + 1, "")
+        return (first_agent, name)
+    return (names.index(name), "")

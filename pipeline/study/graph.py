@@ -246,6 +246,7 @@ def _report(
     cfg_dict: dict, baseline_files: list[str], planner_files: list[str], eval_files: list[str], root: str
 ) -> str:
     files = [*baseline_files, *planner_files, *eval_files]
+    files += sorted(str(p) for p in (Path(root) / "online").glob("*.parquet"))  # doit run online's rows, when made
     kpis, traces = [], {}
     for p in files:
         r = results.parse(p)

@@ -20,24 +20,31 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_site
 from pipeline.control.backtest import week_steps
-from pipeline.study import tasks
+from pipeline.study import results, tasks
+from pipeline.study.cluster import PRIORITY, get_client
+from pipeline.study.config import SPLITS
 
-FINE_TUNE_STEPS = {"dqn": 10_000}
-"""Env steps of each weekly fine-tuning, by agent (how chosen: docs/agents.md, "Online agents")."""
+FINE_TUNE_STEPS = {"dqn": 10_000, "ppo": 86_016}
+"""Env steps of each weekly fine-tuning, by agent (PPO: four rollouts of its cpu preset, 128 envs x 168 steps each;
+how each was chosen: docs/agents.md, "Online agents")."""
 
-FINE_TUNE_ARGS = {"dqn": ("--learning-starts", "1024", "--start-e", "0.05", "--end-e", "0.05")}
-"""Flags of each weekly fine-tuning besides the run's own (epsilon at its trained end value; a buffer of 1,024
+FINE_TUNE_ARGS = {"dqn": ("--learning-starts", "1024", "--start-e", "0.05", "--end-e", "0.05"), "ppo": ()}
+"""Flags of each weekly fine-tuning besides the run's own (DQN: epsilon at its trained end value, a buffer of 1,024
 transitions before the first gradient step)."""
 
-KEEP = ("preset", "num_envs", "num_steps", "gradient_steps", "batch_size", "buffer_size", "learning_rate", "gamma")
-KEEP += ("tau", "target_network_frequency", "double_q", "max_grad_norm", "hidden_size", "reward_scale")
+KEEP = ("preset", "action_mode", "num_envs", "num_steps", "learning_rate", "gamma", "hidden_size", "max_grad_norm")
+KEEP += ("gradient_steps", "batch_size", "buffer_size", "tau", "target_network_frequency", "double_q", "reward_scale")
+KEEP += ("gae_lambda", "num_minibatches", "update_epochs", "norm_adv", "clip_coef", "clip_vloss", "ent_coef")
+KEEP += ("vf_coef", "init_logstd", "norm_reward", "anneal_lr")
 KEEP += ("socket_features", "weekday_features", "norm_obs", "bootstrap_truncation", "bess_action", "cuda")
-"""The run's arguments a fine-tuning repeats (its networks, sizes and update rule); the rest are its own."""
+"""The run's arguments a fine-tuning repeats where its script has them (its networks, sizes and update rule); the
+rest are the fine-tuning's own."""
 
 
 def run_flags(run_dir: str | Path) -> tuple[str, ...]:
@@ -136,3 +143,57 @@ def evaluate_online(
     kpis["seed"] = float(seed)
     kpis["update_s"] = sum(agent.update_s) / max(len(agent.update_s), 1)
     return tasks._write_run(kpis, traces, out_dir, f"{algo}_online", split, seed)
+
+
+def outputs(root: str | Path, algos, seeds) -> list[Path]:
+    """The KPI and traces files :func:`run` writes into ``<root>/online/``."""
+    return [
+        Path(p)
+        for a in online_algos(algos)
+        for s in seeds
+        for split in SPLITS
+        for p in results.files(Path(root) / "online", f"{a}_online", split, s)
+    ]
+
+
+def online_algos(algos) -> tuple[str, ...]:
+    """The study's agents that have an online form (:data:`FINE_TUNE_STEPS`)."""
+    return tuple(a for a in algos if a in FINE_TUNE_STEPS)
+
+
+def run(cfg, client=None, log=print) -> list[Path]:
+    """``doit run online``: :func:`evaluate_online` for each agent of ``cfg.algos`` with an online form, seed and
+    split, one Dask task each (the study's trained runs in ``<root>/runs/`` are their starts), into
+    ``<root>/online/`` (the report shows the rows once they are there; their weekly runs go to
+    ``<root>/online/runs/``). Prints each row's CO2 and the mean wall time of a weekly fine-tuning.
+
+    Raises:
+        FileNotFoundError: an agent's run has no checkpoint or policy (run the pipeline's training first).
+        RuntimeError: a fine-tuning failed.
+    """
+    from distributed import as_completed
+
+    root = Path(cfg.root)
+    out = root / "online"
+    jobs = []
+    for algo in online_algos(cfg.algos):
+        for seed in cfg.seeds:
+            run_dir = root / "runs" / results.run_name(algo, seed)
+            if not (run_dir / "checkpoint.pt").is_file():
+                raise FileNotFoundError(f"{run_dir}: no checkpoint.pt; train {algo} first (doit run train:{algo})")
+            jobs += [(algo, seed, str(run_dir), split) for split in SPLITS]
+    client = client or get_client(cfg.scheduler_address)
+    futures = {
+        client.submit(evaluate_online, a, s, r, str(cfg.site_toml), split, str(out), str(out / "runs"),
+                      priority=PRIORITY["simulate"], pure=False): (a, s, split)
+        for a, s, r, split in jobs
+    }  # fmt: skip
+    files: list[Path] = []
+    for fut in as_completed(futures):
+        a, s, split = futures[fut]
+        kpi, traces = fut.result()
+        row = pd.read_parquet(kpi).iloc[0]
+        log(f"{a}_online seed {s} {split}: CO2 {row.co2_kg:,.1f} kg, served {row.ev_energy_served_pct:.1f}%, "
+            f"{row.update_s:.1f} s a weekly fine-tuning")  # fmt: skip
+        files += [Path(kpi), Path(traces)]
+    return files

@@ -116,6 +116,7 @@ KINDS = {
     "planner": "planners",
     "learned planner": "learned planners",
     "agent": "agents",
+    "online agent": "agents",
     "bound": "foresight",
 }
 """The kind each registry family (:data:`pipeline.control.registry.FAMILIES`) is shown as in the main figure."""
