@@ -142,7 +142,7 @@ def evaluate_online(
     )
     kpis["seed"] = float(seed)
     kpis["update_s"] = sum(agent.update_s) / max(len(agent.update_s), 1)
-    return tasks._write_run(kpis, traces, out_dir, f"{algo}_online", split, seed)
+    return tasks.write_run(kpis, traces, out_dir, f"{algo}_online", split, seed)
 
 
 def outputs(root: str | Path, algos, seeds) -> list[Path]:

@@ -97,7 +97,7 @@ def run_controller(
     """
     c = registry.get(controller)
     kpis, traces = c.simulate(load_site(site_toml), split, seed=seed, tuned_dir=tuned_dir)
-    return _write_run(kpis, traces, out_dir, controller, split, seed if c.seeded else None)
+    return write_run(kpis, traces, out_dir, controller, split, seed if c.seeded else None)
 
 
 def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None) -> list[str]:
@@ -194,9 +194,11 @@ def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
     return run
 
 
-def _write_run(
+def write_run(
     kpis: pd.DataFrame, traces: pd.DataFrame, out_dir: str | Path, controller: str, split: str, seed: int | None = None
 ) -> list[str]:
+    """Write one run's KPI row and traces (:func:`pipeline.study.results.files`' names, atomically); returns
+    ``[kpi_path, traces_path]``."""
     kpi_file, traces_file = results.files(out_dir, controller, split, seed)
     traces_path = write_parquet(traces, traces_file)
     kpi_path = write_parquet(kpis, kpi_file)
@@ -410,7 +412,7 @@ def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: st
     )
     for k, v in extra.items():
         kpis[k] = v
-    return _write_run(kpis, traces, out_dir, algo, split, seed)
+    return write_run(kpis, traces, out_dir, algo, split, seed)
 
 
 def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics: dict, out_dir: str) -> str:
