@@ -670,6 +670,8 @@ def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake_run, train
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(harness.EVHUB_ONLY_ARGS) == {
         "site",
+        "train_split",
+        "train_window_end",
         "action_mode",
         "bess_action",
         "socket_features",
