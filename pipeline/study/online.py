@@ -1,6 +1,6 @@
 """Online agents: a trained agent that keeps learning, week by week, from the realised past of the split it acts in.
 
-``<algo>_online`` (:func:`evaluate_online`; ``dqn_online`` for the study's DQN): the agent starts from the checkpoint
+``<algo>_online`` (:func:`evaluate_online`; ``dqn_online`` and ``ppo_online``): the agent starts from the checkpoint
 of its train-split run and acts over a whole split one week at a time (the weeks of
 :func:`pipeline.control.backtest.weeks`). At the start of each week from the second on it fine-tunes
 (``algos/<algo>.py --init-from``, a subprocess as every training, :func:`pipeline.study.tasks.train_agent`) for
@@ -10,9 +10,8 @@ week with the policy it exported. Its start is the agent itself (the policy it n
 
 What it reads: at step ``t`` of week ``w`` its policy has seen the sessions and MOER of the acting split before week
 ``w`` (the windows) and, as every agent, the observation of step ``t``; nothing after ``t`` (tested by changing the
-data after a step, ``tests/test_online.py``). The settings of the fine-tuning (:data:`FINE_TUNE_ARGS`) are the
-agent's own at the end of its training (epsilon 0.05) but for a replay buffer filled for one batch size's worth of
-iterations before the gradient steps start.
+data after a step, ``tests/test_online.py``). A fine-tuning repeats the run's networks, sizes and update rule
+(:data:`KEEP`); its own settings are :data:`FINE_TUNE_STEPS` and :data:`FINE_TUNE_ARGS`.
 """
 
 from __future__ import annotations
