@@ -685,9 +685,10 @@ def answer(site: Site, output_dir: str | Path = "outputs", experiment: str = "")
 
 
 def supported() -> tuple[str, ...]:
-    """The registry's controllers :func:`make_plan` runs: the causal planners (not the agents, nor the baselines of
-    :data:`REFUSED`)."""
-    return tuple(n for n, c in registry.CONTROLLERS.items() if c.causal and c.family != "agent" and n not in REFUSED)
+    """The registry's controllers :func:`make_plan` runs: the causal planners (not the agents or online agents, nor the
+    baselines of :data:`REFUSED`)."""
+    return tuple(n for n in registry.CONTROLLERS if registry.CONTROLLERS[n].causal and not registry.is_agent(n)
+                 and n not in REFUSED)  # fmt: skip
 
 
 def _check_controller(name: str) -> None:
@@ -698,7 +699,7 @@ def _check_controller(name: str) -> None:
             registry.get(name)
         except KeyError as exc:
             raise LiveError(f"controller: {exc.args[0]}") from None
-    if registry.CONTROLLERS[name].family == "agent":
+    if registry.is_agent(name):
         raise LiveError(f"controller: {name!r} is not supported by evhub-plan: {AGENT_REASON}")
 
 

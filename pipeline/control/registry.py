@@ -209,9 +209,9 @@ def simulated(cfg: SiteConfig | None = None, tuned: bool | None = None) -> tuple
 
 
 def is_agent(name: str) -> bool:
-    """Whether ``name`` is a trained agent's row: a registered agent, or any name the table does not know (an
-    agent script outside it)."""
-    return name not in CONTROLLERS or CONTROLLERS[name].family == "agent"
+    """Whether ``name`` is a trained agent's row: a registered agent or online agent, or any name the table does not
+    know (an agent script outside it)."""
+    return name not in CONTROLLERS or CONTROLLERS[name].family in ("agent", "online agent")
 
 
 def describe(name: str) -> Controller:
@@ -220,7 +220,8 @@ def describe(name: str) -> Controller:
 
 
 def sort_key(name: str) -> tuple[int, str]:
-    """Report order: the table's order, the agents (and unknown names) by name where the first agent stands."""
+    """Report order: the table's order, the agents and online agents (and unknown names) by name where the first
+    agent stands."""
     names = list(CONTROLLERS)
     first_agent = next(i for i, n in enumerate(names) if CONTROLLERS[n].family == "agent")
     if is_agent(name):
