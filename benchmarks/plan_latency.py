@@ -51,9 +51,10 @@ def run(
     Raises:
         pipeline.live.LiveError: a bad hour or controller (as the command says it).
     """
+    from envs.site import load_site
     from pipeline import live
 
-    s = live.load_site(site)
+    s = load_site(site)
     state = live.state_at(s, at)
     rows = []
     for name in controllers:

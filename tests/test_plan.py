@@ -1,4 +1,4 @@
-"""The live planner (pipeline/live.py, ``evhub-plan``): the live path is the simulated path, its charging profiles are
+"""The live planner (pipeline/live/, ``evhub-plan``): the live path is the simulated path, its charging profiles are
 OCPP 1.6J, a bad state gets one clear line and writes nothing."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import ROOT, make_site, write_site
 
 from envs.evhub import EVHubVectorEnv
 from envs.schemas import MOER_5MIN_COLUMNS
-from envs.site import Site
+from envs.site import Site, load_site
 from pipeline import live
 from pipeline.control import registry, rl_planner, tuning
 from pipeline.control.mpc import PlannerParams
@@ -174,7 +174,7 @@ def _ocpp_accepts(payload: dict) -> None:
 
 @pytest.fixture(scope="module")
 def caltech_plan():
-    site = live.load_site("caltech")
+    site = load_site("caltech")
     state = live.state_at(site, AT)
     return site, state, live.make_plan(site, state, "mpc")
 
@@ -368,7 +368,7 @@ def test_the_default_controller_is_the_reports_answer(written, tmp_path, capsys)
     report = tmp_path / "outputs" / "synthetic" / "report"
     report.mkdir(parents=True)
     table.to_parquet(report / "co2_comparison.parquet")
-    site = live.load_site(toml)
+    site = load_site(toml)
     assert live.answer(site, tmp_path / "outputs") == "mpc_rl_start"
     code, out, err = _cli(capsys, "--site", str(toml), "--at", at, "--output-dir", str(tmp_path / "outputs"))
     assert code == 0, err
@@ -420,7 +420,7 @@ def test_a_state_with_its_history_inline_and_cars_by_station_plans_the_same(writ
     doc = json.loads(state.read_text())
     code, out, err = _cli(capsys, "--site", str(toml), "--state", str(state), "--controller", "mpc")
     assert code == 0, err
-    by_station = live.station_sockets(live.load_site(toml).config, live.load_site(toml).sessions.station_id)
+    by_station = live.station_sockets(load_site(toml).config, load_site(toml).sessions.station_id)
     inline = dict(doc)
     for f in ("hourly", "sessions"):
         df = pd.read_parquet(state.parent / doc[f])

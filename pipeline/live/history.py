@@ -1,0 +1,269 @@
+"""The live history as a site of its own (:func:`history`): its ``test`` split starts at the history's first local
+midnight, everything after the state's time blanked, so a controller that read the future would plan on NaN."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from envs.schemas import MOER_5MIN_COLUMNS
+from envs.site import Site, SplitData
+from pipeline.live.state import (
+    FORECAST_COLUMNS,
+    MAX_FORECAST_AGE_STEPS,
+    SESSION_COLUMNS,
+    DayStart,
+    LiveError,
+    LiveState,
+    _timestamp,
+)
+
+
+# ------------------------------------------------------------------------------------------------ the history
+@dataclass
+class History:
+    """The live state as a split the controllers run on (:func:`history`).
+
+    Attributes:
+        site: the history as a site: its ``test`` split is the history (every session kept, as in an evaluation).
+        data: that split: ``T`` steps from the history's first local midnight to the window's end.
+        t: the state's step in it.
+        energy_kwh: the battery's energy, kWh.
+        ev_need_kwh, ev_steps_left: ``(N,)`` the env's socket state (need kWh, steps to departure; 0: free).
+        stations, connectors, transactions: each socket's car's charge point, connector and transaction (free: "",
+            0, None).
+        day_start: as in the state.
+        source: the real site (its train split, its tuning).
+    """
+
+    site: Site
+    data: SplitData
+    t: int
+    energy_kwh: float
+    ev_need_kwh: np.ndarray
+    ev_steps_left: np.ndarray
+    stations: list[str]
+    connectors: list[int]
+    transactions: list[int | None]
+    day_start: DayStart | None
+    source: Site
+
+
+def station_sockets(config, station_ids) -> dict[str, int]:
+    """The socket each station's sessions go to, as the site model assigns them: within the first group whose
+    pattern the station matches, one socket per station in sorted order, wrapping when the group has fewer sockets
+    than stations (:class:`envs.site.Site`). Stations matching no group are left out."""
+    groups = config.ev.groups
+    first = np.cumsum([0] + [g.count for g in groups])
+    seen = [0] * len(groups)
+    out = {}
+    for st in sorted(set(map(str, station_ids))):
+        k = next((i for i, g in enumerate(groups) if g.matches(st)), None)
+        if k is not None:
+            out[st] = int(first[k] + seen[k] % groups[k].count)
+            seen[k] += 1
+    return out
+
+
+def _local_midnight(ts: pd.Timestamp, tz: str, after: bool) -> pd.Timestamp:
+    """The local midnight at or after ``ts`` (``after``: strictly after), UTC."""
+    local = ts.tz_convert(tz)
+    day = local.normalize()
+    if after or day != local:
+        day = pd.Timestamp(local.date() + pd.Timedelta(days=1)).tz_localize(tz)
+    return day.tz_convert("UTC")
+
+
+def history(site: Site, state: LiveState, horizon_steps: int) -> History:
+    """Check ``state`` and turn it into the split the controllers run on (module docstring).
+
+    Args:
+        site: the real site. horizon_steps: the controller's window, steps (the PV outlook must cover it).
+
+    Raises:
+        LiveError: a bad state: a time between steps, a SOC outside [0, 1], a car on an unknown or taken socket or
+            leaving before the state's time, a stale MOER forecast, a history with gaps, sessions that arrive after
+            the state's time; the message names the field and its value.
+    """
+    cfg = site.config
+    tz, dt = cfg.timezone, pd.Timedelta(hours=cfg.dt_h)
+    now = _timestamp(state.time, "time").tz_convert("UTC")
+    if not (isinstance(state.soc, int | float) and 0.0 <= state.soc <= 1.0):
+        raise LiveError(f"soc: {state.soc} is outside [0, 1] (a fraction of the battery's capacity)")
+    h = state.hourly
+    missing = [c for c in ("time", "pv_kw_per_kwp", "moer_kg_per_kwh", *FORECAST_COLUMNS) if c not in h]
+    if missing:
+        raise LiveError(f"hourly: column(s) {', '.join(missing)} missing (hourly.parquet's columns are needed)")
+    if len(h) == 0:
+        raise LiveError("hourly: no rows (the history needs the hours before the state's time)")
+    times = pd.DatetimeIndex(pd.to_datetime(h.time, utc=True))
+    origin = _local_midnight(times.min(), tz, after=False)
+    if origin > now:
+        raise LiveError(
+            f"hourly: the history starts at {times.min()}, and its first local midnight ({origin}) lies after the "
+            f"state's time {now}: give the hours from a local midnight before it"
+        )
+    pos = (now - origin) / dt
+    if pos != int(pos):
+        raise LiveError(f"time: {state.time.isoformat()} is not on a step of the site (steps of {cfg.dt_h:g} h)")
+    t = int(pos)
+    end = state.window_end
+    if end is None:
+        end = _local_midnight(now + horizon_steps * dt, tz, after=True)
+    end = end.tz_convert("UTC")
+    last_day = (end.tz_convert(tz) - pd.Timedelta(hours=1)).date()
+    first_day = origin.tz_convert(tz).date()
+    before = (first_day - pd.Timedelta(days=1)).isoformat()  # the history site's train split: unused, apart
+    hcfg = cfg.replace(
+        splits={"train": (before, before), "test": (first_day.isoformat(), last_day.isoformat())},
+        episode={"session_keep_min": 1.0},
+    )
+    grid = pd.date_range(origin, end, freq=dt, inclusive="left")
+    hh = h.assign(time=times).drop_duplicates("time", keep="last").set_index("time").reindex(grid)
+    hh = hh.astype({c: np.float32 for c in hh.columns if hh[c].dtype.kind in "fiu"})  # the ingested data's dtype
+    hh.loc[hh.index >= now, "moer_kg_per_kwh"] = np.nan  # nothing after the state's time is read
+    later = [c for c in (*FORECAST_COLUMNS, *MOER_5MIN_COLUMNS) if c in hh]
+    hh.loc[hh.index > now, later] = np.nan
+    _check_known(hh, t, horizon_steps, state, dt)
+    hourly = hh.rename_axis("time").reset_index()
+
+    sessions = _sessions(state.sessions, origin, now, dt, t)
+    known = set(map(str, site.sessions.station_id.unique())) | set(sessions.station_id)
+    stamp = origin - pd.Timedelta(days=2)  # one row per station, before the split: the station list, no arrival
+    phantoms = pd.DataFrame(
+        {
+            "session_id": [f"live-station-{i}" for i in range(len(known))],
+            "station_id": sorted(known),
+            "arrival": stamp,
+            "departure": stamp + dt,
+            "energy_kwh": 0.0,
+        }
+    )
+    all_sessions = pd.concat([sessions[list(SESSION_COLUMNS)], phantoms], ignore_index=True)
+    all_sessions["arrival"] = pd.to_datetime(all_sessions.arrival, utc=True).astype("datetime64[ns, UTC]")
+    all_sessions["departure"] = pd.to_datetime(all_sessions.departure, utc=True).astype("datetime64[ns, UTC]")
+    src = {
+        "config": site.source.get("config", cfg.name),
+        "hourly": "the state's hourly",
+        "sessions": "the state's sessions",
+    }
+    hsite = Site(hcfg, hourly, all_sessions, src)
+    data = hsite.split("test")
+
+    N = cfg.ev.n_sockets
+    need = np.zeros(N)
+    left = np.zeros(N, np.int64)
+    stations, connectors, transactions = [""] * N, [0] * N, [None] * N
+    holder: dict[int, int] = {}
+    by_station = station_sockets(cfg, known)
+    socket_station: dict[int, str] = {}
+    for st, i in sorted(by_station.items()):
+        socket_station.setdefault(i, st)
+    groups = cfg.ev.groups
+    first = np.cumsum([0] + [g.count for g in groups])
+    for k, ev in enumerate(state.evs):
+        where = f"evs[{k}]"
+        sock = ev.socket
+        if isinstance(sock, bool) or not isinstance(sock, int | np.integer | str):
+            raise LiveError(f"{where}.socket: {sock!r} is neither a socket index nor a station id")
+        if isinstance(sock, str):
+            if sock not in by_station:
+                raise LiveError(
+                    f"{where}.socket: unknown socket {sock!r}: not a station id of the site (sockets 0..{N - 1}, or a "
+                    f"station id such as {', '.join(sorted(by_station)[:3])})"
+                )
+            i = by_station[sock]
+            if i in holder:  # taken: the group's first free socket, as the site model does
+                g = next(j for j in range(len(groups)) if first[j] <= i < first[j + 1])
+                free = [j for j in range(first[g], first[g + 1]) if j not in holder]
+                if not free:
+                    raise LiveError(f"{where}.socket: {sock!r}: every socket of its group already holds a car")
+                i = free[0]
+            station = ev.station_id or sock
+        else:
+            i = int(sock)
+            if not 0 <= i < N:
+                raise LiveError(f"{where}.socket: unknown socket {i}: the site has sockets 0..{N - 1}")
+            if i in holder:
+                raise LiveError(f"{where}.socket: socket {i} already holds evs[{holder[i]}]")
+            station = ev.station_id or socket_station.get(i, f"socket-{i}")
+        if not (isinstance(ev.need_kwh, int | float) and math.isfinite(ev.need_kwh) and ev.need_kwh >= 0):
+            raise LiveError(f"{where}.need_kwh: {ev.need_kwh!r} is not an energy >= 0 (kWh)")
+        dep = _timestamp(ev.departure, f"{where}.departure")
+        if dep <= now:
+            raise LiveError(
+                f"{where}.departure: {dep.isoformat()} is not after the state's time {state.time.isoformat()} (a car "
+                "that has left is not plugged in)"
+            )
+        holder[i] = k
+        need[i] = float(ev.need_kwh)
+        left[i] = max(1, int(np.rint((dep.tz_convert("UTC") - now) / dt)))
+        stations[i], connectors[i], transactions[i] = str(station), int(ev.connector_id), ev.transaction_id
+    b = cfg.bess
+    energy = min(max(float(state.soc), b.soc_min), b.soc_max) * b.capacity_kwh
+    if state.day_start is not None and not 0.0 <= state.day_start.soc <= 1.0:
+        raise LiveError(f"day_start.soc: {state.day_start.soc} is outside [0, 1]")
+    return History(hsite, data, t, energy, need, left, stations, connectors, transactions, state.day_start, site)
+
+
+def _check_known(hh: pd.DataFrame, t: int, H: int, state: LiveState, dt: pd.Timedelta) -> None:
+    """The history holds what a controller reads: the realised MOER of every step before ``t``, the forecasts issued
+    at every step up to ``t``, the PV over the window; the current forecast is recent."""
+    now = hh.index[t]
+    if state.forecast_issued_at is not None:
+        issued = _timestamp(state.forecast_issued_at, "moer_forecast.issued_at")
+        age = now - issued.tz_convert("UTC")
+        if age < pd.Timedelta(0):
+            raise LiveError(
+                f"moer_forecast.issued_at: {issued.isoformat()} is after the state's time {state.time.isoformat()}"
+            )
+        if age > MAX_FORECAST_AGE_STEPS * dt:
+            raise LiveError(
+                f"moer_forecast.issued_at: {issued.isoformat()} is {age / pd.Timedelta(hours=1):g} h before the "
+                f"state's time {state.time.isoformat()}: the MOER forecast is stale (at most "
+                f"{MAX_FORECAST_AGE_STEPS} step of {dt / pd.Timedelta(hours=1):g} h old)"
+            )
+    checks = [("moer_kg_per_kwh", slice(0, t), "the realised MOER of every hour before the state's time")]
+    checks += [
+        (c, slice(0, t + 1), "the MOER forecast issued at every hour up to the state's time") for c in FORECAST_COLUMNS
+    ]
+    checks += [
+        (c, slice(0, t + 1), "the 5-minute values at every hour up to the state's time")
+        for c in MOER_5MIN_COLUMNS
+        if c in hh
+    ]
+    checks.append(("pv_kw_per_kwp", slice(0, min(t + H, len(hh))), f"the PV outlook over the window ({H} steps)"))
+    for col, rows, what in checks:
+        gap = np.flatnonzero(~np.isfinite(hh[col].to_numpy()[rows]))
+        if len(gap):
+            at = hh.index[rows.start + gap[0]]
+            stale = " (the MOER forecast is stale)" if col in FORECAST_COLUMNS and at == now else ""
+            raise LiveError(f"hourly: {col} missing at {at.isoformat()}{stale}: the history needs {what}")
+
+
+def _sessions(s: pd.DataFrame, origin: pd.Timestamp, now: pd.Timestamp, dt: pd.Timedelta, t: int) -> pd.DataFrame:
+    """The history's sessions that arrived in its span, checked: none after the state's time."""
+    missing = [c for c in SESSION_COLUMNS if c not in s]
+    if missing:
+        raise LiveError(f"sessions: column(s) {', '.join(missing)} missing (sessions.parquet's columns are needed)")
+    s = s[list(SESSION_COLUMNS)].copy()
+    for c in ("arrival", "departure"):
+        s[c] = pd.to_datetime(s[c], utc=True)
+    s["session_id"] = s.session_id.astype(str)
+    s["station_id"] = s.station_id.astype(str)
+    s["energy_kwh"] = s.energy_kwh.astype(np.float64)
+    step = np.rint((s.arrival - origin) / dt).to_numpy()
+    late = np.flatnonzero(step > t)
+    if len(late):
+        r = s.iloc[late[0]]
+        raise LiveError(
+            f"sessions: session {r.session_id!r} arrives at {r.arrival.isoformat()}, after the state's time "
+            f"{now.isoformat()}: give the sessions realised by then"
+        )
+    return s[s.arrival >= origin - dt / 2].reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------------------------ the controllers
