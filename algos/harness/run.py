@@ -145,23 +145,19 @@ class Run:
             "resumes": self.resumes,
         }
 
-    def _initialise(self, modules: dict[str, nn.Module]) -> None:
-        """``--init-from``: load ``modules`` (observation statistics included) from another run's checkpoint.
-
-        Raises:
-            CheckpointError: as :meth:`restore` (the message names the file).
-        """
-        path = Path(self.args.init_from)
-        path = path / "checkpoint.pt" if path.is_dir() else path
-        state = read_checkpoint(path, self.device, self.algo, self.args.env_id)
+    @staticmethod
+    def _load(state: dict, modules: dict[str, nn.Module], optimizers: dict, lrs: dict | None, error) -> None:
+        """Load ``modules`` and ``optimizers`` from the entries of ``state`` of the same name (:meth:`restore`);
+        ``error(what)`` is the message of the :class:`CheckpointError` raised when they do not fit."""
         try:
             for name, module in modules.items():
                 module.load_state_dict(state[name])
+            for name, opt in optimizers.items():
+                if opt is not None and state.get(name) is not None:
+                    load_optimizer_state(opt, state[name], (lrs or {}).get(name))
         except (KeyError, RuntimeError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise CheckpointError(
-                f"--init-from {path}: it does not fit this run's networks ({type(exc).__name__}: {first})"
-            ) from exc
+            what = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            raise CheckpointError(error(f"it does not fit this run's networks ({what})")) from exc
 
     def restore(
         self, state: dict | None, modules: dict[str, nn.Module], optimizers: dict, env, lrs: dict | None = None
@@ -182,25 +178,16 @@ class Run:
                 file, what is wrong and the way out.
         """
         if state is None and not self.args.resume:
-            if self.args.init_from:
-                self._initialise(modules)
+            if self.args.init_from:  # fine-tuning: the networks only (their observation statistics included)
+                init = Path(self.args.init_from)
+                init = init / "checkpoint.pt" if init.is_dir() else init
+                initial = read_checkpoint(init, self.device, self.algo, self.args.env_id)
+                self._load(initial, modules, {}, None, lambda what: f"--init-from {init}: {what}")
             return None
         path = self.ckpt_path
         if state is None:
             state = read_checkpoint(path, self.device, self.algo, self.args.env_id)
-        try:
-            for name, module in modules.items():
-                module.load_state_dict(state[name])
-            for name, opt in optimizers.items():
-                if opt is not None and state.get(name) is not None:
-                    load_optimizer_state(opt, state[name], (lrs or {}).get(name))
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckpointError(
-                cannot_resume(
-                    path,
-                    f"it does not fit this run's networks ({type(exc).__name__}: {str(exc).strip().splitlines()[0]})",
-                )
-            ) from exc
+        self._load(state, modules, optimizers, lrs, lambda what: cannot_resume(path, what))
         self.global_step, self.iteration = int(state["global_step"]), int(state["iteration"])
         self.train_wall_prev = float(state.get("train_wall_s", 0.0))
         set_rng_states(state["rng"])

@@ -88,14 +88,17 @@ class OnlineAgent:
         self.work_dir = Path(work_dir)
         self.flags = run_flags(run_dir)
         self.last_run = Path(run_dir)
-        self.policy = load_policy(Path(run_dir) / "policy.pt2")
-        self.week = week_steps(load_site(site_toml).config.dt_h)
+        self.policy = load_policy(tasks.find_policy(run_dir))
+        config = load_site(site_toml).config
+        self.week = week_steps(config.dt_h)
+        self.first = max(self.week, config.episode.train_steps)  # the first step a training window fits before
         self.update_s: list[float] = []  # wall seconds of each weekly fine-tuning
 
     def __call__(self, obs: torch.Tensor, env) -> torch.Tensor:
-        """Actions of the current policy; at a week's start (after the first), fine-tune first."""
+        """Actions of the current policy; at a week's start with a training window's worth of the split before it,
+        fine-tune first."""
         t = int(env.t[0])
-        if self.steps and t > 0 and t % self.week == 0:
+        if self.steps and t >= self.first and t % self.week == 0:
             self._fine_tune(t)
         return self.policy(obs, env)
 
@@ -121,7 +124,7 @@ class OnlineAgent:
         )  # fmt: skip
         self.update_s.append(time.perf_counter() - t0)
         self.last_run = out
-        self.policy = load_policy(out / "policy.pt2")
+        self.policy = load_policy(tasks.find_policy(out))
 
 
 def evaluate_online(
