@@ -145,3 +145,20 @@ def test_zero_moer_hours_do_not_import_while_curtailing():
 def test_unknown_split_raises(site):
     with pytest.raises(KeyError):
         solve_oracle(site, "validation")
+
+
+def test_lp_matrix_is_scipys_canonical_csc():
+    """The LP matrix built in one sort equals scipy's COO -> CSR -> CSC of the same triplets, duplicates summed."""
+    import scipy.sparse as sp
+
+    from pipeline.control.oracle import _csc
+
+    rng = np.random.default_rng(0)
+    rows, cols = rng.integers(0, 40, 600), rng.integers(0, 70, 600)  # many repeated (row, column) pairs
+    vals = rng.normal(size=600)
+    ours = _csc(rows, cols, vals, (40, 70))
+    ref = sp.csr_matrix((vals, (rows, cols)), shape=(40, 70)).tocsc()
+    assert ours.has_sorted_indices and ours.shape == ref.shape
+    np.testing.assert_array_equal(ours.indptr, ref.indptr)
+    np.testing.assert_array_equal(ours.indices, ref.indices)
+    np.testing.assert_allclose(ours.data, ref.data, rtol=0, atol=1e-12)

@@ -320,18 +320,24 @@ class MPCController:
             sources = [(t - j * self._day, total / days) for j in range(1, days + 1) if total > 0]
         if p.demand_day_type and not self.perfect_arrivals and p.expected_demand_weight > 0:
             sources = self._same_day_type_sources(t, H)
+        steps, shifts, shares = [], [], []  # every source's steps of arrivals known at t, one array for all
         for shift, share in sources:  # arrivals at steps shift + k, k in 1..H-1, that are known at t
             s = np.arange(max(shift + 1, 0), min(shift + H, t + 1 if shift < t else d.num_steps))
             if isinstance(share, tuple):  # (share, the steps k of the window this past day stands for)
                 share, ks = share
                 s = s[np.isin(s - shift, ks)]
-            r, i = np.nonzero(d.arrival_stay_steps[s] > 0)
-            k = s[r] - shift
+            steps.append(s)
+            shifts.append(np.full(len(s), shift))
+            shares.append(np.full(len(s), float(share)))
+        if steps:
+            s, shift, share = np.concatenate(steps), np.concatenate(shifts), np.concatenate(shares)
+            r, i = np.nonzero(d.arrival_stay_steps[s] > 0)  # source by source, step by step, socket by socket
+            k = s[r] - shift[r]
             arr.append(k)
             end.append(k + d.arrival_stay_steps[s[r], i])
-            e.append(d.arrival_need_kwh[s[r], i] * share)
+            e.append(d.arrival_need_kwh[s[r], i] * share[r])
             sock.append(-1 - i.astype(np.int64))
-            w.append(np.full(len(k), share))
+            w.append(share[r])
         cat = np.concatenate
         return cat(arr), cat(end), cat(e).astype(np.float64), cat(sock), cat(w)
 
@@ -610,19 +616,25 @@ class MPCController:
             RuntimeError: no optimum and ``strict``.
         """
         A = A_eq.tocsc()
-        lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = A.shape[1], A.shape[0]
-        lp.col_cost_ = c
-        lp.col_lower_ = bounds[:, 0]
-        lp.col_upper_ = np.where(np.isinf(bounds[:, 1]), highspy.kHighsInf, bounds[:, 1])
-        lp.row_lower_ = b_eq
-        lp.row_upper_ = b_eq
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = A.indptr
-        lp.a_matrix_.index_ = A.indices
-        lp.a_matrix_.value_ = A.data
+        upper = np.where(np.isinf(bounds[:, 1]), highspy.kHighsInf, bounds[:, 1])
         h = self._highs
-        h.passModel(lp)
+        h.passModel(  # the arrays overload: no copy through HighsLp's Python properties
+            A.shape[1],
+            A.shape[0],
+            A.nnz,
+            _COLWISE,
+            _MINIMIZE,
+            0.0,
+            np.ascontiguousarray(c, np.float64),
+            np.ascontiguousarray(bounds[:, 0]),
+            upper,
+            np.ascontiguousarray(b_eq, np.float64),
+            np.ascontiguousarray(b_eq, np.float64),
+            A.indptr.astype(np.int32, copy=False),
+            A.indices.astype(np.int32, copy=False),
+            A.data,
+            np.zeros(A.shape[1], np.int32),  # integrality: every column continuous
+        )
         warm = self.warm_start and keys is not None and self._basis is not None
         if warm:
             h.setBasis(_carried_basis(self._basis, keys))
@@ -706,6 +718,8 @@ def simulate(site: Site, split: str, controller: str = "mpc") -> tuple[pd.DataFr
     return run_mpc(site, split, controller)[:2]
 
 
+_COLWISE = int(highspy.MatrixFormat.kColwise)
+_MINIMIZE = int(highspy.ObjSense.kMinimize)
 _KEY_SOCKETS = 1 << 19
 """Socket codes in :meth:`MPCController._lp_keys`: a plugged EV's socket ``i``, an expected arrival's ``2**19 + i``."""
 

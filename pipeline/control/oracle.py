@@ -81,7 +81,7 @@ def build_lp(data: SplitData) -> dict:
         data: the discretised split (``Site.split``).
 
     Returns:
-        dict with ``c`` (objective, shape ``(n,)``), ``A_eq`` (CSR, ``(T + T + S, n)``), ``b_eq``,
+        dict with ``c`` (objective, shape ``(n,)``), ``A_eq`` (CSC, ``(T + T + S, n)``), ``b_eq``,
         ``bounds`` (``(n, 2)``), and the index helpers ``T``, ``S``, ``n_p`` (number of EV power
         variables), ``p_sess``, ``p_step`` (session and step of each EV variable, ``(n_p,)``),
         ``off`` (dict: first column of each variable block ``p, ch, dis, E, g, u, x, slack``),
@@ -220,7 +220,7 @@ def assemble_lp(
     if with_defer:
         add(ev_row, off["defer"][blk] + s_local, 1.0)
 
-    A_eq = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols_))), shape=(n_row, n))
+    A_eq = _csc(np.concatenate(rows), np.concatenate(cols_), np.concatenate(vals), (n_row, n))
     b_eq = np.zeros(n_row)
     b_eq[balance] = np.tile(load_kw - pv_kw, K)
     b_eq[row_off + T] = energy_init_kwh
@@ -264,6 +264,21 @@ def assemble_lp(
     if block is not None:
         out.update(row_off=row_off, col_block=np.repeat(np.arange(K), size), p_col=p_col, s_local=s_local)
     return out
+
+
+def _csc(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, shape: tuple[int, int]) -> sp.csc_matrix:
+    """The canonical CSC matrix of COO triplets (``(nnz,)`` each): columns in order, rows ascending within a column,
+    duplicates summed; the arrays scipy's COO -> CSR -> CSC conversions give, in one sort (this runs once per MPC
+    step)."""
+    order = np.lexsort((rows, cols))
+    r, c, v = rows[order], cols[order], vals[order]
+    dup = (np.diff(c) == 0) & (np.diff(r) == 0)
+    if dup.any():
+        first = np.flatnonzero(np.r_[True, ~dup])
+        r, c, v = r[first], c[first], np.add.reduceat(v, first)
+    indptr = np.zeros(shape[1] + 1, np.int32)
+    np.cumsum(np.bincount(c, minlength=shape[1]), out=indptr[1:])
+    return sp.csc_matrix((v, r.astype(np.int32), indptr), shape=shape)
 
 
 def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> tuple[pd.DataFrame, pd.DataFrame]:
