@@ -294,3 +294,32 @@ def test_session_model_scenarios_are_causal_and_seeded():
     assert not np.array_equal(a, actions(site, seed=2))
     with pytest.raises(ValueError, match="scenario_source"):
         ScenarioMPC(site.split("train"), scenario.base_params(site.config), scenario_source="past_weeks")
+
+
+def test_tuning_searches_the_scenario_planners_own_parameters_from_its_planner():
+    """``scenario.tune`` runs CMA-ES over :data:`scenario.TUNED_SPACE` from ``mpc_scenario``'s planner, every candidate
+    backtested by the scenario planner itself; the parameters outside that space stay the planner's, and the result
+    costs no more than the start on the validation weeks."""
+    site = make_site(days=21, n_sockets=3)
+    seen = []
+
+    def window(site_, split, start, steps, params):
+        seen.append(PlannerParams.from_dict(params) if isinstance(params, dict) else params)
+        return scenario.run_window(site_, split, start, steps, params, n_scenarios=2)
+
+    from pipeline.control import tuning
+
+    (res,) = scenario.tune(site, (1,), "tiny", evaluate=tuning.local_evaluator(site, "train", window))
+    base = scenario.base_params(site.config)
+    assert res.start == base and seen
+    tuned = {p.name for p in scenario.TUNED_SPACE}
+    for p in [*seen, res.params]:
+        assert {k: v for k, v in p.as_dict().items() if k not in tuned} == {
+            k: v for k, v in base.as_dict().items() if k not in tuned
+        }
+    assert len({tuple(p.as_dict()[k] for k in tuned) for p in seen}) > 2  # CMA-ES moved the tuned ones
+    h = res.history
+    valid = h[h.generation == h.generation.max()].reset_index(drop=True)  # the start and the last means
+    best = valid.iloc[int(np.argmin(valid.cost_kg.to_numpy()))]
+    assert PlannerParams.from_dict({k: best[k] for k in base.as_dict()}) == res.params
+    assert best.cost_kg <= float(valid[valid.candidate == "start"].cost_kg.iloc[0])

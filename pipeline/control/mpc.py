@@ -161,7 +161,8 @@ class PlannerParams:
 
     @classmethod
     def from_dict(cls, d: dict) -> PlannerParams:
-        """From :meth:`as_dict`'s dict; integer and yes/no fields rounded.
+        """From :meth:`as_dict`'s dict (its values Python's or NumPy's: a table row's); integer and yes/no fields
+        rounded.
 
         Raises:
             KeyError: a key that is not a parameter (the message names it).
@@ -171,7 +172,9 @@ class PlannerParams:
         if unknown:
             raise KeyError(f"unknown planner parameter(s) {sorted(unknown)}: known are {sorted(known)}")
         kinds = {"int": int, "bool": bool, "float": float}
-        return cls(**{k: kinds[known[k].type](round(v) if known[k].type != "float" else v) for k, v in d.items()})
+        return cls(
+            **{k: kinds[known[k].type](round(float(v)) if known[k].type != "float" else v) for k, v in d.items()}
+        )
 
 
 @dataclass

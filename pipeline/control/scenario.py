@@ -52,6 +52,7 @@ import scipy.sparse as sp
 
 from envs.config import SiteConfig
 from envs.site import Site, SplitData, load_site
+from pipeline.control import tuning
 from pipeline.control.backtest import WindowResult, run_controller
 from pipeline.control.mpc import MPCController, Plan, PlannerParams
 from pipeline.control.sessions import SessionModel
@@ -69,6 +70,12 @@ SCENARIO_SOURCE = "past_days"
 the train split (``docs/agents.md``)."""
 SESSION_MODEL = {"half_life_days": 112.0, "band_h": 3.0, "dispersion": True}
 """The session model's settings, chosen by its log-likelihood on held-out train-split weeks (``docs/agents.md``)."""
+
+
+TUNED_SPACE = tuple(p for p in tuning.SPACE if p.name in ("terminal_value", "moer_contrast", "moer_bias"))
+"""The planner's parameters :func:`tune` searches for ``mpc_scenario`` (the ranges of
+:data:`pipeline.control.tuning.SPACE`): the ones it reads and no grid chose (``K``, the horizon and the day type were
+chosen on the train split by grids; the demand weight and days have no role)."""
 
 
 def base_params(site_config: SiteConfig) -> PlannerParams:
@@ -268,20 +275,39 @@ class ScenarioMPC(MPCController):
         }
 
 
-def controller(data: SplitData, **settings) -> ScenarioMPC:
-    """``mpc_scenario``'s controller for a split: :func:`base_params`' planner, HiGHS without presolve and warm-started,
-    and the chosen ``n_scenarios``, ``recency_half_life``, ``moer_scenarios`` unless ``settings`` give others."""
-    return ScenarioMPC(data, base_params(data.config), presolve=False, **settings)
+def controller(data: SplitData, params: PlannerParams | None = None, **settings) -> ScenarioMPC:
+    """``mpc_scenario``'s controller for a split: the planner ``params`` (default :func:`base_params`'), HiGHS without
+    presolve and warm-started, and the chosen ``n_scenarios``, ``recency_half_life``, ``moer_scenarios`` unless
+    ``settings`` give others."""
+    return ScenarioMPC(data, params or base_params(data.config), presolve=False, **settings)
 
 
-def run_window(site: Site | str, split: str, start: int, steps: int, **settings) -> WindowResult:
-    """Backtest ``mpc_scenario`` (:func:`controller` with ``settings``) over steps ``[start, start + steps)`` of
-    ``split``, begun as :func:`pipeline.control.backtest.run_window` begins a window.
+def run_window(
+    site: Site | str, split: str, start: int, steps: int, params: PlannerParams | dict | None = None, **settings
+) -> WindowResult:
+    """Backtest ``mpc_scenario`` (:func:`controller` with ``params`` and ``settings``) over steps ``[start, start +
+    steps)`` of ``split``, begun as :func:`pipeline.control.backtest.run_window` begins a window; the same signature,
+    so that :func:`pipeline.control.tuning.tune` can tune its planner (:data:`TUNED_SPACE`).
 
     Raises:
         ValueError: a window outside the split. RuntimeError: an LP not solved, or the balance violated.
     """
-    return run_controller(site, split, start, steps, lambda data: controller(data, **settings))
+    params = PlannerParams.from_dict(params) if isinstance(params, dict) else params
+    return run_controller(site, split, start, steps, lambda data: controller(data, params, **settings))
+
+
+def tune(site: Site | str, seeds=(1,), budget: str = "small", evaluate=None, **kwargs) -> list:
+    """CMA-ES over :data:`TUNED_SPACE` for ``mpc_scenario``'s planner on the train split's weeks, from
+    :func:`base_params` (:func:`pipeline.control.tuning.tune` with this planner's backtests, :func:`run_window`);
+    ``evaluate`` as there (default: one window after another here). Returns one
+    :class:`~pipeline.control.tuning.TuningResult` per seed. What it found: ``docs/agents.md``, "Scenario MPC".
+
+    Raises:
+        KeyError: an unknown budget.
+    """
+    site = load_site(site)
+    evaluate = evaluate or tuning.local_evaluator(site, "train", run_window)
+    return tuning.tune(site, seeds, budget, evaluate, space=TUNED_SPACE, start=base_params(site.config), **kwargs)
 
 
 def simulate(site: Site | str, split: str, **settings) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -198,17 +198,24 @@ Evaluate = Callable[[list[tuple[PlannerParams, int, int]]], list[WindowResult]]
 """Backtests a batch of ``(params, start, steps)`` windows of the tuned split, in order (locally or on Dask)."""
 
 
-def local_evaluator(site: Site | str, split: str) -> Evaluate:
-    """Backtests one window after another in this process."""
-    return lambda jobs: [run_window(site, split, s, n, p) for p, s, n in jobs]
+Window = Callable[..., WindowResult]
+"""A backtest of one window, ``(site, split, start, steps, params) -> WindowResult``: the planner's
+(:func:`pipeline.control.backtest.run_window`, the default) or another planner on the same parameters
+(:func:`pipeline.control.scenario.run_window`)."""
 
 
-def dask_evaluator(client, site_toml: str, split: str, priority: int = 0) -> Evaluate:
-    """Backtests as Dask tasks of ``client`` at Dask ``priority``, one task per window (a worker loads a site once)."""
+def local_evaluator(site: Site | str, split: str, window: Window = run_window) -> Evaluate:
+    """Backtests one window after another in this process, each by ``window``."""
+    return lambda jobs: [window(site, split, s, n, p) for p, s, n in jobs]
+
+
+def dask_evaluator(client, site_toml: str, split: str, priority: int = 0, window: Window = run_window) -> Evaluate:
+    """Backtests as Dask tasks of ``client`` at Dask ``priority``, one task per window, each by ``window`` (a worker
+    loads a site once)."""
 
     def evaluate(jobs):
         futures = [
-            client.submit(run_window, site_toml, split, s, n, p.as_dict(), priority=priority, pure=False)
+            client.submit(window, site_toml, split, s, n, p.as_dict(), priority=priority, pure=False)
             for p, s, n in jobs
         ]
         return client.gather(futures)
@@ -243,6 +250,7 @@ def tune(
     split: str = "train",
     space: Sequence[Param] = SPACE,
     progress: Callable[[str], None] = print,
+    start: PlannerParams | None = None,
 ) -> list[TuningResult]:
     """Tune the planner's parameters by CMA-ES on sampled weeks of ``split``, once per seed (module docstring).
 
@@ -255,8 +263,10 @@ def tune(
         budget: a key of :data:`BUDGETS`, or a :class:`Budget`.
         evaluate: how windows are backtested (default :func:`local_evaluator`).
         split: the split tuned on (the train split; tuning never reads another).
-        space: the parameters tuned (default :data:`SPACE`; the others stay at :meth:`PlannerParams.learned_start`'s).
+        space: the parameters tuned (default :data:`SPACE`; the others stay at ``start``'s).
         progress: called with one line per generation.
+        start: where CMA-ES starts (default :meth:`PlannerParams.learned_start`; its yes/no parameters in ``space``
+            undecided).
 
     Returns:
         one :class:`TuningResult` per seed, in ``seeds``' order.
@@ -274,7 +284,7 @@ def tune(
     pool = [w for w in pool if w[1] == pool[0][1]]  # whole weeks only
     if len(pool) < 1:
         raise ValueError(f"split '{split}' has {data.num_steps} steps: fewer than two whole weeks to tune on")
-    start = PlannerParams.learned_start(site.config)
+    start = start or PlannerParams.learned_start(site.config)
     x0 = encode(start, space, undecided=True)
     box = list(space)
     if len(box) == 1:  # cma needs two dimensions at least: a second one that decode() ignores
