@@ -273,3 +273,40 @@ def test_expected_demand_by_day_type_reads_the_last_days_of_the_same_type():
     plugged = (np.zeros(data.config.ev.n_sockets), np.zeros(data.config.ev.n_sockets, dtype=np.int64))
     a, b = flat.sessions(t, 24, *plugged), mpc.sessions(t, 24, *plugged)
     assert not np.array_equal(np.sort(a[0]), np.sort(b[0])) or not np.allclose(np.sort(a[2]), np.sort(b[2]))
+
+
+def test_the_day_policys_action_range_sits_around_its_centre(monkeypatch):
+    """``mpc_rl``'s action moves the weight and the terminal value ``width`` either side of a centre: by default
+    :func:`base_params` (weight 0.5, terminal value 1) over the whole ranges, bit for bit the mapping ``(a0 + 1) / 2``,
+    ``1 + a1 / 2``; with ``EVHUB_PLANNER_CENTRE`` / ``EVHUB_PLANNER_WIDTH`` around those, clipped to the ranges, and
+    the centre's other parameters kept. A bad centre or width is refused by name."""
+    import json
+
+    from pipeline.control import rl_planner
+
+    site = make_site(days=9, n_sockets=3)
+    base, width = rl_planner.centre(site)
+    assert base == rl_planner.base_params(site) and width == rl_planner.WIDTH
+    assert rl_planner.start_params(site) == rl_planner.day_params(base, np.zeros(2))
+    for a in np.random.default_rng(0).uniform(-1, 1, (200, 2)).astype(np.float32):
+        p = rl_planner.day_params(base, a)
+        a64 = a.astype(np.float64)
+        assert p.expected_demand_weight == (a64[0] + 1.0) / 2.0 and p.terminal_value == 1.0 + a64[1] / 2.0
+    tuned = dataclasses.replace(base, expected_demand_weight=0.9, terminal_value=0.6, horizon_h=30, moer_bias=0.05)
+    monkeypatch.setenv("EVHUB_PLANNER_CENTRE", json.dumps(tuned.as_dict()))
+    monkeypatch.setenv("EVHUB_PLANNER_WIDTH", "0.25")
+    c, w = rl_planner.centre(site)
+    assert c == tuned and w == 0.25
+    assert rl_planner.day_params(c, np.zeros(2), w) == tuned
+    hi, lo = rl_planner.day_params(c, np.ones(2), w), rl_planner.day_params(c, -np.ones(2), w)
+    # 1.15 clipped to the weight's range, 0.35 to the terminal value's
+    assert (hi.expected_demand_weight, hi.terminal_value) == pytest.approx((1.0, 0.85), abs=1e-12)
+    assert (lo.expected_demand_weight, lo.terminal_value) == pytest.approx((0.65, 0.5), abs=1e-12)
+    assert hi.horizon_h == lo.horizon_h == 30 and hi.moer_bias == 0.05
+    monkeypatch.setenv("EVHUB_PLANNER_WIDTH", "0")
+    with pytest.raises(ValueError, match="EVHUB_PLANNER_WIDTH"):
+        rl_planner.centre(site)
+    monkeypatch.setenv("EVHUB_PLANNER_WIDTH", "0.25")
+    monkeypatch.setenv("EVHUB_PLANNER_CENTRE", '{"expected_demand_wieght": 0.5}')
+    with pytest.raises(ValueError, match="EVHUB_PLANNER_CENTRE"):
+        rl_planner.centre(site)

@@ -12,8 +12,12 @@ optimiser rather than replacing it; e.g. Arroyo et al., Applied Energy 2022), on
 
 - episode: one week of the train split from a random local midnight (after the split's first week, in which the
   planner's forecasts warm up), begun like a backtest window (:func:`pipeline.control.backtest.run_window`);
-- action: ``(2,)`` in ``[-1, 1]``: the weight ``(a0 + 1) / 2`` in ``[0, 1]`` and the terminal value
-  ``1 + a1 / 2`` in ``[0.5, 1.5]`` (a multiple of the shipped rule's), the other parameters :func:`base_params`'s;
+- action: ``(2,)`` in ``[-1, 1]``: the weight and the terminal value (a multiple of the shipped rule's) around a
+  centre, ``w_c + width * a0`` clipped to ``[0, 1]`` and ``v_c + width * a1`` clipped to ``[0.5, 1.5]``
+  (:func:`day_params`); the centre's other parameters as they are. The centre is :func:`base_params` (weight 0.5,
+  terminal value 1: the middle of both ranges) with width :data:`WIDTH` (0.5: the whole ranges), unless the
+  environment variables ``EVHUB_PLANNER_CENTRE`` (a JSON of :class:`~pipeline.control.mpc.PlannerParams`, e.g. a
+  tuning's) and ``EVHUB_PLANNER_WIDTH`` give others;
 - reward: ``-(CO2 kg + UNSERVED_COST * unserved kWh) / REWARD_SCALE_KG`` of the day;
 - observation (:data:`OBS_NAMES`, about ``[-1, 1]``): the day of week (sin, cos), the battery's SOC, the energy the
   plugged cars still need, the past week's mean daily arrivals, yesterday's arrivals against that mean, the
@@ -62,18 +66,51 @@ OBS_NAMES = (
 """The observation's features, in order (module docstring)."""
 
 
+WIDTH = 0.5
+"""How far the action moves the weight and the terminal value from the centre (at ``|a| = 1``): 0.5 spans both
+parameters' whole ranges from :func:`base_params`."""
+
+
 def base_params(site: Site) -> PlannerParams:
-    """The planner's parameters the policy does not set: the site's ``[mpc]`` values on the learned MOER forecast
+    """The planner the policy acts around (its zero action): the site's ``[mpc]`` values on the learned MOER forecast
     (:meth:`pipeline.control.mpc.PlannerParams.learned_start`), the expected demand drawn by day type (weekday or
-    weekend; chosen on the train split, ``docs/agents.md``)."""
-    return replace(PlannerParams.learned_start(site.config), demand_day_type=True)
+    weekend; chosen on the train split, ``docs/agents.md``), weight 0.5 and terminal value 1 (the middle of their
+    ranges)."""
+    return replace(
+        PlannerParams.learned_start(site.config), demand_day_type=True, expected_demand_weight=0.5, terminal_value=1.0
+    )
 
 
-def day_params(base: PlannerParams, action) -> PlannerParams:
-    """The day's parameters from an action in ``[-1, 1]^2`` (clipped): weight ``(a0 + 1) / 2``, terminal value
-    ``1 + a1 / 2``; the others as in ``base``."""
+def centre(site: Site) -> tuple[PlannerParams, float]:
+    """``(centre, width)`` of the policy's action range: ``EVHUB_PLANNER_CENTRE`` (a JSON object of
+    :class:`~pipeline.control.mpc.PlannerParams`) and ``EVHUB_PLANNER_WIDTH`` when set, else :func:`base_params` and
+    :data:`WIDTH`.
+
+    Raises:
+        ValueError: a width outside ``(0, 1]`` or a centre that is not such a JSON object (the message names it).
+    """
+    import json
+
+    raw = os.environ.get("EVHUB_PLANNER_CENTRE")
+    try:
+        c = PlannerParams.from_dict(json.loads(raw)) if raw else base_params(site)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"EVHUB_PLANNER_CENTRE={raw!r}: not a JSON object of planner parameters ({e})") from e
+    width = float(os.environ.get("EVHUB_PLANNER_WIDTH", WIDTH))
+    if not 0.0 < width <= 1.0:
+        raise ValueError(f"EVHUB_PLANNER_WIDTH={width}: must lie in (0, 1]")
+    return c, width
+
+
+def day_params(base: PlannerParams, action, width: float = WIDTH) -> PlannerParams:
+    """The day's parameters from an action in ``[-1, 1]^2`` (clipped) around the centre ``base``: weight
+    ``base.expected_demand_weight + width * a0`` in ``[0, 1]``, terminal value ``base.terminal_value + width * a1`` in
+    ``[0.5, 1.5]`` (clipped); the others as in ``base``. At :func:`base_params` and :data:`WIDTH`: weight
+    ``(a0 + 1) / 2``, terminal value ``1 + a1 / 2``."""
     a = np.clip(np.asarray(action, np.float64).reshape(-1), -1.0, 1.0)
-    return replace(base, expected_demand_weight=float((a[0] + 1.0) / 2.0), terminal_value=float(1.0 + a[1] / 2.0))
+    w = float(np.clip(base.expected_demand_weight + width * a[0], 0.0, 1.0))
+    v = float(np.clip(base.terminal_value + width * a[1], 0.5, 1.5))
+    return replace(base, expected_demand_weight=w, terminal_value=v)
 
 
 class _Day:
@@ -153,7 +190,7 @@ class PlannerEnv(gym.Env):
         # episodes keep every session, like an evaluation
         self.site = evaluation_site(load_site(site or os.environ.get("EVHUB_SITE", "caltech")))
         self.split = split
-        self.base = base_params(self.site)
+        self.base, self.width = centre(self.site)
         self.steps = EPISODE_DAYS * max(1, int(round(24 / self.site.config.dt_h)))
         self.starts = _midnights(self.site, split)
         # the window is one step longer than the episode, so the env does not start a new window at the episode's end
@@ -190,7 +227,7 @@ class PlannerEnv(gym.Env):
 
     def step(self, action):
         s = self._state
-        self._obs, co2, unserved = s.run_day(day_params(self.base, action), self._obs, s.day)
+        self._obs, co2, unserved = s.run_day(day_params(self.base, action, self.width), self._obs, s.day)
         self._days += 1
         reward = -(co2 + UNSERVED_COST * unserved) / REWARD_SCALE_KG
         truncated = self._days >= EPISODE_DAYS
@@ -205,8 +242,8 @@ class DailyPolicyPlanner:
     """A policy ``(obs, env) -> socket action`` over a whole split: at each local midnight (and at the split's first
     step) the trained day-level policy sets the planner's parameters from the day-level observation."""
 
-    def __init__(self, site: Site, split: str, policy, base: PlannerParams):
-        self.site, self.split, self.policy, self.base = site, split, policy, base
+    def __init__(self, site: Site, split: str, policy, base: PlannerParams, width: float = WIDTH):
+        self.site, self.split, self.policy, self.base, self.width = site, split, policy, base, width
         self.midnights = set(_midnights(site, split).tolist()) | {0}
         self.day_state: _Day | None = None
         self.params: list[tuple[int, PlannerParams]] = []
@@ -223,7 +260,7 @@ class DailyPolicyPlanner:
             x = torch.as_tensor(self.day_state.observe(obs))[None]
             with torch.no_grad():
                 a = self.policy(x, env)[0].numpy()
-            p = day_params(self.base, a)
+            p = day_params(self.base, a, self.width)
             self.day_state.mpc.set_params(p)
             self.params.append((t, p))
         return self.day_state.mpc(obs, env)
