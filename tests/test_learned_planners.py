@@ -303,6 +303,9 @@ def test_the_day_policys_action_range_sits_around_its_centre(monkeypatch):
     assert (hi.expected_demand_weight, hi.terminal_value) == pytest.approx((1.0, 0.85), abs=1e-12)
     assert (lo.expected_demand_weight, lo.terminal_value) == pytest.approx((0.65, 0.5), abs=1e-12)
     assert hi.horizon_h == lo.horizon_h == 30 and hi.moer_bias == 0.05
+    monkeypatch.setenv("EVHUB_PLANNER_CENTRE", "")  # empty, as the study sets them: the shipped range
+    monkeypatch.setenv("EVHUB_PLANNER_WIDTH", "")
+    assert rl_planner.centre(site) == (rl_planner.base_params(site), rl_planner.WIDTH)
     monkeypatch.setenv("EVHUB_PLANNER_WIDTH", "0")
     with pytest.raises(ValueError, match="EVHUB_PLANNER_WIDTH"):
         rl_planner.centre(site)

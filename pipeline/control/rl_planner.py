@@ -83,8 +83,8 @@ def base_params(site: Site) -> PlannerParams:
 
 def centre(site: Site) -> tuple[PlannerParams, float]:
     """``(centre, width)`` of the policy's action range: ``EVHUB_PLANNER_CENTRE`` (a JSON object of
-    :class:`~pipeline.control.mpc.PlannerParams`) and ``EVHUB_PLANNER_WIDTH`` when set, else :func:`base_params` and
-    :data:`WIDTH`.
+    :class:`~pipeline.control.mpc.PlannerParams`) and ``EVHUB_PLANNER_WIDTH`` when set and not empty, else
+    :func:`base_params` and :data:`WIDTH` (what the study trains ``mpc_rl`` with).
 
     Raises:
         ValueError: a width outside ``(0, 1]`` or a centre that is not such a JSON object (the message names it).
@@ -96,7 +96,7 @@ def centre(site: Site) -> tuple[PlannerParams, float]:
         c = PlannerParams.from_dict(json.loads(raw)) if raw else base_params(site)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"EVHUB_PLANNER_CENTRE={raw!r}: not a JSON object of planner parameters ({e})") from e
-    width = float(os.environ.get("EVHUB_PLANNER_WIDTH", WIDTH))
+    width = float(os.environ.get("EVHUB_PLANNER_WIDTH") or WIDTH)
     if not 0.0 < width <= 1.0:
         raise ValueError(f"EVHUB_PLANNER_WIDTH={width}: must lie in (0, 1]")
     return c, width
