@@ -33,6 +33,7 @@ reads the observation and sets the day's parameters, then the planner acts for 2
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -89,8 +90,6 @@ def centre(site: Site) -> tuple[PlannerParams, float]:
     Raises:
         ValueError: a width outside ``(0, 1]`` or a centre that is not such a JSON object (the message names it).
     """
-    import json
-
     raw = os.environ.get("EVHUB_PLANNER_CENTRE")
     try:
         c = PlannerParams.from_dict(json.loads(raw)) if raw else base_params(site)
