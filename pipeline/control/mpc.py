@@ -620,6 +620,7 @@ class MPCController:
         """
         A = A_eq.tocsc()
         upper = np.where(np.isinf(bounds[:, 1]), highspy.kHighsInf, bounds[:, 1])
+        rhs = np.ascontiguousarray(b_eq, np.float64)  # equality rows: lower = upper
         h = self._highs
         h.passModel(  # the arrays overload: no copy through HighsLp's Python properties
             A.shape[1],
@@ -631,8 +632,8 @@ class MPCController:
             np.ascontiguousarray(c, np.float64),
             np.ascontiguousarray(bounds[:, 0]),
             upper,
-            np.ascontiguousarray(b_eq, np.float64),
-            np.ascontiguousarray(b_eq, np.float64),
+            rhs,
+            rhs,
             A.indptr.astype(np.int32, copy=False),
             A.indices.astype(np.int32, copy=False),
             A.data,
