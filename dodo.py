@@ -37,9 +37,10 @@ processed data as they are.
 the true arrivals or both, on both splits (``pipeline.study.information``), into
 ``outputs/<experiment>/report/value_of_information.{parquet,md}``; the report shows it once it is there.
 
-``doit run online`` (not part of ``pipeline``) runs the online agents (``dqn_online``, ``ppo_online``: the trained
-agent fine-tuned at each week's start on the acting split's past weeks, ``pipeline.study.online``) into
-``outputs/<experiment>/online/``; the report shows their rows once they are there.
+``doit run online`` (not part of ``pipeline``) runs the online forms (``dqn_online``, ``ppo_online``,
+``mpc_rl_online``: the trained agent or day-level policy fine-tuned at each week's start on the acting split's past
+weeks, ``pipeline.study.online``) into ``outputs/<experiment>/online/``; the report shows their rows once they are
+there.
 
 ``doit bench`` runs the speed benchmarks (``benchmarks/``) into ``outputs/bench``::
 
@@ -399,12 +400,11 @@ def task_value_of_information():
 def task_online():
     """The online agents (not in pipeline): each trained agent with an online form fine-tuned week by week on the past.
 
-    ``doit run online`` runs ``dqn_online`` and ``ppo_online`` (``pipeline.study.online``) for each seed on both
-    splits, one Dask task each, from the study's trained runs (it trains them first where they are missing): at each
-    week's start it
-    fine-tunes on the acting split's weeks before it, then acts. It writes ``<experiment>/online/``; the report shows
-    the rows once they are there. Same settings as the pipeline (``site=``, ``experiment=``, ``seeds=``,
-    ``scheduler=``).
+    ``doit run online`` runs ``dqn_online``, ``ppo_online`` and ``mpc_rl_online`` (``pipeline.study.online``) for
+    each seed on both splits, one Dask task each, from the study's trained runs (it trains them first where they are
+    missing): at each week's start it fine-tunes on the acting split's weeks before it, then acts. It writes
+    ``<experiment>/online/``; the report shows the rows once they are there. Same settings as the pipeline (``site=``,
+    ``experiment=``, ``seeds=``, ``scheduler=``).
     """
     from pipeline.study import online
 
@@ -417,9 +417,10 @@ def task_online():
     return {
         "actions": [timed("online", doit_action(action))],
         "file_dep": [str(p) for p in outputs(cfg)["train"]]
+        + _targets("tune_rl")
         + _site_files()
-        + depends.as_strings(depends.files(*depends.ENV, "pipeline/study/online.py")),
-        "targets": [str(p) for p in online.outputs(CFG.root, cfg.algos, cfg.seeds)],
+        + depends.as_strings(depends.files(*depends.ENV, *depends.CONTROL, "pipeline/study/online.py")),
+        "targets": [str(p) for p in online.outputs(cfg)],
         "clean": True,
         "verbosity": 2,
     }

@@ -4,6 +4,7 @@ that step unchanged)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -96,5 +97,56 @@ def test_the_online_agent_acts_on_the_past_alone(tmp_path):
     a, b = traces["as is"], traces["changed"]
     acted = ["bess_charge_kw", "bess_discharge_kw", "ev_charge_kw"]
     assert acted, a.columns
+    pd.testing.assert_frame_equal(a.iloc[: k + 1][acted], b.iloc[: k + 1][acted])  # up to step k: the same
+    assert not a.iloc[k + 1 :][acted].equals(b.iloc[k + 1 :][acted])  # after it: the change is seen
+
+
+def test_planner_episodes_lie_in_the_window_asked(tmp_path, monkeypatch):
+    """``EVHubPlanner-v0``'s episodes start at local midnights from the split's second week on and end (with the one
+    step the env reads after them) by the window's end: what ``mpc_rl_online``'s fine-tunings read of the past."""
+    from pipeline.control import rl_planner
+
+    site = make_site(days=29, n_sockets=4, mpc={"horizon_h": 6})
+    toml = write_site(site, tmp_path / "site")
+    day = 24
+    assert rl_planner.episode_starts(site, "test", 0, 336).size == 0  # no whole week after the first before 336
+    np.testing.assert_array_equal(rl_planner.episode_starts(site, "test", 0, 504), np.arange(168, 313, day))
+    np.testing.assert_array_equal(rl_planner.episode_starts(site, "test", 200, 673), np.arange(216, 505, day))
+    monkeypatch.setenv("EVHUB_PLANNER_SPLIT", "test")
+    monkeypatch.setenv("EVHUB_PLANNER_WINDOW", "300:600")
+    env = rl_planner.PlannerEnv(str(toml))
+    assert env.split == "test"
+    np.testing.assert_array_equal(env.starts, [312, 336, 360, 384, 408])
+    assert all(s % day == 0 and s + 7 * day + 1 <= 600 for s in env.starts)
+    with pytest.raises(ValueError, match=r"no whole week after its first within steps \[0, 300\)"):
+        rl_planner.PlannerEnv(str(toml), window=(0, 300))
+    monkeypatch.setenv("EVHUB_PLANNER_WINDOW", "600:300")
+    with pytest.raises(ValueError, match="EVHUB_PLANNER_WINDOW='600:300'"):
+        rl_planner.PlannerEnv(str(toml))
+
+
+@pytest.mark.slow
+def test_the_online_planner_acts_on_the_past_alone(tmp_path):
+    """``mpc_rl_online`` on a 29-day test split: its day-level policy is fine-tuned at steps 504 and 672 (the weeks
+    with a whole backtest week of the split's past before them) from ``mpc_rl``'s run; the data after step 600
+    changed leave every action up to step 600 as it was, and change later ones."""
+    from pipeline.study import online, tasks
+
+    site = make_site(days=29, n_sockets=4, mpc={"horizon_h": 6})
+    toml = write_site(site, tmp_path / "site")
+    run = tasks.train_rl_planner(str(toml), 1, str(tmp_path / "run"), 14)
+    k = 600
+    changed = write_site(_changed_after(site, "test", k), tmp_path / "changed")
+    traces = {}
+    for name, path in (("as is", toml), ("changed", changed)):
+        files = online.evaluate_online("mpc_rl", 1, run, str(path), "test", str(tmp_path / name), str(tmp_path / name),
+                                       steps=14)  # fmt: skip
+        traces[name] = pd.read_parquet(files[1])
+        row = pd.read_parquet(files[0]).iloc[0]
+        assert row.controller == "mpc_rl_online" and row.update_s > 0 and row.ev_energy_served_pct > 99.9
+        weeks = sorted(p.parent.name for p in (tmp_path / name / "mpc_rl_test_seed1").glob("week*/policy.pt2"))
+        assert weeks == ["week003", "week004"]
+    a, b = traces["as is"], traces["changed"]
+    acted = ["bess_charge_kw", "bess_discharge_kw", "ev_charge_kw"]
     pd.testing.assert_frame_equal(a.iloc[: k + 1][acted], b.iloc[: k + 1][acted])  # up to step k: the same
     assert not a.iloc[k + 1 :][acted].equals(b.iloc[k + 1 :][acted])  # after it: the change is seen

@@ -13,8 +13,8 @@ Families, in report order:
 - ``planner``: ``mpc``, the receding-horizon LP with hand-set parameters (:mod:`pipeline.control.mpc`);
 - ``learned planner``: the planners that learn from the site's realised data (their own section of the docs);
 - ``agent``: the model-free agents, one script each;
-- ``online agent``: an agent that keeps learning, week by week, from the realised past of the split it acts in
-  (``pipeline.study.online``; ``doit run online``, not part of the pipeline);
+- ``online agent``: an agent (or ``mpc_rl``'s day-level policy) that keeps learning, week by week, from the realised
+  past of the split it acts in (``pipeline.study.online``; ``doit run online``, not part of the pipeline);
 - ``bound``: ``mpc_perfect`` (the planner given the true future within its horizon) and the ``oracle`` (the
   perfect-foresight LP over the whole split): not causal, they bracket what information is worth.
 
@@ -171,6 +171,9 @@ CONTROLLERS: dict[str, Controller] = {
         *(Controller(f"{a}_online", "online agent", True, True,
                      f"{a}'s observation; from the second week on, fine-tuned at each week's start on the acting "
                      "split's past weeks", seeded=True, start=a) for a in ("ppo", "dqn")),
+        Controller("mpc_rl_online", "online agent", True, True,
+                   "mpc_rl, its day-level policy fine-tuned at each week's start by PPO on backtests of the acting"
+                   " split's last 4 weeks", seeded=True, start="mpc_rl"),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
                    mpc.simulate, ("mpc_perfect",), _mpc_enabled),
         Controller("oracle", "bound", False, False, "the whole split (perfect-foresight LP)",

@@ -25,7 +25,9 @@ optimiser rather than replacing it; e.g. Arroyo et al., Applied Energy 2022), on
   (energies in units of the train split's mean daily arrivals, whichever split it acts on).
 
 The site is ``site`` or the environment variable ``EVHUB_SITE`` (as the study sets it), default ``caltech``;
-``split`` the split its episodes are drawn from.
+``split`` the split its episodes are drawn from (``EVHUB_PLANNER_SPLIT``, default ``train``) and ``window`` the steps
+of it they lie in (``EVHUB_PLANNER_WINDOW``, ``"first:end"``; default the whole split), as ``mpc_rl_online``'s weekly
+fine-tunings on the acting split's past set them (:mod:`pipeline.study.online`).
 
 :func:`simulate_rl` runs a trained policy (its exported ``policy.pt2``) over a whole split: every local midnight it
 reads the observation and sets the day's parameters, then the planner acts for 24 steps (``mpc_rl``'s row).
@@ -175,29 +177,63 @@ def _midnights(site: Site, split: str) -> np.ndarray:
     return np.flatnonzero((local.hour == 0) & (local.minute == 0))
 
 
+def episode_starts(site: Site, split: str, first: int = 0, end: int | None = None) -> np.ndarray:
+    """The steps of ``split`` an episode may start at: local midnights from the split's second week on (the planner's
+    forecasts warm up in its first) and from step ``first`` on, whose week (and the one step the env reads after it)
+    ends by step ``end`` (default: the split's end). Empty when none fits."""
+    day = max(1, int(round(24 / site.config.dt_h)))
+    end = site.split(split).num_steps if end is None else int(end)
+    s = _midnights(site, split)
+    return s[(s >= max(7 * day, int(first))) & (s + EPISODE_DAYS * day + 1 <= end)]
+
+
+def _window_from_env() -> tuple[int, int | None]:
+    """``EVHUB_PLANNER_WINDOW`` (``"first:end"`` steps; unset or empty: the whole split).
+
+    Raises:
+        ValueError: not two integers with ``first < end`` (the message names the variable).
+    """
+    raw = os.environ.get("EVHUB_PLANNER_WINDOW")
+    if not raw:
+        return 0, None
+    try:
+        first, end = (int(x) for x in raw.split(":"))
+    except ValueError:
+        first = end = -1
+    if not 0 <= first < end:
+        raise ValueError(f"EVHUB_PLANNER_WINDOW={raw!r}: must be 'first:end', steps with 0 <= first < end")
+    return first, end
+
+
 class PlannerEnv(gym.Env):
     """``EVHubPlanner-v0``: one step is a day of the planner acting through EVHub-v0 (module docstring).
 
     Args:
         site: a shipped site name or a site TOML (None: ``EVHUB_SITE``, else ``caltech``).
-        split: the split episodes are drawn from.
+        split: the split episodes are drawn from (None: ``EVHUB_PLANNER_SPLIT``, else ``train``).
+        window: ``(first, end)``: the steps of the split episodes lie in (:func:`episode_starts`; None:
+            ``EVHUB_PLANNER_WINDOW``, else the whole split).
+
+    Raises:
+        ValueError: no episode fits (the message names the split and window), or a bad environment variable.
     """
 
     metadata = {"render_modes": []}
 
-    def __init__(self, site: str | None = None, split: str = "train"):
+    def __init__(self, site: str | None = None, split: str | None = None, window: tuple[int, int] | None = None):
         # episodes keep every session, like an evaluation
         self.site = evaluation_site(load_site(site or os.environ.get("EVHUB_SITE", "caltech")))
-        self.split = split
+        self.split = split or os.environ.get("EVHUB_PLANNER_SPLIT") or "train"
         self.base, self.width = centre(self.site)
         self.steps = EPISODE_DAYS * max(1, int(round(24 / self.site.config.dt_h)))
-        self.starts = _midnights(self.site, split)
-        # the window is one step longer than the episode, so the env does not start a new window at the episode's end
-        self.starts = self.starts[
-            (self.starts >= 7 * 24) & (self.starts + self.steps + 1 <= self.site.split(split).num_steps)
-        ]
+        first, end = window if window is not None else _window_from_env()
+        # the env's window is one step longer than the episode, so it does not start a new window at the episode's end
+        self.starts = episode_starts(self.site, self.split, first, end)
         if len(self.starts) == 0:
-            raise ValueError(f"split '{split}' has no whole week after its first to draw episodes from")
+            raise ValueError(
+                f"split '{self.split}' has no whole week after its first within steps [{first}, {end}) to draw "
+                "episodes from"
+            )
         self.observation_space = gym.spaces.Box(-1.0, 1.0, (len(OBS_NAMES),), np.float32)
         self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
         self._state: _Day | None = None
@@ -300,6 +336,19 @@ def ppo_args(days: int) -> tuple[str, ...]:
         "--eval-split",
         "none",
     )
+
+
+def training_environ(site_toml: str | Path, split: str = "train", window: tuple[int, int] | None = None) -> dict:
+    """The environment variables a training of ``mpc_rl``'s policy runs with: the site, the shipped action range
+    (:func:`base_params`, :data:`WIDTH`; whatever the caller's environment holds), and the split and window of steps
+    its episodes are drawn from (:class:`PlannerEnv`; default the whole train split)."""
+    return {
+        "EVHUB_SITE": str(site_toml),
+        "EVHUB_PLANNER_CENTRE": "",
+        "EVHUB_PLANNER_WIDTH": str(WIDTH),
+        "EVHUB_PLANNER_SPLIT": split,
+        "EVHUB_PLANNER_WINDOW": "" if window is None else f"{int(window[0])}:{int(window[1])}",
+    }
 
 
 def run_dir(tuned_dir: str | Path, seed: int) -> Path:

@@ -30,6 +30,8 @@ REFUSED = {
     "full power; there is no plan over a window to send",
     "mpc_perfect": "it is not causal: it plans on the true MOER and arrivals of the next hours, which no site knows",
     "oracle": "it is not causal: it plans the whole split with perfect foresight (the study's lower bound)",
+    "mpc_rl_online": "it trains its day-level policy by PPO each week on the site's past, a study's run (doit run "
+    "online); send mpc_rl, the policy it starts from, or mpc_adaptive",
 }
 """The registry's controllers :func:`make_plan` refuses, and why."""
 AGENT_REASON = (

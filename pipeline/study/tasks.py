@@ -186,12 +186,7 @@ def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
         site_toml,
         run_dir,
         *_rl_args(days),
-        # the shipped action range, whatever the caller's environment holds (rl_planner.centre)
-        env_vars={
-            "EVHUB_SITE": str(site_toml),
-            "EVHUB_PLANNER_CENTRE": "",
-            "EVHUB_PLANNER_WIDTH": str(rl_planner.WIDTH),
-        },
+        env_vars=rl_planner.training_environ(site_toml),
         code=depends.CONTROL,
         tag=f"mpc_rl seed {seed}",
     )
