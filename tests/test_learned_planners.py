@@ -313,3 +313,28 @@ def test_the_day_policys_action_range_sits_around_its_centre(monkeypatch):
     monkeypatch.setenv("EVHUB_PLANNER_CENTRE", '{"expected_demand_wieght": 0.5}')
     with pytest.raises(ValueError, match="EVHUB_PLANNER_CENTRE"):
         rl_planner.centre(site)
+
+
+def test_a_tuning_that_kept_its_start_gives_mpc_tuned_the_starts_run(tmp_path):
+    """Where the tuning ended at ``mpc_tuned_start``'s parameters, the study writes that run as ``mpc_tuned``'s
+    (``tasks.run_as``): equal, row and traces, to simulating ``mpc_tuned`` itself."""
+    import json
+
+    from pipeline.study import tasks
+
+    site = make_site(days=10, n_sockets=4, mpc={"horizon_h": 6})
+    toml = str(write_site(site, tmp_path / "site"))
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    start = PlannerParams.learned_start(site.config)
+    tuning.result_files(tuned, 2)[0].write_text(json.dumps({"params": start.as_dict()}))
+    assert tuning.kept_start(tuned, 2, site.config)
+    files = tasks.run_controller(toml, "mpc_tuned_start", "test", str(tmp_path / "baselines"))
+    shared = tasks.run_as(files, "mpc_tuned", "test", str(tmp_path / "shared"), 2)
+    own = tasks.run_controller(toml, "mpc_tuned", "test", str(tmp_path / "own"), seed=2, tuned_dir=str(tuned))
+    for a, b in zip(shared, own):
+        pd.testing.assert_frame_equal(pd.read_parquet(a), pd.read_parquet(b))
+    tuning.result_files(tuned, 2)[0].write_text(
+        json.dumps({"params": dataclasses.replace(start, expected_demand_weight=0.5).as_dict()})
+    )
+    assert not tuning.kept_start(tuned, 2, site.config)

@@ -444,6 +444,13 @@ def cached(folder: str | Path, seed: int, fingerprint_hex: str, budget: str = "s
     return s if order.index(s["budget"]) >= order.index(budget) else None
 
 
+def kept_start(folder: str | Path, seed: int, config) -> bool:
+    """Whether the tuning of ``seed`` in ``folder`` ended where ``mpc_tuned_start`` plans: its parameters are
+    :meth:`~pipeline.control.mpc.PlannerParams.learned_start`'s for the site ``config`` (then ``mpc_tuned`` runs the
+    same planner as ``mpc_tuned_start``)."""
+    return load_params(folder, seed) == PlannerParams.learned_start(config)
+
+
 def load_params(folder: str | Path, seed: int) -> PlannerParams:
     """The tuned parameters of ``seed`` from ``folder``.
 

@@ -117,24 +117,20 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     else:
         validated = on_disk("validate") if stages & {"baselines", "train"} else None
 
+    content: list[str] = []
+
+    def simulate(c: str, s: str, *after):
+        """A baseline's run. Its key names what it computes (the controller, split, experiment and a fingerprint of
+        the site, its data and the controllers' code), so that the planners stage's run of the same key shares the
+        baselines stage's task while that is still held, and a changed input never does."""
+        content[:] = content or [tuning.fingerprint(site)[:16]]
+        key = f"simulate-{c}-{s}-{cfg.experiment}-{content[0]}"
+        return submit(tasks.run_controller, site, c, s, str(root / "baselines"), *after,
+                      retries=registry.get(c).retries, priority=PRIORITY["simulate"], key=key)  # fmt: skip
+
     # the simulated controllers (baselines, planners, bounds): one task per controller x split
     if "baselines" in stages:
-        out = str(root / "baselines")
-        jobs = [
-            submit(
-                tasks.run_controller,
-                site,
-                c,
-                s,
-                out,
-                validated,
-                retries=registry.get(c).retries,
-                priority=PRIORITY["simulate"],
-                pure=False,
-            )
-            for c in simulated(cfg)
-            for s in SPLITS
-        ]
+        jobs = [simulate(c, s, validated) for c in simulated(cfg) for s in SPLITS]
         futures["baselines"] = collect(_flatten, jobs)
         baseline_files = futures["baselines"]
     else:
@@ -167,24 +163,32 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
                     for sp, _, c, s, n in windows
                 ]
                 tables[seed] = collect(learned.write_week_tables, backtests, windows, tuned_dir, seed)
-        jobs = [
-            submit(
-                tasks.run_controller,
-                site,
-                c,
-                s,
-                out,
-                tables.get(seed) if c == "mpc_adaptive" else None,  # the others need no week table
-                seed=seed,
-                tuned_dir=tuned_dir,
-                retries=1,
-                priority=PRIORITY["simulate"],
-                pure=False,
-            )
-            for c in planners(cfg)
-            for seed in cfg.seeds
-            for s in SPLITS
-        ]
+        config = load_config(cfg.site_toml)[0]
+        jobs = []
+        for c in planners(cfg):
+            for seed in cfg.seeds:
+                for s in SPLITS:
+                    if c == "mpc_tuned" and tuning.kept_start(tuned_dir, seed, config):
+                        # the same planner as mpc_tuned_start: its run (the baselines stage's task while that is
+                        # still held, else run here) under mpc_tuned's name
+                        start = simulate("mpc_tuned_start", s)
+                        jobs.append(submit(tasks.run_as, start, c, s, out, seed, pure=False))
+                        continue
+                    jobs.append(
+                        submit(
+                            tasks.run_controller,
+                            site,
+                            c,
+                            s,
+                            out,
+                            tables.get(seed) if c == "mpc_adaptive" else None,  # the others need no week table
+                            seed=seed,
+                            tuned_dir=tuned_dir,
+                            retries=1,
+                            priority=PRIORITY["simulate"],
+                            pure=False,
+                        )
+                    )
         futures["planners"] = collect(_flatten, jobs)
         planner_files = futures["planners"]
     else:

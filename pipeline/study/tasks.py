@@ -194,6 +194,21 @@ def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
     return run
 
 
+def run_as(files: list[str], controller: str, split: str, out_dir: str, seed: int | None = None) -> list[str]:
+    """Write another controller's run (``files``: :func:`run_controller`'s ``[kpi_path, traces_path]``) under the name
+    ``controller`` (and ``seed``): the study's ``mpc_tuned`` of a seed whose tuning kept its start is
+    ``mpc_tuned_start``'s run, the same planner step for step (:func:`pipeline.study.graph.run`). Returns
+    ``[kpi_path, traces_path]``."""
+    kpis = pd.read_parquet(files[0])
+    source = str(kpis.controller.iloc[0])
+    kpis["controller"] = controller
+    if seed is not None:
+        kpis["seed"] = float(seed)
+    tag = controller if seed is None else f"{controller} seed {seed}"
+    print(f"{tag} {split}: {source}'s run, the same planner; CO2 {kpis.co2_kg.iloc[0]:.1f} kg", flush=True)
+    return write_run(kpis, pd.read_parquet(files[1]), out_dir, controller, split, seed)
+
+
 def write_run(
     kpis: pd.DataFrame, traces: pd.DataFrame, out_dir: str | Path, controller: str, split: str, seed: int | None = None
 ) -> list[str]:
