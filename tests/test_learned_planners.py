@@ -317,7 +317,8 @@ def test_the_day_policys_action_range_sits_around_its_centre(monkeypatch):
 
 def test_a_tuning_that_kept_its_start_gives_mpc_tuned_the_starts_run(tmp_path):
     """Where the tuning ended at ``mpc_tuned_start``'s parameters, the study writes that run as ``mpc_tuned``'s
-    (``tasks.run_as``): equal, row and traces, to simulating ``mpc_tuned`` itself."""
+    (``tasks.run_as``, when the baseline's file names the inputs it was computed from): equal, row and traces, to
+    simulating ``mpc_tuned`` itself."""
     import json
 
     from pipeline.study import tasks
@@ -329,8 +330,11 @@ def test_a_tuning_that_kept_its_start_gives_mpc_tuned_the_starts_run(tmp_path):
     start = PlannerParams.learned_start(site.config)
     tuning.result_files(tuned, 2)[0].write_text(json.dumps({"params": start.as_dict()}))
     assert tuning.kept_start(tuned, 2, site.config)
-    files = tasks.run_controller(toml, "mpc_tuned_start", "test", str(tmp_path / "baselines"))
+    files = tasks.run_controller(toml, "mpc_tuned_start", "test", str(tmp_path / "baselines"), inputs="key 1")
+    assert tasks.run_inputs(files) == "key 1"  # what the planners stage checks before it shares the run
+    assert tasks.run_inputs([files[0], tmp_path / "missing.parquet"]) is None
     shared = tasks.run_as(files, "mpc_tuned", "test", str(tmp_path / "shared"), 2)
+    assert tasks.run_inputs(shared) is None
     own = tasks.run_controller(toml, "mpc_tuned", "test", str(tmp_path / "own"), seed=2, tuned_dir=str(tuned))
     for a, b in zip(shared, own):
         pd.testing.assert_frame_equal(pd.read_parquet(a), pd.read_parquet(b))

@@ -92,6 +92,19 @@ def test_learned_planners_end_to_end_then_cached_then_retuned_after_an_env_edit(
         assert f"-- {task}" in second.stdout, second.stdout
     assert "tune: seeds" not in second.stdout and "days of PPO" not in second.stdout
 
+    # a tuning that kept its start: mpc_tuned is mpc_tuned_start's run, read from the baselines' files (written for
+    # the same site, data and code), not simulated again
+    (tuned / "mpc_tuned_seed1.json").write_text(json.dumps({**summary, "params": summary["start"]}))
+    kept = doit(["run", "planners"], site_toml, out, cwd=project, **env)
+    assert kept.returncode == 0, kept.stdout[-3000:] + kept.stderr[-3000:]
+    for split in ("train", "test"):
+        assert f"mpc_tuned seed 1 {split}: mpc_tuned_start's run" in kept.stdout, kept.stdout[-3000:]
+        assert f"mpc_tuned_start {split}:" not in kept.stdout  # read, not simulated
+        start = pd.read_parquet(out / "synthetic" / "baselines" / f"mpc_tuned_start_{split}.parquet")
+        tuned_row = pd.read_parquet(out / "synthetic" / "planners" / f"mpc_tuned_seed1_{split}.parquet")
+        rows = [start, tuned_row]
+        assert rows[1].co2_kg.iloc[0] == rows[0].co2_kg.iloc[0] and rows[1].controller.iloc[0] == "mpc_tuned"
+
     # a comment appended to a file of envs/ (what the backtests run): the cached tuning is stale and is made again
     evhub = project / "envs" / "evhub.py"
     evhub.write_text(evhub.read_text() + "\n# an edit\n")

@@ -119,14 +119,23 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
 
     content: list[str] = []
 
-    def simulate(c: str, s: str, *after):
-        """A baseline's run. Its key names what it computes (the controller, split, experiment and a fingerprint of
-        the site, its data and the controllers' code), so that the planners stage's run of the same key shares the
-        baselines stage's task while that is still held, and a changed input never does."""
+    def baseline_key(c: str, s: str) -> str:
+        """What a baseline's run computes: the controller, split, experiment and a fingerprint of the site, its data
+        and the controllers' code (a changed input, a changed key)."""
         content[:] = content or [tuning.fingerprint(site)[:16]]
-        key = f"simulate-{c}-{s}-{cfg.experiment}-{content[0]}"
-        return submit(tasks.run_controller, site, c, s, str(root / "baselines"), *after,
+        return f"simulate-{c}-{s}-{cfg.experiment}-{content[0]}"
+
+    def simulate(c: str, s: str, *after):
+        """A baseline's run as a task keyed by :func:`baseline_key` (the key also kept in its KPI file), so that the
+        planners stage can share it: the finished file, or the task while the baselines stage still holds it."""
+        key = baseline_key(c, s)
+        return submit(tasks.run_controller, site, c, s, str(root / "baselines"), *after, inputs=key,
                       retries=registry.get(c).retries, priority=PRIORITY["simulate"], key=key)  # fmt: skip
+
+    def baseline_run(c: str, s: str):
+        """A baseline's run for the planners stage: its files when they hold this key's run, else :func:`simulate`."""
+        files = [str(f) for f in results.files(root / "baselines", c, s)]
+        return files if tasks.run_inputs(files) == baseline_key(c, s) else simulate(c, s)
 
     # the simulated controllers (baselines, planners, bounds): one task per controller x split
     if "baselines" in stages:
@@ -169,9 +178,8 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
             for seed in cfg.seeds:
                 for s in SPLITS:
                     if c == "mpc_tuned" and tuning.kept_start(tuned_dir, seed, config):
-                        # the same planner as mpc_tuned_start: its run (the baselines stage's task while that is
-                        # still held, else run here) under mpc_tuned's name
-                        start = simulate("mpc_tuned_start", s)
+                        # the same planner as mpc_tuned_start: its run under mpc_tuned's name
+                        start = baseline_run("mpc_tuned_start", s)
                         jobs.append(submit(tasks.run_as, start, c, s, out, seed, pure=False))
                         continue
                     jobs.append(

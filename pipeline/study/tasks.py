@@ -81,6 +81,7 @@ def run_controller(
     *after,
     seed: int | None = None,
     tuned_dir: str | None = None,
+    inputs: str | None = None,
 ) -> list[str]:
     """Simulate a controller of the registry over a whole split (:meth:`pipeline.control.registry.Controller.simulate`);
     returns ``[kpi_path, traces_path]`` (named by :func:`pipeline.study.results.files`, with the seed of a seeded
@@ -89,6 +90,8 @@ def run_controller(
     Args:
         after: outputs of the tasks it must follow (validation, the week tables), not read.
         seed, tuned_dir: what a seeded controller that reads tuned parameters needs.
+        inputs: a name of what the run was computed from, kept in the KPI file's metadata (``attrs["inputs"]``, read
+            back by :func:`run_inputs`).
 
     Raises:
         KeyError: unknown controller (the message names the closest known one) or split.
@@ -97,7 +100,20 @@ def run_controller(
     """
     c = registry.get(controller)
     kpis, traces = c.simulate(load_site(site_toml), split, seed=seed, tuned_dir=tuned_dir)
+    if inputs is not None:
+        kpis.attrs["inputs"] = inputs
     return write_run(kpis, traces, out_dir, controller, split, seed if c.seeded else None)
+
+
+def run_inputs(files: list[str | Path]) -> str | None:
+    """The ``inputs`` a finished run (``[kpi_path, traces_path]``) was written with by :func:`run_controller`; None
+    when either file is missing or unreadable, or the run has none."""
+    try:
+        if not Path(files[1]).is_file():
+            return None
+        return pd.read_parquet(files[0]).attrs.get("inputs")
+    except (OSError, ValueError):
+        return None
 
 
 def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None) -> list[str]:
@@ -200,6 +216,7 @@ def run_as(files: list[str], controller: str, split: str, out_dir: str, seed: in
     ``mpc_tuned_start``'s run, the same planner step for step (:func:`pipeline.study.graph.run`). Returns
     ``[kpi_path, traces_path]``."""
     kpis = pd.read_parquet(files[0])
+    kpis.attrs.clear()
     source = str(kpis.controller.iloc[0])
     kpis["controller"] = controller
     if seed is not None:
