@@ -74,31 +74,37 @@ def _changed_after(site: Site, split: str, k: int) -> Site:
     return Site(site.config, hourly, sessions.reset_index(drop=True), dict(site.source))
 
 
+def _acts_on_the_past_alone(tmp_path, algo: str, run: str, site: Site, k: int, steps: int, weeks: list[str]) -> None:
+    """``<algo>_online`` over the test split of ``site`` as it is and with its data after step ``k`` changed: both runs
+    fine-tune in ``weeks`` (their week folders), and every action up to step ``k`` is the same while later ones
+    differ."""
+    from pipeline.study import online
+
+    traces = {}
+    for name, s in (("as is", site), ("changed", _changed_after(site, "test", k))):
+        path = str(write_site(s, tmp_path / f"site {name}"))
+        files = online.evaluate_online(algo, 1, run, path, "test", str(tmp_path / name), str(tmp_path / name), steps)
+        traces[name] = pd.read_parquet(files[1])
+        row = pd.read_parquet(files[0]).iloc[0]
+        assert row.controller == f"{algo}_online" and row.update_s > 0 and row.ev_energy_served_pct > 99.9
+        assert sorted(p.parent.name for p in (tmp_path / name / f"{algo}_test_seed1").glob("week*/policy.pt2")) == weeks
+    a, b = traces["as is"], traces["changed"]
+    acted = ["bess_charge_kw", "bess_discharge_kw", "ev_charge_kw"]
+    pd.testing.assert_frame_equal(a.iloc[: k + 1][acted], b.iloc[: k + 1][acted])  # up to step k: the same
+    assert not a.iloc[k + 1 :][acted].equals(b.iloc[k + 1 :][acted])  # after it: the change is seen
+
+
 @pytest.mark.slow
 def test_the_online_agent_acts_on_the_past_alone(tmp_path):
     """Weeks of 168 steps: the fine-tunings at steps 168 and 336 read the windows before them; the data after step
     336 changed leave every action up to step 336 as it was, and change later ones."""
-    from pipeline.study import online, tasks
+    from pipeline.study import tasks
 
     site = make_site(days=21)
     toml = write_site(site, tmp_path / "site")
     tiny = ("--learning-starts", "64", "--num-envs", "4", "--hidden-size", "16", "--buffer-size", "2000")
     run = tasks.train_agent("dqn", 1, str(toml), str(tmp_path / "run"), 800, tiny, echo=False)
-    k = 336
-    changed = write_site(_changed_after(site, "test", k), tmp_path / "changed")
-    traces = {}
-    for name, path in (("as is", toml), ("changed", changed)):
-        files = online.evaluate_online("dqn", 1, run, str(path), "test", str(tmp_path / name), str(tmp_path / name),
-                                       steps=1500)  # fmt: skip
-        traces[name] = pd.read_parquet(files[1])
-        row = pd.read_parquet(files[0]).iloc[0]
-        assert row.controller == "dqn_online" and row.update_s > 0
-        assert len(list((tmp_path / name / "dqn_test_seed1").glob("week*/policy.pt2"))) == 2  # weeks 2 and 3
-    a, b = traces["as is"], traces["changed"]
-    acted = ["bess_charge_kw", "bess_discharge_kw", "ev_charge_kw"]
-    assert acted, a.columns
-    pd.testing.assert_frame_equal(a.iloc[: k + 1][acted], b.iloc[: k + 1][acted])  # up to step k: the same
-    assert not a.iloc[k + 1 :][acted].equals(b.iloc[k + 1 :][acted])  # after it: the change is seen
+    _acts_on_the_past_alone(tmp_path, "dqn", run, site, 336, 1500, ["week001", "week002"])
 
 
 def test_planner_episodes_lie_in_the_window_asked(tmp_path, monkeypatch):
@@ -130,23 +136,9 @@ def test_the_online_planner_acts_on_the_past_alone(tmp_path):
     """``mpc_rl_online`` on a 29-day test split: its day-level policy is fine-tuned at steps 504 and 672 (the weeks
     with a whole backtest week of the split's past before them) from ``mpc_rl``'s run; the data after step 600
     changed leave every action up to step 600 as it was, and change later ones."""
-    from pipeline.study import online, tasks
+    from pipeline.study import tasks
 
     site = make_site(days=29, n_sockets=4, mpc={"horizon_h": 6})
     toml = write_site(site, tmp_path / "site")
     run = tasks.train_rl_planner(str(toml), 1, str(tmp_path / "run"), 14)
-    k = 600
-    changed = write_site(_changed_after(site, "test", k), tmp_path / "changed")
-    traces = {}
-    for name, path in (("as is", toml), ("changed", changed)):
-        files = online.evaluate_online("mpc_rl", 1, run, str(path), "test", str(tmp_path / name), str(tmp_path / name),
-                                       steps=14)  # fmt: skip
-        traces[name] = pd.read_parquet(files[1])
-        row = pd.read_parquet(files[0]).iloc[0]
-        assert row.controller == "mpc_rl_online" and row.update_s > 0 and row.ev_energy_served_pct > 99.9
-        weeks = sorted(p.parent.name for p in (tmp_path / name / "mpc_rl_test_seed1").glob("week*/policy.pt2"))
-        assert weeks == ["week003", "week004"]
-    a, b = traces["as is"], traces["changed"]
-    acted = ["bess_charge_kw", "bess_discharge_kw", "ev_charge_kw"]
-    pd.testing.assert_frame_equal(a.iloc[: k + 1][acted], b.iloc[: k + 1][acted])  # up to step k: the same
-    assert not a.iloc[k + 1 :][acted].equals(b.iloc[k + 1 :][acted])  # after it: the change is seen
+    _acts_on_the_past_alone(tmp_path, "mpc_rl", run, site, 600, 14, ["week003", "week004"])
