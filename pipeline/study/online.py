@@ -94,7 +94,7 @@ class _WeeklyFineTuning:
     last_run: Path
     update_s: list[float]
 
-    def _fine_tune(self, algo: str, t: int, extra: tuple[str, ...], **train_kw):
+    def _train_week(self, algo: str, t: int, extra: tuple[str, ...], **train_kw):
         """Run ``algos/<algo>.py`` for :attr:`steps` from :attr:`last_run`'s networks into ``week<w>/`` (``w`` the
         week step ``t`` starts; seed ``1000 * seed + w``); returns the policy it exported."""
         w = t // self.week
@@ -144,7 +144,7 @@ class OnlineAgent(_WeeklyFineTuning):
     def _fine_tune(self, t: int) -> None:
         """Fine-tune on the windows before step ``t`` from the last week's networks; act with the result."""
         window = ("--train-split", self.split, "--train-window-end", str(t))
-        self.policy = super()._fine_tune(self.algo, t, (*self.flags, *FINE_TUNE_ARGS[self.algo], *window))
+        self.policy = self._train_week(self.algo, t, (*self.flags, *FINE_TUNE_ARGS[self.algo], *window))
 
 
 class OnlinePlanner(_WeeklyFineTuning, rl_planner.DailyPolicyPlanner):
@@ -181,8 +181,8 @@ class OnlinePlanner(_WeeklyFineTuning, rl_planner.DailyPolicyPlanner):
             window = (max(0, t - PLANNER_LOOKBACK_WEEKS * self.week), t)
             if len(rl_planner.episode_starts(self.site, self.split, *window)):
                 environ = rl_planner.training_environ(self.site_toml, self.split, window)
-                self.policy = self._fine_tune("ppo", t, rl_planner.ppo_args(self.steps), env_vars=environ,
-                                              code=depends.CONTROL)  # fmt: skip
+                self.policy = self._train_week("ppo", t, rl_planner.ppo_args(self.steps), env_vars=environ,
+                                               code=depends.CONTROL)  # fmt: skip
         return rl_planner.DailyPolicyPlanner.__call__(self, obs, env)
 
 
