@@ -120,10 +120,10 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     content: list[str] = []
 
     def baseline_key(c: str, s: str) -> str:
-        """What a baseline's run computes: the controller, split, experiment and a fingerprint of the site, its data
-        and the controllers' code (a changed input, a changed key)."""
+        """What a baseline's run computes and where it goes: the controller, split, output folder and a fingerprint
+        of the site, its data and the controllers' code (a changed input, a changed key)."""
         content[:] = content or [tuning.fingerprint(site)[:16]]
-        return f"simulate-{c}-{s}-{cfg.experiment}-{content[0]}"
+        return f"simulate-{c}-{s}-{root}-{content[0]}"
 
     def simulate(c: str, s: str, *after):
         """A baseline's run as a task keyed by :func:`baseline_key` (the key also kept in its KPI file), so that the
