@@ -21,6 +21,7 @@ worker that dies are rescheduled by the scheduler.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from envs.config import load_config
@@ -117,13 +118,14 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     else:
         validated = on_disk("validate") if stages & {"baselines", "train"} else None
 
-    content: list[str] = []
+    @functools.cache
+    def inputs() -> str:  # the site, its data and the controllers' code, read once per graph
+        return tuning.fingerprint(site)[:16]
 
     def baseline_key(c: str, s: str) -> str:
         """What a baseline's run computes and where it goes: the controller, split, output folder and a fingerprint
         of the site, its data and the controllers' code (a changed input, a changed key)."""
-        content[:] = content or [tuning.fingerprint(site)[:16]]
-        return f"simulate-{c}-{s}-{root}-{content[0]}"
+        return f"simulate-{c}-{s}-{root}-{inputs()}"
 
     def simulate(c: str, s: str, *after):
         """A baseline's run as a task keyed by :func:`baseline_key` (the key also kept in its KPI file), so that the
