@@ -12,7 +12,7 @@ import torch
 from conftest import make_site
 
 from envs.kpis import TRACE_COLUMNS, balance_residual, evaluate_policy
-from pipeline.control.oracle import UNSERVED_PENALTY, solve_oracle
+from pipeline.control.oracle import UNSERVED_PENALTY, build_lp, solve_oracle
 
 TOL = 1e-6  # kg, relative to the CO2 totals (~100 kg) this is far below any real difference
 
@@ -162,3 +162,19 @@ def test_lp_matrix_is_scipys_canonical_csc():
     np.testing.assert_array_equal(ours.indptr, ref.indptr)
     np.testing.assert_array_equal(ours.indices, ref.indices)
     np.testing.assert_allclose(ours.data, ref.data, rtol=0, atol=1e-12)
+
+
+def test_the_oracles_lp_is_one_block_without_deferral(site):
+    """``build_lp``'s :class:`LP` is one block: its layout fields say so (no session moved, no block beyond the
+    first, no non-anticipativity rows) and ``defer`` is absent; its columns are ``[p, ch, dis, E, g, u, x, slack]``."""
+    data = site.split("train")
+    lp = build_lp(data)
+    T, S, n_p = lp.T, lp.S, lp.n_p
+    assert (T, lp.K, lp.nonanticipativity_rows) == (data.num_steps, 1, 0) and lp.off.defer is None
+    np.testing.assert_array_equal(lp.p_col, np.arange(n_p))
+    np.testing.assert_array_equal(lp.s_local, np.arange(S))
+    np.testing.assert_array_equal(lp.row_off, [0])
+    assert not lp.col_block.any() and len(lp.col_block) == len(lp.c) == n_p + 6 * T + S
+    off = lp.off.block(0)
+    assert [off.p, *off.per_step(), off.slack] == [0, *(n_p + i * T for i in range(6)), n_p + 6 * T]
+    assert lp.A_eq.shape == (2 * T + S, len(lp.c)) and lp.bounds.shape == (len(lp.c), 2) and len(lp.b_eq) == 2 * T + S

@@ -14,7 +14,7 @@ from envs.kpis import balance_residual, evaluate_policy
 from envs.site import Site
 from pipeline.control import registry, scenario
 from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
-from pipeline.control.mpc import MPCController, PlannerParams
+from pipeline.control.mpc import STEP_KINDS, KeyKind, MPCController, PlannerParams, lp_key, plugged_evs
 from pipeline.control.oracle import solve_oracle
 from pipeline.control.scenario import ScenarioMPC
 
@@ -62,7 +62,7 @@ def test_a_warm_start_reaches_each_hours_optimum_in_fewer_iterations(monkeypatch
     site = make_site(days=9, n_sockets=4)
     data = site.split("train")
     iterations = {True: 0, False: 0}
-    solve = MPCController._solve
+    solve = MPCController.solve
 
     def checked(self, c, A_eq, b_eq, bounds, t, strict=True, keys=None):
         z = solve(self, c, A_eq, b_eq, bounds, t, strict, keys)
@@ -72,7 +72,7 @@ def test_a_warm_start_reaches_each_hours_optimum_in_fewer_iterations(monkeypatch
             assert float(c @ z) == pytest.approx(float(c @ cold), rel=1e-9, abs=1e-9), f"step {t}"
         return z
 
-    monkeypatch.setattr(MPCController, "_solve", checked)
+    monkeypatch.setattr(MPCController, "solve", checked)
     runs = {}
     for warm in (False, True):
         m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=5, warm_start=warm)
@@ -92,7 +92,7 @@ def test_the_scenarios_lp_is_their_window_lps_stacked():
     m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=5)
     need = np.array([12.0, 0.0, 4.0, 20.0])
     left = np.array([6, 0, 2, 9], dtype=np.int64)
-    cap, floor = m._step0_env_bounds(need, left)
+    cap, floor = m.step0_bounds(need, left)
     rng = np.random.default_rng(0)
     for t in (8 * 24 + 7, 9 * 24 + 20):
         H = min(m.H, data.num_steps - t)
@@ -100,13 +100,14 @@ def test_the_scenarios_lp_is_their_window_lps_stacked():
         moers = m.moer_outlook(t, H) * rng.uniform(0.5, 1.5, (5, H))  # each scenario its own MOER
         block = np.repeat(np.arange(5), [len(x[0]) for x in sessions])
         merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
-        lp = m._window_lp(t, H, moers, 30.0, merged, cap, floor, block)["lp"]
-        alone = [m._window_lp(t, H, moers[k], 30.0, x, cap, floor)["lp"] for k, x in enumerate(sessions)]
-        A, B = lp["A_eq"].tocsc(), sp.block_diag([a["A_eq"] for a in alone], format="csc")
+        lp = m.window_lp(t, H, moers, 30.0, merged, cap, floor, block).lp
+        alone = [m.window_lp(t, H, moers[k], 30.0, x, cap, floor).lp for k, x in enumerate(sessions)]
+        A, B = lp.A_eq.tocsc(), sp.block_diag([a.A_eq for a in alone], format="csc")
         for x, y in ((A.indptr, B.indptr), (A.indices, B.indices), (A.data, B.data)):
             np.testing.assert_array_equal(x, y)
         for name in ("c", "b_eq", "bounds"):
-            np.testing.assert_array_equal(lp[name], np.concatenate([a[name] for a in alone]))
+            np.testing.assert_array_equal(getattr(lp, name), np.concatenate([getattr(a, name) for a in alone]))
+        assert lp.K == 5 and lp.off.defer is not None and lp.nonanticipativity_rows == 0
 
 
 def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
@@ -118,35 +119,90 @@ def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
     t, H = 8 * 24 + 7, m.H
     need = np.array([12.0, 0.0, 4.0, 20.0])
     left = np.array([6, 0, 2, 9], dtype=np.int64)
-    cap, floor = m._step0_env_bounds(need, left)
+    cap, floor = m.step0_bounds(need, left)
     moer = m.moer_outlook(t, H)
     sessions = m.scenario_sessions(t, H, need, left)
     assert len({len(x[0]) for x in sessions}) > 1  # the scenarios' arrivals differ
     block = np.repeat(np.arange(4), [len(x[0]) for x in sessions])
     merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
-    w = m._window_lp(t, H, np.tile(moer, (4, 1)), 10.0, merged, cap, floor, block)
+    w = m.window_lp(t, H, np.tile(moer, (4, 1)), 10.0, merged, cap, floor, block)
     prob = m.probabilities()
     lp = m.two_stage(w, prob)
-    z = m._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t)
+    assert lp.nonanticipativity_rows == (5 + len(w.blocks[0].col0)) * 3 == len(lp.b_eq) - len(w.lp.b_eq)
+    z = m.solve(lp.c, lp.A_eq, lp.b_eq, lp.bounds, t)
 
     def step0(zz, v):
-        return np.r_[[zz[v["off"][n]] for n in ("ch", "dis", "g", "u", "x")], zz[v["col0"]]]
+        return np.r_[[zz[v.off.ch], zz[v.off.dis], zz[v.off.g], zz[v.off.u], zz[v.off.x]], zz[v.col0]]
 
-    first = [step0(z, v) for v in w["views"]]
+    first = [step0(z, v) for v in w.blocks]
     for f in first[1:]:
         np.testing.assert_allclose(f, first[0], atol=1e-7)
-    later = [z[v["off"]["ch"] + 1 : v["off"]["ch"] + H] for v in w["views"]]
+    later = [z[v.off.ch + 1 : v.off.ch + H] for v in w.blocks]
     assert any(not np.allclose(x, later[0], atol=1e-6) for x in later[1:])
     # each scenario alone plans another first step: the shared one is a compromise
     alone = []
     for x in sessions:
-        one = m._window_lp(t, H, moer, 10.0, x, cap, floor)
-        o = one["lp"]
-        alone.append(step0(m._solve(o["c"], o["A_eq"], o["b_eq"], o["bounds"], t), one["views"][0]))
+        one = m.window_lp(t, H, moer, 10.0, x, cap, floor)
+        o = one.lp
+        alone.append(step0(m.solve(o.c, o.A_eq, o.b_eq, o.bounds, t), one.blocks[0]))
     assert any(not np.allclose(x, alone[0], atol=1e-6) for x in alone[1:])
     np.testing.assert_allclose(prob, np.full(4, 0.25))
     m2 = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=3, recency_half_life=1.0)
     np.testing.assert_allclose(m2.probabilities(), np.array([4, 2, 1]) / 7)
+
+
+def test_warm_start_keys_name_what_each_column_and_row_stands_for():
+    """The two-stage LP's keys (:func:`lp_key`: kind, block, a, b from the highest bits) name each column's and row's
+    :class:`KeyKind` and block as the LP's layout places them, the step of a per-step one, and number the
+    non-anticipativity rows after the blocks' rows."""
+    assert lp_key(KeyKind.DEFER, 3, 5, 7) == (9 << 59) | (3 << 50) | (5 << 30) | 7
+    site = make_site(days=10, n_sockets=4)
+    data = site.split("train")
+    m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=3)
+    t = 8 * 24 + 7
+    need, left = np.array([12.0, 0.0, 4.0, 20.0]), np.array([6, 0, 2, 9], dtype=np.int64)
+    np.testing.assert_array_equal(plugged_evs(need, left), [0, 2, 3])
+    H = min(m.H, data.num_steps - t)
+    moers, sessions, block = m.window_futures(t, H, m.moer_outlook(t, H), need, left)
+    w = m.window_lp(t, H, moers, 10.0, sessions, *m.step0_bounds(need, left), block)
+    lp = m.decision_lp(w)
+    cols, rows = m.lp_keys(t, lp, sessions, block)
+    kind, blk, b = cols >> 59, cols >> 50 & 511, cols & ((1 << 30) - 1)
+    np.testing.assert_array_equal(blk, lp.col_block)
+    for k, first in zip(STEP_KINDS, lp.off.per_step()):
+        c = (first[:, None] + np.arange(H)).ravel()
+        assert (kind[c] == k).all() and (b[c] == np.tile(t + np.arange(H), 3)).all()
+    plugged = sessions[3][lp.p_sess] >= 0
+    assert (kind[lp.p_col[plugged]] == KeyKind.PLUGGED_EV).all()
+    assert (kind[lp.p_col[~plugged]] == KeyKind.ARRIVING_EV).all() and (~plugged).any()
+    assert (kind[lp.off.slack[block] + lp.s_local] == KeyKind.SLACK).all()
+    assert (kind[lp.off.defer[block] + lp.s_local] == KeyKind.DEFER).all()
+    n = lp.nonanticipativity_rows
+    assert n == (5 + 3) * 2
+    np.testing.assert_array_equal(rows[-n:], lp_key(KeyKind.NONANTICIPATIVITY, 0, 0, np.arange(n)))
+    assert set((rows[:-n] >> 59).tolist()) == {KeyKind.BALANCE, KeyKind.STORAGE, KeyKind.EV_ENERGY}
+
+
+def test_scenario_days_are_the_days_mpcs_expected_demand_by_day_type_reads():
+    """One selector (:meth:`MPCController.past_days`) chooses both: with ``K`` scenarios and ``K`` days of expected
+    demand by day type, each window step's scenarios are the days the expected demand reads there."""
+    site = make_site(days=14, n_sockets=4)
+    data = site.split("train")
+    K = 4
+    params = dataclasses.replace(
+        scenario.base_params(data.config), expected_demand_days=K, expected_demand_weight=1.0, demand_day_type=True
+    )
+    m = ScenarioMPC(data, params, n_scenarios=K)
+    for t in (3 * 24 + 5, 12 * 24 + 20):
+        H = min(m.H, data.num_steps - t)
+        used: dict[int, list[int]] = {}
+        for shift, (_, ks) in m._same_day_type_sources(t, H):
+            for k in ks:
+                used.setdefault(int(k), []).append((t - shift) // 24)
+        days = m.scenario_days(t, H)
+        for k in range(1, H):
+            js = used.get(k, [])
+            assert list(days[: len(js), k]) == js and (len(js) > 0 or (days[:, k] == 0).all())
 
 
 def test_scenarios_are_the_last_past_days_of_the_same_type_realised_before_the_hour():

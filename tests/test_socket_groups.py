@@ -221,7 +221,7 @@ def test_oracle_and_mpc_respect_each_socket_and_the_oracle_bounds_them(site):
     data = site.split("train")
     lp = build_lp(data)
     ok = data.sessions[~data.sessions.rejected]
-    np.testing.assert_array_equal(lp["bounds"][: lp["n_p"], 1], SOCKET_KW[ok.socket.to_numpy()][lp["p_sess"]])
+    np.testing.assert_array_equal(lp.bounds[: lp.n_p, 1], SOCKET_KW[ok.socket.to_numpy()][lp.p_sess])
     oracle, otr = solve_oracle(site, "train")
     assert float(oracle.unserved_kwh.iloc[0]) < 1e-6
     assert otr.ev_charge_kw.max() > 2 * 6.6  # the DC socket gives more than every Level-2 socket together

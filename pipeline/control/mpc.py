@@ -43,7 +43,7 @@ balance, storage, EV energy with an unserved slack at the oracle's penalty) with
   step 0 keeps two dispatch rules of the env that the LP relaxes and the credit would otherwise tempt it to break
   (the battery discharges only into the site's deficit; with ``ev.surplus_to_ev`` PV left over goes to the plugged
   EVs before it is exported): where the plan breaks one, step 0 is solved both ways and the cheaper plan is kept
-  (``MPCController._env_rules_at_step0``).
+  (:meth:`MPCController.apply_env_rules_at_step0`).
 * Sessions leaving after the window: the energy they could still get after it (``socket_kw_i * dt`` per step
   beyond the window) may be deferred (column ``defer``), at a cost of the mean MOER forecast of the window per
   kWh (what charging later is expected to cost); the rest must be served within it.
@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields, replace
+from enum import IntEnum
 
 import highspy
 import numpy as np
@@ -82,7 +83,7 @@ from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
 from pipeline.control.forecast import DAY, LEARNED_HALF_LIFE_DAYS, MOERRegression, profile_outlook
-from pipeline.control.oracle import assemble_lp
+from pipeline.control.oracle import LP, Offsets, assemble_lp
 
 PERFECT = {"mpc": False, "mpc_perfect": True}
 """MPC controllers by name -> whether they get perfect information within the horizon."""
@@ -201,6 +202,94 @@ class Plan:
     departure, 0 after it and for a free socket (expected arrivals have no socket yet); step 0 is :attr:`ev_kw`."""
 
 
+class KeyKind(IntEnum):
+    """What a column or row of a window LP stands for, the first field of its warm-start key (:func:`lp_key`).
+
+    The key's other fields: the block (scenario; 0 for a non-anticipativity row), ``a`` (a session's socket code: a
+    plugged EV's socket ``i``, an expected arrival's ``2**19 + i``; 0 for a per-step column or row) and ``b`` (the
+    absolute step; for an expected arrival's EV power ``arrival_step << 10 | step_within_its_stay``; for a session's
+    slack, deferral and EV-energy row its absolute arrival step, 0 when plugged; for a non-anticipativity row its
+    index among them).
+    """
+
+    PLUGGED_EV = 0
+    """A plugged EV's power in one step."""
+    ARRIVING_EV = 1
+    """An expected arrival's power in one step of its stay."""
+    CHARGE = 2
+    DISCHARGE = 3
+    ENERGY = 4
+    """The BESS energy at the end of a step."""
+    IMPORT = 5
+    CURTAIL = 6
+    EXPORT = 7
+    SLACK = 8
+    """A session's unserved energy."""
+    DEFER = 9
+    """A session's energy deferred past the window."""
+    BALANCE = 10
+    """A step's power balance row."""
+    STORAGE = 11
+    """A step's BESS storage row."""
+    EV_ENERGY = 12
+    """A session's EV energy row."""
+    NONANTICIPATIVITY = 13
+    """A row tying a step-0 column of a scenario to the first scenario's (:mod:`pipeline.control.scenario`)."""
+
+
+STEP_KINDS = (KeyKind.CHARGE, KeyKind.DISCHARGE, KeyKind.ENERGY, KeyKind.IMPORT, KeyKind.CURTAIL, KeyKind.EXPORT)
+"""The kinds of the per-step columns, in :meth:`pipeline.control.oracle.Offsets.per_step`'s order."""
+
+
+def lp_key(kind: KeyKind, block, a, b) -> np.ndarray:
+    """The warm-start key of LP columns or rows: ``kind`` (4 bits) | ``block`` (9 bits, its scenario, modulo 512) |
+    ``a`` (20 bits) | ``b`` (30 bits), from the highest bits to the lowest (:class:`KeyKind` names the fields).
+
+    Args:
+        kind: what the columns or rows stand for.
+        block, a, b: non-negative ints or int64 arrays, broadcast together; ``a`` and ``b`` are not masked (a
+            wider value runs into the field above it).
+
+    Returns:
+        int64 key(s), the broadcast shape of ``block``, ``a`` and ``b``.
+    """
+    return ((np.int64(kind) << 9 | block & 511) << 20 | a) << 30 | b
+
+
+def plugged_evs(need_kwh: np.ndarray, steps_left: np.ndarray) -> np.ndarray:
+    """The sockets whose car is plugged in and still needs energy (``steps_left > 0`` and ``need_kwh > 1e-9``),
+    ascending, ``(P,)`` int64, from each socket's remaining energy (kWh) and steps to departure, ``(N,)`` each."""
+    return np.flatnonzero((steps_left > 0) & (need_kwh > 1e-9))
+
+
+@dataclass(frozen=True)
+class WindowBlock:
+    """One block (scenario) of a window LP (:meth:`MPCController.window_lp`): where its step-0 decisions lie.
+
+    Attributes:
+        off: the block's first column of each variable, in the LP's numbering (ints).
+        col0: the step-0 column of each plugged EV, ``(P,)`` int64.
+        s0: its socket, ``(P,)`` int64.
+        dep0: its last step + 1 in the window, ``(P,)`` int64.
+        H: the window's steps.
+    """
+
+    off: Offsets
+    col0: np.ndarray
+    s0: np.ndarray
+    dep0: np.ndarray
+    H: int
+
+
+@dataclass(frozen=True)
+class WindowLP:
+    """A window LP (:meth:`MPCController.window_lp`): the LP (its ``c`` and ``bounds`` amended from
+    :func:`~pipeline.control.oracle.assemble_lp`'s) and its ``K`` blocks (:class:`WindowBlock`; one for ``mpc``)."""
+
+    lp: LP
+    blocks: list[WindowBlock]
+
+
 @dataclass
 class MPCController:
     """A receding-horizon LP controller for one split; call it as a policy ``(obs, env) -> action``.
@@ -223,14 +312,22 @@ class MPCController:
             vertex chosen among equal-cost plans may differ).
         keep_plans: keep the :class:`Plan` of every solve in ``plans``.
         warm_start: start HiGHS's dual simplex from the last solve's basis, carried over to this hour's LP by what
-            each column and row stands for (:meth:`_lp_keys`); HiGHS completes it to a basis of the new LP. Fewer
+            each column and row stands for (:meth:`lp_keys`); HiGHS completes it to a basis of the new LP. Fewer
             iterations (about a quarter on ``mpc_scenario``'s LPs); the optimum is the same, the vertex chosen among
             equal-cost plans may differ.
 
     Attributes:
         H: the horizon in steps.
+        day_steps: steps per day.
+        weekend: whether each step of the split lies on a weekend (local time), ``(T,)`` bool.
         solves, solve_s: number of LP solves and their total seconds (build + HiGHS).
         plans: the :class:`Plan` of every solve when ``keep_plans`` is set.
+
+    Extension interface: :meth:`plan` is a template. A planner over other futures (the scenarios of
+    :class:`~pipeline.control.scenario.ScenarioMPC`) overrides its three steps :meth:`window_futures` (the MOER,
+    sessions and blocks the window LP is built for), :meth:`decision_lp` (the LP solved) and :meth:`window_plan`
+    (the :class:`Plan` of the solution), and builds on :meth:`past_days`, :meth:`step0_bounds`, :meth:`window_lp`,
+    :meth:`lp_keys`, :meth:`solve`, :meth:`apply_env_rules_at_step0` and :meth:`plan_of`.
     """
 
     data: SplitData
@@ -261,8 +358,8 @@ class MPCController:
             self.params = PlannerParams.of_site(cfg)
         p = self.params
         self.H = max(1, int(round(p.horizon_h / cfg.dt_h)))
-        self._day = max(1, int(round(DAY / cfg.dt_h)))  # steps per day
-        self._weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
+        self.day_steps = max(1, int(round(DAY / cfg.dt_h)))
+        self.weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
         if self.forecaster is None and not self.perfect_moer:
             self.forecaster = MOERRegression(
                 self.data, self.H, half_life_days=p.moer_half_life_days, five_minute=p.moer_five_minute
@@ -312,7 +409,7 @@ class MPCController:
             ``(S,)`` each.
         """
         d = self.data
-        plugged = np.flatnonzero((steps_left > 0) & (need > 1e-9))
+        plugged = plugged_evs(need, steps_left)
         arr, end = [np.zeros(len(plugged), np.int64)], [steps_left[plugged].astype(np.int64)]
         e, sock, w = [need[plugged]], [plugged], [np.ones(len(plugged))]
         p = self.params
@@ -320,7 +417,7 @@ class MPCController:
             sources = [(t, 1.0)]
         else:  # no days (or no weight): the plugged EVs only
             days, total = p.expected_demand_days, p.expected_demand_weight
-            sources = [(t - j * self._day, total / days) for j in range(1, days + 1) if total > 0]
+            sources = [(t - j * self.day_steps, total / days) for j in range(1, days + 1) if total > 0]
         if p.demand_day_type and not self.perfect_arrivals and p.expected_demand_weight > 0:
             sources = self._same_day_type_sources(t, H)
         steps, shifts, shares = [], [], []  # every source's steps of arrivals known at t, one array for all
@@ -344,48 +441,92 @@ class MPCController:
         cat = np.concatenate
         return cat(arr), cat(end), cat(e).astype(np.float64), cat(sock), cat(w)
 
+    def past_days(self, t: int, H: int, n: int, same_type: bool = True) -> list[np.ndarray]:
+        """The past days the window's steps may be drawn from: for each step ``t + k`` of the window, the ``n`` most
+        recent days ``j >= 1`` before it whose step ``t + k - j * day`` is realised by ``t`` (at or before it, and in
+        the split) and, with ``same_type``, of the day type (weekday or weekend, local time) of ``t + k``.
+
+        Returns:
+            ``H`` int64 arrays of day offsets ``j``, most recent first, each at most ``n`` long (fewer in a split's
+            first days); the one of ``k = 0`` (whose arrivals are the plugged EVs) is empty.
+        """
+        day, weekend = self.day_steps, self.weekend
+        out = [np.zeros(0, np.int64)]
+        for k in range(1, H):
+            u = t + k
+            js = np.arange(max(1, -(-k // day)), u // day + 1)  # u - j * day <= t and >= 0
+            if same_type:
+                js = js[weekend[u - js * day] == weekend[min(u, len(weekend) - 1)]]
+            out.append(js[:n])
+        return out
+
     def _same_day_type_sources(self, t: int, H: int) -> list:
         """The expected demand's past days by day type: for each step ``t + k`` of the window (``k`` in ``1..H-1``), the
-        last ``expected_demand_days`` days before it of its own type (weekday or weekend, local time) whose arrival
-        step is realised by ``t``; returns ``[(shift, (share, ks))]``, ``shift = t - j * day`` for past day ``j`` and
-        ``ks`` the window steps it stands for."""
-        day, days = self._day, self.params.expected_demand_days
-        weekend = self._weekend
+        last ``expected_demand_days`` days before it of its own type (:meth:`past_days`); returns ``[(shift, (share,
+        ks))]``, ``shift = t - j * day`` for past day ``j`` and ``ks`` the window steps it stands for."""
+        days = self.params.expected_demand_days
         chosen: dict[int, list[int]] = {}
-        for k in range(1, H):
-            u, j, n = t + k, 1, 0
-            while n < days and u - j * day >= 0:
-                if u - j * day <= t and weekend[u - j * day] == weekend[min(u, len(weekend) - 1)]:
-                    chosen.setdefault(j, []).append(k)
-                    n += 1
-                j += 1
+        for k, js in enumerate(self.past_days(t, H, days)):
+            for j in js.tolist():
+                chosen.setdefault(j, []).append(k)
         share = self.params.expected_demand_weight / days
-        return [(t - j * day, (share, np.array(ks))) for j, ks in sorted(chosen.items())]
+        return [(t - j * self.day_steps, (share, np.array(ks))) for j, ks in sorted(chosen.items())]
 
     # ---------------------------------------------------------------- one solve
     def plan(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> Plan:
-        """Solve the window LP at step ``t`` from the given state; returns its first step and the env action."""
+        """Solve the window LP at step ``t`` from the given state; returns its first step and the env action.
+
+        The steps: the MOER outlook (:meth:`moer_outlook`) and the env's step-0 bounds (:meth:`step0_bounds`); the
+        futures planned for (:meth:`window_futures`) and their window LP (:meth:`window_lp`); the LP solved
+        (:meth:`decision_lp`, keyed by :meth:`lp_keys` for the warm start) by :meth:`solve`; with
+        ``grid.export_credit = "moer"`` the env's dispatch rules at step 0 (:meth:`apply_env_rules_at_step0`); the
+        plan of the solution (:meth:`window_plan`).
+
+        Args:
+            t: the step. energy_kwh: the BESS energy, kWh.
+            ev_need_kwh, ev_steps_left: each socket's remaining energy (kWh) and steps to departure, ``(N,)`` each.
+
+        Raises:
+            RuntimeError: HiGHS finds no optimum.
+        """
         t0 = time.perf_counter()
         H = min(self.H, self.data.num_steps - t)
         need_all = np.asarray(ev_need_kwh, dtype=np.float64)
         left_all = np.asarray(ev_steps_left, dtype=np.int64)
         moer = self.moer_outlook(t, H)
-        cap_all, floor_all = self._step0_env_bounds(need_all, left_all)
-        sessions = self.sessions(t, H, need_all, left_all)
-        w = self._window_lp(t, H, moer, energy_kwh, sessions, cap_all, floor_all)
-        lp, view = w["lp"], w["views"][0]
-        keys = self._lp_keys(t, lp, sessions) if self.warm_start else None
-        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t, keys=keys)
+        cap_all, floor_all = self.step0_bounds(need_all, left_all)
+        moers, sessions, block = self.window_futures(t, H, moer, need_all, left_all)
+        w = self.window_lp(t, H, moers, energy_kwh, sessions, cap_all, floor_all, block)
+        lp = self.decision_lp(w)
+        keys = self.lp_keys(t, lp, sessions, block) if self.warm_start else None
+        z = self.solve(lp.c, lp.A_eq, lp.b_eq, lp.bounds, t, keys=keys)
         if self.data.config.grid.export_credit == "moer":
-            z = self._env_rules_at_step0(lp, view, z, t, cap_all[view["s0"]])
-        plan = self._plan_of(t, z, lp, view, moer, cap_all, floor_all)
+            z = self.apply_env_rules_at_step0(lp, w.blocks[0], z, t, cap_all[w.blocks[0].s0])
+        plan = self.window_plan(t, z, lp, w, moers, cap_all, floor_all)
         self.solves += 1
         self.solve_s += time.perf_counter() - t0
         if self.keep_plans:
             self.plans.append(plan)
         return plan
 
-    def _step0_env_bounds(self, need_all: np.ndarray, left_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def window_futures(
+        self, t: int, H: int, moer: np.ndarray, need_all: np.ndarray, left_all: np.ndarray
+    ) -> tuple[np.ndarray, tuple, np.ndarray | None]:
+        """What the window LP plans for (a step of :meth:`plan`): ``(moer, sessions, block)`` for :meth:`window_lp`.
+        Here one future: the outlook ``moer`` (``(H,)`` kg/kWh) and :meth:`sessions` (from each socket's remaining
+        energy and steps, ``(N,)`` each), one block (``block`` None)."""
+        return moer, self.sessions(t, H, need_all, left_all), None
+
+    def decision_lp(self, w: WindowLP) -> LP:
+        """The LP solved for the window LP ``w`` (a step of :meth:`plan`): here ``w.lp`` itself."""
+        return w.lp
+
+    def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, cap_all, floor_all) -> Plan:
+        """The :class:`Plan` of the solution ``z`` of :meth:`decision_lp`'s ``lp`` (a step of :meth:`plan`): here
+        :meth:`plan_of` its one block, for the outlook ``moer`` (``(H,)``) and the env's bounds (``(N,)`` kW each)."""
+        return self.plan_of(t, z, lp, w.blocks[0], moer, cap_all, floor_all)
+
+    def step0_bounds(self, need_all: np.ndarray, left_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The env's per-socket power bounds of this step (``EVHubVectorEnv._ev_bounds``): ``(cap, floor)``, kW,
         ``(N,)`` each, from each socket's remaining energy (kWh) and steps to departure."""
         cfg = self.data.config
@@ -399,9 +540,9 @@ class MPCController:
             floor_all = np.zeros(cfg.ev.n_sockets)
         return cap_all, floor_all
 
-    def _window_lp(
+    def window_lp(
         self, t: int, H: int, moer: np.ndarray, energy_kwh: float, sessions: tuple, cap_all, floor_all, block=None
-    ) -> dict:
+    ) -> WindowLP:
         """The window LP of the module docstring at step ``t`` over ``H`` steps for the MOER outlook ``moer`` (``(H,)``
         kg/kWh) and the window's ``sessions`` (:meth:`sessions`' tuple, the plugged EVs first): the oracle's LP with
         the deferral, terminal value, tie-breaks and the env's step-0 bounds (``cap_all``, ``floor_all``: ``(N,)`` kW).
@@ -411,10 +552,7 @@ class MPCController:
         stacked block-diagonally.
 
         Returns:
-            dict: ``lp`` (:func:`~pipeline.control.oracle.assemble_lp`'s dict, its ``c`` and ``bounds`` amended) and
-            ``views``, one dict per block: ``off`` (the block's first column of each variable, in the LP's
-            numbering), ``col0`` (the step-0 column of each plugged EV), ``s0`` (its socket), ``dep0`` (its last step
-            + 1 in the window) and ``H``.
+            the :class:`WindowLP`: the LP and one :class:`WindowBlock` per block.
         """
         d = self.data
         cfg = d.config
@@ -430,26 +568,26 @@ class MPCController:
         lp = assemble_lp(
             cfg, pv, load, moer_k, energy_kwh, arr, dep, need, p_max=p_max, defer_kwh=defer, block=blk, n_blocks=K
         )
-        off, c, bounds = lp["off"], lp["c"], lp["bounds"]
+        off, c, bounds = lp.off, lp.c, lp.bounds
         steps = np.arange(H)
         ramp = steps / H
 
-        def at(name: str) -> np.ndarray:  # (K, H) columns of a per-step variable
-            return off[name][:, None] + steps
+        def at(first: np.ndarray) -> np.ndarray:  # (K, H) columns of a per-step variable
+            return first[:, None] + steps
 
-        c[at("g")] *= 1.0 - IMPORT_DISCOUNT * ramp
-        c[at("ch")] += EPS_CYCLE * dt
-        c[at("dis")] += EPS_CYCLE * dt
-        c[at("u")] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)
-        c[at("x")] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)  # export: a surplus, like curtailment
+        c[at(off.g)] *= 1.0 - IMPORT_DISCOUNT * ramp
+        c[at(off.ch)] += EPS_CYCLE * dt
+        c[at(off.dis)] += EPS_CYCLE * dt
+        c[at(off.u)] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)
+        c[at(off.x)] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)  # export: a surplus, like curtailment
         # (the export credit, -MOER per kWh with grid.export_credit = "moer", is already in assemble_lp's cost)
         mean = np.array([float(m.mean()) for m in moer_k])  # (K,) each block's mean MOER over the window
-        c[off["defer"][blk] + lp["s_local"]] = mean[blk]
+        c[off.defer[blk] + lp.s_local] = mean[blk]
         if t + H < d.num_steps:  # energy left in the battery when the window ends is worth what it displaces later
-            c[off["E"] + H - 1] -= self.params.terminal_value * b.eta_discharge * mean
+            c[off.E + H - 1] -= self.params.terminal_value * b.eta_discharge * mean
         # step 0 of each plugged EV (its first EV column) between the env's floor and cap
         stay = dep - arr
-        first = lp["p_col"][np.cumsum(stay) - stay] if len(stay) else np.zeros(0, np.int64)
+        first = lp.p_col[np.cumsum(stay) - stay] if len(stay) else np.zeros(0, np.int64)
         is_plugged = sock >= 0
         col0, s0, b0, dep0 = first[is_plugged], sock[is_plugged], blk[is_plugged], dep[is_plugged]
         floor = floor_all[s0]
@@ -466,29 +604,19 @@ class MPCController:
                 floor[sel] = f * max(room, 0.0) / f.sum()
         bounds[col0, 0] = floor
         bounds[col0, 1] = cap_all[s0]
-        views = []
-        for m in range(K):
-            sel = b0 == m
-            views.append(
-                {
-                    "off": {k: int(v[m]) for k, v in off.items()},
-                    "col0": col0[sel],
-                    "s0": s0[sel],
-                    "dep0": dep0[sel],
-                    "H": H,
-                }
-            )
-        return {"lp": lp, "views": views}
+        blocks = [WindowBlock(off.block(m), col0[b0 == m], s0[b0 == m], dep0[b0 == m], H) for m in range(K)]
+        return WindowLP(lp, blocks)
 
-    def _plan_of(self, t: int, z: np.ndarray, lp: dict, view: dict, moer: np.ndarray, cap_all, floor_all) -> Plan:
-        """The :class:`Plan` of block ``view`` (one of :meth:`_window_lp`'s ``views``) in the solution ``z`` of the LP
-        ``lp``, for its MOER outlook ``moer`` (``(H,)`` kg/kWh)."""
+    def plan_of(self, t: int, z: np.ndarray, lp: LP, block: WindowBlock, moer: np.ndarray, cap_all, floor_all) -> Plan:
+        """The :class:`Plan` of ``block`` (one of :meth:`window_lp`'s) in the solution ``z`` of the LP ``lp``, for its
+        MOER outlook ``moer`` (``(H,)`` kg/kWh) and the env's step-0 bounds ``cap_all``, ``floor_all`` (``(N,)`` kW
+        each, :meth:`step0_bounds`)."""
         cfg = self.data.config
         b, dt, pmax, N = cfg.bess, cfg.dt_h, self.data.socket_kw, cfg.ev.n_sockets
-        col0, s0, H = view["col0"], view["s0"], view["H"]
-        off, bounds = view["off"], lp["bounds"]
-        step0 = lambda name: float(np.clip(z[off[name]], bounds[off[name], 0], bounds[off[name], 1]))  # noqa: E731
-        ch, dis = step0("ch"), step0("dis")
+        col0, s0, H = block.col0, block.s0, block.H
+        off, bounds = block.off, lp.bounds
+        step0 = lambda col: float(np.clip(z[col], bounds[col, 0], bounds[col, 1]))  # noqa: E731
+        ch, dis = step0(off.ch), step0(off.dis)
         ev = np.zeros(N)
         ev[s0] = np.clip(z[col0], bounds[col0, 0], bounds[col0, 1])
         action = np.zeros(1 + N)
@@ -496,19 +624,19 @@ class MPCController:
         span = cap_all - floor_all
         ok = span > 1e-12
         action[1:][ok] = np.clip((ev[ok] - floor_all[ok]) / span[ok], 0.0, 1.0)
-        g = z[off["g"] : off["g"] + H] - z[off["x"] : off["x"] + H] * (cfg.grid.export_credit == "moer")
-        bess_steps = np.maximum(z[off["ch"] : off["ch"] + H], 0.0) - np.maximum(z[off["dis"] : off["dis"] + H], 0.0)
+        g = z[off.g : off.g + H] - z[off.x : off.x + H] * (cfg.grid.export_credit == "moer")
+        bess_steps = np.maximum(z[off.ch : off.ch + H], 0.0) - np.maximum(z[off.dis : off.dis + H], 0.0)
         bess_steps[0] = ch - dis
         ev_steps = np.zeros((N, H))
-        for i, c0, n in zip(s0, col0, view["dep0"]):  # a plugged EV's columns: steps 0 .. its departure
+        for i, c0, n in zip(s0, col0, block.dep0):  # a plugged EV's columns: steps 0 .. its departure
             ev_steps[i, :n] = np.clip(z[c0 : c0 + n], 0.0, pmax[i])
         ev_steps[:, 0] = ev
         return Plan(
             t=t,
             action=action,
-            grid_import_kw=step0("g"),
-            grid_export_kw=step0("x"),
-            pv_curtailed_kw=step0("u"),
+            grid_import_kw=step0(off.g),
+            grid_export_kw=step0(off.x),
+            pv_curtailed_kw=step0(off.u),
             bess_charge_kw=ch,
             bess_discharge_kw=dis,
             ev_kw=ev,
@@ -517,7 +645,7 @@ class MPCController:
             ev_kw_steps=ev_steps,
         )
 
-    def _env_rules_at_step0(self, lp: dict, view: dict, z: np.ndarray, t: int, cap0) -> np.ndarray:
+    def apply_env_rules_at_step0(self, lp: LP, block: WindowBlock, z: np.ndarray, t: int, cap0) -> np.ndarray:
         """Make step 0 of a plan what the env does with it when exported energy is credited.
 
         Two dispatch rules of the env are not in the LP: the battery discharges only into the site's deficit (in a
@@ -530,28 +658,32 @@ class MPCController:
         kept. Later steps of the window keep the LP's relaxation.
 
         Args:
-            lp, view: the LP and the block whose step 0 is carried out (:meth:`_window_lp`; with several blocks, the
-                non-anticipativity rows tie the others' step 0 to it).
-            cap0: env cap (kW) of each plugged EV's step-0 power (column ``view["col0"]``).
+            lp, block: the LP solved (:meth:`decision_lp`) and the block whose step 0 is carried out
+                (:meth:`window_lp`'s; with several blocks, the non-anticipativity rows tie the others' step 0 to it).
+            z: the LP's solution, ``(n,)``.
+            cap0: env cap (kW) of each plugged EV's step-0 power (column ``block.col0``), ``(P,)``.
+
+        Returns:
+            ``z`` where step 0 keeps both rules, else the cheaper of the two solutions, ``(n,)``.
 
         Raises:
             RuntimeError: neither way has an optimum.
         """
-        off, col0, tol = view["off"], view["col0"], 1e-7
-        c, bounds = lp["c"], lp["bounds"]
-        surplus = z[off["x"]] + z[off["u"]]
+        off, col0, tol = block.off, block.col0, 1e-7
+        c, bounds = lp.c, lp.bounds
+        surplus = z[off.x] + z[off.u]
         below_cap = len(col0) > 0 and float((cap0 - z[col0]).max()) > tol
         to_ev = self.data.config.ev.surplus_to_ev
-        if not ((z[off["dis"]] > tol and surplus + z[off["ch"]] > tol) or (to_ev and surplus > tol and below_cap)):
+        if not ((z[off.dis] > tol and surplus + z[off.ch] > tol) or (to_ev and surplus > tol and below_cap)):
             return z
         a, b = bounds.copy(), bounds.copy()
-        a[off["dis"], 1] = 0.0
+        a[off.dis, 1] = 0.0
         if to_ev:
             a[col0, 0] = cap0
-        b[off["x"], 1] = b[off["u"], 1] = 0.0
+        b[off.x, 1] = b[off.u, 1] = 0.0
         best = None
         for bnd in (a, b):
-            zz = self._solve(c, lp["A_eq"], lp["b_eq"], bnd, t, strict=False)
+            zz = self.solve(c, lp.A_eq, lp.b_eq, bnd, t, strict=False)
             if zz is not None and (best is None or c @ zz < c @ best):
                 best = zz
         if best is None:
@@ -560,60 +692,63 @@ class MPCController:
             )
         return best
 
-    def _lp_keys(
-        self, t: int, lp: dict, sessions: tuple, block: np.ndarray | None = None
+    def lp_keys(
+        self, t: int, lp: LP, sessions: tuple, block: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """What each column and row of :meth:`_window_lp`'s LP ``lp`` at step ``t`` stands for, as int64 keys that are
-        the same in the next hour's LP where the variable or row is the same (the basis :attr:`warm_start` carries
-        over): its kind, its block (scenario), and the absolute step, or the session (socket and absolute arrival
-        step; a plugged EV: its socket) and the step within it. Equal keys within one LP are harmless (a worse
-        start).
+        """What each column and row of the LP ``lp`` (:meth:`window_lp`'s, or :meth:`decision_lp`'s with
+        non-anticipativity rows after the blocks') at step ``t`` stands for, as :func:`lp_key` keys that are the same in
+        the next hour's LP where the variable or row is the same (the basis :attr:`warm_start` carries over): its
+        :class:`KeyKind`, its block (scenario), and the absolute step, or the session (socket and absolute arrival
+        step; a plugged EV: its socket) and the step within it; a non-anticipativity row, its index. Equal keys
+        within one LP are harmless (a worse start).
 
         Args:
-            sessions, block: the LP's sessions and each one's block, as given to :meth:`_window_lp`.
+            sessions, block: the LP's sessions and each one's block, as given to :meth:`window_lp`.
 
         Returns:
             ``(column keys, row keys)``, ``(n,)`` and ``(rows,)`` int64.
         """
-        H, off, row_off = lp["T"], lp["off"], lp["row_off"]
+        H, off, row_off = lp.T, lp.off, lp.row_off
         arr, sock = sessions[0], sessions[3]
         blk = np.zeros(len(arr), np.int64) if block is None else np.asarray(block, dtype=np.int64)
         code = np.where(sock >= 0, sock, _KEY_SOCKETS - 1 - sock)  # (S,) plugged EVs and expected arrivals apart
         when = np.where(sock >= 0, 0, t + arr)  # an expected arrival's absolute step (0: plugged)
-        ps, step, p_col = lp["p_sess"], t + lp["p_step"], lp["p_col"]
+        ps, step, p_col = lp.p_sess, t + lp.p_step, lp.p_col
         steps = np.arange(H, dtype=np.int64)
-        K = len(row_off)
-        m = np.arange(K, dtype=np.int64)[:, None]
-
-        def key(kind: int, scenario, a, b) -> np.ndarray:  # kind (4 bits) | scenario (9) | a (20) | b (30)
-            return ((np.int64(kind) << 9 | scenario & 511) << 20 | a) << 30 | b
-
-        cols = np.empty(len(lp["c"]), np.int64)
-        pb = blk[ps]
+        m = np.arange(lp.K, dtype=np.int64)[:, None]
+        cols = np.empty(len(lp.c), np.int64)
+        pb, plugged = blk[ps], sock[ps] >= 0
+        arriving = when[ps] << 10 | step - t - arr[ps]
         cols[p_col] = np.where(
-            sock[ps] >= 0, key(0, pb, code[ps], step), key(1, pb, code[ps], when[ps] << 10 | step - t - arr[ps])
+            plugged, lp_key(KeyKind.PLUGGED_EV, pb, code[ps], step), lp_key(KeyKind.ARRIVING_EV, pb, code[ps], arriving)
         )
-        for kind, name in enumerate(("ch", "dis", "E", "g", "u", "x"), start=2):
-            cols[off[name][:, None] + steps] = key(kind, m, 0, t + steps)
-        s_col = lp["s_local"]
-        cols[off["slack"][blk] + s_col] = key(8, blk, code, when)
-        if "defer" in off:
-            cols[off["defer"][blk] + s_col] = key(9, blk, code, when)
-        rows = np.empty(len(lp["b_eq"]), np.int64)
-        rows[row_off[:, None] + steps] = key(10, m, 0, t + steps)
-        rows[row_off[:, None] + H + steps] = key(11, m, 0, t + steps)
-        rows[row_off[blk] + 2 * H + s_col] = key(12, blk, code, when)
+        for kind, first in zip(STEP_KINDS, off.per_step()):
+            cols[first[:, None] + steps] = lp_key(kind, m, 0, t + steps)
+        s_col = lp.s_local
+        cols[off.slack[blk] + s_col] = lp_key(KeyKind.SLACK, blk, code, when)
+        if off.defer is not None:
+            cols[off.defer[blk] + s_col] = lp_key(KeyKind.DEFER, blk, code, when)
+        rows = np.empty(len(lp.b_eq), np.int64)
+        rows[row_off[:, None] + steps] = lp_key(KeyKind.BALANCE, m, 0, t + steps)
+        rows[row_off[:, None] + H + steps] = lp_key(KeyKind.STORAGE, m, 0, t + steps)
+        rows[row_off[blk] + 2 * H + s_col] = lp_key(KeyKind.EV_ENERGY, blk, code, when)
+        n = lp.nonanticipativity_rows
+        rows[len(rows) - n :] = lp_key(KeyKind.NONANTICIPATIVITY, 0, 0, np.arange(n, dtype=np.int64))
         return cols, rows
 
-    def _solve(
-        self, c, A_eq, b_eq, bounds, t: int, strict: bool = True, keys: tuple | None = None
-    ) -> np.ndarray | None:
+    def solve(self, c, A_eq, b_eq, bounds, t: int, strict: bool = True, keys: tuple | None = None) -> np.ndarray | None:
         """Solve the LP with HiGHS; the solution, or None when it has no optimum and ``strict`` is False.
 
         Args:
-            keys: ``(column keys, row keys)`` of the LP (:meth:`_lp_keys`): with :attr:`warm_start`, HiGHS starts from
+            c, A_eq, b_eq, bounds: the LP (:class:`~pipeline.control.oracle.LP`'s fields), ``(n,)``, ``(rows, n)``
+                sparse, ``(rows,)`` and ``(n, 2)``.
+            t: the step (named in errors).
+            keys: ``(column keys, row keys)`` of the LP (:meth:`lp_keys`): with :attr:`warm_start`, HiGHS starts from
                 the last keyed solve's basis (columns and rows it does not know start at their lower bound and basic)
                 and this solve's basis is kept for the next; None: a cold start, nothing kept.
+
+        Returns:
+            the solution, ``(n,)`` float64, or None.
 
         Raises:
             RuntimeError: no optimum and ``strict``.
@@ -725,7 +860,7 @@ def simulate(site: Site, split: str, controller: str = "mpc") -> tuple[pd.DataFr
 _COLWISE = int(highspy.MatrixFormat.kColwise)
 _MINIMIZE = int(highspy.ObjSense.kMinimize)
 _KEY_SOCKETS = 1 << 19
-"""Socket codes in :meth:`MPCController._lp_keys`: a plugged EV's socket ``i``, an expected arrival's ``2**19 + i``."""
+"""Socket codes in :meth:`MPCController.lp_keys`: a plugged EV's socket ``i``, an expected arrival's ``2**19 + i``."""
 
 
 def _carried_basis(last: tuple, keys: tuple) -> highspy.HighsBasis:

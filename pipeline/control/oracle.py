@@ -3,7 +3,8 @@
 The oracle sees the whole split at once (PV, load, MOER, every session's arrival, departure and energy)
 and minimises the site's CO2 subject to a *relaxation* of the constraints of :mod:`envs.evhub`, so that
 no controller run through the environment can emit less while delivering the same EV energy. It is the
-physical limit every controller is reported against (``oracle_gap_closed_pct``).
+physical limit every controller is reported against: the 100% of ``gap_closed_vs_rule_pct`` and of
+``saving_vs_oracle_pct`` (:func:`envs.kpis.add_relative_kpis`).
 
 Formulation (``T`` steps of ``dt`` hours, accepted sessions ``s`` with steps ``[a_s, d_s)``):
 
@@ -47,6 +48,7 @@ for any controller that serves all EV energy, ``CO2_oracle <= CO2_controller``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pandas as pd
@@ -58,6 +60,80 @@ from envs.site import Site, SplitData, load_site
 
 UNSERVED_PENALTY = 1e3
 """Objective weight per kWh of EV energy not delivered, kg-CO2-equivalent (MOER is below ~2 kg/kWh)."""
+
+
+@dataclass(frozen=True)
+class Offsets:
+    """The first column of each variable of the LP (module docstring) in each block: ``(K,)`` int64 each, or one
+    block's as ints (:meth:`block`). ``E`` is the BESS energy; ``defer`` (the energy a session may leave for after
+    the LP's last step) is None where the LP has no such variable (the oracle's)."""
+
+    p: np.ndarray | int
+    ch: np.ndarray | int
+    dis: np.ndarray | int
+    E: np.ndarray | int
+    g: np.ndarray | int
+    u: np.ndarray | int
+    x: np.ndarray | int
+    slack: np.ndarray | int
+    defer: np.ndarray | int | None = None
+
+    def per_step(self) -> tuple:
+        """The first columns of the per-step variables ``(ch, dis, E, g, u, x)``, in their column order (``T``
+        columns each)."""
+        return self.ch, self.dis, self.E, self.g, self.u, self.x
+
+    def block(self, m: int) -> Offsets:
+        """Block ``m``'s first columns, as ints (``defer`` None where the LP has none)."""
+        first = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Offsets(**{k: None if v is None else int(v[m]) for k, v in first.items()})
+
+
+@dataclass(frozen=True)
+class LP:
+    """A linear program of the module docstring's form, ``min c @ z`` subject to ``A_eq @ z = b_eq`` and
+    ``bounds[:, 0] <= z <= bounds[:, 1]``, and its layout (:func:`assemble_lp`): ``K`` blocks one after another,
+    each laid out as one LP is, columns ``[p (n_p_k), ch, dis, E, g, u, x (T each), slack (S_k), defer (S_k, where
+    present)]`` and rows ``[balance (T), storage (T), EV energy (S_k)]``; the oracle's LP is one block.
+
+    Attributes:
+        c: objective, ``(n,)`` float64 (kg CO2 per unit of each column, and the unserved-energy penalty).
+        A_eq: equality rows, ``(rows, n)`` sparse (CSC as assembled).
+        b_eq: their right-hand sides, ``(rows,)`` float64.
+        bounds: each column's lower and upper bound, ``(n, 2)`` float64 (upper ``inf`` where unbounded).
+        T, S, n_p: steps, sessions and EV power columns.
+        p_sess, p_step: session and step of each EV power variable, ``(n_p,)`` int64, session by session.
+        p_col: the column of each EV power variable, ``(n_p,)`` int64 (in ``p_sess`` order).
+        dep: each session's end step (exclusive), ``(S,)`` int64.
+        off: :class:`Offsets`, each block's first column of each variable, ``(K,)`` int64 each.
+        row_off: each block's first row, ``(K,)`` int64.
+        col_block: the block of each column, ``(n,)`` int64.
+        s_local: each session's index within its block, ``(S,)`` int64.
+        nonanticipativity_rows: rows after the blocks' that tie columns of several blocks together (a two-stage LP,
+            :meth:`pipeline.control.scenario.ScenarioMPC.two_stage`); 0 in :func:`assemble_lp`'s LP.
+    """
+
+    c: np.ndarray
+    A_eq: sp.spmatrix
+    b_eq: np.ndarray
+    bounds: np.ndarray
+    T: int
+    S: int
+    n_p: int
+    p_sess: np.ndarray
+    p_step: np.ndarray
+    p_col: np.ndarray
+    dep: np.ndarray
+    off: Offsets
+    row_off: np.ndarray
+    col_block: np.ndarray
+    s_local: np.ndarray
+    nonanticipativity_rows: int = 0
+
+    @property
+    def K(self) -> int:
+        """The number of blocks."""
+        return len(self.row_off)
 
 
 def _session_arrays(data: SplitData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -74,19 +150,15 @@ def _session_sockets(data: SplitData) -> np.ndarray:
     return data.sessions.socket.to_numpy(np.int64)[~data.sessions.rejected.to_numpy(bool)]
 
 
-def build_lp(data: SplitData) -> dict:
+def build_lp(data: SplitData) -> LP:
     """Build the oracle's LP for one split (see the module docstring for the formulation).
 
     Args:
         data: the discretised split (``Site.split``).
 
     Returns:
-        dict with ``c`` (objective, shape ``(n,)``), ``A_eq`` (CSC, ``(T + T + S, n)``), ``b_eq``,
-        ``bounds`` (``(n, 2)``), and the index helpers ``T``, ``S``, ``n_p`` (number of EV power
-        variables), ``p_sess``, ``p_step`` (session and step of each EV variable, ``(n_p,)``),
-        ``off`` (dict: first column of each variable block ``p, ch, dis, E, g, u, x, slack``),
-        ``dep`` (departure step of each accepted session, ``(S,)``).
-        Column order: ``[p (n_p), ch (T), dis (T), E (T), g (T), u (T), x (T), slack (S)]``.
+        :func:`assemble_lp`'s :class:`LP` over the whole split: one block, ``A_eq`` CSC ``(T + T + S, n)``, columns
+        ``[p (n_p), ch (T), dis (T), E (T), g (T), u (T), x (T), slack (S)]``, no ``defer``.
 
     Raises:
         ValueError: a session whose steps lie outside ``[0, T]`` or whose stay is empty.
@@ -115,7 +187,7 @@ def assemble_lp(
     defer_kwh: np.ndarray | None = None,
     block: np.ndarray | None = None,
     n_blocks: int = 1,
-) -> dict:
+) -> LP:
     """The LP of the module docstring over ``T = len(pv_kw)`` steps from explicit arrays (shared by the
     oracle, over a whole split, and by :mod:`pipeline.control.mpc`, over a receding window); or ``K`` such LPs at
     once, stacked block-diagonally (the scenarios of :mod:`pipeline.control.scenario`).
@@ -130,27 +202,20 @@ def assemble_lp(
         p_max: each session's power limit, kW, ``(S,)``: the power of its socket (default ``cfg.ev.socket_kw``
             for all, right only for a site with one kind of socket).
         defer_kwh: energy of each session that may be left for after step ``T`` (kWh, ``(S,)``): adds the
-            block ``defer`` (``sum_t p*dt + slack + defer = need``, ``0 <= defer <= defer_kwh``) with zero cost;
-            None: no such block (the oracle).
+            variable ``defer`` (``sum_t p*dt + slack + defer = need``, ``0 <= defer <= defer_kwh``) with zero cost;
+            None: no such variable (the oracle; ``off.defer`` is None).
         block: each session's block, ``(S,)`` int in ``[0, n_blocks)``, non-decreasing; None: one block.
         n_blocks: ``K``, the number of blocks.
 
     Returns:
-        the dict described in :func:`build_lp`; with ``defer_kwh`` each block's columns end with ``defer (S_k)``.
-        With ``block`` given, the LP is the ``K`` blocks' LPs one after another (columns and rows, each block laid
-        out as one LP is, its sessions in their order), the same matrix as ``scipy.sparse.block_diag`` of the
-        ``K`` LPs built one by one; then ``off`` maps each name to a ``(K,)`` int64 array (each block's first
-        column of it), and the dict adds ``row_off`` (``(K,)``: each block's first row), ``col_block`` (``(n,)``:
-        the block of each column), ``p_col`` (``(n_p,)``: the column of each EV variable, in ``p_sess`` order) and
-        ``s_local`` (``(S,)``: each session's index within its block).
+        the :class:`LP`: the ``K`` blocks' LPs one after another (columns and rows, each block laid out as one LP
+        is, its sessions in their order), the same matrix as ``scipy.sparse.block_diag`` of the ``K`` LPs built
+        one by one; ``A_eq`` CSC.
 
     Raises:
         ValueError: ``block`` out of range or decreasing, or ``moer`` of another shape.
     """
-    b, dt = cfg.bess, cfg.dt_h
-    T = len(pv_kw)
-    S = len(arr)
-    K = int(n_blocks)
+    T, S, K = len(pv_kw), len(arr), int(n_blocks)
     blk = np.zeros(S, np.int64) if block is None else np.asarray(block, dtype=np.int64)
     if len(blk) != S or (S and (blk[0] < 0 or blk[-1] >= K or (np.diff(blk) < 0).any())):
         raise ValueError(f"assemble_lp: block must be {S} non-decreasing ints in [0, {K}), got {blk}")
@@ -159,42 +224,105 @@ def assemble_lp(
     if moer_k.shape != (K, T):
         raise ValueError(f"assemble_lp: moer must be ({T},) or ({K}, {T}), got {np.shape(moer)}")
     p_max = np.full(S, cfg.ev.socket_kw) if p_max is None else np.asarray(p_max, dtype=np.float64)
+    lay = _layout(T, arr, dep, blk, K, defer_kwh is not None)
+    A_eq, b_eq = _equalities(cfg, lay, pv_kw, load_kw, energy_init_kwh, need)
+    return LP(
+        c=_objective(cfg, lay, moer_k),
+        A_eq=A_eq,
+        b_eq=b_eq,
+        bounds=_bounds(cfg, lay, pv_kw, load_kw, p_max, defer_kwh),
+        T=T,
+        S=S,
+        n_p=len(lay.p_sess),
+        p_sess=lay.p_sess,
+        p_step=lay.p_step,
+        p_col=lay.p_col,
+        dep=dep,
+        off=lay.off,
+        row_off=lay.row_off,
+        col_block=lay.col_block,
+        s_local=lay.s_local,
+    )
 
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where :func:`assemble_lp`'s variables and rows lie: the :class:`LP` fields of the same names, with ``blk``
+    (each session's block, ``(S,)``), ``n`` and ``n_row`` (columns and rows in all)."""
+
+    T: int
+    K: int
+    blk: np.ndarray
+    p_sess: np.ndarray
+    p_step: np.ndarray
+    p_col: np.ndarray
+    s_local: np.ndarray
+    off: Offsets
+    row_off: np.ndarray
+    col_block: np.ndarray
+    n: int
+    n_row: int
+
+    def cols(self, first: np.ndarray, k: np.ndarray | None = None) -> np.ndarray:
+        """The columns of a per-step variable (its blocks' first columns ``first``, ``(K,)``) at steps ``k``
+        (default all ``T``), block by block, ``(K * len(k),)``."""
+        return (first[:, None] + (np.arange(self.T, dtype=np.int64) if k is None else k)).ravel()
+
+    @property
+    def balance(self) -> np.ndarray:
+        """The balance rows, ``(K * T,)``, block by block (the storage rows follow each block's, ``+ T``)."""
+        return (self.row_off[:, None] + np.arange(self.T, dtype=np.int64)).ravel()
+
+    @property
+    def ev_row(self) -> np.ndarray:
+        """Each session's EV energy row, ``(S,)``."""
+        return self.row_off[self.blk] + 2 * self.T + self.s_local
+
+
+def _layout(T: int, arr: np.ndarray, dep: np.ndarray, blk: np.ndarray, K: int, with_defer: bool) -> _Layout:
+    """The columns and rows of :func:`assemble_lp`'s ``K`` blocks over ``T`` steps for sessions ``[arr, dep)`` of
+    blocks ``blk`` (``(S,)`` each); each block ``[p (n_p_k), ch, dis, E, g, u, x (T each), slack (S_k), defer (S_k,
+    with_defer)]``, rows ``[balance, storage, EV]``."""
+    S = len(arr)
     # EV power variables: one per (session, step of its stay), vectorised
     stay = dep - arr
     n_p = int(stay.sum())
     p_sess = np.repeat(np.arange(S, dtype=np.int64), stay)
     starts = np.cumsum(stay) - stay  # first EV variable of each session
     p_step = np.arange(n_p, dtype=np.int64) - np.repeat(starts, stay) + np.repeat(arr, stay)
-
-    # the blocks: each [p (n_p_k), ch, dis, E, g, u, x (T each), slack (S_k), defer (S_k)], rows [balance, storage, EV]
     s_k = np.bincount(blk, minlength=K)  # (K,) sessions per block
     np_k = np.bincount(blk, weights=stay, minlength=K).astype(np.int64)  # (K,) EV variables per block
-    with_defer = defer_kwh is not None
     size = np_k + 6 * T + s_k * (2 if with_defer else 1)
     base = np.cumsum(size) - size
-    row_off = np.cumsum(2 * T + s_k) - (2 * T + s_k)
-    off = {"p": base}
-    for i, name in enumerate(("ch", "dis", "E", "g", "u", "x")):
-        off[name] = base + np_k + i * T
-    off["slack"] = base + np_k + 6 * T
-    if with_defer:
-        off["defer"] = off["slack"] + s_k
-    n = int(size.sum())
-    n_row = int((2 * T + s_k).sum())
-    s_local = np.arange(S, dtype=np.int64) - (np.cumsum(s_k) - s_k)[blk]  # each session's index in its block
+    step_cols = [base + np_k + i * T for i in range(6)]  # ch, dis, E, g, u, x
+    slack = base + np_k + 6 * T
+    off = Offsets(base, *step_cols, slack, slack + s_k if with_defer else None)
     p_blk = blk[p_sess]
-    p_col = base[p_blk] + np.arange(n_p, dtype=np.int64) - (np.cumsum(np_k) - np_k)[p_blk]
+    return _Layout(
+        T=T,
+        K=K,
+        blk=blk,
+        p_sess=p_sess,
+        p_step=p_step,
+        p_col=base[p_blk] + np.arange(n_p, dtype=np.int64) - (np.cumsum(np_k) - np_k)[p_blk],
+        s_local=np.arange(S, dtype=np.int64) - (np.cumsum(s_k) - s_k)[blk],  # each session's index in its block
+        off=off,
+        row_off=np.cumsum(2 * T + s_k) - (2 * T + s_k),
+        col_block=np.repeat(np.arange(K), size),
+        n=int(size.sum()),
+        n_row=int((2 * T + s_k).sum()),
+    )
+
+
+def _equalities(
+    cfg: SiteConfig, lay: _Layout, pv_kw: np.ndarray, load_kw: np.ndarray, energy_init_kwh: float, need: np.ndarray
+) -> tuple[sp.csc_matrix, np.ndarray]:
+    """:func:`assemble_lp`'s equality rows, balance (``0..T-1``), storage (``T..2T-1``) and EV energy
+    (``2T..2T+S_k-1``) of each block: ``(A_eq, b_eq)``, CSC ``(n_row, n)`` and ``(n_row,)``."""
+    b, dt, T, off = cfg.bess, cfg.dt_h, lay.T, lay.off
     steps = np.arange(T, dtype=np.int64)
-
-    def cols(name: str, k: np.ndarray = steps) -> np.ndarray:  # the columns of a per-step block at steps k, (K*len(k),)
-        return (off[name][:, None] + k).ravel()
-
-    balance = (row_off[:, None] + steps).ravel()  # (K*T,)
+    balance, ev_row = lay.balance, lay.ev_row
     storage = balance + T
-    ev_row = row_off[blk] + 2 * T + s_local  # (S,)
-
-    # ---- equality rows: balance (0..T-1), storage (T..2T-1), EV energy (2T..2T+S-1) of each block
     rows, cols_, vals = [], [], []
 
     def add(r, c, v):
@@ -203,67 +331,67 @@ def assemble_lp(
         vals.append(np.broadcast_to(np.asarray(v, dtype=np.float64), np.shape(r)))
 
     # balance: -u + g + dis - ch - x - sum_s p = load - pv
-    add(row_off[p_blk] + p_step, p_col, -1.0)
-    add(balance, cols("ch"), -1.0)
-    add(balance, cols("dis"), 1.0)
-    add(balance, cols("g"), 1.0)
-    add(balance, cols("u"), -1.0)
-    add(balance, cols("x"), -1.0)
+    add(lay.row_off[lay.blk[lay.p_sess]] + lay.p_step, lay.p_col, -1.0)
+    add(balance, lay.cols(off.ch), -1.0)
+    add(balance, lay.cols(off.dis), 1.0)
+    add(balance, lay.cols(off.g), 1.0)
+    add(balance, lay.cols(off.u), -1.0)
+    add(balance, lay.cols(off.x), -1.0)
     # storage: E[t] - E[t-1] - eta_c*dt*ch[t] + dt/eta_d*dis[t] = (E_init if t == 0 else 0)
-    add(storage, cols("E"), 1.0)
-    add((row_off[:, None] + T + steps[1:]).ravel(), cols("E", steps[:-1]), -1.0)
-    add(storage, cols("ch"), -b.eta_charge * dt)
-    add(storage, cols("dis"), dt / b.eta_discharge)
+    add(storage, lay.cols(off.E), 1.0)
+    add((lay.row_off[:, None] + T + steps[1:]).ravel(), lay.cols(off.E, steps[:-1]), -1.0)
+    add(storage, lay.cols(off.ch), -b.eta_charge * dt)
+    add(storage, lay.cols(off.dis), dt / b.eta_discharge)
     # EV energy: sum_t p*dt + slack (+ defer) = need
-    add(ev_row[p_sess], p_col, dt)
-    add(ev_row, off["slack"][blk] + s_local, 1.0)
-    if with_defer:
-        add(ev_row, off["defer"][blk] + s_local, 1.0)
+    add(ev_row[lay.p_sess], lay.p_col, dt)
+    add(ev_row, off.slack[lay.blk] + lay.s_local, 1.0)
+    if off.defer is not None:
+        add(ev_row, off.defer[lay.blk] + lay.s_local, 1.0)
 
-    A_eq = _csc(np.concatenate(rows), np.concatenate(cols_), np.concatenate(vals), (n_row, n))
-    b_eq = np.zeros(n_row)
-    b_eq[balance] = np.tile(load_kw - pv_kw, K)
-    b_eq[row_off + T] = energy_init_kwh
+    A_eq = _csc(np.concatenate(rows), np.concatenate(cols_), np.concatenate(vals), (lay.n_row, lay.n))
+    b_eq = np.zeros(lay.n_row)
+    b_eq[balance] = np.tile(load_kw - pv_kw, lay.K)
+    b_eq[lay.row_off + T] = energy_init_kwh
     b_eq[ev_row] = need
+    return A_eq, b_eq
 
-    # ---- bounds
-    lo = np.zeros(n)
-    hi = np.full(n, np.inf)
-    hi[p_col] = p_max[p_sess]
-    hi[cols("ch")] = b.power_kw
-    hi[cols("dis")] = b.power_kw
-    lo[cols("E")] = b.soc_min * b.capacity_kwh
-    hi[cols("E")] = b.soc_max * b.capacity_kwh
-    hi[cols("g")] = np.tile(np.maximum(cfg.grid.import_limit_kw, load_kw - pv_kw), K)
-    hi[cols("u")] = np.tile(pv_kw, K)
+
+def _bounds(
+    cfg: SiteConfig,
+    lay: _Layout,
+    pv_kw: np.ndarray,
+    load_kw: np.ndarray,
+    p_max: np.ndarray,
+    defer_kwh: np.ndarray | None,
+) -> np.ndarray:
+    """:func:`assemble_lp`'s column bounds, ``(n, 2)``: lower, upper (``inf`` where unbounded)."""
+    b, off, K = cfg.bess, lay.off, lay.K
+    lo = np.zeros(lay.n)
+    hi = np.full(lay.n, np.inf)
+    hi[lay.p_col] = p_max[lay.p_sess]
+    hi[lay.cols(off.ch)] = b.power_kw
+    hi[lay.cols(off.dis)] = b.power_kw
+    lo[lay.cols(off.E)] = b.soc_min * b.capacity_kwh
+    hi[lay.cols(off.E)] = b.soc_max * b.capacity_kwh
+    hi[lay.cols(off.g)] = np.tile(np.maximum(cfg.grid.import_limit_kw, load_kw - pv_kw), K)
+    hi[lay.cols(off.u)] = np.tile(pv_kw, K)
     if not cfg.grid.export_allowed:
-        hi[cols("x")] = 0.0
-    if with_defer:
-        hi[off["defer"][blk] + s_local] = defer_kwh
+        hi[lay.cols(off.x)] = 0.0
+    if off.defer is not None:
+        hi[off.defer[lay.blk] + lay.s_local] = defer_kwh
+    return np.stack([lo, hi], axis=1)
 
-    # ---- objective: kg CO2 of import (minus the export credit) + penalty on unserved EV energy
-    c = np.zeros(n)
-    c[cols("g")] = (moer_k * dt).ravel()
+
+def _objective(cfg: SiteConfig, lay: _Layout, moer_k: np.ndarray) -> np.ndarray:
+    """:func:`assemble_lp`'s costs, ``(n,)``: kg CO2 of import (minus the export credit) and the penalty on unserved
+    EV energy; ``moer_k`` ``(K, T)`` kg/kWh."""
+    dt, off = cfg.dt_h, lay.off
+    c = np.zeros(lay.n)
+    c[lay.cols(off.g)] = (moer_k * dt).ravel()
     if cfg.grid.export_credit == "moer":
-        c[cols("x")] = (-moer_k * dt).ravel()
-    c[off["slack"][blk] + s_local] = UNSERVED_PENALTY
-
-    out = {
-        "c": c,
-        "A_eq": A_eq,
-        "b_eq": b_eq,
-        "bounds": np.stack([lo, hi], axis=1),
-        "T": T,
-        "S": S,
-        "n_p": n_p,
-        "p_sess": p_sess,
-        "p_step": p_step,
-        "off": {k: int(v[0]) for k, v in off.items()} if block is None else off,
-        "dep": dep,
-    }
-    if block is not None:
-        out.update(row_off=row_off, col_block=np.repeat(np.arange(K), size), p_col=p_col, s_local=s_local)
-    return out
+        c[lay.cols(off.x)] = (-moer_k * dt).ravel()
+    c[off.slack[lay.blk] + lay.s_local] = UNSERVED_PENALTY
+    return c
 
 
 def _csc(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, shape: tuple[int, int]) -> sp.csc_matrix:
@@ -311,16 +439,16 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
     b, dt = cfg.bess, cfg.dt_h
     t0 = time.perf_counter()
     lp = build_lp(data)
-    T, S, off = lp["T"], lp["S"], lp["off"]
-    n_var, n_con, nnz = lp["A_eq"].shape[1], lp["A_eq"].shape[0], lp["A_eq"].nnz
+    T, S, off = lp.T, lp.S, lp.off.block(0)
+    n_var, n_con, nnz = lp.A_eq.shape[1], lp.A_eq.shape[0], lp.A_eq.nnz
     t1 = time.perf_counter()
     from scipy.optimize import linprog  # heavy (about 1 s): imported by the solve, not by the registry
 
     res = linprog(
-        lp["c"],
-        A_eq=lp["A_eq"],
-        b_eq=lp["b_eq"],
-        bounds=lp["bounds"],
+        lp.c,
+        A_eq=lp.A_eq,
+        b_eq=lp.b_eq,
+        bounds=lp.bounds,
         method="highs",
         options={"time_limit": float(time_limit_s), "presolve": True},
     )
@@ -332,16 +460,16 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
         )
     z = res.x
 
-    def block(name: str, size: int) -> np.ndarray:
-        lo_b = lp["bounds"][off[name] : off[name] + size, 0]
-        hi_b = lp["bounds"][off[name] : off[name] + size, 1]
-        return np.clip(z[off[name] : off[name] + size], lo_b, hi_b)  # drop solver-tolerance excursions
+    def values(first: int, size: int) -> np.ndarray:  # a variable's columns, within their bounds
+        lo_b = lp.bounds[first : first + size, 0]
+        hi_b = lp.bounds[first : first + size, 1]
+        return np.clip(z[first : first + size], lo_b, hi_b)  # drop solver-tolerance excursions
 
-    p = np.clip(z[: lp["n_p"]], 0.0, lp["bounds"][: lp["n_p"], 1])  # each session's socket power
-    ev_kw = np.bincount(lp["p_step"], weights=p, minlength=T)
-    slack = block("slack", S)
-    unserved = np.bincount(lp["dep"] - 1, weights=slack, minlength=T) if S else np.zeros(T)
-    g, u, x = block("g", T), block("u", T), block("x", T)
+    p = np.clip(z[: lp.n_p], 0.0, lp.bounds[: lp.n_p, 1])  # each session's socket power
+    ev_kw = np.bincount(lp.p_step, weights=p, minlength=T)
+    slack = values(off.slack, S)
+    unserved = np.bincount(lp.dep - 1, weights=slack, minlength=T) if S else np.zeros(T)
+    g, u, x = values(off.g, T), values(off.u, T), values(off.x, T)
     # In hours with MOER = 0 (the data has some) importing while curtailing or exporting costs nothing, so
     # the LP's optimum may do both; net them out (balance kept, CO2 unchanged or lower where MOER >= 0).
     tidy = data.moer >= 0
@@ -349,7 +477,7 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
     g, u = g - both, u - both
     both = np.where(tidy, np.minimum(g, x), 0.0)
     g, x = g - both, x - both
-    energy = block("E", T)
+    energy = values(off.E, T)
     traces = pd.DataFrame(
         {
             "time": data.time,
@@ -357,8 +485,8 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
             "pv_curtailed_kw": u,
             "grid_import_kw": g,
             "grid_export_kw": x,
-            "bess_charge_kw": block("ch", T),
-            "bess_discharge_kw": block("dis", T),
+            "bess_charge_kw": values(off.ch, T),
+            "bess_discharge_kw": values(off.dis, T),
             "ev_charge_kw": ev_kw,
             "load_kw": data.load_kw,
             "co2_kg": (g - x * (cfg.grid.export_credit == "moer")) * data.moer * dt,
@@ -369,7 +497,7 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
     )[list(TRACE_COLUMNS)]
     check_balance(traces, f"oracle, {split} split")
     print(
-        f"oracle {split}: {T} steps, {S} sessions, {n_var} variables ({lp['n_p']} EV), {n_con} constraints, "
+        f"oracle {split}: {T} steps, {S} sessions, {n_var} variables ({lp.n_p} EV), {n_con} constraints, "
         f"{nnz} nonzeros; build {t1 - t0:.2f} s, HiGHS {t2 - t1:.2f} s; CO2 {traces.co2_kg.sum():.1f} kg, "
         f"unserved {slack.sum():.3f} kWh",
         flush=True,

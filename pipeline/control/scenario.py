@@ -14,20 +14,20 @@ own recourse after it (EV charging of its own arrivals, battery, grid). What the
   within a day, 0 beyond), clipped at 0; only outlooks the controller issued itself are read, so a run that starts
   mid-split plans on the forecast alone for its first days;
 - arrivals: scenario ``k`` is the ``k``-th most recent past day of the same day type (weekday or weekend, local time;
-  any day without ``demand_day_type``) whose arrivals are realised by ``t``, chosen for each step of the window as
-  :meth:`~pipeline.control.mpc.MPCController._same_day_type_sources` chooses its days: every session that arrived at
-  that hour of that day, moved into the window with its stay and its real, unscaled energy (weight 1). While fewer
-  than ``K`` such days exist (a split's first days) the available days are repeated in turn. With
-  ``scenario_source = "session_model"`` scenario ``k`` is instead the ``k``-th draw of a session model fit on the
-  split's realised past (:mod:`pipeline.control.sessions`: arrivals per hour by day type and socket group, stays and
-  energies, forgetting), seeded.
+  any day without ``demand_day_type``) whose arrivals are realised by ``t``, chosen for each step of the window by
+  :meth:`~pipeline.control.mpc.MPCController.past_days` (which also chooses ``mpc``'s expected demand by day type):
+  every session that arrived at that hour of that day, moved into the window with its stay and its real, unscaled
+  energy (weight 1). While fewer than ``K`` such days exist (a split's first days) the available days are repeated in
+  turn. With ``scenario_source = "session_model"`` scenario ``k`` is instead the ``k``-th draw of a session model fit
+  on the split's realised past (:mod:`pipeline.control.sessions`: arrivals per hour by day type and socket group, stays
+  and energies, forgetting), seeded.
 
 Probabilities: ``p_k`` proportional to ``0.5 ** (k / recency_half_life)`` (``k = 0`` the most recent day), or ``1 / K``
 with half-life 0; the demand weight of :class:`~pipeline.control.mpc.PlannerParams` has no role.
 
-The LP: each scenario's window LP is ``mpc``'s (:meth:`~pipeline.control.mpc.MPCController._window_lp`: the oracle's
+The LP: each scenario's window LP is ``mpc``'s (:meth:`~pipeline.control.mpc.MPCController.window_lp`: the oracle's
 constraints, deferral past the window, terminal value, tie-breaks, the env's step-0 floors and caps and import-limit
-cut), its objective times ``p_k``; the ``K`` blocks are stacked block-diagonally (built in one go: ``_window_lp`` with
+cut), its objective times ``p_k``; the ``K`` blocks are stacked block-diagonally (built in one go: ``window_lp`` with
 a block per scenario, the same LP as the ``K`` built one by one), and non-anticipativity rows tie the step-0 columns
 (``ch``, ``dis``, ``g``, ``u``, ``x`` and every plugged EV's first column) of every scenario to the first one's. HiGHS
 starts each hour from the last hour's basis (``warm_start``: about a quarter of the simplex iterations; the optimum is
@@ -43,7 +43,6 @@ How ``K``, the half-life and the MOER scenarios were chosen (the train split onl
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -54,7 +53,8 @@ from envs.config import SiteConfig
 from envs.site import Site, SplitData, load_site
 from pipeline.control import tuning
 from pipeline.control.backtest import WindowResult, run_controller
-from pipeline.control.mpc import MPCController, Plan, PlannerParams
+from pipeline.control.mpc import MPCController, Plan, PlannerParams, WindowLP, plugged_evs
+from pipeline.control.oracle import LP
 from pipeline.control.sessions import SessionModel
 
 N_SCENARIOS = 21
@@ -88,6 +88,10 @@ def base_params(site_config: SiteConfig) -> PlannerParams:
 @dataclass
 class ScenarioMPC(MPCController):
     """A two-stage stochastic receding-horizon controller (module docstring); a policy ``(obs, env) -> action``.
+
+    Its :meth:`~pipeline.control.mpc.MPCController.plan` is ``mpc``'s with three steps of its own: the scenarios'
+    futures (:meth:`window_futures`), the two-stage LP (:meth:`decision_lp`) and the plan over the scenarios
+    (:meth:`window_plan`).
 
     Args (besides :class:`~pipeline.control.mpc.MPCController`'s; ``perfect``, ``perfect_moer`` and
     ``perfect_arrivals`` must stay False: its scenarios are its forecast):
@@ -142,17 +146,9 @@ class ScenarioMPC(MPCController):
         """The past day of each scenario for each step of the window: ``(K, H)`` int64 day offsets ``j`` (the source of
         step ``t + k`` is step ``t + k - j * day``, realised by ``t``), 0 where no past day exists (and at ``k = 0``,
         whose arrivals are the plugged EVs)."""
-        day, K = self._day, self.n_scenarios
-        by_type = self.params.demand_day_type
-        weekend = self._weekend
+        K = self.n_scenarios
         out = np.zeros((K, H), np.int64)
-        for k in range(1, H):
-            u = t + k
-            wk = weekend[min(u, len(weekend) - 1)]
-            js = np.arange(max(1, -(-(u - t) // day)), u // day + 1)  # u - j * day <= t and >= 0
-            if by_type:
-                js = js[weekend[u - js * day] == wk]
-            js = js[:K]
+        for k, js in enumerate(self.past_days(t, H, K, same_type=self.params.demand_day_type)):
             if len(js):
                 out[:, k] = js[np.arange(K) % len(js)]
         return out
@@ -163,7 +159,7 @@ class ScenarioMPC(MPCController):
         day and the day's arrivals up to ``t``); as :meth:`~pipeline.control.mpc.MPCController.sessions`' tuple
         ``(arr, end, need, socket, weight)``; a list of ``K``."""
         d = self.data
-        plugged = np.flatnonzero((steps_left > 0) & (need > 1e-9))
+        plugged = plugged_evs(need, steps_left)
         n0 = len(plugged)
         if self._model is not None:
             arrivals = [x[:4] for x in self._model.draw(t, H, self.n_scenarios, self._rng, steps_left=steps_left)]
@@ -173,7 +169,7 @@ class ScenarioMPC(MPCController):
             arrivals = []
             for m in range(self.n_scenarios):
                 ks = k[days[m] > 0]
-                src = t + ks - days[m, ks] * self._day  # (n,) source steps, each <= t
+                src = t + ks - days[m, ks] * self.day_steps  # (n,) source steps, each <= t
                 r, i = np.nonzero(d.arrival_stay_steps[src] > 0)
                 a = ks[r]
                 arrivals.append(
@@ -198,7 +194,7 @@ class ScenarioMPC(MPCController):
         if not self.moer_scenarios:
             return out
         for m in range(self.n_scenarios):
-            u = t - (m + 1) * self._day
+            u = t - (m + 1) * self.day_steps
             past = self._issued.get(u)
             if past is None:
                 continue
@@ -206,73 +202,69 @@ class ScenarioMPC(MPCController):
             out[m, :n] = np.maximum(moer[:n] + self.data.moer[u : u + n] - past[:n], 0.0)
         return out
 
-    # ---------------------------------------------------------------- one solve
-    def plan(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> Plan:
-        """Solve the scenario LP at step ``t`` from the given state; returns its shared first step and the env action.
-
-        Raises:
-            RuntimeError: HiGHS finds no optimum.
-        """
-        t0 = time.perf_counter()
-        H = min(self.H, self.data.num_steps - t)
-        need_all = np.asarray(ev_need_kwh, dtype=np.float64)
-        left_all = np.asarray(ev_steps_left, dtype=np.int64)
-        moer = self.moer_outlook(t, H)
+    # ---------------------------------------------------------------- one solve: the steps of MPCController.plan
+    def window_futures(
+        self, t: int, H: int, moer: np.ndarray, need_all: np.ndarray, left_all: np.ndarray
+    ) -> tuple[np.ndarray, tuple, np.ndarray]:
+        """The scenarios the window LP plans for (a step of :meth:`~pipeline.control.mpc.MPCController.plan`): each
+        one's MOER (:meth:`scenario_moer` of the outlook ``moer``, ``(H,)``) and sessions (:meth:`scenario_sessions`,
+        from each socket's remaining energy and steps, ``(N,)`` each), as ``(moers, sessions, block)``: ``(K, H)``
+        kg/kWh, the scenarios' sessions one after another (:meth:`~pipeline.control.mpc.MPCController.sessions`'
+        tuple) and each one's scenario, ``(S,)``. With ``moer_scenarios`` the outlook is kept for later hours'
+        scenarios."""
         if self.moer_scenarios:
             self._issued[t] = moer
-            self._issued.pop(t - (self.n_scenarios + 1) * self._day, None)
-        cap_all, floor_all = self._step0_env_bounds(need_all, left_all)
+            self._issued.pop(t - (self.n_scenarios + 1) * self.day_steps, None)
         moers = self.scenario_moer(t, H, moer)
-        prob = self.probabilities()
         sessions = self.scenario_sessions(t, H, need_all, left_all)
         block = np.repeat(np.arange(len(sessions)), [len(x[0]) for x in sessions])
         merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
-        w = self._window_lp(t, H, moers, energy_kwh, merged, cap_all, floor_all, block)
-        lp, views = self.two_stage(w, prob), w["views"]
-        keys = None
-        if self.warm_start:
-            cols, rows = self._lp_keys(t, w["lp"], merged, block)
-            n_tie = len(lp["b_eq"]) - len(rows)
-            keys = (cols, np.r_[rows, (np.int64(13) << 59) + np.arange(n_tie, dtype=np.int64)])  # the j-th tie row
-        z = self._solve(lp["c"], lp["A_eq"], lp["b_eq"], lp["bounds"], t, keys=keys)
-        if self.data.config.grid.export_credit == "moer":
-            z = self._env_rules_at_step0(lp, views[0], z, t, cap_all[views[0]["s0"]])
-        plans = [self._plan_of(t, z, lp, v, moers[m], cap_all, floor_all) for m, v in enumerate(views)]
+        return moers, merged, block
+
+    def decision_lp(self, w: WindowLP) -> LP:
+        """The two-stage LP of the scenarios' window LP ``w`` (:meth:`two_stage` with :meth:`probabilities`)."""
+        return self.two_stage(w, self.probabilities())
+
+    def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, cap_all, floor_all) -> Plan:
+        """The plan of the two-stage solution ``z``: step 0 (shared) and, over the window, the probability-weighted
+        mean of the scenarios' battery and plugged-EV power and of their planned CO2 (each scenario's
+        :meth:`~pipeline.control.mpc.MPCController.plan_of` for its MOER ``moer[k]``, ``moer`` ``(K, H)``); counts the
+        LP in :attr:`lp_shape` and :attr:`lp_total`."""
+        prob = self.probabilities()
+        plans = [self.plan_of(t, z, lp, b, moer[m], cap_all, floor_all) for m, b in enumerate(w.blocks)]
         plan = plans[0]
         plan.co2_planned_kg = float(sum(p * q.co2_planned_kg for p, q in zip(prob, plans)))
         plan.bess_kw_steps = sum(p * q.bess_kw_steps for p, q in zip(prob, plans))
         plan.ev_kw_steps = sum(p * q.ev_kw_steps for p, q in zip(prob, plans))
-        self.lp_shape = (*lp["A_eq"].shape, lp["A_eq"].nnz)
+        self.lp_shape = (*lp.A_eq.shape, lp.A_eq.nnz)
         self.lp_total += self.lp_shape
-        self.solves += 1
-        self.solve_s += time.perf_counter() - t0
-        if self.keep_plans:
-            self.plans.append(plan)
         return plan
 
     @staticmethod
-    def two_stage(w: dict, prob: np.ndarray) -> dict:
-        """The two-stage LP of the scenarios' window LPs (:meth:`_window_lp`'s dict ``w`` with ``K`` blocks) with
-        probabilities ``prob`` (``(K,)``): each block's costs times its ``p_k``, and non-anticipativity rows
-        ``z0[j] - zk[j] = 0`` after the blocks' rows for each step-0 column ``j`` of scenario 0 (``ch, dis, g, u,
-        x`` and the plugged EVs' first columns; the plugged EVs come first in every block, in the same order).
-        Returns a dict with ``c``, ``A_eq`` (CSR), ``b_eq`` and ``bounds`` (``w["lp"]``'s, shared)."""
-        lp, views = w["lp"], w["views"]
-        shared = [np.r_[[v["off"][n] for n in ("ch", "dis", "g", "u", "x")], v["col0"]].astype(np.int64) for v in views]
-        A = lp["A_eq"]
-        n_tie = len(shared[0]) * (len(views) - 1)
-        if n_tie:
-            r = np.arange(n_tie)
-            cols = np.r_[np.tile(shared[0], len(views) - 1), np.concatenate(shared[1:])]
-            vals = np.r_[np.ones(n_tie), -np.ones(n_tie)]
-            tie = sp.csr_matrix((vals, (np.r_[r, r], cols)), shape=(n_tie, A.shape[1]))
-            A = sp.vstack([A, tie], format="csr")
-        return {
-            "c": prob[lp["col_block"]] * lp["c"],
-            "A_eq": A,
-            "b_eq": np.concatenate([lp["b_eq"], np.zeros(n_tie)]),
-            "bounds": lp["bounds"],
-        }
+    def two_stage(w: WindowLP, prob: np.ndarray) -> LP:
+        """The two-stage LP of the scenarios' window LPs (:meth:`~pipeline.control.mpc.MPCController.window_lp`'s
+        ``w`` with ``K`` blocks) with probabilities ``prob`` (``(K,)``): each block's costs times its ``p_k``, and
+        non-anticipativity rows ``z0[j] - zk[j] = 0`` after the blocks' rows for each step-0 column ``j`` of scenario
+        0 (``ch, dis, g, u, x`` and the plugged EVs' first columns; the plugged EVs come first in every block, in the
+        same order). Returns ``w.lp`` with that ``c``, ``A_eq`` (CSR when there are such rows), ``b_eq`` and
+        ``nonanticipativity_rows`` (its ``bounds`` shared)."""
+        lp, blocks = w.lp, w.blocks
+        shared = [np.r_[[b.off.ch, b.off.dis, b.off.g, b.off.u, b.off.x], b.col0].astype(np.int64) for b in blocks]
+        A = lp.A_eq
+        n_rows = len(shared[0]) * (len(blocks) - 1)
+        if n_rows:
+            r = np.arange(n_rows)
+            cols = np.r_[np.tile(shared[0], len(blocks) - 1), np.concatenate(shared[1:])]
+            vals = np.r_[np.ones(n_rows), -np.ones(n_rows)]
+            nonanticipativity = sp.csr_matrix((vals, (np.r_[r, r], cols)), shape=(n_rows, A.shape[1]))
+            A = sp.vstack([A, nonanticipativity], format="csr")
+        return replace(
+            lp,
+            c=prob[lp.col_block] * lp.c,
+            A_eq=A,
+            b_eq=np.concatenate([lp.b_eq, np.zeros(n_rows)]),
+            nonanticipativity_rows=n_rows,
+        )
 
 
 def controller(data: SplitData, params: PlannerParams | None = None, **settings) -> ScenarioMPC:
