@@ -76,6 +76,18 @@ class SplitData:
         s = self.sessions[~self.sessions.rejected]
         return float((s.energy_kwh - s.need_kwh).sum())
 
+    def local_midnights(self) -> np.ndarray:
+        """The steps that start a local day (00:00 in the config's ``timezone``): ``(M,)`` int64, ascending."""
+        local = self.time.tz_convert(self.config.timezone)
+        return np.flatnonzero((local.hour == 0) & (local.minute == 0))
+
+    def last_midnight(self, t: int) -> int:
+        """The step of the last local midnight at or before step ``t`` (:meth:`local_midnights`); 0, the split's
+        first step, when there is none."""
+        m = self.local_midnights()
+        m = m[m <= t]
+        return int(m[-1]) if len(m) else 0
+
 
 @dataclass
 class Site:
@@ -224,34 +236,20 @@ class Site:
         dep = np.rint((s.departure - start) / dt).to_numpy().astype(np.int64)
         arr = np.minimum(arr, T - 1)
         dep = np.clip(np.maximum(dep, arr + 1), None, T)
-        # sockets: each station belongs to the first socket group whose pattern matches it; within its group
-        # one socket per station (the group's sorted station ids over the whole dataset, so a station keeps
-        # its socket in every split), wrapped if the group has fewer sockets than stations. A session whose
-        # socket is taken goes to the group's first free socket, else it is rejected.
+        # sockets: each station's own (station_sockets, over the whole dataset, so a station keeps its socket in
+        # every split); a session whose socket is taken goes to its group's first free one, else it is rejected
+        # (plug_socket)
         groups = cfg.ev.groups
-        first = np.cumsum([0] + [g.count for g in groups])  # first socket of each group
         group_of = self.station_groups()
-        seen = [0] * len(groups)
-        station_socket = {}
-        for st, gi in group_of.items():  # sorted by station id
-            station_socket[st] = first[gi] + seen[gi] % groups[gi].count
-            seen[gi] += 1
-        preferred = s.station_id.map(station_socket).to_numpy(np.int64)
+        preferred = s.station_id.map(station_sockets(cfg, group_of)).to_numpy(np.int64)
         group = s.station_id.map(group_of).to_numpy(np.int64)
         socket = np.full(len(s), -1, dtype=np.int64)
         free_at = np.zeros(cfg.ev.n_sockets, dtype=np.int64)  # first step each socket is free again
         for j in range(len(s)):  # once per split, not per env step
-            p = preferred[j]
-            if free_at[p] <= arr[j]:
-                k = p
-            else:
-                lo = first[group[j]]
-                free = np.flatnonzero(free_at[lo : first[group[j] + 1]] <= arr[j])
-                if len(free) == 0:
-                    continue
-                k = lo + free[0]
-            socket[j] = k
-            free_at[k] = dep[j]
+            k = plug_socket(cfg, preferred[j], free_at <= arr[j])
+            if k >= 0:
+                socket[j] = k
+                free_at[k] = dep[j]
         energy = s.energy_kwh.to_numpy(np.float64)
         # each session's need is capped at what a socket of its group (its own socket) delivers over the stay
         group_kw = np.array([g.kw for g in groups], dtype=np.float64)
@@ -268,6 +266,55 @@ class Site:
                 "rejected": socket < 0,
             }
         )
+
+
+def _group_starts(config: SiteConfig) -> np.ndarray:
+    """``(G + 1,)`` int64: the first socket of each ``[[ev.sockets]]`` group, then ``n_sockets``."""
+    return np.cumsum([0] + [g.count for g in config.ev.groups])
+
+
+def station_sockets(config: SiteConfig, station_ids) -> dict[str, int]:
+    """The socket each station's sessions go to, the site model's rule: a station belongs to the first
+    ``[[ev.sockets]]`` group whose pattern it matches; within its group, one socket per station in sorted order of
+    the station ids, wrapping when the group has fewer sockets than stations.
+
+    Args:
+        config: the site's config.
+        station_ids: every station of the site (an iterable of ids, repeats ignored): a station's socket depends
+            on the others of its group.
+
+    Returns:
+        ``{station_id: socket index}``, sorted by station id; stations matching no group are left out.
+    """
+    groups = config.ev.groups
+    first = _group_starts(config)
+    seen = [0] * len(groups)
+    out = {}
+    for st in sorted(set(map(str, station_ids))):
+        k = next((i for i, g in enumerate(groups) if g.matches(st)), None)
+        if k is not None:
+            out[st] = int(first[k] + seen[k] % groups[k].count)
+            seen[k] += 1
+    return out
+
+
+def plug_socket(config: SiteConfig, preferred: int, free: np.ndarray) -> int:
+    """The socket a car plugs into, the site model's rule: its station's socket ``preferred``
+    (:func:`station_sockets`) when free, else the first free socket of that socket's group.
+
+    Args:
+        config: the site's config. preferred: a socket index.
+        free: ``(n_sockets,)`` bool, which sockets are free.
+
+    Returns:
+        the socket index; -1 when every socket of the group is taken (the car is turned away).
+    """
+    if free[preferred]:
+        return int(preferred)
+    first = _group_starts(config)
+    g = int(np.searchsorted(first, preferred, side="right")) - 1
+    k = np.flatnonzero(free[first[g] : first[g + 1]])
+    return int(first[g] + k[0]) if len(k) else -1
 
 
 def _arrival_tables(sessions: pd.DataFrame, T: int, n_sockets: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ from conftest import ROOT, make_site, write_site
 
 from envs.evhub import EVHubVectorEnv
 from envs.schemas import MOER_5MIN_COLUMNS
-from envs.site import Site, load_site
+from envs.site import Site, load_site, station_sockets
 from pipeline import live
 from pipeline.control import registry, rl_planner, tuning
 from pipeline.control.mpc import PlannerParams
@@ -141,6 +141,13 @@ def test_the_live_path_reproduces_every_supported_controllers_row(study, name):
     if name == "mpc_rl":
         weights = {round(p.params.expected_demand_weight, 3) for p in plans}
         assert len(weights) >= 3, weights  # a day's weight from its own midnight's state
+
+
+def test_every_supported_controller_has_one_entry_of_the_dispatch_table():
+    """The live path runs exactly the controllers :func:`pipeline.live.supported` names, each by its entry of
+    :data:`pipeline.live.LIVE_CONTROLLERS`; a refused one has none."""
+    assert set(live.LIVE_CONTROLLERS) == set(live.supported())
+    assert not set(live.LIVE_CONTROLLERS) & set(live.REFUSED)
 
 
 def test_the_plan_reads_nothing_after_the_states_time():
@@ -420,7 +427,7 @@ def test_a_state_with_its_history_inline_and_cars_by_station_plans_the_same(writ
     doc = json.loads(state.read_text())
     code, out, err = _cli(capsys, "--site", str(toml), "--state", str(state), "--controller", "mpc")
     assert code == 0, err
-    by_station = live.station_sockets(load_site(toml).config, load_site(toml).sessions.station_id)
+    by_station = station_sockets(load_site(toml).config, load_site(toml).sessions.station_id)
     inline = dict(doc)
     for f in ("hourly", "sessions"):
         df = pd.read_parquet(state.parent / doc[f])

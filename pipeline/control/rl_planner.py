@@ -47,7 +47,7 @@ import torch
 
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
-from envs.site import Site, load_site
+from envs.site import Site, SplitData, load_site
 from pipeline.control.backtest import UNSERVED_COST, evaluation_site
 from pipeline.control.learned import run_planner
 from pipeline.control.mpc import MPCController, PlannerParams
@@ -114,6 +114,73 @@ def day_params(base: PlannerParams, action, width: float = WIDTH) -> PlannerPara
     return replace(base, expected_demand_weight=w, terminal_value=v)
 
 
+def day_observation(
+    data: SplitData, train: SplitData, mpc: MPCController, t: int, energy_kwh: float, ev_need_kwh: float,
+    last_co2_kg: float = 0.0, last_charged_kwh: float = 0.0,
+) -> np.ndarray:  # fmt: skip
+    """The day-level observation at step ``t`` of ``data`` (:data:`OBS_NAMES`; causal: realised data before ``t``,
+    the planner's forecast).
+
+    Args:
+        data: the split acted on. train: the site's train split (its mean daily arrivals scale the energies).
+        mpc: the planner acting on ``data`` (its MOER outlook from ``t``).
+        t: the step. energy_kwh: the battery's energy then, kWh. ev_need_kwh: the plugged cars' total need, kWh.
+        last_co2_kg, last_charged_kwh: the CO2 (kg) and the EV energy (kWh) of the day before, as the planner ran
+            it (0: not tracked; the feature is then the last week's mean MOER).
+
+    Returns:
+        ``(len(OBS_NAMES),)`` float32, about ``[-1, 1]``.
+    """
+    cfg = data.config
+    day = max(1, int(round(24 / cfg.dt_h)))
+    arrivals = data.arrival_need_kwh.sum(1).astype(np.float64)  # (T,) kWh arriving per step
+    # the normaliser: a typical day's arrivals, kWh, of the train split (known before any split is acted on)
+    scale = max(float(train.arrival_need_kwh.sum(1).mean()) * day, 1.0)
+    local = data.time[min(t, data.num_steps - 1)].tz_convert(cfg.timezone)
+    dow = 2 * np.pi * local.day_of_week / 7.0
+    soc = float(energy_kwh) / max(cfg.bess.capacity_kwh, 1e-9)
+    need = float(ev_need_kwh) / scale
+    past = arrivals[max(0, t - 7 * day) : t]
+    week = past.sum() / max(len(past) / day, 1.0) if len(past) else 0.0
+    yesterday = arrivals[max(0, t - day) : t].sum()
+    moer_week = float(np.mean(data.moer[max(0, t - 7 * day) : t])) if t > 0 else float(data.moer_fc[0, 0])
+    outlook = float(np.mean(mpc.moer_outlook(t, min(day, mpc.H, data.num_steps - t))))
+    co2_per_kwh = last_co2_kg / last_charged_kwh if last_charged_kwh > 1e-9 else moer_week
+    return np.array(
+        [
+            np.sin(dow),
+            np.cos(dow),
+            2.0 * soc - 1.0,
+            np.tanh(need),
+            np.tanh(week / scale),
+            np.tanh((yesterday - week) / scale),
+            np.tanh(outlook / max(moer_week, 1e-3) - 1.0),
+            np.tanh(co2_per_kwh / max(moer_week, 1e-3) - 1.0),
+        ],
+        np.float32,
+    )
+
+
+def policy_day_params(
+    policy, data: SplitData, train: SplitData, mpc: MPCController, t: int, energy_kwh: float, ev_need_kwh: float,
+    base: PlannerParams, width: float = WIDTH, env=None,
+) -> PlannerParams:  # fmt: skip
+    """The planner's parameters ``mpc_rl``'s day-level policy sets for the day starting at step ``t`` (a local
+    midnight): its action on :func:`day_observation` (no previous day's CO2 tracked), through :func:`day_params`
+    around ``base`` with ``width``.
+
+    Args:
+        policy: ``(obs, env) -> action``, obs ``(1, len(OBS_NAMES))``, action ``(1, 2)`` in ``[-1, 1]``
+            (:func:`envs.kpis.load_policy`'s).
+        data, train, mpc, t, energy_kwh, ev_need_kwh: as :func:`day_observation`'s.
+        env: what the policy is given as its env (its own policies ignore it).
+    """
+    x = torch.as_tensor(day_observation(data, train, mpc, t, energy_kwh, ev_need_kwh))[None]
+    with torch.no_grad():
+        a = policy(x, env)[0].numpy()
+    return day_params(base, a, width)
+
+
 class _Day:
     """The day-level state of one run through a split: the env (one copy), the planner, and what has been realised."""
 
@@ -121,40 +188,15 @@ class _Day:
         self.site, self.data, self.base, self.env = site, site.split(split), base, env
         self.mpc = MPCController(self.data, base, presolve=False)
         self.day = max(1, int(round(24 / site.config.dt_h)))
-        arrivals = self.data.arrival_need_kwh.sum(1).astype(np.float64)  # (T,) kWh arriving per step
-        self._arrivals = arrivals
-        # the normaliser: a typical day's arrivals, kWh, of the train split (known before any split is acted on)
-        self._scale = max(float(site.split("train").arrival_need_kwh.sum(1).mean()) * self.day, 1.0)
         self.last_co2 = self.last_kwh = 0.0
 
     def observe(self, obs: torch.Tensor) -> np.ndarray:
-        """The day-level observation at the env's current step (causal: realised data before it, the forecast)."""
-        t = int(self.env.t[0])
-        d, day = self.data, self.day
-        local = d.time[min(t, d.num_steps - 1)].tz_convert(self.site.config.timezone)
-        dow = 2 * np.pi * local.day_of_week / 7.0
-        b = self.site.config.bess
-        soc = float(self.env.energy_kwh[0]) / max(b.capacity_kwh, 1e-9)
-        need = float(self.env.ev_need_kwh[0].sum()) / self._scale
-        past = self._arrivals[max(0, t - 7 * day) : t]
-        week = past.sum() / max(len(past) / day, 1.0) if len(past) else 0.0
-        yesterday = self._arrivals[max(0, t - day) : t].sum()
-        moer_week = float(np.mean(d.moer[max(0, t - 7 * day) : t])) if t > 0 else float(d.moer_fc[0, 0])
-        outlook = float(np.mean(self.mpc.moer_outlook(t, min(day, self.mpc.H, d.num_steps - t))))
-        co2_per_kwh = self.last_co2 / self.last_kwh if self.last_kwh > 1e-9 else moer_week
-        return np.array(
-            [
-                np.sin(dow),
-                np.cos(dow),
-                2.0 * soc - 1.0,
-                np.tanh(need),
-                np.tanh(week / self._scale),
-                np.tanh((yesterday - week) / self._scale),
-                np.tanh(outlook / max(moer_week, 1e-3) - 1.0),
-                np.tanh(co2_per_kwh / max(moer_week, 1e-3) - 1.0),
-            ],
-            np.float32,
-        )
+        """The day-level observation at the env's current step (:func:`day_observation`)."""
+        env = self.env
+        return day_observation(
+            self.data, self.site.split("train"), self.mpc, int(env.t[0]), float(env.energy_kwh[0]),
+            float(env.ev_need_kwh[0].sum()), self.last_co2, self.last_kwh,
+        )  # fmt: skip
 
     def run_day(self, params: PlannerParams, obs: torch.Tensor, steps: int):
         """Set the planner's parameters and act ``steps`` steps; returns ``(obs, co2_kg, unserved_kwh)``."""
@@ -171,19 +213,13 @@ class _Day:
         return obs, co2, unserved
 
 
-def _midnights(site: Site, split: str) -> np.ndarray:
-    """Steps of the split that start a local day."""
-    local = site.split(split).time.tz_convert(site.config.timezone)
-    return np.flatnonzero((local.hour == 0) & (local.minute == 0))
-
-
 def episode_starts(site: Site, split: str, first: int = 0, end: int | None = None) -> np.ndarray:
     """The steps of ``split`` an episode may start at: local midnights from the split's second week on (the planner's
     forecasts warm up in its first) and from step ``first`` on, whose week (and the one step the env reads after it)
     ends by step ``end`` (default: the split's end). Empty when none fits."""
     day = max(1, int(round(24 / site.config.dt_h)))
     end = site.split(split).num_steps if end is None else int(end)
-    s = _midnights(site, split)
+    s = site.split(split).local_midnights()
     return s[(s >= max(7 * day, int(first))) & (s + EPISODE_DAYS * day + 1 <= end)]
 
 
@@ -275,30 +311,27 @@ if ENV_ID not in gym.registry:
 
 class DailyPolicyPlanner:
     """A policy ``(obs, env) -> socket action`` over a whole split: at each local midnight (and at the split's first
-    step) the trained day-level policy sets the planner's parameters from the day-level observation."""
+    step) the trained day-level policy sets the planner's parameters (:func:`policy_day_params`)."""
 
     def __init__(self, site: Site, split: str, policy, base: PlannerParams, width: float = WIDTH):
         self.site, self.split, self.policy, self.base, self.width = site, split, policy, base, width
-        self.midnights = set(_midnights(site, split).tolist()) | {0}
-        self.day_state: _Day | None = None
+        self.midnights = set(site.split(split).local_midnights().tolist()) | {0}
+        self.mpc: MPCController | None = None
         self.params: list[tuple[int, PlannerParams]] = []
 
-    @property
-    def mpc(self):
-        return self.day_state.mpc if self.day_state else None
-
     def __call__(self, obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
-        if self.day_state is None:
-            self.day_state = _Day(self.site, self.split, self.base, env)
+        data = self.site.split(self.split)
+        if self.mpc is None:
+            self.mpc = MPCController(data, self.base, presolve=False)
         t = int(env.t[0])
         if t in self.midnights:
-            x = torch.as_tensor(self.day_state.observe(obs))[None]
-            with torch.no_grad():
-                a = self.policy(x, env)[0].numpy()
-            p = day_params(self.base, a, self.width)
-            self.day_state.mpc.set_params(p)
+            energy, need = float(env.energy_kwh[0]), float(env.ev_need_kwh[0].sum())
+            p = policy_day_params(
+                self.policy, data, self.site.split("train"), self.mpc, t, energy, need, self.base, self.width, env
+            )
+            self.mpc.set_params(p)
             self.params.append((t, p))
-        return self.day_state.mpc(obs, env)
+        return self.mpc(obs, env)
 
 
 def ppo_args(days: int) -> tuple[str, ...]:

@@ -20,6 +20,9 @@ that read the future would plan on NaN. What a controller learns as the hours pa
 - ``mpc_rl`` sets its parameters at each local midnight from the state then (SOC, the plugged cars' need): the state
   carries it (:attr:`LiveState.day_start`).
 
+Each controller it runs is one entry of :data:`LIVE_CONTROLLERS` (:class:`LiveController`): how it finds the
+parameters it starts from (their horizon is its window) and how it makes its plan step from the history.
+
 The first step of a plan, applied through the env, is the step the study's run of that controller takes: the replay
 test (``tests/test_plan.py``) steps a split hour by hour through :func:`make_plan` and reproduces the report's row.
 
@@ -32,8 +35,8 @@ initial SOC; the window ends at the split's end, as in the study.
 from __future__ import annotations
 
 from pipeline.live.cli import Args, main, quiet_stdout, run
-from pipeline.live.controllers import REFUSED, WeekCosts, answer, supported
-from pipeline.live.history import History, history, station_sockets
+from pipeline.live.controllers import LIVE_CONTROLLERS, REFUSED, LiveController, WeekCosts, answer, supported
+from pipeline.live.history import History, history
 from pipeline.live.profiles import LivePlan, charging_profile, make_plan, validate_profile
 from pipeline.live.state import (
     STATE_SCHEMA,
@@ -48,10 +51,12 @@ from pipeline.live.state import (
 )
 
 __all__ = [
+    "LIVE_CONTROLLERS",
     "REFUSED",
     "Args",
     "DayStart",
     "History",
+    "LiveController",
     "LiveError",
     "LivePlan",
     "LiveState",
@@ -68,7 +73,6 @@ __all__ = [
     "realised_history",
     "run",
     "state_at",
-    "station_sockets",
     "supported",
     "validate_profile",
     "write_state",

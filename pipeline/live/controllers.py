@@ -1,23 +1,27 @@
-"""The controllers of the registry rebuilt from a history, hour by hour as the study's runs build them: the MOER
-regression caught up (:func:`_catch_up`), ``mpc_adaptive``'s weekly weight from backtests of the history's weeks
-(:class:`WeekCosts`), ``mpc_rl``'s parameters at the day's start; which controllers run at a site
-(:func:`supported`, :data:`REFUSED`)."""
+"""The controllers of the registry rebuilt from a history, hour by hour as the study's runs build them, one entry of
+:data:`LIVE_CONTROLLERS` each (how it finds its parameters and makes its plan step): the MOER regression caught up
+(:func:`_catch_up`), ``mpc_adaptive``'s weekly weight from backtests of the history's weeks (:class:`WeekCosts`),
+``mpc_rl``'s parameters at the day's start; which controllers run at a site (:func:`supported`, :data:`REFUSED`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 
+from envs.config import SiteConfig
 from envs.files import write_parquet, write_text
+from envs.kpis import load_policy
 from envs.site import Site
-from pipeline.control import registry, scenario
+from pipeline.control import learned, registry, rl_planner, scenario, tuning
+from pipeline.control.backtest import run_window, week_steps, weeks
 from pipeline.control.mpc import MPCController, PlannerParams
 from pipeline.live.history import History
 from pipeline.live.state import LiveError
@@ -106,8 +110,6 @@ class WeekCosts:
     def cost(self, hist: History, params: PlannerParams, start: int, steps: int, digest: str | None = None) -> float:
         """The backtested cost (kg, :attr:`pipeline.control.backtest.WindowResult.cost`) of ``params`` over steps
         ``[start, start + steps)`` of the history, from the cache or run now (``digest``: :meth:`data_digest`'s)."""
-        from pipeline.control.backtest import run_window
-
         digest = digest or self.data_digest(hist, start, steps, params.horizon_h)
         what = json.dumps([dataclasses.asdict(hist.data.config), params.as_dict(), start, steps, digest], default=str)
         k = hashlib.sha256(what.encode()).hexdigest()
@@ -126,9 +128,6 @@ def _adaptive_params(hist: History, tuned_dir: Path, seed: int, weeks_cache: Wee
     """``mpc_adaptive``'s parameters at the state's step: ``mpc_tuned``'s in the history's first week, then the
     candidate of least mean backtested cost over the last ``lookback`` weeks (the lookback chosen on the train
     split's week table, as :func:`pipeline.control.learned.simulate_adaptive` does)."""
-    from pipeline.control import learned, tuning
-    from pipeline.control.backtest import week_steps, weeks
-
     tuned = tuning.load_params(tuned_dir, seed)
     cands = learned.candidates(tuned)
     lookback = learned.choose_lookback(_train_week_table(hist.source, tuned_dir, seed, cands))
@@ -144,8 +143,6 @@ def _adaptive_params(hist: History, tuned_dir: Path, seed: int, weeks_cache: Wee
 def _train_week_table(site: Site, tuned_dir: Path, seed: int, cands: list) -> pd.DataFrame:
     """The train split's week table kept beside the tuning (computed and kept there when missing or older than the
     tuning, as :func:`pipeline.control.learned.simulate_adaptive` does)."""
-    from pipeline.control import learned, tuning
-
     f = learned.table_file(tuned_dir, "train", seed)
     stamp = tuning.result_files(tuned_dir, seed)[0].stat().st_mtime_ns
     if f.is_file() and f.stat().st_mtime_ns >= stamp:
@@ -155,24 +152,18 @@ def _train_week_table(site: Site, tuned_dir: Path, seed: int, cands: list) -> pd
     return pd.read_parquet(write_parquet(learned.week_table(site, "train", cands), f))
 
 
-def _rl_params(hist: History, tuned_dir: Path, seed: int) -> tuple[PlannerParams, MPCController, int]:
-    """``mpc_rl``'s parameters of the state's day: its policy's action on the day-level observation at the last local
-    midnight (or the history's first step), from the site then (:attr:`LiveState.day_start`); returns them, the
-    planner (its forecast refit up to that midnight's day) and that midnight's step."""
-    import torch
-
-    from envs.kpis import load_policy
-    from pipeline.control import rl_planner
-
+def _rl_planner(hist: History, tuned_dir: Path, seed: int) -> tuple[MPCController, int]:
+    """``mpc_rl``'s planner of the state's day, on the parameters its policy sets from the day-level observation at
+    the last local midnight (or the history's first step), from the site then (:attr:`LiveState.day_start`,
+    :func:`pipeline.control.rl_planner.policy_day_params`); returns it (its forecast refit up to that midnight's day)
+    and that midnight's step."""
     path = rl_planner.policy_file(rl_planner.run_dir(tuned_dir, seed))
     if not path.is_file():
         raise LiveError(
             f"controller: no trained mpc_rl policy for seed {seed} ({shown_path(path)}): run `doit run pipeline` first"
         )
     d, t = hist.data, hist.t
-    local = d.time.tz_convert(d.config.timezone)
-    mids = np.flatnonzero((local.hour == 0) & (local.minute == 0))
-    m = int(max([0, *mids[mids <= t]]))
+    m = d.last_midnight(t)
     if m == t:
         soc, need = hist.energy_kwh / max(d.config.bess.capacity_kwh, 1e-9), float(hist.ev_need_kwh.sum())
     elif hist.day_start is None:
@@ -185,21 +176,114 @@ def _rl_params(hist: History, tuned_dir: Path, seed: int) -> tuple[PlannerParams
     base = rl_planner.base_params(hist.source)
     b = d.config.bess
     energy = min(max(soc, b.soc_min), b.soc_max) * b.capacity_kwh
-    env = SimpleNamespace(
-        t=torch.tensor([m]),
-        energy_kwh=torch.tensor([energy], dtype=torch.float64),
-        ev_need_kwh=torch.tensor([[need]], dtype=torch.float64),
-    )
-    view = SimpleNamespace(config=d.config, split=lambda s: d if s == "test" else hist.source.split(s))
-    day = rl_planner._Day(view, "test", base, env)
-    _catch_up(day.mpc, m)
-    policy = load_policy(path)
-    x = torch.as_tensor(day.observe(None))[None]
-    with torch.no_grad():
-        a = policy(x, env)[0].numpy()
-    params = rl_planner.day_params(base, a)
-    day.mpc.set_params(params)
-    return params, day.mpc, m
+    mpc = MPCController(d, base, presolve=False)
+    _catch_up(mpc, m)
+    train = hist.source.split("train")
+    params = rl_planner.policy_day_params(load_policy(path), d, train, mpc, m, energy, need, base)
+    mpc.set_params(params)
+    return mpc, m
+
+
+# ------------------------------------------------------------------------------------------------ the dispatch
+@dataclass
+class PlanInputs:
+    """What a controller's plan step reads (:attr:`LiveController.plan`).
+
+    Attributes:
+        hist: the history. params: the parameters the controller starts from (:attr:`LiveController.params`).
+        tuned_dir: the study's tuning folder. seed: the study's seed (None for an unseeded controller).
+        live_dir: the study's folder of what the live path keeps (``<experiment>/live``).
+        week_costs: ``mpc_adaptive``'s cache of week backtests (None: the one kept in ``live_dir``).
+    """
+
+    hist: History
+    params: PlannerParams
+    tuned_dir: Path
+    seed: int | None
+    live_dir: Path
+    week_costs: WeekCosts | None = None
+
+
+def _plan_fixed(run: PlanInputs, presolve: bool = False) -> StepPlan:
+    """A planner on its starting parameters throughout."""
+    return _plan_step(run.hist, MPCController(run.hist.data, run.params, presolve=presolve))
+
+
+def _plan_adaptive(run: PlanInputs) -> StepPlan:
+    """``mpc_adaptive``: the week's parameters from backtests of the weeks before it (kept in the cache)."""
+    cache = run.week_costs if run.week_costs is not None else WeekCosts(run.live_dir)
+    params = _adaptive_params(run.hist, run.tuned_dir, run.seed, cache)
+    step = _plan_step(run.hist, MPCController(run.hist.data, params, presolve=False))
+    cache.save()
+    return step
+
+
+def _plan_rl(run: PlanInputs) -> StepPlan:
+    """``mpc_rl``: the day's parameters set by its policy at the last local midnight."""
+    mpc, midnight = _rl_planner(run.hist, run.tuned_dir, run.seed)
+    return _plan_step(run.hist, mpc, since=midnight)
+
+
+def _plan_scenario(run: PlanInputs) -> StepPlan:
+    """``mpc_scenario``: its scenarios drawn from the history's realised days."""
+    return _plan_step(run.hist, scenario.controller(run.hist.data))
+
+
+def _has_policy(tuned_dir: Path, seed: int) -> bool:
+    return rl_planner.policy_file(rl_planner.run_dir(tuned_dir, seed)).is_file()
+
+
+@dataclass(frozen=True)
+class LiveController:
+    """How the live path runs one controller of the registry (an entry of :data:`LIVE_CONTROLLERS`).
+
+    Attributes:
+        params: ``(site, tuned_dir, seed) -> PlannerParams``: the parameters it starts from; their horizon is its
+            window (seed None for an unseeded controller).
+        plan: ``(PlanInputs) -> StepPlan``: its plan from the state.
+        has_seed: ``(tuned_dir, seed) -> bool``: whether the study left what it runs from for a tuned seed (its
+            choice of a default seed); None: every tuned seed.
+    """
+
+    params: Callable[[Site, Path, int | None], PlannerParams]
+    plan: Callable[[PlanInputs], StepPlan]
+    has_seed: Callable[[Path, int], bool] | None = None
+
+
+def _of_config(f: Callable[[SiteConfig], PlannerParams]) -> Callable[[Site, Path, int | None], PlannerParams]:
+    return lambda site, tuned_dir, seed: f(site.config)
+
+
+def _of_site(f: Callable[[Site], PlannerParams]) -> Callable[[Site, Path, int | None], PlannerParams]:
+    return lambda site, tuned_dir, seed: f(site)
+
+
+def _tuned(site: Site, tuned_dir: Path, seed: int | None) -> PlannerParams:
+    return tuning.load_params(tuned_dir, seed)
+
+
+LIVE_CONTROLLERS: dict[str, LiveController] = {
+    "mpc": LiveController(_of_config(PlannerParams.of_site), partial(_plan_fixed, presolve=True)),
+    "mpc_tuned_start": LiveController(_of_config(PlannerParams.learned_start), _plan_fixed),
+    "mpc_tuned": LiveController(_tuned, _plan_fixed),
+    "mpc_adaptive": LiveController(_tuned, _plan_adaptive),
+    "mpc_rl_start": LiveController(_of_site(rl_planner.start_params), _plan_fixed),
+    "mpc_rl": LiveController(_of_site(rl_planner.base_params), _plan_rl, has_seed=_has_policy),
+    "mpc_scenario": LiveController(_of_config(scenario.base_params), _plan_scenario),
+}
+"""The controllers the live path runs (:func:`supported`), by name: how each finds its parameters and makes its plan
+step. Adding a controller is adding its entry."""
+
+
+def live_controller(name: str) -> LiveController:
+    """The entry of :data:`LIVE_CONTROLLERS` of a supported controller.
+
+    Raises:
+        NotImplementedError: :func:`supported` names a controller without an entry.
+    """
+    if name not in LIVE_CONTROLLERS:
+        raise NotImplementedError(f"evhub-plan has no way to run {name!r} yet: give it an entry of LIVE_CONTROLLERS")
+    return LIVE_CONTROLLERS[name]
 
 
 # ------------------------------------------------------------------------------------------------ the answer
@@ -243,7 +327,13 @@ def supported() -> tuple[str, ...]:
                  and n not in REFUSED)  # fmt: skip
 
 
-def _check_controller(name: str) -> None:
+def check_controller(name: str) -> None:
+    """Check that the live path runs ``name``.
+
+    Raises:
+        LiveError: a controller of :data:`REFUSED`, an agent, or a name the registry does not know (with its closest
+            names).
+    """
     if name in REFUSED:
         raise LiveError(f"controller: {name!r} cannot run at a site: {REFUSED[name]}")
     if name not in registry.CONTROLLERS:
@@ -255,12 +345,19 @@ def _check_controller(name: str) -> None:
         raise LiveError(f"controller: {name!r} is not supported by evhub-plan: {AGENT_REASON}")
 
 
-def _seed(name: str, tuned_dir: Path, seed: int | None) -> int:
+def tuned_seed(name: str, tuned_dir: Path, seed: int | None) -> int:
+    """The study's seed a tuned controller runs with: ``seed`` when given, else the lowest seed tuned in
+    ``tuned_dir`` for which the study left what the controller runs from (:attr:`LiveController.has_seed`).
+
+    Raises:
+        LiveError: no such seed (the study has not run).
+    """
     if seed is not None:
         return int(seed)
     stems = (p.stem.removeprefix("mpc_tuned_seed") for p in tuned_dir.glob("mpc_tuned_seed*.json"))
     found = sorted(int(s) for s in stems if s.isdigit())
-    found = [s for s in found if name != "mpc_rl" or (tuned_dir / f"mpc_rl_seed{s}" / "policy.pt2").is_file()]
+    has_seed = live_controller(name).has_seed
+    found = [s for s in found if has_seed is None or has_seed(tuned_dir, s)]
     if not found:
         raise LiveError(
             f"controller: {name!r} reads what the study tuned on the train split, and {shown_path(tuned_dir)} holds "
@@ -270,25 +367,10 @@ def _seed(name: str, tuned_dir: Path, seed: int | None) -> int:
 
 
 def horizon_of(site: Site, name: str, tuned_dir: Path, seed: int | None) -> tuple[PlannerParams, int]:
-    """The planner parameters a controller starts from and its window, steps."""
-    from pipeline.control import rl_planner, tuning
+    """The planner parameters a controller starts from (:attr:`LiveController.params`) and its window, steps.
 
-    cfg = site.config
-    if name == "mpc":
-        params = PlannerParams.of_site(cfg)
-    elif name == "mpc_tuned_start":
-        params = PlannerParams.learned_start(cfg)
-    elif name == "mpc_rl_start":
-        params = rl_planner.start_params(site)
-    elif name == "mpc_rl":
-        params = rl_planner.base_params(site)
-    elif name in ("mpc_tuned", "mpc_adaptive"):
-        params = tuning.load_params(tuned_dir, seed)
-    elif name == "mpc_scenario":
-        params = scenario.base_params(cfg)
-    else:  # supported() grew without a branch here
-        raise NotImplementedError(f"evhub-plan has no planner parameters for {name!r} yet")
-    return params, max(1, int(round(params.horizon_h / cfg.dt_h)))
-
-
-# ------------------------------------------------------------------------------------------------ the plan
+    Raises:
+        NotImplementedError: a controller without an entry of :data:`LIVE_CONTROLLERS`.
+    """
+    params = live_controller(name).params(site, tuned_dir, seed)
+    return params, max(1, int(round(params.horizon_h / site.config.dt_h)))

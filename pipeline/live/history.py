@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from envs.schemas import MOER_5MIN_COLUMNS
-from envs.site import Site, SplitData
+from envs.site import Site, SplitData, plug_socket, station_sockets
 from pipeline.live.state import (
     FORECAST_COLUMNS,
     MAX_FORECAST_AGE_STEPS,
@@ -18,7 +18,7 @@ from pipeline.live.state import (
     DayStart,
     LiveError,
     LiveState,
-    _timestamp,
+    as_timestamp,
 )
 
 
@@ -52,22 +52,6 @@ class History:
     source: Site
 
 
-def station_sockets(config, station_ids) -> dict[str, int]:
-    """The socket each station's sessions go to, as the site model assigns them: within the first group whose
-    pattern the station matches, one socket per station in sorted order, wrapping when the group has fewer sockets
-    than stations (:class:`envs.site.Site`). Stations matching no group are left out."""
-    groups = config.ev.groups
-    first = np.cumsum([0] + [g.count for g in groups])
-    seen = [0] * len(groups)
-    out = {}
-    for st in sorted(set(map(str, station_ids))):
-        k = next((i for i, g in enumerate(groups) if g.matches(st)), None)
-        if k is not None:
-            out[st] = int(first[k] + seen[k] % groups[k].count)
-            seen[k] += 1
-    return out
-
-
 def _local_midnight(ts: pd.Timestamp, tz: str, after: bool) -> pd.Timestamp:
     """The local midnight at or after ``ts`` (``after``: strictly after), UTC."""
     local = ts.tz_convert(tz)
@@ -90,7 +74,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     """
     cfg = site.config
     tz, dt = cfg.timezone, pd.Timedelta(hours=cfg.dt_h)
-    now = _timestamp(state.time, "time").tz_convert("UTC")
+    now = as_timestamp(state.time, "time").tz_convert("UTC")
     if not (isinstance(state.soc, int | float) and 0.0 <= state.soc <= 1.0):
         raise LiveError(f"soc: {state.soc} is outside [0, 1] (a fraction of the battery's capacity)")
     h = state.hourly
@@ -162,8 +146,6 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     socket_station: dict[int, str] = {}
     for st, i in sorted(by_station.items()):
         socket_station.setdefault(i, st)
-    groups = cfg.ev.groups
-    first = np.cumsum([0] + [g.count for g in groups])
     for k, ev in enumerate(state.evs):
         where = f"evs[{k}]"
         sock = ev.socket
@@ -175,13 +157,11 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
                     f"{where}.socket: unknown socket {sock!r}: not a station id of the site (sockets 0..{N - 1}, or a "
                     f"station id such as {', '.join(sorted(by_station)[:3])})"
                 )
-            i = by_station[sock]
-            if i in holder:  # taken: the group's first free socket, as the site model does
-                g = next(j for j in range(len(groups)) if first[j] <= i < first[j + 1])
-                free = [j for j in range(first[g], first[g + 1]) if j not in holder]
-                if not free:
-                    raise LiveError(f"{where}.socket: {sock!r}: every socket of its group already holds a car")
-                i = free[0]
+            free = np.ones(N, bool)
+            free[list(holder)] = False
+            i = plug_socket(cfg, by_station[sock], free)  # taken: the group's first free socket
+            if i < 0:
+                raise LiveError(f"{where}.socket: {sock!r}: every socket of its group already holds a car")
             station = ev.station_id or sock
         else:
             i = int(sock)
@@ -192,7 +172,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
             station = ev.station_id or socket_station.get(i, f"socket-{i}")
         if not (isinstance(ev.need_kwh, int | float) and math.isfinite(ev.need_kwh) and ev.need_kwh >= 0):
             raise LiveError(f"{where}.need_kwh: {ev.need_kwh!r} is not an energy >= 0 (kWh)")
-        dep = _timestamp(ev.departure, f"{where}.departure")
+        dep = as_timestamp(ev.departure, f"{where}.departure")
         if dep <= now:
             raise LiveError(
                 f"{where}.departure: {dep.isoformat()} is not after the state's time {state.time.isoformat()} (a car "
@@ -214,7 +194,7 @@ def _check_known(hh: pd.DataFrame, t: int, H: int, state: LiveState, dt: pd.Time
     at every step up to ``t``, the PV over the window; the current forecast is recent."""
     now = hh.index[t]
     if state.forecast_issued_at is not None:
-        issued = _timestamp(state.forecast_issued_at, "moer_forecast.issued_at")
+        issued = as_timestamp(state.forecast_issued_at, "moer_forecast.issued_at")
         age = now - issued.tz_convert("UTC")
         if age < pd.Timedelta(0):
             raise LiveError(

@@ -15,21 +15,20 @@ import numpy as np
 import pandas as pd
 
 from envs.site import Site, load_site
-from pipeline.control import registry, scenario
-from pipeline.control.mpc import MPCController, PlannerParams
+from pipeline.control import registry
+from pipeline.control.mpc import PlannerParams
 from pipeline.live.controllers import (
+    PlanInputs,
     WeekCosts,
-    _adaptive_params,
-    _check_controller,
-    _plan_step,
-    _rl_params,
-    _seed,
     answer,
+    check_controller,
     horizon_of,
+    live_controller,
     results_root,
+    tuned_seed,
 )
 from pipeline.live.history import history
-from pipeline.live.state import LiveError, LiveState, _timestamp
+from pipeline.live.state import LiveError, LiveState, as_timestamp
 
 
 @dataclass
@@ -164,38 +163,19 @@ def make_plan(
     site = load_site(site)
     name = controller or answer(site, output_dir, experiment)
     try:
-        _check_controller(name)
+        check_controller(name)
     except LiveError as exc:
         if controller:
             raise
         raise LiveError(f"{exc} (it is the report's answer for site {site.config.name!r}: pass --controller)") from None
     root = results_root(site, output_dir, experiment)
     tuned_dir = root / "tuned"
-    c = registry.CONTROLLERS[name]
-    if c.tuned:
-        seed = _seed(name, tuned_dir, seed)
-    else:
-        seed = None
+    seed = tuned_seed(name, tuned_dir, seed) if registry.CONTROLLERS[name].tuned else None
     params, H = horizon_of(site, name, tuned_dir, seed)
     hist = history(site, state, H)
-    if name == "mpc":
-        step = _plan_step(hist, MPCController(hist.data, params, presolve=True))
-    elif name == "mpc_adaptive":
-        cache = week_costs if week_costs is not None else WeekCosts(root / "live")
-        params = _adaptive_params(hist, tuned_dir, seed, cache)
-        step = _plan_step(hist, MPCController(hist.data, params, presolve=False))
-        cache.save()
-    elif name == "mpc_rl":
-        params, m, midnight = _rl_params(hist, tuned_dir, seed)
-        step = _plan_step(hist, m, since=midnight)
-    elif name == "mpc_scenario":
-        step = _plan_step(hist, scenario.controller(hist.data))
-    elif name in ("mpc_tuned", "mpc_tuned_start", "mpc_rl_start"):
-        step = _plan_step(hist, MPCController(hist.data, params, presolve=False))
-    else:  # supported() grew without a branch here
-        raise NotImplementedError(f"evhub-plan has no way to run {name!r} yet")
+    step = live_controller(name).plan(PlanInputs(hist, params, tuned_dir, seed, root / "live", week_costs))
     cfg = site.config
-    issued = _timestamp(state.time, "time").tz_convert(cfg.timezone)
+    issued = as_timestamp(state.time, "time").tz_convert(cfg.timezone)
     profiles = []
     for i in np.flatnonzero(hist.ev_steps_left > 0):
         n = min(int(hist.ev_steps_left[i]), len(step.bess_kw))

@@ -93,8 +93,12 @@ class LiveState:
     window_end: pd.Timestamp | None = None
 
 
-def _timestamp(value, where: str) -> pd.Timestamp:
-    """``value`` as a tz-aware timestamp; LiveError naming ``where`` otherwise."""
+def as_timestamp(value, where: str) -> pd.Timestamp:
+    """``value`` (a timestamp or an ISO 8601 string) as a tz-aware ``pd.Timestamp``.
+
+    Raises:
+        LiveError: not a time, or one without a UTC offset (the message names ``where`` and the value).
+    """
     if isinstance(value, pd.Timestamp):
         ts = value
     else:
@@ -135,7 +139,7 @@ def state_at(site: Site | str | Path, at, soc: float | None = None) -> LiveState
     """
     site = load_site(site)
     cfg = site.config
-    ts = _timestamp(at, "--at")
+    ts = as_timestamp(at, "--at")
     split = _split_of(site, ts)
     data = site.split(split)
     start, end = cfg.split_bounds(split)
@@ -155,9 +159,7 @@ def state_at(site: Site | str | Path, at, soc: float | None = None) -> LiveState
             need = min(float(r.need_kwh), kw[r.socket] * cfg.dt_h * (r.departure_step - t))
             dep = start + r.departure_step * dt
             evs.append(PluggedEV(int(r.socket), need, dep.tz_convert(cfg.timezone), station_id=str(r.station_id)))
-    local = data.time.tz_convert(cfg.timezone)
-    midnights = np.flatnonzero((local.hour == 0) & (local.minute == 0) & (np.arange(len(local)) <= t))
-    m = int(midnights[-1]) if len(midnights) else 0
+    m = data.last_midnight(t)
     for r in ses.itertuples():
         if r.arrival_step <= m < r.departure_step:
             need_then[r.socket] = min(float(r.need_kwh), kw[r.socket] * cfg.dt_h * (r.departure_step - m))
@@ -299,7 +301,7 @@ def _table(value, base: Path, where: str, time_columns: tuple[str, ...]) -> pd.D
     for c in time_columns:
         if c in df:
             for k, v in enumerate(df[c]):
-                _timestamp(v, f"{where}[{k}].{c}")
+                as_timestamp(v, f"{where}[{k}].{c}")
             df[c] = pd.to_datetime(df[c], utc=True, format="ISO8601")
     return df
 
@@ -325,11 +327,11 @@ def read_state(path: str | Path) -> LiveState:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".")
         raise LiveError(f"{where or 'state'}: {e.message} (state file {shown_path(path)})")
     base = path.parent
-    time = _timestamp(raw["time"], "time")
+    time = as_timestamp(raw["time"], "time")
     hourly = _table(raw["hourly"], base, "hourly", ("time",))
     sessions = _table(raw["sessions"], base, "sessions", ("arrival", "departure"))
     fc = raw["moer_forecast"]
-    issued = _timestamp(fc["issued_at"], "moer_forecast.issued_at")
+    issued = as_timestamp(fc["issued_at"], "moer_forecast.issued_at")
     if "time" in hourly:
         hourly = hourly.assign(time=pd.to_datetime(hourly.time, utc=True))
         row = hourly.time == time.tz_convert("UTC")
@@ -343,7 +345,7 @@ def read_state(path: str | Path) -> LiveState:
         PluggedEV(
             socket=e["socket"],
             need_kwh=float(e["need_kwh"]),
-            departure=_timestamp(e["departure"], f"evs[{k}].departure"),
+            departure=as_timestamp(e["departure"], f"evs[{k}].departure"),
             station_id=e.get("station_id"),
             connector_id=int(e.get("connector_id", 1)),
             transaction_id=e.get("transaction_id"),
