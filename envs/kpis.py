@@ -31,7 +31,8 @@ KPI_COLUMNS = (
     "co2_kg",
     "co2_export_credit_kg",
     "co2_reduction_pct",
-    "oracle_gap_closed_pct",
+    "gap_closed_vs_rule_pct",
+    "saving_vs_oracle_pct",
     "grid_import_kwh",
     "grid_export_kwh",
     "pv_generation_kwh",
@@ -47,8 +48,8 @@ KPI_COLUMNS = (
     "env_steps",
     "steps_per_s",
 )
-"""KPI columns of ``co2_comparison.parquet`` (design notes). ``co2_reduction_pct`` and
-``oracle_gap_closed_pct`` need the uncontrolled and oracle rows: :func:`add_relative_kpis` fills them.
+"""KPI columns of ``co2_comparison.parquet`` (design notes). ``co2_reduction_pct``, ``gap_closed_vs_rule_pct`` and
+``saving_vs_oracle_pct`` need the uncontrolled, rule-based and oracle rows: :func:`add_relative_kpis` fills them.
 ``co2_kg`` is the site's CO2 under its ``grid.export_credit`` accounting (import x MOER, minus export x MOER
 with ``"moer"``); ``co2_export_credit_kg`` is the credit taken off it (0 without one), so the import-only
 figure is ``co2_kg + co2_export_credit_kg``."""
@@ -175,23 +176,32 @@ def kpis_from_traces(traces: pd.DataFrame, data: SplitData) -> dict[str, float]:
 
 
 def add_relative_kpis(table: pd.DataFrame) -> pd.DataFrame:
-    """Fill ``co2_reduction_pct`` (vs ``uncontrolled``) and ``oracle_gap_closed_pct`` per split.
+    """Fill the relative KPIs per split: ``co2_reduction_pct``, ``gap_closed_vs_rule_pct`` and ``saving_vs_oracle_pct``.
 
-    ``oracle_gap_closed_pct = 100 * (CO2_uncontrolled - CO2) / (CO2_uncontrolled - CO2_oracle)``: the share of
-    the oracle's CO2 saving a controller achieves. Rows with ``controller`` and ``split`` columns; rows of a
-    split without an uncontrolled (or oracle) row get NaN.
+    - ``co2_reduction_pct = 100 * (CO2_uncontrolled - CO2) / CO2_uncontrolled``: the CO2 cut against ``uncontrolled``.
+    - ``gap_closed_vs_rule_pct = 100 * (CO2_rule_based - CO2) / (CO2_rule_based - CO2_oracle)``: the share of the CO2
+      gap between the battery rule (``rule_based``, 0%) and the perfect-foresight ``oracle`` (100%) a controller
+      closes; NaN where ``rule_based`` emits no more than the oracle.
+    - ``saving_vs_oracle_pct = 100 * (CO2_uncontrolled - CO2) / (CO2_uncontrolled - CO2_oracle)``: the share of the
+      oracle's CO2 saving over ``uncontrolled`` (0%) a controller achieves; NaN where the oracle saves nothing.
+
+    Rows with ``controller`` and ``split`` columns; a KPI whose reference rows a split lacks is NaN on that split.
     """
     out = table.copy()
-    out["co2_reduction_pct"] = math.nan
-    out["oracle_gap_closed_pct"] = math.nan
+    for c in ("co2_reduction_pct", "gap_closed_vs_rule_pct", "saving_vs_oracle_pct"):
+        out[c] = math.nan
     for _split, rows in out.groupby("split"):
-        base = rows.loc[rows.controller == "uncontrolled", "co2_kg"]
-        oracle = rows.loc[rows.controller == "oracle", "co2_kg"]
-        if len(base):
-            b = float(base.iloc[0])
+        ref = {c: rows.loc[rows.controller == c, "co2_kg"] for c in ("uncontrolled", "rule_based", "oracle")}
+        ref = {c: float(v.iloc[0]) for c, v in ref.items() if len(v)}
+        oracle = ref.get("oracle", math.nan)
+        if "uncontrolled" in ref:
+            b = ref["uncontrolled"]
             out.loc[rows.index, "co2_reduction_pct"] = 100.0 * (b - rows.co2_kg) / b
-            if len(oracle) and b - float(oracle.iloc[0]) > 0:
-                out.loc[rows.index, "oracle_gap_closed_pct"] = 100.0 * (b - rows.co2_kg) / (b - float(oracle.iloc[0]))
+            if b - oracle > 0:
+                out.loc[rows.index, "saving_vs_oracle_pct"] = 100.0 * (b - rows.co2_kg) / (b - oracle)
+        if ref.get("rule_based", math.nan) - oracle > 0:
+            r = ref["rule_based"]
+            out.loc[rows.index, "gap_closed_vs_rule_pct"] = 100.0 * (r - rows.co2_kg) / (r - oracle)
     return out
 
 

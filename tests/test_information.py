@@ -90,16 +90,16 @@ def test_gap_shares(tables):
     r = rows.iloc[0]
     assert r.rule_based_co2_kg > r.oracle_co2_kg
     gap = 100 * (r.rule_based_co2_kg - rows.co2_kg) / (r.rule_based_co2_kg - r.oracle_co2_kg)
-    np.testing.assert_allclose(rows.gap_closed_pct, gap)
+    np.testing.assert_allclose(rows.gap_closed_vs_rule_pct, gap)
     # no planner beats the oracle while serving every car, and none of them leaves a car short here
-    assert (rows.co2_kg >= r.oracle_co2_kg - 1e-6).all() and (rows.gap_closed_pct <= 100 + 1e-6).all()
+    assert (rows.co2_kg >= r.oracle_co2_kg - 1e-6).all() and (rows.gap_closed_vs_rule_pct <= 100 + 1e-6).all()
     assert (rows.unserved_kwh < 1e-6).all() and (rows.ev_energy_served_pct > 99.9).all()
 
 
 def test_reading_and_page(tables):
     rows, _ = tables
     line = information.reading(rows, "test")
-    by = rows.set_index("variant").gap_closed_pct
+    by = rows.set_index("variant").gap_closed_vs_rule_pct
     assert line.startswith("On this site's test split, knowing the arrivals is worth ")
     assert (
         f"{by['true_arrivals'] - by['forecasts']:+.1f} points, the MOER {by['true_moer'] - by['forecasts']:+.1f}"
@@ -155,7 +155,7 @@ def test_run_fans_the_runs_out_writes_the_page_and_reads_them_back(tiny, tmp_pat
         assert paths == information.outputs(tmp_path / "study") and all(p.is_file() for p in paths)
         assert sorted(ran) == sorted((c, s) for c in information.controllers() for s in ("train", "test"))
         rows = pd.read_parquet(paths[0])
-        assert rows.gap_closed_pct.tolist() == [20.0, 40.0, 40.0, 90.0] * 2
+        assert rows.gap_closed_vs_rule_pct.tolist() == [20.0, 40.0, 40.0, 90.0] * 2
         line = "On this site's test split, knowing the arrivals is worth +20.0 points, the MOER +20.0, both +70.0"
         assert line in paths[1].read_text() and any(x.startswith(line) for x in lines)
         ran.clear()

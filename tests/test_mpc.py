@@ -330,13 +330,18 @@ def test_report_states_the_ordering():
             "controller": ["uncontrolled", "rule_based", "mpc", "mpc_perfect", "oracle"],
             "co2_kg": [100.0, 70.0, 60.0, 45.0, 40.0],
             "co2_reduction_pct": [0.0, 30.0, 40.0, 55.0, 60.0],
-            "oracle_gap_closed_pct": [0.0, 50.0, 66.7, 91.7, 100.0],
+            "gap_closed_vs_rule_pct": [-100.0, 0.0, 33.3, 83.3, 100.0],
+            "saving_vs_oracle_pct": [0.0, 50.0, 66.7, 91.7, 100.0],
             "unserved_kwh": [0.0] * 5,
             "ev_energy_delivered_kwh": [10.0] * 5,
         }
     )
     text = ordering_sentence("test", rows)
-    assert text.startswith("Ordering by CO2 on the test split, lowest first: oracle")
-    assert "oracle (40.0 kg, 100.0% of the oracle's saving) < mpc_perfect (45.0 kg, 91.7%" in text
-    assert "rule_based (70.0 kg, 50.0% of the oracle's saving) < uncontrolled" in text
-    assert "No agent was evaluated" in summary_paragraph("test", rows)  # mpc is a baseline, not an agent
+    assert text.startswith("Ordering by CO2 on the test split, lowest first, with each one's gap closed vs rule")
+    assert ": oracle (40.0 kg, 100.0%) < mpc_perfect (45.0 kg, 83.3%)" in text
+    assert "rule_based (70.0 kg, 0.0%) < uncontrolled (100.0 kg, -100.0%)." in text
+    summary = summary_paragraph("test", rows)
+    assert "**mpc_perfect**'s, 45.0 kg (55.0% below uncontrolled, gap closed vs rule 83.3%, saving vs oracle 91.7%" in (
+        summary
+    )
+    assert "No agent was evaluated" in summary  # mpc is a baseline, not an agent

@@ -19,28 +19,31 @@ import pytest
 import torch
 from conftest import make_site
 
-from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, evaluate_policy, write_parquet
+from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, add_relative_kpis, evaluate_policy, write_parquet
 from pipeline.control import registry
-from pipeline.study.document import Paragraph, Table
+from pipeline.study.document import Definitions, Paragraph, Table
 from pipeline.study.report import (
+    GAP_VS_RULE,
     KIND_COLORS,
+    SAVING_VS_ORACLE,
     SEED_COLUMNS,
     START_COLUMNS,
     answer_blocks,
     best_controllers,
     controller_kind,
     controller_legend,
-    gap_closed_figure,
+    definitions,
     kpi_markdown_table,
-    ranked_by_gap,
+    ranked_by_saving,
     read_kpi_files,
     results_table,
+    saving_figure,
     site_data_sources,
     summary_paragraph,
     write_report,
 )
 
-CONTROLLERS = ("ppo", "uncontrolled", "a2c", "oracle")  # deliberately not in report order
+CONTROLLERS = ("ppo", "uncontrolled", "a2c", "oracle", "rule_based")  # deliberately not in report order
 SPLITS = ("test", "train")
 
 
@@ -70,17 +73,19 @@ def _random_linear(seed: int):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict:
-    """KPI and trace Parquet files for 4 controllers x 2 splits of the synthetic site, plus metrics."""
+    """KPI and trace Parquet files for 5 controllers x 2 splits of the synthetic site, plus metrics."""
     root = tmp_path_factory.mktemp("report_inputs")
     site = make_site()
     kpi_files, trace_files, rows = [], {}, {}
     for split in SPLITS:
-        # random linear seed 3 has the lowest CO2 of seeds 0-7 on both splits: the stand-in oracle
+        # random linear seed 3 has the lowest CO2 of seeds 0-7 on both splits: the stand-in oracle; seed 0 emits
+        # between a2c and ppo on both: the stand-in rule, so ppo and uncontrolled close a negative gap from it
         policies = {
             "uncontrolled": _uncontrolled,
             "oracle": _random_linear(3),
             "ppo": _random_linear(1),
             "a2c": _latest_charging,
+            "rule_based": _random_linear(0),
         }
         for name in CONTROLLERS:
             extra = {"train_wall_s": 12.5} if name == "ppo" else {}
@@ -147,7 +152,7 @@ def test_comparison_table(report: Path, inputs):
     assert (table.start == "").all() and table.co2_vs_start_kg.isna().all()  # no learned planner here
     # one row per controller x split, ordered train then test: the registry's order, the causal controllers and the
     # agents (by name) before the bounds
-    order = ["uncontrolled", "a2c", "ppo", "oracle"]
+    order = ["uncontrolled", "rule_based", "a2c", "ppo", "oracle"]
     assert list(zip(table.split, table.controller)) == [(s, c) for s in ("train", "test") for c in order]
     for _, r in table.iterrows():
         src = inputs["rows"][(r.controller, r.split)]
@@ -155,13 +160,17 @@ def test_comparison_table(report: Path, inputs):
         assert r.unserved_kwh == pytest.approx(src.unserved_kwh)
     by = table.set_index(["controller", "split"])
     for split in SPLITS:
-        base, orc, ppo = (by.loc[(c, split)] for c in ("uncontrolled", "oracle", "ppo"))
-        assert orc.co2_kg < ppo.co2_kg < base.co2_kg  # the stand-ins keep the study's order
+        base, rule, orc, ppo = (by.loc[(c, split)] for c in ("uncontrolled", "rule_based", "oracle", "ppo"))
+        assert orc.co2_kg < rule.co2_kg < ppo.co2_kg < base.co2_kg  # the stand-ins keep the study's order
         assert base.co2_reduction_pct == 0.0
-        assert base.oracle_gap_closed_pct == 0.0
-        assert orc.oracle_gap_closed_pct == pytest.approx(100.0)
+        # the saving vs oracle counts from uncontrolled, the gap closed vs rule from rule_based: 0% at each reference
+        assert base.saving_vs_oracle_pct == 0.0 and rule.gap_closed_vs_rule_pct == 0.0
+        assert orc.saving_vs_oracle_pct == pytest.approx(100.0) and orc.gap_closed_vs_rule_pct == pytest.approx(100.0)
         assert ppo.co2_reduction_pct == pytest.approx(100 * (base.co2_kg - ppo.co2_kg) / base.co2_kg)
-        assert ppo.oracle_gap_closed_pct == pytest.approx(100 * (base.co2_kg - ppo.co2_kg) / (base.co2_kg - orc.co2_kg))
+        assert ppo.saving_vs_oracle_pct == pytest.approx(100 * (base.co2_kg - ppo.co2_kg) / (base.co2_kg - orc.co2_kg))
+        gap = 100 * (rule.co2_kg - ppo.co2_kg) / (rule.co2_kg - orc.co2_kg)
+        assert ppo.gap_closed_vs_rule_pct == pytest.approx(gap)
+        assert ppo.gap_closed_vs_rule_pct < 0 < ppo.saving_vs_oracle_pct  # above the rule, below uncontrolled
     assert by.loc[("ppo", "test"), "train_wall_s"] == 12.5
     assert math.isnan(by.loc[("uncontrolled", "test"), "train_wall_s"])
 
@@ -183,6 +192,12 @@ def test_markdown(report: Path, inputs):
         assert f"On the **{split}** split the lowest CO2 apart from the oracle is **{best}**'s" in text
     assert "Every agent delivers at least 99% of the EV energy" in text
     assert "Unserved energy always stands beside CO2" in text
+    # each share of a gap is defined once, as a formula, and every table names which one it gives
+    for name, _, _, formula in SHARES:
+        assert text.count(formula) == 1 and text.count(f"- **{name} (%)**: ") == 1, name
+    headers = [c.strip() for line in text.splitlines() if line.startswith("| Controller |") for c in line.split("|")]
+    assert "Gap closed vs rule (%)" in headers and "Saving vs oracle (%)" in headers
+    assert not any(h.lower().startswith("gap closed (") for h in headers)
     # the long "knows" texts stand once each in a legend, not in the tables
     for name in CONTROLLERS:
         knows = registry.describe(name).knows
@@ -270,7 +285,8 @@ def test_seeds_are_averaged_with_their_spread(tmp_path):
     assert ppo.n_seeds == 3 and ppo.co2_kg == pytest.approx(800.0) and ppo.co2_kg_std == pytest.approx(100.0)
     assert ppo.ev_energy_served_pct == pytest.approx(99 + 2 / 3)
     # relative KPIs per seed, then averaged: (1000 - co2) / (1000 - 500) -> 60, 40, 20 %
-    assert ppo.oracle_gap_closed_pct == pytest.approx(40.0) and ppo.oracle_gap_closed_pct_std == pytest.approx(20.0)
+    assert ppo.saving_vs_oracle_pct == pytest.approx(40.0) and ppo.saving_vs_oracle_pct_std == pytest.approx(20.0)
+    assert math.isnan(ppo.gap_closed_vs_rule_pct) and math.isnan(ppo.gap_closed_vs_rule_pct_std)  # no rule_based row
     assert dqn.n_seeds == 1 and math.isnan(dqn.co2_kg_std)
     assert table.loc["uncontrolled"].n_seeds == 1
     md = kpi_markdown_table(table.reset_index())
@@ -282,6 +298,28 @@ def test_seeds_are_averaged_with_their_spread(tmp_path):
     assert ("ppo", "3", "800.0 ± 100.0") == compact.rows[list(table.index).index("ppo")][:3]
     with pytest.raises(ValueError, match="with seed 2"):
         read_kpi_files([*files, shutil.copy(files[3], tmp_path / "again.parquet")])
+
+
+def test_each_share_of_a_gap_counts_from_its_own_reference():
+    """``gap_closed_vs_rule_pct`` counts from ``rule_based``, ``saving_vs_oracle_pct`` from ``uncontrolled``, both up
+    to the ``oracle``; each is NaN on a split without its references or without a gap between them."""
+    co2 = {"uncontrolled": 1000.0, "rule_based": 800.0, "oracle": 500.0, "mpc": 650.0}
+    rows = [{"controller": c, "split": "test", "co2_kg": v} for c, v in co2.items()]
+    rows += [{"controller": c, "split": "flat", "co2_kg": v} for c, v in (co2 | {"rule_based": 500.0}).items()]
+    rows += [{"controller": c, "split": "no_base", "co2_kg": v} for c, v in co2.items() if c != "uncontrolled"]
+    by = add_relative_kpis(pd.DataFrame(rows)).set_index(["split", "controller"])
+    test = by.loc["test"]
+    assert test.saving_vs_oracle_pct.to_dict() == pytest.approx(
+        {"uncontrolled": 0.0, "rule_based": 40.0, "oracle": 100.0, "mpc": 70.0}
+    )
+    assert test.gap_closed_vs_rule_pct.to_dict() == pytest.approx(
+        {"uncontrolled": -200 / 3, "rule_based": 0.0, "oracle": 100.0, "mpc": 50.0}
+    )
+    assert by.loc["flat"].gap_closed_vs_rule_pct.isna().all()  # the rule emits no more than the oracle
+    assert by.loc["flat"].saving_vs_oracle_pct["mpc"] == pytest.approx(70.0)
+    no_base = by.loc["no_base"]
+    assert no_base.saving_vs_oracle_pct.isna().all() and no_base.co2_reduction_pct.isna().all()
+    assert no_base.gap_closed_vs_rule_pct["mpc"] == pytest.approx(50.0)
 
 
 def test_learning_is_credited_only_against_its_untrained_start(tmp_path):
@@ -339,8 +377,9 @@ def test_report_shows_a_shipped_site_config_relative_to_the_project(tmp_path):
 
 # ------------------------------------------------------------------------------------------- report.html
 class _Page(HTMLParser):
-    """What a reader sees in report.html: headings, list items, table rows, paragraphs, fold summaries and captions
-    (text without tags, in document order), the attributes of every <img>, and the rows of tables inside a fold."""
+    """What a reader sees in report.html: headings, list items (a definition as ``term: definition``), table rows,
+    paragraphs, fold summaries and captions (text without tags, in document order), the attributes of every <img>, and
+    the rows of tables inside a fold."""
 
     def __init__(self, text: str):
         super().__init__()
@@ -354,11 +393,12 @@ class _Page(HTMLParser):
         self._depth = 0  # open <details>
         self._buf: list[str] | None = None
         self._cell: list[str] | None = None
+        self._term = ""  # the <dt> a <dd> defines
         self.feed(text)
 
     def handle_starttag(self, tag, attrs):
         self.tags.add(tag)
-        if tag in ("h1", "h2", "h3", "li", "p", "figcaption", "summary"):
+        if tag in ("h1", "h2", "h3", "li", "p", "figcaption", "summary", "dt", "dd"):
             self._buf = []
         elif tag == "details":
             self._depth += 1
@@ -376,6 +416,11 @@ class _Page(HTMLParser):
             self._cell = None
         elif tag == "details":
             self._depth -= 1
+        elif tag == "dt" and self._buf is not None:
+            self._term, self._buf = "".join(self._buf).strip(), None
+        elif tag == "dd" and self._buf is not None:
+            self.items.append(f"{self._term}: " + "".join(self._buf).strip())
+            self._buf = None
         elif tag in ("h1", "h2", "h3", "li", "p", "figcaption", "summary") and self._buf is not None:
             text = "".join(self._buf).strip()
             texts = {"li": self.items, "p": self.texts, "figcaption": self.texts, "summary": self.texts}
@@ -469,7 +514,36 @@ def test_html_sizing_results_data_sources_and_escaping(inputs, tmp_path: Path):
         '<strong>EV sessions</strong>: made up, see <a href="https://example.org/data">https://example.org/data</a>.'
         in text
     )
-    assert len(page.imgs) == 1 and page.imgs[0]["alt"] == "Gap closed by controller"  # no traces, no metrics given
+    assert len(page.imgs) == 1 and page.imgs[0]["alt"] == "Saving vs oracle by controller"  # no traces, no metrics
+
+
+def test_the_forecasting_section_names_the_gap_without_defining_it_again(inputs, tmp_path: Path):
+    """With the value-of-information table the report still defines the gap closed vs rule once (under the answer); the
+    table's own page defines it for itself."""
+    from pipeline.study import information
+    from pipeline.study.document import render_markdown
+
+    co2 = {"rule_based": 10.0, "oracle": 5.0, "mpc_perfect": 5.5, "mpc_rl_start": 9.0}
+    served = {"ev_energy_served_pct": 100.0, "unserved_kwh": 0.0}
+    kpis = pd.DataFrame(
+        [
+            {"controller": c, "split": sp, "co2_kg": co2.get(c, 8.0), **served}
+            for c in information.controllers()
+            for sp in ("train", "test")
+        ]
+    )
+    rows = information.table(kpis)
+    md = write_report(inputs["kpi_files"], {}, {}, tmp_path / "out", "T", {}, information=rows).read_text()
+    assert "## What forecasting is worth" in md and "its gap closed vs rule is defined above" in md
+    assert "| the planner knows | train: gap closed vs rule (%) |" in md
+    for _, _, _, formula in SHARES:
+        assert md.count(formula) == 1
+    own = render_markdown(information.page_blocks(rows))
+    assert own.count(SHARES[0][3]) == 1  # its own page: defined there
+    # a table written before the column was named gap_closed_vs_rule_pct still reads
+    assert render_markdown(
+        information.page_blocks(rows.rename(columns={"gap_closed_vs_rule_pct": "gap_closed_pct"}))
+    ) == (own)
 
 
 def test_site_data_sources_from_the_shipped_readmes(tmp_path: Path):
@@ -488,7 +562,8 @@ SCREEN = (1280, 900)  # the desktop window the page is laid out for: width, heig
 
 # Measures the page as a reader's window shows it and writes the result, as JSON, into ``data-layout`` on <html>: the
 # viewport, the page's scroll width, the answer's kg cells (text, right and bottom edge in px from the top-left of
-# the page, before any scrolling), and every <table>'s width against its box, with every fold (<details>) opened.
+# the page, before any scrolling), and every <table>'s width against its box, with every fold (<details>) opened;
+# and what the page says, folds opened: every definition (<dt> term, <dd> text), every table header, all its text.
 LAYOUT_SCRIPT = """<script>
 window.addEventListener("load", function () {
   var each = function (list, f) { return Array.prototype.map.call(list, f); };
@@ -508,10 +583,15 @@ window.addEventListener("load", function () {
   var tables = each(document.querySelectorAll("table"), function (t) {
     return {width: t.scrollWidth, box: t.parentElement.clientWidth, folded: t.closest("details") !== null};
   });
+  var definitions = each(document.querySelectorAll("dt"), function (dt) {
+    var dd = dt.nextElementSibling;
+    return {term: dt.innerText.trim(), text: dd && dd.tagName === "DD" ? dd.innerText.trim() : ""};
+  });
+  var headers = each(document.querySelectorAll("th"), function (th) { return th.innerText.trim(); });
   var root = document.documentElement;
   root.setAttribute("data-layout", JSON.stringify({
     viewport: [window.innerWidth, window.innerHeight], page_width: [root.scrollWidth, root.clientWidth],
-    answer_kg: kg, tables: tables}));
+    answer_kg: kg, tables: tables, definitions: definitions, headers: headers, text: document.body.innerText}));
 });
 </script>"""
 
@@ -545,9 +625,29 @@ def _layout(browser: str, profile: Path, text: str, copy: Path) -> tuple[dict, s
     return json.loads(html.unescape(found.group(1))), dom
 
 
+SHARES = (
+    (GAP_VS_RULE, "rule_based", "uncontrolled", "100 * (CO2_rule_based - CO2) / (CO2_rule_based - CO2_oracle)"),
+    (
+        SAVING_VS_ORACLE,
+        "uncontrolled",
+        "rule_based",
+        "100 * (CO2_uncontrolled - CO2) / (CO2_uncontrolled - CO2_oracle)",
+    ),
+)
+"""The two shares of a gap the report gives: its name in the page, the row it counts from, the other reference (which
+its definition must not name), its formula."""
+
+
+def _shares_defined(layout: dict) -> dict[str, list[dict]]:
+    """``name -> the definitions (<dt>, <dd>) of the page`` whose term is that share's name."""
+    return {name: [d for d in layout["definitions"] if d["term"].lower().startswith(name)] for name, *_ in SHARES}
+
+
 def test_html_renders_in_headless_chromium(report: Path, tmp_path: Path):
     """At 1280 x 900 px every figure decodes, no table (folded ones opened) is wider than its box, the page does not
-    scroll sideways, and the answer's kg figures are in the first screen; a screenshot of that screen is taken."""
+    scroll sideways, and the answer's kg figures are in the first screen; each share of a gap (the gap closed vs rule,
+    the saving vs oracle) is defined once, naming its reference row, and every header that gives one names it; a
+    screenshot of the first screen is taken."""
     browser = next((b for b in BROWSERS if shutil.which(b)), None)
     if browser is None:
         pytest.skip(
@@ -574,6 +674,20 @@ def test_html_renders_in_headless_chromium(report: Path, tmp_path: Path):
     assert {c["text"] for c in layout["answer_kg"]} == expected and len(layout["answer_kg"]) == len(expected)
     assert all(c["bottom"] <= SCREEN[1] and c["right"] <= SCREEN[0] for c in layout["answer_kg"]), layout["answer_kg"]
 
+    # one definition per share of a gap, in words and as a formula, each naming its own reference row only
+    defined = _shares_defined(layout)
+    for name, reference, other, formula in SHARES:
+        assert len(defined[name]) == 1, (name, layout["definitions"])
+        said = defined[name][0]["text"]
+        assert reference in said and other not in said and formula in said, (name, said)
+        assert layout["text"].count(formula) == 1, f"{name}'s formula stands more than once in the page"
+        assert any(name in h.lower() for h in layout["headers"]), f"no table column gives the {name}"
+    assert defined[GAP_VS_RULE][0]["text"] != defined[SAVING_VS_ORACLE][0]["text"]
+    # every header that gives a share of a gap names which one
+    for h in layout["headers"]:
+        if "gap" in h.lower() or "saving" in h.lower():
+            assert sum(name in h.lower() for name, *_ in SHARES) == 1, h
+
     shot = tmp_path / "first_screen.png"
     _headless(browser, tmp_path / "profile", page, f"--screenshot={shot}")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -585,19 +699,25 @@ def test_html_renders_in_headless_chromium(report: Path, tmp_path: Path):
     colours = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]  # one int per pixel
     assert len(np.unique(colours)) > 100, "the screenshot is (nearly) one colour"
 
-    # and the checks do fail: on a figure that does not decode, a table wider than its box, an answer pushed down
+    # and the checks do fail: on a figure that does not decode, a table wider than its box, an answer pushed down,
+    # the definitions given twice
     truncated = re.sub(r"data:image/png;base64,[^\"]+", "data:image/png;base64,iVBORw0KGgoAAAAA", text, count=1)
     broken = truncated.replace("</style>", "table { width: 1500px; } h1 { margin-bottom: 1000px; }\n</style>", 1)
+    (dl,) = re.findall(r'<dl class="definitions".*?</dl>', broken, flags=re.S)
+    broken = broken.replace("</main>", dl + "\n</main>", 1)
     layout, dom = _layout(browser, tmp_path / "profile", broken, tmp_path / "broken.html")
+    assert all(len(d) == 2 for d in _shares_defined(layout).values()), layout["definitions"]
+    assert all(layout["text"].count(formula) == 2 for *_, formula in SHARES)
     assert f'data-figures-loaded="{n_figures - 1}/{n_figures}"' in dom, dom[:500]
     assert all(t["width"] > t["box"] for t in layout["tables"]), layout["tables"]
     assert layout["answer_kg"] and all(c["bottom"] > SCREEN[1] for c in layout["answer_kg"]), layout["answer_kg"]
 
 
 # ------------------------------------------------------------------------------------------- the main figure
-def test_main_figure_ranks_the_gap_closed_by_kind(inputs):
-    """One panel per split, the controllers sorted by the share of the oracle's saving they close, one colour per kind,
-    their CO2 and unserved energy beside each bar; a controller that starves the EVs is flagged in red."""
+def test_main_figure_ranks_the_saving_vs_oracle_by_kind(inputs):
+    """One panel per split, the controllers sorted by their saving vs oracle (the share of the oracle's saving over
+    uncontrolled), named so on the axis, one colour per kind, their CO2 and unserved energy beside each bar; a
+    controller that starves the EVs is flagged in red."""
     from matplotlib.colors import to_hex
 
     table = read_kpi_files(inputs["kpi_files"])
@@ -605,17 +725,18 @@ def test_main_figure_ranks_the_gap_closed_by_kind(inputs):
     base = float(table[(table.split == "test") & (table.controller == "uncontrolled")].ev_energy_delivered_kwh.iloc[0])
     table.loc[starving, "ev_energy_delivered_kwh"] = 0.9 * base
     table.loc[starving, "unserved_kwh"] = 12.34
-    fig = gap_closed_figure(table)
+    fig = saving_figure(table)
     axes = fig.axes
     assert [ax.get_title() for ax in axes] == ["train split", "test split"]  # no other panel
     for ax, split in zip(axes, ("train", "test")):
         rows = table[table.split == split]
-        ranked = ranked_by_gap(rows)
+        ranked = ranked_by_saving(rows)
         names = [t.get_text() for t in ax.get_yticklabels()]
         assert names == list(ranked.controller) and sorted(names) == sorted(CONTROLLERS)
         bars = ax.containers[0]
         widths = [b.get_width() for b in bars]
-        assert widths == pytest.approx(list(ranked.oracle_gap_closed_pct)) and widths == sorted(widths, reverse=True)
+        assert widths == pytest.approx(list(ranked.saving_vs_oracle_pct)) and widths == sorted(widths, reverse=True)
+        assert ax.get_xlabel().startswith(f"{SAVING_VS_ORACLE} (%): share of the oracle's CO2 saving")
         assert ax.yaxis_inverted() and widths[0] == pytest.approx(100.0) and names[0] == "oracle"  # most closed on top
         assert [to_hex(b.get_facecolor()) for b in bars] == [KIND_COLORS[controller_kind(c)] for c in names]
         texts = [t.get_text() for t in ax.texts]
@@ -631,20 +752,21 @@ def test_main_figure_ranks_the_gap_closed_by_kind(inputs):
 
 def test_rows_without_the_ratio_rank_last():
     rows = pd.DataFrame(
-        {"controller": ["a", "b", "c", "d"], "oracle_gap_closed_pct": [10.0, math.nan, 50.0, 10.0],
+        {"controller": ["a", "b", "c", "d"], "saving_vs_oracle_pct": [10.0, math.nan, 50.0, 10.0],
          "co2_kg": [5.0, 1.0, 3.0, 4.0]}
     )  # fmt: skip
-    assert list(ranked_by_gap(rows).controller) == ["c", "d", "a", "b"]
+    assert list(ranked_by_saving(rows).controller) == ["c", "d", "a", "b"]
     # a split where the oracle saves nothing has no ratio: its panel has no bar and says why
-    flat = rows.assign(split="test", oracle_gap_closed_pct=math.nan, unserved_kwh=0.0, ev_energy_delivered_kwh=1.0)
-    (ax,) = gap_closed_figure(flat).axes
+    flat = rows.assign(split="test", saving_vs_oracle_pct=math.nan, unserved_kwh=0.0, ev_energy_delivered_kwh=1.0)
+    (ax,) = saving_figure(flat).axes
     assert [b.get_width() for b in ax.containers[0]] == [0.0] * 4
-    assert any(t.get_text().startswith("no gap closed known") for t in ax.texts)
+    assert any(t.get_text().startswith("no saving vs oracle known") for t in ax.texts)
 
 
 def test_answer_is_a_compact_table_of_numbers(report: Path):
-    """The answer's table: role, controller and, per split (the held-out one first), CO2, cut, gap closed and unserved
-    energy, all numbers; what the named controllers know follows it, not in it."""
+    """The answer's table: role, controller and, per split (the held-out one first), CO2, cut, gap closed vs rule and
+    unserved energy, all numbers; the columns' definitions and what the named controllers know follow it, not in
+    it."""
     table = pd.read_parquet(report.parent / "co2_comparison.parquet")
     blocks = answer_blocks(table)
     (answer,) = [b for b in blocks if isinstance(b, Table)]
@@ -655,7 +777,7 @@ def test_answer_is_a_compact_table_of_numbers(report: Path):
         *(
             f"{sp}: {h}"
             for sp in ("test", "train")
-            for h in ("CO2 (kg)", "CO2 cut (%)", "gap closed (%)", "unserved (kWh)")
+            for h in ("CO2 (kg)", "CO2 cut (%)", "gap closed vs rule (%)", "unserved (kWh)")
         ),
     )
     by = table.set_index(["controller", "split"])
@@ -664,8 +786,12 @@ def test_answer_is_a_compact_table_of_numbers(report: Path):
     for row in answer.rows:
         for k, sp in enumerate(("test", "train")):
             r = by.loc[(row[1], sp)]
-            want = [f"{v:,.1f}" for v in (r.co2_kg, r.co2_reduction_pct, r.oracle_gap_closed_pct, r.unserved_kwh)]
+            want = [f"{v:,.1f}" for v in (r.co2_kg, r.co2_reduction_pct, r.gap_closed_vs_rule_pct, r.unserved_kwh)]
             assert list(row[2 + 4 * k : 6 + 4 * k]) == want
+    (defined,) = [b for b in blocks if isinstance(b, Definitions)]
+    assert defined == definitions() and blocks.index(defined) == blocks.index(answer) + 1
+    terms = [t for t, _ in defined.items]
+    assert {h.split(": ", 1)[1] for h in answer.header[2:]} - {"CO2 (kg)"} <= set(terms)  # each ratio, unserved
     legend = blocks[-1].items
     assert [i.split("**")[1] for i in legend] == [r[1] for r in answer.rows]
     assert all(registry.describe(r[1]).knows in i for r, i in zip(answer.rows, legend))

@@ -70,6 +70,15 @@ class Bullets:
 
 
 @dataclass(frozen=True)
+class Definitions:
+    """What the names of a page mean, each defined once: ``(term, definition)`` pairs, both inline Markdown; a list
+    of ``**term**: definition`` items in Markdown, an HTML ``<dl>`` (``id``, when given, names it in report.html)."""
+
+    items: tuple[tuple[str, str], ...]
+    id: str = ""
+
+
+@dataclass(frozen=True)
 class Table:
     """Rows of formatted cells; ``align`` is ``"left"`` or ``"right"`` per column; ``id``, when given, names the
     table's box in report.html (``<div class="table-wrap" id=...>``)."""
@@ -95,10 +104,10 @@ class Details:
     Markdown, which has no fold, the summary as a bold line followed by the blocks."""
 
     summary: str
-    blocks: tuple[Heading | Paragraph | Note | Bullets | Table | FigureRef, ...]
+    blocks: tuple[Heading | Paragraph | Note | Bullets | Definitions | Table | FigureRef, ...]
 
 
-Block = Heading | Paragraph | Note | Bullets | Table | FigureRef | Details
+Block = Heading | Paragraph | Note | Bullets | Definitions | Table | FigureRef | Details
 
 
 def _cell(value: object) -> str:
@@ -144,6 +153,8 @@ def render_markdown(blocks: Iterable[Block]) -> str:
             md += [f"> {b.text}"]
         elif isinstance(b, Bullets):
             md += [f"- {item}" for item in b.items]
+        elif isinstance(b, Definitions):
+            md += [f"- **{term}**: {text}" for term, text in b.items]
         elif isinstance(b, Table):
             md += [markdown_table(b)]
         elif isinstance(b, FigureRef):
@@ -201,6 +212,10 @@ _HTML_STYLE = """
   blockquote { margin: 1rem 0; padding: 0.6rem 1rem; background: #fff8e6; border-left: 4px solid #d4a72c; }
   blockquote p { margin: 0; }
   ul { padding-left: 1.4rem; }
+  dl.definitions { display: grid; grid-template-columns: max-content 1fr; gap: 0.2rem 0.8rem; margin: 0.8rem 0;
+                   font-size: 0.92rem; }
+  dl.definitions dt { font-weight: 600; }
+  dl.definitions dd { margin: 0; }
   code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; font-size: 0.9em;
          background: #f0f2f4; padding: 0.05rem 0.3rem; border-radius: 4px; }
   .table-wrap { overflow-x: auto; margin: 0.8rem 0; }
@@ -244,6 +259,10 @@ def _html_blocks(blocks: Iterable[Block], figure_dir: Path) -> list[str]:
             body.append(f"<blockquote><p>{inline_html(b.text)}</p></blockquote>")
         elif isinstance(b, Bullets):
             body.append("<ul>\n" + "\n".join(f"<li>{inline_html(i)}</li>" for i in b.items) + "\n</ul>")
+        elif isinstance(b, Definitions):
+            box = f' id="{html.escape(b.id)}"' if b.id else ""
+            items = (f"<dt>{inline_html(term)}</dt><dd>{inline_html(text)}</dd>" for term, text in b.items)
+            body.append(f'<dl class="definitions"{box}>\n' + "\n".join(items) + "\n</dl>")
         elif isinstance(b, Table):
             body.append(_html_table(b))
         elif isinstance(b, FigureRef):

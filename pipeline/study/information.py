@@ -20,12 +20,12 @@ Given both truths the planner's parameters that are left are its horizon and ter
 ``mpc_perfect`` is; the learned planner runs without it: the optimum is the same, the vertex chosen among plans of
 equal cost may differ).
 
-Each variant's share of the gap is ``gap_closed_pct = 100 * (CO2_rule_based - CO2) / (CO2_rule_based -
-CO2_oracle)`` on the same split (the report's ``oracle_gap_closed_pct`` counts from ``uncontrolled`` instead): 0% is
-the self-consumption rule, 100% the perfect-foresight oracle. Where the study has already run a row with the same
-runner (``<experiment>/baselines/``: ``rule_based``, ``oracle``, ``mpc_rl_start``, ``mpc_perfect``) and its file is
-newer than the site's files and the controllers' code, that row is read instead of run again (:func:`reusable`):
-the same runner on the same inputs gives the same row.
+Each variant's share of the gap is ``gap_closed_vs_rule_pct = 100 * (CO2_rule_based - CO2) / (CO2_rule_based -
+CO2_oracle)`` on the same split, the report's column of the same name (not its ``saving_vs_oracle_pct``, which counts
+from ``uncontrolled``): 0% is the self-consumption rule, 100% the perfect-foresight oracle. Where the study has
+already run a row with the same runner (``<experiment>/baselines/``: ``rule_based``, ``oracle``, ``mpc_rl_start``,
+``mpc_perfect``) and its file is newer than the site's files and the controllers' code, that row is read instead of
+run again (:func:`reusable`): the same runner on the same inputs gives the same row.
 
 ``doit run value_of_information`` (:func:`run`, not part of ``doit run pipeline``) fans the runs out as Dask tasks,
 one per controller x split (:func:`run_row`, into ``<experiment>/information/``), and writes
@@ -100,7 +100,7 @@ COLUMNS = (
     "knows",
     "controller",
     "co2_kg",
-    "gap_closed_pct",
+    "gap_closed_vs_rule_pct",
     "ev_energy_served_pct",
     "unserved_kwh",
     "rule_based_co2_kg",
@@ -177,7 +177,7 @@ def table(kpis: pd.DataFrame) -> pd.DataFrame:
 
     Returns:
         one row per split (train, test, then others) x variant (:data:`VARIANTS`' order), :data:`COLUMNS`;
-        ``gap_closed_pct`` is NaN on a split where ``rule_based`` emits no more than the ``oracle``.
+        ``gap_closed_vs_rule_pct`` is NaN on a split where ``rule_based`` emits no more than the ``oracle``.
 
     Raises:
         ValueError: a run missing on a split (the message names it and the split).
@@ -200,7 +200,7 @@ def table(kpis: pd.DataFrame) -> pd.DataFrame:
                     "knows": v.knows,
                     "controller": v.controller,
                     "co2_kg": co2,
-                    "gap_closed_pct": 100.0 * (rule - co2) / (rule - oracle) if rule > oracle else math.nan,
+                    "gap_closed_vs_rule_pct": 100.0 * (rule - co2) / (rule - oracle) if rule > oracle else math.nan,
                     "ev_energy_served_pct": float(r.ev_energy_served_pct),
                     "unserved_kwh": float(r.unserved_kwh),
                     "rule_based_co2_kg": rule,
@@ -235,10 +235,18 @@ def value_of_information(site: Site | str | Path, split: str, study_dir: str | P
 
 
 # --------------------------------------------------------------------------------------------- the page
+def _renamed(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with the gap's column under its name: a table written before it was named ``gap_closed_vs_rule_pct``
+    (``gap_closed_pct``) still reads."""
+    return rows.rename(columns={"gap_closed_pct": "gap_closed_vs_rule_pct"})
+
+
 def reading(rows: pd.DataFrame, split: str) -> str:
     """One split's reading line: what knowing the arrivals, the MOER and both adds to the planner's share of the gap,
-    in points (``gap_closed_pct`` of the variant minus that of ``forecasts``). ``rows``: :func:`table`'s rows."""
-    gap = rows[rows.split == split].set_index("variant").gap_closed_pct
+    in points (``gap_closed_vs_rule_pct`` of the variant minus that of ``forecasts``). ``rows``: :func:`table`'s
+    rows."""
+    rows = _renamed(rows)
+    gap = rows[rows.split == split].set_index("variant").gap_closed_vs_rule_pct
     if gap.isna().any():
         return f"On this site's {split} split `rule_based` emits no more than the `oracle`: there is no gap to close."
     points = {v: float(gap[v] - gap["forecasts"]) for v in ("true_arrivals", "true_moer", "both_true")}
@@ -250,7 +258,7 @@ def reading(rows: pd.DataFrame, split: str) -> str:
 
 
 PAGE_COLUMNS = (
-    ("gap_closed_pct", "gap closed (%)", 1),
+    ("gap_closed_vs_rule_pct", "gap closed vs rule (%)", 1),
     ("co2_kg", "CO2 (kg)", 1),
     ("ev_energy_served_pct", "served (%)", 1),
     ("unserved_kwh", "unserved (kWh)", 1),
@@ -258,10 +266,12 @@ PAGE_COLUMNS = (
 """``(column, header, decimals)`` shown per split in the page's table."""
 
 
-def page_blocks(rows: pd.DataFrame, level: int = 2) -> list[Block]:
+def page_blocks(rows: pd.DataFrame, level: int = 2, defined: bool = False) -> list[Block]:
     """The table as a section of a page (the report's, or ``value_of_information.md``), its heading at ``level``: one
     row per variant, :data:`PAGE_COLUMNS` per split, then one :func:`reading` line per split. ``rows``: :func:`table`'s
-    rows (or its Parquet)."""
+    rows (or its Parquet). ``defined``: the page defines the gap closed vs rule already (the report does), so the
+    section names it without defining it again."""
+    rows = _renamed(rows)
     splits = list(dict.fromkeys(rows.split))
     body = []
     for v in VARIANTS.values():
@@ -276,13 +286,18 @@ def page_blocks(rows: pd.DataFrame, level: int = 2) -> list[Block]:
         for sp in splits
         if len(r := rows[rows.split == sp])
     )
+    gap = (
+        "its gap closed vs rule is defined above"
+        if defined
+        else "gap closed vs rule: its share of the CO2 gap from `rule_based` (0%) to the perfect-foresight `oracle` "
+        "(100%) on the same split, `100 * (CO2_rule_based - CO2) / (CO2_rule_based - CO2_oracle)`"
+    )
     return [
         Heading(level, "What forecasting is worth"),
         Paragraph(
             "The planner of `mpc_rl_start` (the learned MOER forecast, the expected demand by day type at weight 0.5, "
             "terminal value 1.0) over each whole split, given the truth of the MOER, of the EV arrivals or of both "
-            "within its horizon (the site's `[mpc] horizon_h`); gap closed: its share of the CO2 gap from `rule_based` "
-            f"(0%) to the perfect-foresight `oracle` (100%) on the same split ({refs})."
+            f"within its horizon (the site's `[mpc] horizon_h`); {gap} ({refs})."
         ),
         Table(
             header=("the planner knows", *(f"{sp}: {h}" for sp in splits for _, h, _ in PAGE_COLUMNS)),

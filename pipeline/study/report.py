@@ -6,12 +6,13 @@ agents; each a Parquet written by :func:`envs.kpis.kpi_row`), their hourly trace
 
 - ``co2_comparison.parquet``: one row per controller x split, columns ``controller``, ``split`` and exactly
   :data:`envs.kpis.KPI_COLUMNS`, relative KPIs filled by :func:`envs.kpis.add_relative_kpis`;
-- ``co2_by_controller.png``: the main figure (:func:`gap_closed_figure`): the share of the oracle's CO2 saving each
-  controller closes, sorted, one colour per kind of controller, one panel per split, with its CO2 (kg) and unserved
-  energy (kWh) beside each bar;
+- ``co2_by_controller.png``: the main figure (:func:`saving_figure`): each controller's saving vs oracle (the share
+  of the oracle's CO2 saving over ``uncontrolled``), sorted, one colour per kind of controller, one panel per split,
+  with its CO2 (kg) and unserved energy (kWh) beside each bar;
 - ``test_week_traces.png``: one test-split week of hourly traces (the week with the most EV energy);
 - ``learning_curves.png``: episodic CO2 and unserved energy vs ``global_step`` per agent (when metrics exist);
-- ``report.md``: title, the answer (the controller a site should run, with its numbers), the results (main figure,
+- ``report.md``: title, the answer (the controller a site should run, with its numbers, then what each of its
+  columns means, :data:`DEFINITIONS`: every ratio of the report defined there once), the results (main figure,
   a compact table per split with every KPI folded under it, what each controller knows), the site, the figures;
 - ``report.html``: the same content as one self-contained page (inline CSS, figures embedded as ``data:``
   URIs, nothing fetched), laid out so that at 1280 px no table is wider than its box and the answer's numbers are
@@ -41,6 +42,7 @@ from pipeline.control import registry
 from pipeline.study.document import (
     Block,
     Bullets,
+    Definitions,
     Details,
     FigureRef,
     Heading,
@@ -59,8 +61,9 @@ from pipeline.study.information import page_blocks as information_blocks
 SPLIT_ORDER = ("train", "test")
 """Splits in report order; other split names follow alphabetically."""
 
-RELATIVE_KPIS = ("co2_reduction_pct", "oracle_gap_closed_pct")
-"""KPIs recomputed here from the uncontrolled and oracle rows (an input file need not carry them)."""
+RELATIVE_KPIS = ("co2_reduction_pct", "gap_closed_vs_rule_pct", "saving_vs_oracle_pct")
+"""KPIs recomputed here from the uncontrolled, rule-based and oracle rows (:func:`envs.kpis.add_relative_kpis`; an
+input file need not carry them)."""
 
 REQUIRED_KPI_COLUMNS = ("controller", "split", *(c for c in KPI_COLUMNS if c not in RELATIVE_KPIS))
 """Columns every KPI file must have."""
@@ -78,7 +81,37 @@ TRACE_PLOT_COLUMNS = ("time", "pv_kw", "pv_curtailed_kw", "grid_import_kw", "soc
 """Trace columns :func:`write_report` plots (a subset of :data:`envs.kpis.TRACE_COLUMNS`)."""
 
 MAIN_FIGURE = "co2_by_controller.png"
-"""The report's main figure (:func:`plot_gap_closed`), shown at the head of its results."""
+"""The report's main figure (:func:`plot_saving`), shown at the head of its results."""
+
+GAP_VS_RULE = "gap closed vs rule"
+"""The name the pages give ``gap_closed_vs_rule_pct`` (headers, sentences, its definition in :data:`DEFINITIONS`)."""
+
+SAVING_VS_ORACLE = "saving vs oracle"
+"""The name the pages give ``saving_vs_oracle_pct`` (headers, sentences, the main figure, :data:`DEFINITIONS`)."""
+
+DEFINITIONS = (
+    (
+        "CO2 cut (%)",
+        "the CO2 a controller saves against `uncontrolled` (EVs charged at full power on arrival, battery idle), as a "
+        "share of `uncontrolled`'s CO2: `100 * (CO2_uncontrolled - CO2) / CO2_uncontrolled` (`co2_reduction_pct`).",
+    ),
+    (
+        f"{GAP_VS_RULE} (%)",
+        "the share of the CO2 gap between the battery rule, `rule_based` (0%), and the perfect-foresight `oracle` "
+        "(100%) that a controller closes on the same split: `100 * (CO2_rule_based - CO2) / (CO2_rule_based - "
+        "CO2_oracle)`; negative where a controller emits more than `rule_based`; shown as – where `rule_based` emits "
+        "no more than the oracle (`gap_closed_vs_rule_pct`).",
+    ),
+    (
+        f"{SAVING_VS_ORACLE} (%)",
+        "the share of the oracle's CO2 saving over `uncontrolled` (0%) that a controller achieves on the same split, "
+        "the `oracle` being 100%: `100 * (CO2_uncontrolled - CO2) / (CO2_uncontrolled - CO2_oracle)` "
+        "(`saving_vs_oracle_pct`; the main figure shows it).",
+    ),
+    ("unserved (kWh)", "EV energy still needed at departure (`unserved_kwh`)."),
+)
+"""``(term, definition)`` of each column the answer and the main figure show: the one place in the page that says what
+a ratio is measured from (:func:`definitions`). Every table header and sentence names a ratio by its term."""
 
 SERVED_SHARE_MIN = 0.99
 """An agent must deliver at least this share of the uncontrolled controller's delivered EV energy."""
@@ -87,7 +120,7 @@ RESULTS_COLUMNS = (
     ("co2_kg", "CO2 (kg)", 1),
     ("co2_vs_start_kg", "CO2 vs untrained start (kg)", 1),
     ("co2_reduction_pct", "CO2 cut vs uncontrolled (%)", 1),
-    ("oracle_gap_closed_pct", "Gap closed (%)", 1),
+    ("gap_closed_vs_rule_pct", f"{GAP_VS_RULE.capitalize()} (%)", 1),
     ("ev_energy_served_pct", "EV energy served (%)", 1),
     ("unserved_kwh", "Unserved (kWh)", 1),
 )
@@ -96,8 +129,9 @@ RESULTS_COLUMNS = (
 TABLE_COLUMNS = (
     ("co2_kg", "CO2 (kg)", 1),
     ("co2_vs_start_kg", "CO2 vs its untrained start (kg)", 1),
-    ("co2_reduction_pct", "CO2 reduction vs uncontrolled (%)", 1),
-    ("oracle_gap_closed_pct", "Gap closed: share of the oracle's CO2 saving (%)", 1),
+    ("co2_reduction_pct", "CO2 cut vs uncontrolled (%)", 1),
+    ("gap_closed_vs_rule_pct", f"{GAP_VS_RULE.capitalize()} (%)", 1),
+    ("saving_vs_oracle_pct", f"{SAVING_VS_ORACLE.capitalize()} (%)", 1),
     ("ev_energy_served_pct", "EV energy served (%)", 1),
     ("unserved_kwh", "Unserved energy (kWh)", 1),
     ("sessions_rejected", "Sessions rejected (count)", 0),
@@ -225,7 +259,7 @@ def beats_its_start(table: pd.DataFrame, name: str, split: str = "train") -> boo
 
 
 # ---------------------------------------------------------------------------------------------- figures
-GAP_FIGURE_COLUMNS = (("co2_kg", "CO2\n(kg)", 0, 44), ("unserved_kwh", "unserved\n(kWh)", 1, 100))
+FIGURE_TEXT_COLUMNS = (("co2_kg", "CO2\n(kg)", 0, 44), ("unserved_kwh", "unserved\n(kWh)", 1, 100))
 """The text columns beside the main figure's bars: ``(KPI, header, decimals, right edge in points from the axes)``."""
 
 
@@ -235,25 +269,32 @@ def _beside(ax, text: str, y: float, x_pt: float, ha: str, xycoords=None, **kw) 
     ax.annotate(text, (1.0, y), xycoords=where, xytext=(x_pt, 0), textcoords="offset points", ha=ha, **kw)
 
 
-def ranked_by_gap(rows: pd.DataFrame) -> pd.DataFrame:
-    """One split's rows ordered as the main figure shows them: the largest ``oracle_gap_closed_pct`` first, ties by the
+def ranked_by_saving(rows: pd.DataFrame) -> pd.DataFrame:
+    """One split's rows ordered as the main figure shows them: the largest ``saving_vs_oracle_pct`` first, ties by the
     lower CO2, rows without the ratio (NaN) last."""
-    key = rows.oracle_gap_closed_pct.fillna(-math.inf)
+    key = rows.saving_vs_oracle_pct.fillna(-math.inf)
     return (
-        rows.assign(_gap=key)
-        .sort_values(["_gap", "co2_kg"], ascending=[False, True], kind="mergesort")
-        .drop(columns="_gap")
+        rows.assign(_key=key)
+        .sort_values(["_key", "co2_kg"], ascending=[False, True], kind="mergesort")
+        .drop(columns="_key")
     )
 
 
-def gap_closed_figure(table: pd.DataFrame) -> Figure:
-    """The main figure: each controller's share of the oracle's CO2 saving (``oracle_gap_closed_pct``, %) as a
-    horizontal bar, one panel per split side by side (train, test, others), rows in :func:`ranked_by_gap` order from
-    the top, one colour per kind (:func:`controller_kind`, :data:`KIND_COLORS`, a legend of the kinds shown). Beside
-    the bars two columns of text, CO2 (kg) and unserved EV energy (kWh) (:data:`GAP_FIGURE_COLUMNS`); a row that
-    serves less than :data:`SERVED_SHARE_MIN` of the uncontrolled EV energy is in red with its share served. A row
-    without the ratio (no uncontrolled or oracle row on its split, or no saving between them) gets no bar, only its
-    text; a panel without any says so.
+def saving_figure(table: pd.DataFrame) -> Figure:
+    """The main figure: each controller's saving vs oracle (``saving_vs_oracle_pct``, %: the share of the oracle's CO2
+    saving over ``uncontrolled``) as a horizontal bar, one panel per split side by side (train, test, others), rows in
+    :func:`ranked_by_saving` order from the top, one colour per kind (:func:`controller_kind`, :data:`KIND_COLORS`, a
+    legend of the kinds shown), the axis named for the ratio (:data:`SAVING_VS_ORACLE`). Beside the bars two columns
+    of text, CO2 (kg) and unserved EV energy (kWh) (:data:`FIGURE_TEXT_COLUMNS`); a row that serves less than
+    :data:`SERVED_SHARE_MIN` of the uncontrolled EV energy is in red with its share served. A row without the ratio (no
+    uncontrolled or oracle row on its split, or no saving between them) gets no bar, only its text; a panel without
+    any says so.
+
+    It shows the saving vs oracle rather than the gap closed vs rule (``gap_closed_vs_rule_pct``, the ratio of the
+    answer's and the compact tables): both order the rows of a split alike (each falls as CO2 rises, in a straight
+    line), but the saving keeps the bar of every controller that emits less than ``uncontrolled`` within 0..100%,
+    where the gap from the battery rule puts ``uncontrolled`` far below zero (about -245% on caltech's 2021 test
+    split) and squeezes every other bar into a third of the axis.
 
     Args:
         table: the ``co2_comparison`` table (:func:`read_kpi_files`), at least one row.
@@ -268,18 +309,18 @@ def gap_closed_figure(table: pd.DataFrame) -> Figure:
         rows = table[table.split == sp]
         serves = set(serving(rows).controller)
         base = rows[rows.controller == "uncontrolled"].ev_energy_delivered_kwh
-        rows = ranked_by_gap(rows)
+        rows = ranked_by_saving(rows)
         y = np.arange(len(rows))
-        gap = rows.oracle_gap_closed_pct.to_numpy(np.float64)
+        saving = rows.saving_vs_oracle_pct.to_numpy(np.float64)
         kinds = [controller_kind(c) for c in rows.controller]
         kinds_shown |= set(kinds)
-        ax.barh(y, np.nan_to_num(gap), height=0.72, color=[KIND_COLORS[k] for k in kinds])
-        lo = min(0.0, float(np.nanmin(gap)) if np.isfinite(gap).any() else 0.0)
+        ax.barh(y, np.nan_to_num(saving), height=0.72, color=[KIND_COLORS[k] for k in kinds])
+        lo = min(0.0, float(np.nanmin(saving)) if np.isfinite(saving).any() else 0.0)
         ax.set_xlim(lo - 3.0 if lo < 0 else 0.0, 125.0)
-        for yi, g in zip(y, gap):
+        for yi, g in zip(y, saving):
             if not math.isnan(g):
                 ax.text(max(g, 0.0) + 1.0, yi, f"{g:.1f}%", va="center", ha="left", fontsize=10)
-        for col, header, decimals, right in GAP_FIGURE_COLUMNS:
+        for col, header, decimals, right in FIGURE_TEXT_COLUMNS:
             _beside(ax, header, 1.0, right, "right", ax.transAxes, va="bottom", fontsize=9.5, color="#57606a")
             for yi, r in zip(y, rows.itertuples()):
                 short = r.controller not in serves
@@ -289,7 +330,7 @@ def gap_closed_figure(table: pd.DataFrame) -> Figure:
         for yi, r in zip(y, rows.itertuples()):
             if r.controller not in serves and len(base) and float(base.iloc[0]) > 0:
                 served = f"{100 * r.ev_energy_delivered_kwh / float(base.iloc[0]):.1f}% served"
-                right = GAP_FIGURE_COLUMNS[-1][3]
+                right = FIGURE_TEXT_COLUMNS[-1][3]
                 _beside(ax, served, yi, right + 6, "left", va="center", fontsize=10, color=red, fontweight="bold")
         ax.set_yticks(y, list(rows.controller), fontsize=11)
         ax.invert_yaxis()  # the most closed on top
@@ -299,19 +340,20 @@ def gap_closed_figure(table: pd.DataFrame) -> Figure:
         ax.axvline(100.0, color="#1f2328", lw=0.8, ls=":")
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
-        ax.set_xlabel("gap closed: share of the oracle's CO2 saving (%)\n0% = uncontrolled, 100% = oracle", fontsize=10)
+        ax.set_xlabel(f"{SAVING_VS_ORACLE} (%): share of the oracle's CO2 saving\n0% = uncontrolled, 100% = oracle",
+                      fontsize=10)  # fmt: skip
         ax.set_title(f"{sp} split", fontsize=12, fontweight="bold")
-        if not np.isfinite(gap).any():
-            ax.text(0.5, 0.5, "no gap closed known: no saving\nbetween uncontrolled and oracle", transform=ax.transAxes,
-                    ha="center", va="center", fontsize=10, color="#57606a")  # fmt: skip
+        if not np.isfinite(saving).any():
+            ax.text(0.5, 0.5, f"no {SAVING_VS_ORACLE} known: no saving\nbetween uncontrolled and oracle",
+                    transform=ax.transAxes, ha="center", va="center", fontsize=10, color="#57606a")  # fmt: skip
     handles = [Patch(color=KIND_COLORS[k], label=k) for k in KIND_COLORS if k in kinds_shown]
     fig.legend(handles=handles, loc="outside upper center", ncols=len(handles), fontsize=10.5, frameon=False)
     return fig
 
 
-def plot_gap_closed(table: pd.DataFrame, path: Path) -> Path:
-    """Write :func:`gap_closed_figure` of ``table`` as a PNG to ``path`` (atomically); returns ``path``."""
-    return atomic_savefig(gap_closed_figure(table), path)
+def plot_saving(table: pd.DataFrame, path: Path) -> Path:
+    """Write :func:`saving_figure` of ``table`` as a PNG to ``path`` (atomically); returns ``path``."""
+    return atomic_savefig(saving_figure(table), path)
 
 
 def _read_traces(path: Path) -> pd.DataFrame:
@@ -491,8 +533,8 @@ def _kpi_rows(rows: pd.DataFrame, columns: Sequence[tuple[str, str, int]]) -> Ta
 
 def results_table(rows: pd.DataFrame) -> Table:
     """The compact results of one split's rows (:data:`RESULTS_COLUMNS`: CO2, CO2 against the untrained start, the
-    cut, the gap closed, EV energy served, unserved energy) as a :class:`Table`; what each controller knows is in
-    :func:`controller_legend`, every KPI in :func:`kpi_table`.
+    cut, the gap closed vs rule, EV energy served, unserved energy) as a :class:`Table`; what each controller knows is
+    in :func:`controller_legend`, every KPI in :func:`kpi_table`.
 
     A seeded controller (an agent, a learned planner) averaged over several seeds shows ``mean ± std`` and its number
     of seeds; one with one seed is marked ``1 (single seed)``; the deterministic controllers show –. NaN shows as –.
@@ -548,18 +590,20 @@ def site_data_sources(readme: Path) -> list[str]:
 
 
 def ordering_sentence(split: str, rows: pd.DataFrame) -> str:
-    """The controllers of one split from the lowest CO2 to the highest, each with its share of the oracle's
-    saving (``oracle_gap_closed_pct``) where known; "" without rows."""
+    """The controllers of one split from the lowest CO2 to the highest, each with its gap closed vs rule
+    (``gap_closed_vs_rule_pct``) where known; "" without rows."""
     ranked = rows.dropna(subset=["co2_kg"]).sort_values(["co2_kg", "controller"], kind="mergesort")
     if ranked.empty:
         return ""
     parts = []
     for _, r in ranked.iterrows():
-        share = (
-            "" if math.isnan(r.oracle_gap_closed_pct) else f", {r.oracle_gap_closed_pct:.1f}% of the oracle's saving"
-        )
-        parts.append(f"{r.controller} ({r.co2_kg:,.1f} kg{share})")
-    return f"Ordering by CO2 on the {split} split, lowest first: " + " < ".join(parts) + "."
+        gap = r.gap_closed_vs_rule_pct
+        parts.append(f"{r.controller} ({r.co2_kg:,.1f} kg" + ("" if math.isnan(gap) else f", {gap:.1f}%") + ")")
+    return (
+        f"Ordering by CO2 on the {split} split, lowest first, with each one's {GAP_VS_RULE} where known: "
+        + " < ".join(parts)
+        + "."
+    )
 
 
 def serving(rows: pd.DataFrame) -> pd.DataFrame:
@@ -592,7 +636,7 @@ def best_controllers(table: pd.DataFrame, split: str = "test") -> dict[str, str]
 ANSWER_COLUMNS = (
     ("co2_kg", "CO2 (kg)"),
     ("co2_reduction_pct", "CO2 cut (%)"),
-    ("oracle_gap_closed_pct", "gap closed (%)"),
+    ("gap_closed_vs_rule_pct", f"{GAP_VS_RULE} (%)"),
     ("unserved_kwh", "unserved (kWh)"),
 )
 """``(column, header)`` of the answer's table, once per split (headers ``"<split>: <header>"``), one decimal."""
@@ -601,8 +645,8 @@ ANSWER_COLUMNS = (
 def answer_blocks(table: pd.DataFrame) -> list[Block]:
     """The report's first section: the controller a site can run with the lowest CO2 on the held-out split, the best
     learned controller beside it and the perfect-foresight limit, in a compact table (:data:`ANSWER_COLUMNS` per
-    split, the held-out split first, ``id="answer"``); then the learned controllers left out and what the named ones
-    know. ``[]`` when no causal controller serves the EVs."""
+    split, the held-out split first, ``id="answer"``); then what its columns mean (:func:`definitions`), the learned
+    controllers left out and what the named ones know. ``[]`` when no causal controller serves the EVs."""
     split = "test" if (table.split == "test").any() else str(table.split.iloc[0])
     best = best_controllers(table, split)
     if "causal" not in best:
@@ -646,14 +690,18 @@ def answer_blocks(table: pd.DataFrame) -> list[Block]:
         for n in dict.fromkeys(table.controller)
         if not beats_its_start(table, str(n))
     ]
-    after = (
-        "CO2 cut: against uncontrolled; gap closed: the share of the perfect-foresight oracle's CO2 saving; unserved: "
-        "EV energy still needed at departure."
-    )
+    blocks.append(definitions())
     if unearned:
-        after += " Left out, as their learning does not beat their start: " + ", ".join(unearned) + "."
-    blocks += [Paragraph(after), controller_legend(dict.fromkeys(best.values()))]
+        blocks.append(Paragraph("Left out, as their learning does not beat their start: " + ", ".join(unearned) + "."))
+    blocks.append(controller_legend(dict.fromkeys(best.values())))
     return blocks
+
+
+def definitions() -> Definitions:
+    """What the answer's columns and the main figure's ratio are (:data:`DEFINITIONS`), as a :class:`Definitions` with
+    ``id="definitions"``: each ratio's reference rows, in words and as a formula. The page holds it once: under the
+    answer, or at the head of the results when there is no answer."""
+    return Definitions(DEFINITIONS, id="definitions")
 
 
 def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
@@ -671,8 +719,9 @@ def summary_paragraph(split: str, rows: pd.DataFrame) -> str:
         details = []
         if not math.isnan(best.co2_reduction_pct):
             details.append(f"{best.co2_reduction_pct:.1f}% below uncontrolled")
-        if not math.isnan(best.oracle_gap_closed_pct):
-            details.append(f"{best.oracle_gap_closed_pct:.1f}% of the oracle's saving")
+        for c, name in (("gap_closed_vs_rule_pct", GAP_VS_RULE), ("saving_vs_oracle_pct", SAVING_VS_ORACLE)):
+            if not math.isnan(best[c]):
+                details.append(f"{name} {best[c]:.1f}%")
         details.append(f"unserved {best.unserved_kwh:,.1f} kWh")
         s += " (" + ", ".join(details) + ")"
         oracle = rows[rows.controller == "oracle"]
@@ -766,13 +815,13 @@ def write_report(
     write_parquet(table, out_dir / "co2_comparison.parquet")
     figures: list[FigureRef] = []
 
-    plot_gap_closed(table, out_dir / MAIN_FIGURE)
+    plot_saving(table, out_dir / MAIN_FIGURE)
     figures.append(
         FigureRef(
             MAIN_FIGURE,
-            "Gap closed by controller",
-            "Each controller's share of the oracle's CO2 saving (0% = uncontrolled, 100% = the oracle), most closed "
-            "first, coloured by kind; beside each bar its CO2 (kg) and unserved EV energy (kWh).",
+            "Saving vs oracle by controller",
+            f"Each controller's {SAVING_VS_ORACLE} (%, defined above), the largest first, coloured by kind; beside "
+            "each bar its CO2 (kg) and unserved EV energy (kWh).",
         )
     )
 
@@ -822,8 +871,9 @@ def report_blocks(
 ) -> list[Block]:
     """The report's content, once, for both report.md and report.html (see :func:`write_report`).
 
-    In order: the title and notes, the answer (:func:`answer_blocks`), the results (the main figure
-    :data:`MAIN_FIGURE` when in ``figures``; per split a compact table, its summary and, folded, every KPI and the
+    In order: the title and notes, the answer (:func:`answer_blocks`, with the ratios' :func:`definitions`), the
+    results (the definitions here when there is no answer, the main figure :data:`MAIN_FIGURE` when in ``figures``; per
+    split a compact table, its summary and, folded, every KPI and the
     ordering by CO2; what each controller knows), what forecasting is worth when ``information`` is given
     (:func:`pipeline.study.information.page_blocks`), the site, the sizing results when given, the other figures.
     ``figures`` are the figures written (the week figure is ``test_week_traces.png``, the learning curves
@@ -831,8 +881,11 @@ def report_blocks(
     """
     blocks: list[Block] = [Heading(1, title)]
     blocks += [Note(n) for n in notes]
-    blocks += answer_blocks(table)
+    answer = answer_blocks(table)
+    blocks += answer
     blocks.append(Heading(2, "Results"))
+    if not answer:  # the ratios are defined under the answer; without one, here
+        blocks.append(definitions())
     blocks += [f for f in figures if f.file == MAIN_FIGURE]
     for split in sorted(table.split.unique(), key=split_sort_key):
         rows = table[table.split == split]
@@ -846,12 +899,10 @@ def report_blocks(
         Note(
             "**Unserved energy always stands beside CO2.** A controller could cut CO2 by not charging the cars; the "
             "unserved energy (kWh still needed at departure) and the share of EV energy served show whether a saving "
-            "is real. `CO2 cut` is relative to the uncontrolled controller; the `gap closed` is the share of the "
-            "perfect-foresight oracle's saving (vs uncontrolled) that a controller achieves (the oracle is the "
-            "physical lower bound). `mpc` re-solves a linear program over the next hours every hour from "
-            "what is known then (MOER forecasts, the plugged EVs, the demand of the same hours of the past week); "
-            "`mpc_tuned` is that planner on a learned MOER forecast (the same regression on the 5-minute data, "
-            "forgetting old days), its parameters tuned in closed loop (CMA-ES) on the train split, "
+            "is real. The `oracle` is the physical lower bound. `mpc` re-solves a linear program over the next hours "
+            "every hour from what is known then (MOER forecasts, the plugged EVs, the demand of the same hours of the "
+            "past week); `mpc_tuned` is that planner on a learned MOER forecast (the same regression on the 5-minute "
+            "data, forgetting old days), its parameters tuned in closed loop (CMA-ES) on the train split, "
             "`mpc_adaptive` the same re-tuned each week on the split's own last weeks; `mpc_perfect` is the same "
             "controller given the true MOER and arrivals within its horizon: the two bracket what forecasting is "
             "worth. A learned controller is credited only against its untrained start (`mpc_tuned_start`: where "
@@ -861,7 +912,7 @@ def report_blocks(
         )
     )
     if information is not None:
-        blocks += information_blocks(information)
+        blocks += information_blocks(information, defined=True)
     site = tuple(f"**{k}**: {v}" for k, v in site_summary.items()) or ("(no site summary given)",)
     blocks += [Heading(2, "Site"), Bullets(site)]
     if data_sources:
