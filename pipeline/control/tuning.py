@@ -274,16 +274,12 @@ def tune(
     Raises:
         KeyError: an unknown budget. ValueError: a split with fewer than two weeks.
     """
-    import cma
+    from cma import CMAEvolutionStrategy
 
     site = load_site(site)
     b, name = (budget, "custom") if isinstance(budget, Budget) else (BUDGETS[budget], budget)
     evaluate = evaluate or local_evaluator(site, split)
-    data = site.split(split)
-    pool = weeks(data)[1:]  # the first week warms the planner's forecasts up
-    pool = [w for w in pool if w[1] == pool[0][1]]  # whole weeks only
-    if len(pool) < 1:
-        raise ValueError(f"split '{split}' has {data.num_steps} steps: fewer than two whole weeks to tune on")
+    pool = _week_pool(site, split)
     start = start or PlannerParams.learned_start(site.config)
     x0 = encode(start, space, undecided=True)
     box = list(space)
@@ -291,74 +287,137 @@ def tune(
         box.append(Param("unused", 0.0, 1.0))
         x0 = np.r_[x0, 0.5]
     t0 = time.perf_counter()
-    runs = []
-    for seed in seeds:
-        weeks_rng = np.random.default_rng(int(seed))
-        streams = np.random.SeedSequence(int(seed)).spawn(2)  # cma's, independent of the weeks'
-        cma_rng = np.random.default_rng(streams[0])
-        es = cma.CMAEvolutionStrategy(
-            x0,
-            b.sigma0,
-            {
-                "popsize": b.popsize,
-                "maxiter": b.generations,
-                "bounds": [[p.low for p in box], [p.high for p in box]],
-                "CMA_stds": [p.high - p.low for p in box],  # sigma0 is a share of each parameter's range
-                "integer_variables": [i for i, p in enumerate(box) if p.integer],
-                "randn": lambda lam, n, rng=cma_rng: rng.standard_normal((lam, n)),
-                "seed": np.nan,  # cma leaves NumPy's global generator alone
-                "verbose": -9,
-            },
-        )
-        runs.append(
-            {
-                "seed": seed,
-                "es": es,
-                "rng": weeks_rng,
-                "repair_state": np.random.RandomState(np.random.MT19937(streams[1])).get_state(),
-                "rows": [],
-                "solves": 0,
-                "solve_s": 0.0,
-                "means": [],
-            }
-        )
+    runs = [_start_run(CMAEvolutionStrategy, seed, x0, box, b) for seed in seeds]
     for g in range(b.generations):
-        batch, layout = [], []
-        for r in runs:
-            with _repair_draws(r):
-                X = r["es"].ask()
-            picked = sorted(r["rng"].choice(len(pool), size=min(b.weeks, len(pool)), replace=False).tolist())
-            cands = [decode(x, start, space) for x in X]
-            layout.append((r, X, cands, picked, len(batch)))
-            batch += [(c, pool[i][0], pool[i][1]) for c in cands for i in picked]
-        results = evaluate(batch)
-        for r, X, cands, picked, at in layout:
-            n = len(picked)
-            costs = []
-            for k, c in enumerate(cands):
-                res = results[at + k * n : at + (k + 1) * n]
-                costs.append(float(sum(x.cost for x in res)))
-                r["solves"] += sum(x.solves for x in res)
-                r["solve_s"] += sum(x.solve_s for x in res)
-                r["rows"].append(
-                    {
-                        "generation": g,
-                        "candidate": str(k),
-                        **c.as_dict(),
-                        "cost_kg": costs[-1],
-                        "weeks": ",".join(str(i + 1) for i in picked),
-                    }
-                )
-            with _repair_draws(r):
-                r["es"].tell(X, costs)
-            best = decode(r["es"].to_phenotype(r["es"].mean), start, space)  # the mean, its integers rounded
-            r["means"].append(best)
-            progress(
-                f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
-                f"median {float(np.median(costs)):.1f} kg over {n} weeks; mean now {_short(best)}"
+        _generation(runs, g, pool, b, start, space, evaluate, progress)
+    chosen = _validate(runs, pool, b, start, evaluate, progress)
+    return [
+        TuningResult(
+            params,
+            start,
+            int(r["seed"]),
+            name,
+            b,
+            pd.DataFrame(r["rows"]),
+            time.perf_counter() - t0,
+            r["solves"],
+            r["solve_s"],
+        )
+        for r, params in zip(runs, chosen)
+    ]
+
+
+def _week_pool(site: Site, split: str) -> list[tuple[int, int]]:
+    """The ``(start, steps)`` windows a tuning samples: the whole weeks of ``split`` after its first (in which the
+    planner's forecasts warm up).
+
+    Raises:
+        ValueError: a split with fewer than two whole weeks.
+    """
+    data = site.split(split)
+    pool = weeks(data)[1:]  # the first week warms the planner's forecasts up
+    pool = [w for w in pool if w[1] == pool[0][1]]  # whole weeks only
+    if len(pool) < 1:
+        raise ValueError(f"split '{split}' has {data.num_steps} steps: fewer than two whole weeks to tune on")
+    return pool
+
+
+def _start_run(strategy: Callable, seed: int, x0: np.ndarray, box: Sequence[Param], b: Budget) -> dict:
+    """One seed's tuning before its first generation: its CMA-ES (an instance of ``strategy``, cma's
+    ``CMAEvolutionStrategy``) at ``x0`` in ``box``, its generators (:func:`_repair_draws`) and its empty records."""
+    weeks_rng = np.random.default_rng(int(seed))
+    streams = np.random.SeedSequence(int(seed)).spawn(2)  # cma's, independent of the weeks'
+    cma_rng = np.random.default_rng(streams[0])
+    es = strategy(
+        x0,
+        b.sigma0,
+        {
+            "popsize": b.popsize,
+            "maxiter": b.generations,
+            "bounds": [[p.low for p in box], [p.high for p in box]],
+            "CMA_stds": [p.high - p.low for p in box],  # sigma0 is a share of each parameter's range
+            "integer_variables": [i for i, p in enumerate(box) if p.integer],
+            "randn": lambda lam, n, rng=cma_rng: rng.standard_normal((lam, n)),
+            "seed": np.nan,  # cma leaves NumPy's global generator alone
+            "verbose": -9,
+        },
+    )
+    return {
+        "seed": seed,
+        "es": es,
+        "rng": weeks_rng,
+        "repair_state": np.random.RandomState(np.random.MT19937(streams[1])).get_state(),
+        "rows": [],
+        "solves": 0,
+        "solve_s": 0.0,
+        "means": [],
+    }
+
+
+def _generation(
+    runs: list[dict],
+    g: int,
+    pool: list[tuple[int, int]],
+    b: Budget,
+    start: PlannerParams,
+    space: Sequence[Param],
+    evaluate: Evaluate,
+    progress: Callable[[str], None],
+) -> None:
+    """Generation ``g`` of every seed's CMA-ES: each samples its candidates and weeks of ``pool``, all candidates are
+    backtested in one batch, each CMA-ES is told its costs; its rows, solves and mean are recorded in its run."""
+    batch, layout = [], []
+    for r in runs:
+        with _repair_draws(r):
+            X = r["es"].ask()
+        picked = sorted(r["rng"].choice(len(pool), size=min(b.weeks, len(pool)), replace=False).tolist())
+        cands = [decode(x, start, space) for x in X]
+        layout.append((r, X, cands, picked, len(batch)))
+        batch += [(c, pool[i][0], pool[i][1]) for c in cands for i in picked]
+    results = evaluate(batch)
+    for r, X, cands, picked, at in layout:
+        n = len(picked)
+        costs = []
+        for k, c in enumerate(cands):
+            res = results[at + k * n : at + (k + 1) * n]
+            costs.append(float(sum(x.cost for x in res)))
+            r["solves"] += sum(x.solves for x in res)
+            r["solve_s"] += sum(x.solve_s for x in res)
+            r["rows"].append(
+                {
+                    "generation": g,
+                    "candidate": str(k),
+                    **c.as_dict(),
+                    "cost_kg": costs[-1],
+                    "weeks": ",".join(str(i + 1) for i in picked),
+                }
             )
-    # the means of the last generations against the starting point on the same validation weeks: the tuning never
-    # ends worse than it began, and a last generation that drifted does not decide alone
+        with _repair_draws(r):
+            r["es"].tell(X, costs)
+        best = decode(r["es"].to_phenotype(r["es"].mean), start, space)  # the mean, its integers rounded
+        r["means"].append(best)
+        progress(
+            f"tune seed {r['seed']} generation {g + 1}/{b.generations}: best {min(costs):.1f} kg, "
+            f"median {float(np.median(costs)):.1f} kg over {n} weeks; mean now {_short(best)}"
+        )
+
+
+def _validate(
+    runs: list[dict],
+    pool: list[tuple[int, int]],
+    b: Budget,
+    start: PlannerParams,
+    evaluate: Evaluate,
+    progress: Callable[[str], None],
+) -> list[PlannerParams]:
+    """Backtest each seed's starting point and its distinct means after the last :data:`VALIDATED_MEANS`
+    generations on the same validation weeks of ``pool``, every seed's in one batch, and keep the cheapest (the tuning
+    never ends worse than it began, and a last generation that drifted does not decide alone); the rows and solves
+    are added to each run, one progress line per seed.
+
+    Returns:
+        the parameters each run keeps, in ``runs``' order.
+    """
     step = max(1, len(pool) // max(1, b.validation_weeks))
     valid = pool[::step][: b.validation_weeks]
     for r in runs:
@@ -367,10 +426,9 @@ def tune(
         for g, m in enumerate(last, start=b.generations - len(last) + 1):
             if all(m != c for _, c in r["cands"]):
                 r["cands"].append((f"mean after generation {g}", m))
-    # every seed's validation backtests in one batch, as the generations'
     batch = [(c, s, n) for r in runs for _, c in r["cands"] for s, n in valid]
     results = iter(evaluate(batch) if batch else [])
-    out = []
+    kept = []
     for r in runs:
         cands = r["cands"]
         res = [next(results) for _ in range(len(cands) * len(valid))]
@@ -393,20 +451,8 @@ def tune(
             + ", ".join(f"{label} {c:.1f} kg" for (label, _), c in zip(cands, costs))
             + f"; keeps the {cands[best][0]}"
         )
-        out.append(
-            TuningResult(
-                cands[best][1],
-                start,
-                int(r["seed"]),
-                name,
-                b,
-                pd.DataFrame(r["rows"]),
-                time.perf_counter() - t0,
-                r["solves"],
-                r["solve_s"],
-            )
-        )
-    return out
+        kept.append(cands[best][1])
+    return kept
 
 
 def _short(p: PlannerParams) -> str:

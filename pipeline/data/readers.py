@@ -96,30 +96,7 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
     for f in files_of(src, "sessions"):
         d, kind = _session_table(f, src)
         label = rel_path(f, src.root)
-        col = {
-            k: column(
-                d,
-                name,
-                str(f),
-                f"sources.sessions.columns.{k}" if s.format == "csv" else "sources.sessions.format",
-                src.toml,
-            )
-            for k, name in s.columns.items()
-        }
-        times = {
-            k: parse_times(
-                col[k],
-                file=str(f),
-                column_name=s.columns[k],
-                key="sources.sessions",
-                toml=src.toml,
-                tz=s.timezone,
-                fmt=s.time_format,
-                kind=kind,
-            )
-            for k in ("arrival", "departure")
-        }
-        arr, dep = times["arrival"], times["departure"]
+        col, arr, dep = _session_columns(d, f, src, kind)
         span = _local_span(arr, cfg.timezone)
         inside = ((arr >= t0) & (arr < t1)).to_numpy()
         if len(d) and not inside.any():
@@ -192,6 +169,52 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
         sessions = sessions.sort_values(["arrival", "session_id"], kind="mergesort").reset_index(drop=True)
     else:  # every file skipped: no split is covered (raised below)
         sessions = pd.DataFrame({"arrival": pd.Series([], dtype="datetime64[ns, UTC]")})
+    _check_session_splits(src, sessions, outside, cover)
+    return sessions, {"report": report, "skipped": skipped}
+
+
+def _session_columns(d: pd.DataFrame, f: Path, src: Sources, kind: str) -> tuple[dict, pd.Series, pd.Series]:
+    """The columns of the raw sessions table ``d`` of file ``f`` (of ``kind``), by their key in
+    ``[sources.sessions.columns]``, and the arrival and departure times parsed (UTC).
+
+    Raises:
+        SourceError: a missing column (with the closest name), or an unparsable or offset-less timestamp.
+    """
+    s = src.sessions
+    col = {
+        k: column(
+            d,
+            name,
+            str(f),
+            f"sources.sessions.columns.{k}" if s.format == "csv" else "sources.sessions.format",
+            src.toml,
+        )
+        for k, name in s.columns.items()
+    }
+    times = {
+        k: parse_times(
+            col[k],
+            file=str(f),
+            column_name=s.columns[k],
+            key="sources.sessions",
+            toml=src.toml,
+            tz=s.timezone,
+            fmt=s.time_format,
+            kind=kind,
+        )
+        for k in ("arrival", "departure")
+    }
+    return col, times["arrival"], times["departure"]
+
+
+def _check_session_splits(src: Sources, sessions: pd.DataFrame, outside: list, cover: list) -> None:
+    """Check that some of the ``sessions`` kept arrive in each split.
+
+    Raises:
+        SourceError: a split that no session arrives in, naming the source, the split, what each file covers
+            (``cover``) and, from ``outside``, how many sessions of each file lie outside every split and the first.
+    """
+    cfg, s = src.config, src.sessions
     for split in ("train", "test"):
         a, b = cfg.split_bounds(split)
         if not ((sessions.arrival >= a) & (sessions.arrival < b)).any():
@@ -209,7 +232,6 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
                 f"with sessions from {dates[0]} to {dates[1]}, or move key 'splits.{split}' into the dates the files "
                 "cover"
             )
-    return sessions, {"report": report, "skipped": skipped}
 
 
 def _session_table(f: Path, src: Sources) -> tuple[pd.DataFrame, str]:
@@ -359,11 +381,50 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
     if c.format == "constant":
         out = pd.DataFrame({k: np.full(len(index), c.kg_per_kwh) for k in cols}, index=index)
         return out, {"format": "constant", "forecast": "constant", "kg_per_kwh": c.kg_per_kwh}
-    cfg = src.config
+    read, skipped, cover = _read_carbon_files(src, index, log)
+    if not read:
+        _carbon_split_uncovered(src, "train", cover)
+    files = [f for f, _, _ in read]
+    m, fc = _merge_carbon(src, read)
+    grp = m["moer"].groupby(m.index.floor("h"))
+    mean = grp.mean().reindex(index)
+    count = grp.size().reindex(index).fillna(0)
+    label = ", ".join(rel_path(f, src.root) for f in files[:3]) + (
+        f" and {len(files) - 3} more" if len(files) > 3 else ""
+    )
+    _check_carbon_coverage(src, index, mean, cover, label)
+    out = pd.DataFrame(index=index)
+    out["moer_kg_per_kwh"] = mean.to_numpy()
+    info = {
+        "format": c.format,
+        "rows": len(m),
+        "hours_below_12_samples": int((count < 12).sum()),
+        "samples_per_hour_max": int(count.max()),
+        "unit": c.unit,
+        "skipped": skipped,
+    }
+    if fc:
+        info.update(_file_forecasts(out, m, index, label))
+    else:
+        info.update(_persistence_forecasts(out, grp, mean, index))
+    return out, info
+
+
+def _read_carbon_files(
+    src: Sources, index: pd.DatetimeIndex, log: Log
+) -> tuple[list[tuple[Path, pd.DataFrame, bool]], list[dict], list]:
+    """Read every carbon file of ``src`` that has a row in the period ``index`` or the hour before it.
+
+    Returns:
+        ``(read, skipped, cover)``: ``read`` one ``(file, rows, has_forecasts)`` per file kept (rows as
+        :func:`_carbon_rows` gives them); ``skipped`` one dict per file skipped (said through ``log``); ``cover``
+        what each file covers, for :func:`_cover_text`.
+    """
+    c, cfg = src.carbon, src.config
     first, end = period(cfg)
     lo, hi = index[0] - pd.Timedelta(hours=1), index[-1] + pd.Timedelta(hours=1)
     factor = CARBON_UNITS[c.unit]
-    files, frames, has_fc, skipped, cover = [], [], [], [], []
+    read, skipped, cover = [], [], []
     for f in files_of(src, "carbon"):
         d = read_raw_csv(f, src, "carbon")
         name = rel_path(f, src.root)
@@ -390,108 +451,134 @@ def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple
                 log(f"ingest: skipped {name}: {why}")
             continue
         cover.append((name, len(d), span, "rows", False))
-        files.append(f)
-        present = [x for x in MOER_FORECAST_COLUMNS if x in d.columns] if c.format == "watttime-moer" else []
-        if present and len(present) != len(MOER_FORECAST_COLUMNS):
-            lack = [x for x in MOER_FORECAST_COLUMNS if x not in d.columns]
-            raise SourceError(
-                f"{f}: forecast column(s) {', '.join(lack)} missing beside {', '.join(present[:3])}...: give all of "
-                "f1..f36 or none"
-            )
-        has_fc.append(bool(present))
-        frame = pd.DataFrame({"time": t, "moer": numbers(vcol, file=str(f), column_name=c.value_column)})
-        for x in present:
-            frame[x] = numbers(d[x], file=str(f), column_name=x)
-        if factor != 1.0:
-            for x in ["moer", *present]:
-                frame[x] = frame[x] * factor
+        frame, has_fc = _carbon_rows(f, d, t, vcol, factor, src)
+        read.append((f, frame, has_fc))
+    return read, skipped, cover
+
+
+def _carbon_rows(
+    f: Path, d: pd.DataFrame, t: pd.Series, vcol: pd.Series, factor: float, src: Sources
+) -> tuple[pd.DataFrame, bool]:
+    """The rows of one carbon file ``f`` (raw table ``d``, parsed times ``t``, value column ``vcol``, values times
+    ``factor`` to kg CO2/kWh): ``time``, ``moer`` and, from a ``watttime-moer`` file with forecasts, ``f1..f36``; and
+    whether it has them.
+
+    Raises:
+        SourceError: some forecast columns without the others, a non-numeric value or one out of range.
+    """
+    c = src.carbon
+    present = [x for x in MOER_FORECAST_COLUMNS if x in d.columns] if c.format == "watttime-moer" else []
+    if present and len(present) != len(MOER_FORECAST_COLUMNS):
+        lack = [x for x in MOER_FORECAST_COLUMNS if x not in d.columns]
+        raise SourceError(
+            f"{f}: forecast column(s) {', '.join(lack)} missing beside {', '.join(present[:3])}...: give all of "
+            "f1..f36 or none"
+        )
+    frame = pd.DataFrame({"time": t, "moer": numbers(vcol, file=str(f), column_name=c.value_column)})
+    for x in present:
+        frame[x] = numbers(d[x], file=str(f), column_name=x)
+    if factor != 1.0:
         for x in ["moer", *present]:
-            check_range(
-                frame[x].to_numpy(),
-                MOER_MAX_KG_PER_KWH,
-                file=str(f),
-                column_name=c.value_column if x == "moer" else x,
-                unit_key="sources.carbon.unit",
-                unit=c.unit,
-                what="kg CO2/kWh",
-                hint_hi=': looks like g/kWh (set unit = "g/kWh" in [sources.carbon])' if c.unit == "kg/kWh" else "",
-            )
-        frames.append(frame)
-    if not frames:
-        _carbon_split_uncovered(src, "train", cover)
+            frame[x] = frame[x] * factor
+    for x in ["moer", *present]:
+        check_range(
+            frame[x].to_numpy(),
+            MOER_MAX_KG_PER_KWH,
+            file=str(f),
+            column_name=c.value_column if x == "moer" else x,
+            unit_key="sources.carbon.unit",
+            unit=c.unit,
+            what="kg CO2/kWh",
+            hint_hi=': looks like g/kWh (set unit = "g/kWh" in [sources.carbon])' if c.unit == "kg/kWh" else "",
+        )
+    return frame, bool(present)
+
+
+def _merge_carbon(src: Sources, read: list[tuple[Path, pd.DataFrame, bool]]) -> tuple[pd.DataFrame, bool]:
+    """The rows of every file read, repeated rows once, indexed by time and sorted; and whether they have forecasts.
+
+    Raises:
+        SourceError: some files with forecast columns and others without, or files that disagree on a repeated row.
+    """
+    has_fc = [h for _, _, h in read]
     if len(set(has_fc)) > 1:
         raise SourceError(
             f"{src.toml}: key 'sources.carbon.files': some files have forecast columns f1..f36, others not"
         )
     fc = has_fc[0]
     vals = ["moer", *(MOER_FORECAST_COLUMNS if fc else ())]
-    m = pd.concat(frames, ignore_index=True)
+    m = pd.concat([frame for _, frame, _ in read], ignore_index=True)
     dup = m[m.duplicated("time", keep=False)]
     if len(dup):
         spread = dup.groupby("time")[vals].agg(lambda s: s.max() - s.min()).to_numpy()
         if np.nanmax(spread) > 1e-9:
-            where = ", ".join(rel_path(f, src.root) for f in files)
+            where = ", ".join(rel_path(f, src.root) for f, _, _ in read)
             raise SourceError(
-                f"{where}: files disagree on repeated rows of column '{c.value_column}' (max difference "
+                f"{where}: files disagree on repeated rows of column '{src.carbon.value_column}' (max difference "
                 f"{np.nanmax(spread):g})"
             )
-    m = m.drop_duplicates("time").set_index("time").sort_index()
-    hour = m.index.floor("h")
-    grp = m["moer"].groupby(hour)
-    mean = grp.mean().reindex(index)
-    count = grp.size().reindex(index).fillna(0)
-    label = ", ".join(rel_path(f, src.root) for f in files[:3]) + (
-        f" and {len(files) - 3} more" if len(files) > 3 else ""
-    )
+    return m.drop_duplicates("time").set_index("time").sort_index(), fc
+
+
+def _check_carbon_coverage(src: Sources, index: pd.DatetimeIndex, mean: pd.Series, cover: list, label: str) -> None:
+    """Check that the hourly means ``mean`` cover every split and every hour of ``index``.
+
+    Raises:
+        SourceError: a split without any value, or the first hour of the period without one (naming what each file
+            covers).
+    """
+    cfg = src.config
     for split in ("train", "test"):
         a, b = cfg.split_bounds(split)
         hours = (index >= a) & (index < b)
         if hours.any() and mean[hours].isna().all():
             _carbon_split_uncovered(src, split, cover)
     try:
-        check_coverage(mean, index, cfg, f"carbon column '{c.value_column}'", label)
+        check_coverage(mean, index, cfg, f"carbon column '{src.carbon.value_column}'", label)
     except SourceError as exc:
         raise SourceError(
             f"{exc}. The files of [sources.carbon] cover ({cfg.timezone} dates): {_cover_text(cover)}; point key"
             " 'sources.carbon.files' at files that cover every hour of the period"
         ) from None
-    out = pd.DataFrame(index=index)
-    out["moer_kg_per_kwh"] = mean.to_numpy()
-    info = {
-        "format": c.format,
-        "rows": len(m),
-        "hours_below_12_samples": int((count < 12).sum()),
-        "samples_per_hour_max": int(count.max()),
-        "unit": c.unit,
-        "skipped": skipped,
-    }
-    if fc:
-        exact = index.isin(m.index)
-        fc_rows = m.reindex(index, method="ffill")
-        if fc_rows["f1"].isna().any():
-            raise SourceError(f"{label}: no forecast row at or before {index[fc_rows['f1'].isna()][0]}")
-        for h in range(3):
-            out[f"moer_fc_h{h}"] = fc_rows[[f"f{i}" for i in range(12 * h + 1, 12 * h + 13)]].mean(axis=1).to_numpy()
-        # what the 5-minute rows say at the hour start beyond the hour means: the last realised intervals before it
-        # (the hour's own forecast where the files hold none earlier) and the forecasts for its twelve intervals
-        before = np.searchsorted(m.index.to_numpy(), index.to_numpy(), side="left") - 1  # last row strictly before
-        at, fallback = np.maximum(before, 0), out["moer_fc_h0"].to_numpy()
-        last3 = m["moer"].rolling(3, min_periods=1).mean().to_numpy()
-        out["moer_last_5min"] = np.where(before >= 0, m["moer"].to_numpy()[at], fallback)
-        out["moer_last_15min"] = np.where(before >= 0, last3[at], fallback)
-        for i in range(1, 13):
-            out[f"moer_fc_5min_{i:02d}"] = fc_rows[f"f{i}"].to_numpy()
-        info.update(forecast="file", forecast_rows_from_earlier=int((~exact).sum()))
-    else:
-        hourly_all = grp.mean()
-        before = index[0] - pd.Timedelta(hours=1)
-        prev = pd.Series(np.r_[hourly_all.get(before, np.nan), mean.to_numpy()[:-1]], index=index)
-        first_own = bool(np.isnan(prev.iloc[0]))
-        prev.iloc[0] = mean.iloc[0] if first_own else prev.iloc[0]
-        for h in range(3):
-            out[f"moer_fc_h{h}"] = prev.to_numpy()
-        info.update(forecast="persistence", first_hour_own_value=first_own)
-    return out, info
+
+
+def _file_forecasts(out: pd.DataFrame, m: pd.DataFrame, index: pd.DatetimeIndex, label: str) -> dict:
+    """Add to ``out`` the forecasts of the 5-minute rows ``m`` (``moer_fc_h0..h2`` and
+    :data:`envs.schemas.MOER_5MIN_COLUMNS`, :func:`read_carbon`); returns what ``info`` says of them.
+
+    Raises:
+        SourceError: an hour of ``index`` with no row at or before its start (``label`` names the files).
+    """
+    exact = index.isin(m.index)
+    fc_rows = m.reindex(index, method="ffill")
+    if fc_rows["f1"].isna().any():
+        raise SourceError(f"{label}: no forecast row at or before {index[fc_rows['f1'].isna()][0]}")
+    for h in range(3):
+        out[f"moer_fc_h{h}"] = fc_rows[[f"f{i}" for i in range(12 * h + 1, 12 * h + 13)]].mean(axis=1).to_numpy()
+    # what the 5-minute rows say at the hour start beyond the hour means: the last realised intervals before it
+    # (the hour's own forecast where the files hold none earlier) and the forecasts for its twelve intervals
+    before = np.searchsorted(m.index.to_numpy(), index.to_numpy(), side="left") - 1  # last row strictly before
+    at, fallback = np.maximum(before, 0), out["moer_fc_h0"].to_numpy()
+    last3 = m["moer"].rolling(3, min_periods=1).mean().to_numpy()
+    out["moer_last_5min"] = np.where(before >= 0, m["moer"].to_numpy()[at], fallback)
+    out["moer_last_15min"] = np.where(before >= 0, last3[at], fallback)
+    for i in range(1, 13):
+        out[f"moer_fc_5min_{i:02d}"] = fc_rows[f"f{i}"].to_numpy()
+    return {"forecast": "file", "forecast_rows_from_earlier": int((~exact).sum())}
+
+
+def _persistence_forecasts(out: pd.DataFrame, grp, mean: pd.Series, index: pd.DatetimeIndex) -> dict:
+    """Add to ``out`` the persistence forecasts ``moer_fc_h0..h2`` (each hour: the previous hour's mean; the first
+    hour: the hour before it in ``grp``, the rows grouped by hour, else its own mean ``mean``); returns what ``info``
+    says of them."""
+    hourly_all = grp.mean()
+    before = index[0] - pd.Timedelta(hours=1)
+    prev = pd.Series(np.r_[hourly_all.get(before, np.nan), mean.to_numpy()[:-1]], index=index)
+    first_own = bool(np.isnan(prev.iloc[0]))
+    prev.iloc[0] = mean.iloc[0] if first_own else prev.iloc[0]
+    for h in range(3):
+        out[f"moer_fc_h{h}"] = prev.to_numpy()
+    return {"forecast": "persistence", "first_hour_own_value": first_own}
 
 
 def _carbon_split_uncovered(src: Sources, split: str, cover: list) -> None:

@@ -90,166 +90,205 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     unknown = stages - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stage(s) {sorted(unknown)}: stages are {STAGES}")
-    client = client or get_client(cfg.scheduler_address)
-    site = str(cfg.site_toml)
-    root = cfg.root
-    expected = outputs(cfg)
+    g = _Graph(cfg, stages, client or get_client(cfg.scheduler_address))
+    validated = g.validate()
+    baseline_files = g.baselines(validated)
+    g.tune()
+    planner_files = g.planners()
+    runs = g.train(validated)
+    eval_files = g.evaluate(runs)
+    if "report" in stages:
+        g.futures["report"] = g.submit(
+            _report, cfg.as_dict(), baseline_files, planner_files, eval_files, str(g.root), pure=False
+        )
+    return g.client.gather(g.futures)
 
-    def on_disk(stage: str) -> list[str]:
-        missing = [p for p in expected[stage] if not p.exists()]
+
+class _Graph:
+    """The study's graph while :func:`run` builds it: the stages asked for, the Dask client, the site and the output
+    folders, and ``futures``, the result of each stage computed (a future, or a list of them). Each stage method
+    submits the tasks of its stage when it is asked for; when it is not, it returns what the later stages read of it
+    (its files on disk, checked by :meth:`on_disk`, or None when no later stage asked for needs them)."""
+
+    def __init__(self, cfg: PipelineConfig, stages: set[str], client):
+        self.cfg, self.stages, self.client = cfg, stages, client
+        self.site = str(cfg.site_toml)
+        self.root = cfg.root
+        self.tuned_dir = str(cfg.root / "tuned")
+        self.expected = outputs(cfg)
+        self.submit = client.submit
+        self.futures: dict[str, object] = {}
+
+    def on_disk(self, stage: str) -> list[str]:
+        """The files of a stage that does not run here.
+
+        Raises:
+            FileNotFoundError: one of them is missing (the stage has not run).
+        """
+        missing = [p for p in self.expected[stage] if not p.exists()]
         if missing:
             raise FileNotFoundError(f"stage '{stage}' has not run: {missing[0]} is missing")
-        return [str(p) for p in expected[stage]]
+        return [str(p) for p in self.expected[stage]]
 
-    submit = client.submit
-    futures: dict[str, object] = {}
+    def collect(self, fn, *args):
+        """A task that gathers others' results: runs as soon as they are done."""
+        return self.submit(fn, *args, priority=PRIORITY["collect"], pure=False)
 
-    def collect(fn, *args):  # a task that gathers others' results: runs as soon as they are done
-        return submit(fn, *args, priority=PRIORITY["collect"], pure=False)
+    @functools.cached_property
+    def inputs(self) -> str:
+        """A fingerprint of the site, its data and the controllers' code, read once per graph."""
+        return tuning.fingerprint(self.site)[:16]
 
-    # validation: one task per input; the stamps are written only when all of them passed
-    if "validate" in stages:
-        checks = [
-            submit(tasks.validate_input, site, kind, key=f"validate-{kind}-{cfg.experiment}", pure=False)
-            for kind in tasks.INPUTS
-        ]
-        validated = collect(tasks.write_validation, checks, str(root / "validate"))
-        futures["validate"] = validated
-    else:
-        validated = on_disk("validate") if stages & {"baselines", "train"} else None
-
-    @functools.cache
-    def inputs() -> str:  # the site, its data and the controllers' code, read once per graph
-        return tuning.fingerprint(site)[:16]
-
-    def baseline_key(c: str, s: str) -> str:
+    def baseline_key(self, c: str, s: str) -> str:
         """What a baseline's run computes and where it goes: the controller, split, output folder and a fingerprint
         of the site, its data and the controllers' code (a changed input, a changed key)."""
-        return f"simulate-{c}-{s}-{root}-{inputs()}"
+        return f"simulate-{c}-{s}-{self.root}-{self.inputs}"
 
-    def simulate(c: str, s: str, *after):
-        """A baseline's run as a task keyed by :func:`baseline_key` (the key also kept in its KPI file), so that the
+    def simulate(self, c: str, s: str, *after):
+        """A baseline's run as a task keyed by :meth:`baseline_key` (the key also kept in its KPI file), so that the
         planners stage can share it: the finished file, or the task while the baselines stage still holds it."""
-        key = baseline_key(c, s)
-        return submit(tasks.run_controller, site, c, s, str(root / "baselines"), *after, inputs=key,
-                      retries=registry.get(c).retries, priority=PRIORITY["simulate"], key=key)  # fmt: skip
+        key = self.baseline_key(c, s)
+        return self.submit(tasks.run_controller, self.site, c, s, str(self.root / "baselines"), *after, inputs=key,
+                           retries=registry.get(c).retries, priority=PRIORITY["simulate"], key=key)  # fmt: skip
 
-    def baseline_run(c: str, s: str):
-        """A baseline's run for the planners stage: its files when they hold this key's run, else :func:`simulate`."""
-        files = [str(f) for f in results.files(root / "baselines", c, s)]
-        return files if tasks.run_inputs(files) == baseline_key(c, s) else simulate(c, s)
+    def baseline_run(self, c: str, s: str):
+        """A baseline's run for the planners stage: its files when they hold this key's run, else :meth:`simulate`."""
+        files = [str(f) for f in results.files(self.root / "baselines", c, s)]
+        return files if tasks.run_inputs(files) == self.baseline_key(c, s) else self.simulate(c, s)
 
-    # the simulated controllers (baselines, planners, bounds): one task per controller x split
-    if "baselines" in stages:
-        jobs = [simulate(c, s, validated) for c in simulated(cfg) for s in SPLITS]
-        futures["baselines"] = collect(_flatten, jobs)
-        baseline_files = futures["baselines"]
-    else:
-        baseline_files = on_disk("baselines") if "report" in stages else None
+    def validate(self):
+        """Validation: one task per input; the stamps are written only when all of them passed."""
+        if "validate" not in self.stages:
+            return self.on_disk("validate") if self.stages & {"baselines", "train"} else None
+        checks = [
+            self.submit(tasks.validate_input, self.site, kind, key=f"validate-{kind}-{self.cfg.experiment}", pure=False)
+            for kind in tasks.INPUTS
+        ]
+        self.futures["validate"] = self.collect(tasks.write_validation, checks, str(self.root / "validate"))
+        return self.futures["validate"]
 
-    # the planner's parameters tuned on the train split, once per seed (CMA-ES; its backtests fanned out as tasks)
-    tuned_dir = str(root / "tuned")
-    if "tune" in stages:
-        futures["tune"] = (
-            tasks.tune_planner(site, cfg.seeds, tuned_dir, cfg.tune_budget, client) if planners(cfg) else []
-        )
-    # mpc_rl's day-level policy trained on the train split, once per seed (one training task each)
-    if "tune_rl" in stages:
-        futures["tune_rl"] = (
-            tasks.train_rl_planners(site, cfg.seeds, tuned_dir, cfg.tune_budget, client)
-            if "mpc_rl" in planners(cfg)
-            else []
-        )
-    # the learned planners: one task per planner x seed x split, after the tuning
-    if "planners" in stages:
-        for stage in {"tune", "tune_rl"} - stages:
-            on_disk(stage)
-        out = str(root / "planners")
-        tables = {}  # mpc_adaptive's week tables: every (candidate, week) backtest one task, then written per seed
-        if "mpc_adaptive" in planners(cfg):
-            for seed in cfg.seeds:
-                windows = learned.table_windows(site, tuning.load_params(tuned_dir, seed), SPLITS)
-                backtests = [
-                    submit(run_window, site, sp, s, n, c.as_dict(), priority=PRIORITY["backtest"], pure=False)
-                    for sp, _, c, s, n in windows
-                ]
-                tables[seed] = collect(learned.write_week_tables, backtests, windows, tuned_dir, seed)
+    def baselines(self, validated):
+        """The simulated controllers (baselines, planners, bounds): one task per controller x split."""
+        if "baselines" not in self.stages:
+            return self.on_disk("baselines") if "report" in self.stages else None
+        jobs = [self.simulate(c, s, validated) for c in simulated(self.cfg) for s in SPLITS]
+        self.futures["baselines"] = self.collect(_flatten, jobs)
+        return self.futures["baselines"]
+
+    def tune(self) -> None:
+        """The planner's parameters tuned on the train split, once per seed (CMA-ES; its backtests fanned out as
+        tasks), and ``mpc_rl``'s day-level policy trained on it, once per seed (one training task each)."""
+        cfg = self.cfg
+        if "tune" in self.stages:
+            self.futures["tune"] = (
+                tasks.tune_planner(self.site, cfg.seeds, self.tuned_dir, cfg.tune_budget, self.client)
+                if planners(cfg)
+                else []
+            )
+        if "tune_rl" in self.stages:
+            self.futures["tune_rl"] = (
+                tasks.train_rl_planners(self.site, cfg.seeds, self.tuned_dir, cfg.tune_budget, self.client)
+                if "mpc_rl" in planners(cfg)
+                else []
+            )
+
+    def planners(self):
+        """The learned planners: one task per planner x seed x split, after the tuning."""
+        if "planners" not in self.stages:
+            return self.on_disk("planners") if "report" in self.stages else None
+        for stage in {"tune", "tune_rl"} - self.stages:
+            self.on_disk(stage)
+        cfg, out = self.cfg, str(self.root / "planners")
+        tables = self.week_tables()
         config = load_config(cfg.site_toml)[0]
         jobs = []
         for c in planners(cfg):
             for seed in cfg.seeds:
                 for s in SPLITS:
-                    if c == "mpc_tuned" and tuning.kept_start(tuned_dir, seed, config):
+                    if c == "mpc_tuned" and tuning.kept_start(self.tuned_dir, seed, config):
                         # the same planner as mpc_tuned_start: its run under mpc_tuned's name
-                        start = baseline_run("mpc_tuned_start", s)
-                        jobs.append(submit(tasks.run_as, start, c, s, out, seed, pure=False))
+                        start = self.baseline_run("mpc_tuned_start", s)
+                        jobs.append(self.submit(tasks.run_as, start, c, s, out, seed, pure=False))
                         continue
                     jobs.append(
-                        submit(
+                        self.submit(
                             tasks.run_controller,
-                            site,
+                            self.site,
                             c,
                             s,
                             out,
                             tables.get(seed) if c == "mpc_adaptive" else None,  # the others need no week table
                             seed=seed,
-                            tuned_dir=tuned_dir,
+                            tuned_dir=self.tuned_dir,
                             retries=1,
                             priority=PRIORITY["simulate"],
                             pure=False,
                         )
                     )
-        futures["planners"] = collect(_flatten, jobs)
-        planner_files = futures["planners"]
-    else:
-        planner_files = on_disk("planners") if "report" in stages else None
+        self.futures["planners"] = self.collect(_flatten, jobs)
+        return self.futures["planners"]
 
-    # training: one task per agent x seed, placed by training_placement (one at a time per GPU worker, the GPU of a
-    # CUDA machine's embedded cluster included; side by side on the workers of a CPU-only machine)
-    runs: dict[tuple[str, int], object] = {}
-    if "train" in stages:
-        place = training_placement(client)
-        for algo in cfg.algos:
-            for seed in cfg.seeds:
-                run_dir = str(root / "runs" / results.run_name(algo, seed))
-                runs[(algo, seed)] = submit(
-                    tasks.train_agent,
-                    algo,
-                    seed,
-                    site,
-                    run_dir,
-                    cfg.total_timesteps,
-                    cfg.extra_algo_args,
-                    validated,
-                    **place.options,
-                    retries=1,
-                    pure=False,
-                    key=f"train-{algo}-seed{seed}-{cfg.experiment}",
-                )
-        futures["train"] = collect(list, list(runs.values()))
-    elif stages & {"evaluate", "report"}:
-        if "evaluate" in stages:
-            on_disk("train")
-        runs = {(a, s): str(root / "runs" / results.run_name(a, s)) for a in cfg.algos for s in cfg.seeds}
+    def week_tables(self) -> dict[int, object]:
+        """``mpc_adaptive``'s week tables by seed (none when the site runs no ``mpc_adaptive``): every (candidate,
+        week) backtest one task, then a task that writes the seed's table."""
+        tables = {}
+        if "mpc_adaptive" in planners(self.cfg):
+            for seed in self.cfg.seeds:
+                windows = learned.table_windows(self.site, tuning.load_params(self.tuned_dir, seed), SPLITS)
+                backtests = [
+                    self.submit(run_window, self.site, sp, s, n, c.as_dict(), priority=PRIORITY["backtest"], pure=False)
+                    for sp, _, c, s, n in windows
+                ]
+                tables[seed] = self.collect(learned.write_week_tables, backtests, windows, self.tuned_dir, seed)
+        return tables
 
-    if "evaluate" in stages:
-        out = str(root / "eval")
+    def train(self, validated) -> dict[tuple[str, int], object]:
+        """Training: one task per agent x seed, placed by :func:`training_placement` (one at a time per GPU worker,
+        the GPU of a CUDA machine's embedded cluster included; side by side on the workers of a CPU-only machine).
+
+        Returns:
+            each run's task, or its folder when training does not run here but a later stage reads it (else empty).
+        """
+        cfg = self.cfg
+        runs: dict[tuple[str, int], object] = {}
+        if "train" in self.stages:
+            place = training_placement(self.client)
+            for algo in cfg.algos:
+                for seed in cfg.seeds:
+                    run_dir = str(self.root / "runs" / results.run_name(algo, seed))
+                    runs[(algo, seed)] = self.submit(
+                        tasks.train_agent,
+                        algo,
+                        seed,
+                        self.site,
+                        run_dir,
+                        cfg.total_timesteps,
+                        cfg.extra_algo_args,
+                        validated,
+                        **place.options,
+                        retries=1,
+                        pure=False,
+                        key=f"train-{algo}-seed{seed}-{cfg.experiment}",
+                    )
+            self.futures["train"] = self.collect(list, list(runs.values()))
+        elif self.stages & {"evaluate", "report"}:
+            if "evaluate" in self.stages:
+                self.on_disk("train")
+            runs = {(a, s): str(self.root / "runs" / results.run_name(a, s)) for a in cfg.algos for s in cfg.seeds}
+        return runs
+
+    def evaluate(self, runs: dict[tuple[str, int], object]):
+        """Evaluation: one task per agent x seed x split, of the trained ``runs``."""
+        if "evaluate" not in self.stages:
+            return self.on_disk("evaluate") if "report" in self.stages else None
+        out = str(self.root / "eval")
         jobs = [
-            submit(tasks.evaluate_agent, a, s, run_dir, site, split, out, retries=1, pure=False)
+            self.submit(tasks.evaluate_agent, a, s, run_dir, self.site, split, out, retries=1, pure=False)
             for (a, s), run_dir in runs.items()
             for split in SPLITS
         ]
-        futures["evaluate"] = collect(_flatten, jobs)
-        eval_files = futures["evaluate"]
-    else:
-        eval_files = on_disk("evaluate") if "report" in stages else None
-
-    if "report" in stages:
-        futures["report"] = submit(
-            _report, cfg.as_dict(), baseline_files, planner_files, eval_files, str(root), pure=False
-        )
-
-    return client.gather(futures)
+        self.futures["evaluate"] = self.collect(_flatten, jobs)
+        return self.futures["evaluate"]
 
 
 def _flatten(lists: list[list[str]]) -> list[str]:
