@@ -200,3 +200,53 @@ def test_the_checks_catch_what_they_should(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# A heading\n\n```\n# not a heading\n```\n## A heading\n")
     assert anchors(page) == {"a-heading", "a-heading-1"}
+    for f in ("pipeline/control/mpc.py", "pipeline/control/lp_x.py", "envs/site.py", "pipeline/__init__.py"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("")
+    assert layout_misses(["pipeline/", "  control/  mpc.py (the LP)", "envs/  site.py"], tmp_path) == [
+        "pipeline/control/lp_x.py"
+    ]
+    assert layout_misses(["pipeline/ the_mpc.py", "envs/ site.py"], tmp_path) == [
+        "pipeline/control/lp_x.py",
+        "pipeline/control/mpc.py",
+    ]
+
+
+def readme_layout() -> list[str]:
+    """The lines of the README's ``## Layout`` section's fenced block."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    return split_page(section)[1]
+
+
+def layout_misses(lines: list[str], root: Path = ROOT) -> list[str]:
+    """The project's modules (``envs/*.py``, ``algos/harness/*.py``, ``pipeline/**/*.py``; packages' ``__init__``
+    and ``__main__`` aside) whose file name the layout ``lines`` do not mention."""
+    text = "\n".join(lines)
+    files = [*root.glob("envs/*.py"), *root.glob("algos/harness/*.py"), *root.glob("pipeline/**/*.py")]
+    return [
+        path.relative_to(root).as_posix()
+        for path in sorted(files)
+        if path.name not in ("__init__.py", "__main__.py")
+        and not re.search(rf"(?<![\w/]){re.escape(path.name)}(?!\w)", text)
+    ]
+
+
+def test_the_readme_layout_names_every_module():
+    missing = layout_misses(readme_layout())
+    assert not missing, f"README.md's layout does not name: {missing}"
+
+
+def test_the_readme_is_an_entrance():
+    """The title, then the answer in one paragraph, then the two set-up commands; no line over 120 characters."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert lines[0].startswith("# ")
+    fence = next(i for i, line in enumerate(lines) if FENCE.match(line))
+    commands = lines[fence + 1 : fence + 3]
+    assert all(c.startswith('python -m pip install torch==2.13.0 -e ".[dev]" && ') for c in commands), commands
+    assert "doit run pipeline" in commands[0] and "python -m pytest -n auto" in commands[1]
+    assert fence < 15, "the commands stand within the README's first lines"
+    long = [f"line {i + 1}: {len(line)}" for i, line in enumerate(lines) if len(line) > 120]
+    assert not long, f"README.md lines over 120 characters: {long}"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert commands[1].split("#")[0].strip() in ci, ".ci/run runs the README's test command"
