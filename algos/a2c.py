@@ -151,57 +151,6 @@ class Args(harness.RunArgs):
     of info['final_obs']); False: truncation is terminal"""
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """What an out-of-memory back-off shrinks (``Args`` never changes): the envs and the batch of one update."""
-
-    num_envs: int
-    batch_size: int
-    """``num_envs * num_steps`` env steps per iteration and update"""
-
-    def __str__(self) -> str:
-        return f"num_envs {self.num_envs} (batch {self.batch_size})"
-
-
-def shrink(sizes: Sizes, in_update: bool) -> tuple[Sizes, str]:
-    """A2C's back-off after a CUDA out-of-memory error, wherever it struck: half the envs, so half the batch.
-
-    Raises:
-        ValueError: one env left.
-    """
-    if sizes.num_envs < 2:
-        raise ValueError(f"num_envs {sizes.num_envs} cannot be halved")
-    new = Sizes(sizes.num_envs // 2, sizes.batch_size // sizes.num_envs * (sizes.num_envs // 2))
-    return new, f"num_envs {sizes.num_envs} -> {new.num_envs} (batch {sizes.batch_size} -> {new.batch_size})"
-
-
-def check_spaces(env_id: str, observation_space: gym.Space, action_space: gym.Space) -> None:
-    """Check that A2C can drive an env with these spaces: Box or Discrete actions, and a Box observation of 1 or 2
-    dims (flattened, MLPs) or 3 dims (an image ``(C, H, W)``, the CNN torso).
-
-    Raises:
-        ValueError: naming ``env_id``, the offending space and the way out.
-    """
-    if not isinstance(action_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise ValueError(
-            f"A2C supports Box actions (Gaussian policy) and Discrete actions (Categorical policy), but {env_id} has "
-            f"action space {action_space}; wrap the env to expose a Box or a Discrete action space (e.g. flatten a "
-            f"MultiDiscrete space into one Discrete space)"
-        )
-    if not isinstance(observation_space, gym.spaces.Box):
-        raise ValueError(
-            f"A2C supports flat Box observations and images (C, H, W) only, but {env_id} has observation space "
-            f"{observation_space}; flatten it with a wrapper (e.g. gymnasium.wrappers.FlattenObservation)"
-        )
-    if len(observation_space.shape) > 3:
-        raise ValueError(
-            f"A2C takes flat observations (MLPs) or images (C, H, W) (CNN torso), but {env_id} has observations of "
-            f"{len(observation_space.shape)} dims {observation_space}; stack extra axes into the channels, e.g. "
-            f"(T, C, H, W) frames as (T * C, H, W) (gymnasium.wrappers.ReshapeObservation), or flatten them "
-            f"(gymnasium.wrappers.FlattenObservation)"
-        )
-
-
 # ---------------------------------------------------------------------------------------------- agent
 def mlp(obs_dim: int, inputs: list[int] | None, hidden: int, n_out: int, out_std: float) -> nn.Sequential:
     """``(B, obs_dim)`` -> ``(B, n_out)``: the ``inputs`` features, two tanh layers of ``hidden``, a linear output
@@ -301,48 +250,81 @@ class GreedyActor(nn.Module):
         return out.argmax(-1) if self.discrete else out.clamp(-1.0, 1.0)
 
 
-def make_optimizer(
-    params, name: str, lr: torch.Tensor | float, alpha: float = 0.99, eps: float = 1e-5, capturable: bool = False
-) -> torch.optim.Optimizer:
-    """``"rmsprop"`` (PyTorch RMSprop with ``alpha``, ``eps``, as SB3/CleanRL A2C) or ``"adam"``; ``lr`` may be a device
-    tensor annealed in place (:func:`harness.device_lr`), ``capturable`` keeps the state on the device (CUDA graphs).
+# ---------------------------------------------------------------------------------------------- hot functions
+# in the order the loop calls them: rollout (policy_step and the env step, num_steps times), then update (the
+# bootstrap value, compute_gae and one gradient step)
+def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold raw ``obs`` float32 ``(B, *obs_shape)`` into the running normaliser, normalise, sample; no host sync.
 
-    Raises:
-        ValueError: unknown ``name``.
+    Returns:
+        ``(obs_normalised, action, value (B,))``; the action float32 ``(B, act_dim)`` unclipped (Box) or the index
+        int64 ``(B,)`` in ``0..n-1`` (Discrete).
     """
-    if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=lr, alpha=alpha, eps=eps, capturable=capturable)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, eps=eps, capturable=capturable)
-    raise ValueError(f"unknown optimizer {name!r}: expected 'rmsprop' or 'adam'")
+    with torch.no_grad():
+        if isinstance(agent.obs_norm, harness.RunningObsNorm):
+            agent.obs_norm.update(obs)
+        obs_n = agent.obs_norm(obs)
+        dist, value = agent.dist_and_value(obs_n, amp)
+        if agent.discrete:
+            # Gumbel-max: argmax(logits + Gumbel noise) samples the Categorical without torch.multinomial (whose
+            # CUDA kernel checks the probabilities); the uniform draws are kept away from 0
+            u = torch.rand_like(dist.logits).clamp_(min=torch.finfo(dist.logits.dtype).tiny)
+            return obs_n, (dist.logits - torch.log(-torch.log(u))).argmax(-1), value
+        # mean + std * noise, not dist.sample(): torch.normal checks std >= 0 on the host (a sync on CUDA)
+        return obs_n, dist.loc + dist.scale * torch.randn_like(dist.loc), value
 
 
-def make_storage(
-    num_steps: int,
-    num_envs: int,
-    obs_dim: int | tuple[int, ...],
-    act_dim: int,
-    device: torch.device,
-    discrete: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Preallocated rollout storage on ``device``, ``(num_steps, num_envs, ...)``: ``obs`` float32 ``(.., *obs_dim)``
-    (``obs_dim`` an int or a shape such as ``(C, H, W)``), ``actions`` float32 ``(.., act_dim)`` or, with ``discrete``,
-    int64 ``(num_steps, num_envs)``, and float32 ``rewards``, ``values``, ``terminals`` (step ``t`` does not bootstrap
-    from its next observation) and ``dones`` (the episode ended at step ``t``: the return stops there)."""
-    shape = (obs_dim,) if isinstance(obs_dim, int) else tuple(obs_dim)
-    zeros = functools.partial(torch.zeros, num_steps, num_envs, device=device)
-    actions = zeros(dtype=torch.int64) if discrete else zeros(act_dim)
-    return {
-        "obs": zeros(*shape),
-        "actions": actions,
-        "rewards": zeros(),
-        "values": zeros(),
-        "terminals": zeros(),
-        "dones": zeros(),
-    }
+def act_and_step(policy, env, obs: torch.Tensor):
+    """One step of the rollout: ``policy`` (:func:`policy_step`, bound) on the raw ``obs``, then the env's answer.
+    Returns ``(obs_normalised, action, value, next_obs, reward, terminated, truncated, final_obs)``. For a
+    torch-batched env this is one function of tensors, so ``--compile`` traces policy and env step as one graph."""
+    obs_n, action, value = policy(obs)
+    next_obs, reward, terminated, truncated, info = env.step(action)
+    return obs_n, action, value, next_obs, reward, terminated, truncated, info["final_obs"]
 
 
-# ---------------------------------------------------------------------------------------------- returns
+def state_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch.Tensor:
+    """Values ``(B,)`` of raw observations ``(B, *obs_shape)`` (current statistics, not updated); no gradient."""
+    with torch.no_grad():
+        return agent.dist_and_value(agent.obs_norm(obs), amp)[1]
+
+
+def rollout(
+    policy,
+    env,
+    next_obs: torch.Tensor,
+    *,
+    storage: dict,
+    gamma: float,
+    bootstrap_truncation: bool,
+    value_fn=None,
+    step=act_and_step,
+) -> torch.Tensor:
+    """Collect ``num_steps`` steps of every env into ``storage`` (in place), each ``step(policy, env, obs)``:
+    :func:`act_and_step` (for a torch-batched env compiled as one graph with ``--compile``) with ``policy``
+    (:func:`policy_step`, bound); returns the raw observation after the last step. No host sync on torch-batched
+    envs, so there ``--cudagraphs`` replays the whole rollout as one CUDA graph (:func:`harness.capture`).
+
+    The env gets the raw actions (it clips and rescales Box ones) and returns the rewards to learn from (normalised by
+    :class:`envs.vector.NormalizeReward` where wrapped). ``value_fn`` (:func:`state_value` bound to the agent; only
+    for an env that gives real final observations, ``has_final_obs``): with ``bootstrap_truncation`` a truncated step
+    gets ``gamma * V(final_obs)`` added to its reward and is stored as terminal, as Stable-Baselines3 does; otherwise
+    truncations bootstrap from the next stored value (``bootstrap_truncation``) or are terminal.
+    """
+    from_final = value_fn is not None and bootstrap_truncation
+    for t in range(storage["obs"].shape[0]):
+        obs_n, action, value, next_obs, reward, terminated, truncated, final_obs = step(policy, env, next_obs)
+        storage["obs"][t], storage["actions"][t], storage["values"][t] = obs_n, action, value
+        episode_end = terminated | truncated
+        cut = truncated & ~terminated
+        if from_final and bool(cut.any()):  # gymnasium envs only: their steps sync with the host anyway
+            reward = reward + gamma * cut.to(reward.dtype) * value_fn(final_obs).to(reward.dtype)
+        storage["terminals"][t] = episode_end if from_final or not bootstrap_truncation else terminated
+        storage["rewards"][t] = reward
+        storage["dones"][t] = episode_end
+    return next_obs
+
+
 def compute_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -374,70 +356,6 @@ def compute_gae(
         lastgaelam = delta + gamma * gae_lambda * (1.0 - dones[t]) * lastgaelam
         advantages[t] = lastgaelam
     return advantages, advantages + values
-
-
-# ---------------------------------------------------------------------------------------------- hot functions
-def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold raw ``obs`` float32 ``(B, *obs_shape)`` into the running normaliser, normalise, sample; no host sync.
-
-    Returns:
-        ``(obs_normalised, action, value (B,))``; the action float32 ``(B, act_dim)`` unclipped (Box) or the index
-        int64 ``(B,)`` in ``0..n-1`` (Discrete).
-    """
-    with torch.no_grad():
-        if isinstance(agent.obs_norm, harness.RunningObsNorm):
-            agent.obs_norm.update(obs)
-        obs_n = agent.obs_norm(obs)
-        dist, value = agent.dist_and_value(obs_n, amp)
-        if agent.discrete:
-            # Gumbel-max: argmax(logits + Gumbel noise) samples the Categorical without torch.multinomial (whose
-            # CUDA kernel checks the probabilities); the uniform draws are kept away from 0
-            u = torch.rand_like(dist.logits).clamp_(min=torch.finfo(dist.logits.dtype).tiny)
-            return obs_n, (dist.logits - torch.log(-torch.log(u))).argmax(-1), value
-        # mean + std * noise, not dist.sample(): torch.normal checks std >= 0 on the host (a sync on CUDA)
-        return obs_n, dist.loc + dist.scale * torch.randn_like(dist.loc), value
-
-
-def state_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch.Tensor:
-    """Values ``(B,)`` of raw observations ``(B, *obs_shape)`` (current statistics, not updated); no gradient."""
-    with torch.no_grad():
-        return agent.dist_and_value(agent.obs_norm(obs), amp)[1]
-
-
-def act_and_step(act, env, obs: torch.Tensor):
-    """One step of the rollout: ``act`` (:func:`policy_step`, bound) on the raw ``obs``, then the env's answer.
-    Returns ``(obs_normalised, action, value, next_obs, reward, terminated, truncated, final_obs)``. For a
-    torch-batched env this is one function of tensors, so ``--compile`` traces policy and env step as one graph."""
-    obs_n, action, value = act(obs)
-    next_obs, reward, terminated, truncated, info = env.step(action)
-    return obs_n, action, value, next_obs, reward, terminated, truncated, info["final_obs"]
-
-
-def rollout(
-    step, next_obs: torch.Tensor, *, storage: dict, gamma: float, bootstrap_truncation: bool, value_fn=None
-) -> torch.Tensor:
-    """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``step`` (:func:`act_and_step`,
-    bound); returns the raw observation after the last step. No host sync on torch-batched envs, so there
-    ``--cudagraphs`` replays the whole rollout as one CUDA graph (:func:`harness.capture`).
-
-    The env gets the raw actions (it clips and rescales Box ones) and returns the rewards to learn from (normalised by
-    :class:`envs.vector.NormalizeReward` where wrapped). ``value_fn`` (:func:`state_value` bound to the agent; only
-    for an env that gives real final observations, ``has_final_obs``): with ``bootstrap_truncation`` a truncated step
-    gets ``gamma * V(final_obs)`` added to its reward and is stored as terminal, as Stable-Baselines3 does; otherwise
-    truncations bootstrap from the next stored value (``bootstrap_truncation``) or are terminal.
-    """
-    from_final = value_fn is not None and bootstrap_truncation
-    for t in range(storage["obs"].shape[0]):
-        obs_n, action, value, next_obs, reward, terminated, truncated, final_obs = step(next_obs)
-        storage["obs"][t], storage["actions"][t], storage["values"][t] = obs_n, action, value
-        episode_end = terminated | truncated
-        cut = truncated & ~terminated
-        if from_final and bool(cut.any()):  # gymnasium envs only: their steps sync with the host anyway
-            reward = reward + gamma * cut.to(reward.dtype) * value_fn(final_obs).to(reward.dtype)
-        storage["terminals"][t] = episode_end if from_final or not bootstrap_truncation else terminated
-        storage["rewards"][t] = reward
-        storage["dones"][t] = episode_end
-    return next_obs
 
 
 def update(
@@ -499,6 +417,115 @@ def update(
 
 
 # ---------------------------------------------------------------------------------------------- training
+def check_spaces(env_id: str, observation_space: gym.Space, action_space: gym.Space) -> None:
+    """Check that A2C can drive an env with these spaces: Box or Discrete actions, and a Box observation of 1 or 2
+    dims (flattened, MLPs) or 3 dims (an image ``(C, H, W)``, the CNN torso).
+
+    Raises:
+        ValueError: naming ``env_id``, the offending space and the way out.
+    """
+    if not isinstance(action_space, (gym.spaces.Box, gym.spaces.Discrete)):
+        raise ValueError(
+            f"A2C supports Box actions (Gaussian policy) and Discrete actions (Categorical policy), but {env_id} has "
+            f"action space {action_space}; wrap the env to expose a Box or a Discrete action space (e.g. flatten a "
+            f"MultiDiscrete space into one Discrete space)"
+        )
+    if not isinstance(observation_space, gym.spaces.Box):
+        raise ValueError(
+            f"A2C supports flat Box observations and images (C, H, W) only, but {env_id} has observation space "
+            f"{observation_space}; flatten it with a wrapper (e.g. gymnasium.wrappers.FlattenObservation)"
+        )
+    if len(observation_space.shape) > 3:
+        raise ValueError(
+            f"A2C takes flat observations (MLPs) or images (C, H, W) (CNN torso), but {env_id} has observations of "
+            f"{len(observation_space.shape)} dims {observation_space}; stack extra axes into the channels, e.g. "
+            f"(T, C, H, W) frames as (T * C, H, W) (gymnasium.wrappers.ReshapeObservation), or flatten them "
+            f"(gymnasium.wrappers.FlattenObservation)"
+        )
+
+
+def make_optimizer(
+    params, name: str, lr: torch.Tensor | float, alpha: float = 0.99, eps: float = 1e-5, capturable: bool = False
+) -> torch.optim.Optimizer:
+    """``"rmsprop"`` (PyTorch RMSprop with ``alpha``, ``eps``, as SB3/CleanRL A2C) or ``"adam"``; ``lr`` may be a device
+    tensor annealed in place (:func:`harness.device_lr`), ``capturable`` keeps the state on the device (CUDA graphs).
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, alpha=alpha, eps=eps, capturable=capturable)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, eps=eps, capturable=capturable)
+    raise ValueError(f"unknown optimizer {name!r}: expected 'rmsprop' or 'adam'")
+
+
+def make_storage(
+    num_steps: int,
+    num_envs: int,
+    obs_dim: int | tuple[int, ...],
+    act_dim: int,
+    device: torch.device,
+    discrete: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Preallocated rollout storage on ``device``, ``(num_steps, num_envs, ...)``: ``obs`` float32 ``(.., *obs_dim)``
+    (``obs_dim`` an int or a shape such as ``(C, H, W)``), ``actions`` float32 ``(.., act_dim)`` or, with ``discrete``,
+    int64 ``(num_steps, num_envs)``, and float32 ``rewards``, ``values``, ``terminals`` (step ``t`` does not bootstrap
+    from its next observation) and ``dones`` (the episode ended at step ``t``: the return stops there)."""
+    shape = (obs_dim,) if isinstance(obs_dim, int) else tuple(obs_dim)
+    zeros = functools.partial(torch.zeros, num_steps, num_envs, device=device)
+    actions = zeros(dtype=torch.int64) if discrete else zeros(act_dim)
+    return {
+        "obs": zeros(*shape),
+        "actions": actions,
+        "rewards": zeros(),
+        "values": zeros(),
+        "terminals": zeros(),
+        "dones": zeros(),
+    }
+
+
+def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Optimizer, storage: dict) -> tuple:
+    """The loop's hot functions bound once to the agent, optimizer, env and storage, with the speed switches applied
+    (``harness.bind``): ``(rollout, update)``.
+
+    On a torch-batched env the policy and the env step are compiled as one graph and the whole rollout is replayed as
+    one CUDA graph; a host env steps between the device calls, so there the policy is compiled or graphed alone, and
+    the value of its final observations (at truncations only) stays eager.
+    """
+    policy = functools.partial(policy_step, agent, amp=args.amp)
+    step = act_and_step
+    if env.torch_batched:  # policy and env step compiled as one graph
+        (step,) = harness.bind(args, graphs=False, act_and_step=step)
+    else:  # a host env steps between the device calls
+        (policy,) = harness.bind(args, policy_step=policy)
+    bound_rollout = functools.partial(
+        rollout,
+        policy,
+        env,
+        storage=storage,
+        gamma=args.gamma,
+        bootstrap_truncation=args.bootstrap_truncation,
+        value_fn=functools.partial(state_value, agent, amp=args.amp) if env.has_final_obs else None,
+        step=step,
+    )
+    if env.torch_batched:  # the whole rollout replayed as one CUDA graph
+        bound_rollout = harness.capture(args, bound_rollout)
+    bound_update = functools.partial(
+        update,
+        agent,
+        optimizer,
+        gamma=args.gamma,
+        gae_lambda=args.gae_lambda,
+        vf_coef=args.vf_coef,
+        ent_coef=args.ent_coef,
+        max_grad_norm=args.max_grad_norm,
+        norm_adv=args.norm_adv,
+        amp=args.amp,
+    )
+    return (bound_rollout, *harness.bind(args, update=bound_update))
+
+
 def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     """Train to ``args.total_timesteps`` at ``sizes``, from the live ``state`` an out-of-memory restart hands over, else
     from ``--resume``'s checkpoint or afresh; then :meth:`harness.Run.finish`. Returns its result with the sizes."""
@@ -545,38 +572,8 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         left = (args.total_timesteps - run.global_step) // sizes.batch_size
         num_iterations = run.iteration + max(int(run.global_step == 0), left)
         end_step = run.global_step + (num_iterations - run.iteration) * sizes.batch_size
-        (learn,) = harness.bind(
-            args,
-            learn=functools.partial(
-                update,
-                agent,
-                optimizer,
-                gamma=args.gamma,
-                gae_lambda=args.gae_lambda,
-                vf_coef=args.vf_coef,
-                ent_coef=args.ent_coef,
-                max_grad_norm=args.max_grad_norm,
-                norm_adv=args.norm_adv,
-                amp=args.amp,
-            ),
-        )
-        act = functools.partial(policy_step, agent, amp=args.amp)
-        if env.torch_batched:  # policy and env step compiled as one graph, the whole rollout replayed as one CUDA graph
-            (step,) = harness.bind(args, graphs=False, step=functools.partial(act_and_step, act, env))
-        else:  # a host env steps between the device calls
-            (act,) = harness.bind(args, act=act)
-            step = functools.partial(act_and_step, act, env)
-        # eager: only at gymnasium envs' truncations
-        value_fn = functools.partial(state_value, agent, amp=args.amp) if env.has_final_obs else None
-        collect = functools.partial(
-            rollout,
-            step,
-            storage=storage,
-            gamma=args.gamma,
-            bootstrap_truncation=args.bootstrap_truncation,
-            value_fn=value_fn,
-        )
-        collect = harness.capture(args, collect) if env.torch_batched else collect
+
+        rollout, update = bind_hot_functions(args, env, agent, optimizer, storage)
         actor, guard = GreedyActor(agent), run.new_guard()
         net = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]}" if image else "MLP"
         run.announce(
@@ -600,8 +597,8 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             if args.anneal_lr:
                 lr.fill_((1.0 - run.global_step / end_step) * args.learning_rate)
             try:
-                next_obs = collect(next_obs)
-                out = learn(
+                next_obs = rollout(next_obs)
+                out = update(
                     storage["obs"],
                     storage["actions"],
                     storage["rewards"],
@@ -646,9 +643,39 @@ def main(args: Args) -> dict:
     # TRY NOT TO MODIFY: seeding, device, run folder and writer
     run = harness.Run("a2c", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
-        return harness.train_with_oom_restarts(train, run, Sizes(args.num_envs, args.num_envs * args.num_steps), shrink)
+        return harness.train_with_oom_restarts(
+            train,
+            run,
+            Sizes(args.num_envs, args.num_envs * args.num_steps),
+            lambda sizes, in_update: halve_num_envs(sizes),  # wherever it struck
+        )
     finally:
         run.close()
+
+
+# ---------------------------------------------------------------------------------------------- out-of-memory back-off
+@dataclass(frozen=True)
+class Sizes:
+    """What an out-of-memory back-off shrinks (``Args`` never changes): the envs and the batch of one update."""
+
+    num_envs: int
+    batch_size: int
+    """``num_envs * num_steps`` env steps per iteration and update"""
+
+    def __str__(self) -> str:
+        return f"num_envs {self.num_envs} (batch {self.batch_size})"
+
+
+def halve_num_envs(sizes: Sizes) -> tuple[Sizes, str]:
+    """A2C's out-of-memory rule, wherever the error struck: half the envs, so half the batch.
+
+    Raises:
+        ValueError: one env left.
+    """
+    if sizes.num_envs < 2:
+        raise ValueError(f"num_envs {sizes.num_envs} cannot be halved")
+    new = Sizes(sizes.num_envs // 2, sizes.batch_size // sizes.num_envs * (sizes.num_envs // 2))
+    return new, f"num_envs {sizes.num_envs} -> {new.num_envs} (batch {sizes.batch_size} -> {new.batch_size})"
 
 
 if __name__ == "__main__":

@@ -88,6 +88,9 @@ ENV_DEFAULTS = {
 }  # fmt: skip
 """Per-env defaults over the preset's (env id, ``"*"`` for an env without an entry); the command line wins."""
 
+LOSS_NAMES = ("td_loss", "q_values", "grad_norm")
+"""Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
+
 
 @dataclass
 class Args(harness.RunArgs):
@@ -158,22 +161,6 @@ class Args(harness.RunArgs):
     down to max(num_envs, batch_size) rows"""
 
 
-@dataclass
-class Sizes:
-    """The sizes that shrink after a CUDA out-of-memory error (:func:`shrink`; ``buffer_size`` at setup, in place)."""
-
-    num_envs: int
-    batch_size: int
-    buffer_size: int
-
-
-LOSS_NAMES = ("td_loss", "q_values", "grad_norm")
-"""Quantities checked for finiteness after each update, in the order of the update's ``bad`` flags."""
-
-OOM_MIN_BATCH_SIZE = 64
-"""The smallest batch_size the out-of-memory back-off halves to; below it, num_envs halves instead."""
-
-
 # ---------------------------------------------------------------------------------------------- networks
 class QNetwork(nn.Module):
     """Raw observations -> Q values float32 ``(B, n_actions)``.
@@ -235,13 +222,109 @@ class GreedyPolicy(nn.Module):
         return self.qnet(obs).argmax(1)
 
 
-# ---------------------------------------------------------------------------------------------- pure pieces
+# ---------------------------------------------------------------------------------------------- hot functions
+# in the order the loop calls them: linear_schedule (epsilon), rollout (choose_actions with act, or act_step_store:
+# action, env step and buffer write on a torch-batched env), update (buffer_sample, td_target, one gradient step),
+# target_update
 def linear_schedule(start_e: float, end_e: float, duration: float, t: torch.Tensor) -> torch.Tensor:
     """Epsilon at env step ``t`` (a device tensor): linear from ``start_e`` to ``end_e`` over ``duration`` steps,
     then constant. No host sync."""
     slope = (end_e - start_e) / max(float(duration), 1.0)
     eps = start_e + slope * t.to(torch.float32)
     return eps.clamp(min(start_e, end_e), max(start_e, end_e))
+
+
+def act(qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Tensor, amp: bool = False) -> torch.Tensor:
+    """Epsilon-greedy actions int64 ``(B,)`` for raw observations ``obs``; ``epsilon`` is a device scalar."""
+    with torch.no_grad(), torch.autocast(obs.device.type, torch.bfloat16, enabled=amp):
+        q = qnet(obs)
+    greedy = q.argmax(1)
+    random_actions = torch.randint(0, q.shape[1], greedy.shape, device=obs.device)
+    explore = torch.rand(greedy.shape, device=obs.device) < epsilon
+    return torch.where(explore, random_actions, greedy)
+
+
+def choose_actions(act, qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Tensor, update_norm: bool) -> torch.Tensor:
+    """``act(obs, epsilon)`` (:func:`act`, bound and maybe compiled), first folding ``obs`` into the observation
+    statistics while ``update_norm`` (a host flag: still before learning starts)."""
+    if update_norm and isinstance(qnet.obs_norm, harness.RunningObsNorm):
+        qnet.obs_norm.update(obs)
+    return act(obs, epsilon)
+
+
+def act_step_store(
+    act,
+    qnet: QNetwork,
+    env,
+    rb: harness.ReplayBuffer,
+    obs: torch.Tensor,
+    epsilon: torch.Tensor,
+    *,
+    update_norm: bool,
+    bootstrap_truncation: bool,
+    reward_scale: float,
+) -> torch.Tensor:
+    """One epsilon-greedy step of every env of a torch-batched ``env``: :func:`choose_actions` (``act``: :func:`act`,
+    bound), the env step and the transitions written into ``rb`` (:func:`harness.store` without advancing; the caller
+    then calls :meth:`~harness.ReplayBuffer.advance`); returns the next observation. ``epsilon`` a device scalar,
+    ``update_norm`` a host flag fixed per compiled or captured copy. Tensors only, every state updated in place, no
+    host sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
+    action = choose_actions(act, qnet, obs, epsilon, update_norm)
+    return harness.store(rb, obs, action, env.step(action), bootstrap_truncation, reward_scale, advance=False)
+
+
+def rollout(
+    act,
+    act_step_store: dict | None,
+    qnet: QNetwork,
+    env,
+    rb: harness.ReplayBuffer,
+    next_obs: torch.Tensor,
+    epsilon: torch.Tensor,
+    *,
+    num_steps: int,
+    update_norm: bool,
+    bootstrap_truncation: bool,
+    reward_scale: float,
+) -> tuple[torch.Tensor, tuple | None]:
+    """Step every env ``num_steps`` times epsilon-greedily, storing the transitions; returns ``(last obs, pending)``.
+
+    ``act_step_store`` (for a torch-batched env: :func:`act_step_store` bound, one copy per ``update_norm``; ``act`` is
+    then unused) makes each step one call; otherwise (None) a step is :func:`choose_actions` with ``act`` (:func:`act`,
+    bound), the env step and :func:`harness.store`. With ``env.overlap`` (an async gymnasium env) the last step is
+    only sent (``env.step_async``): ``pending`` is its ``(obs, actions)``, for :func:`harness.store` of
+    ``env.step_wait()`` after the gradient steps; else None. No host sync on the torch-batched envs.
+    """
+    if act_step_store is not None:
+        step = act_step_store[update_norm]
+        for _ in range(num_steps):
+            next_obs = step(next_obs, epsilon)
+            rb.advance(next_obs.shape[0])
+        return next_obs, None
+    for _ in range(num_steps - 1 if env.overlap else num_steps):
+        action = choose_actions(act, qnet, next_obs, epsilon, update_norm)
+        next_obs = harness.store(rb, next_obs, action, env.step(action), bootstrap_truncation, reward_scale)
+    if not env.overlap:
+        return next_obs, None
+    action = choose_actions(act, qnet, next_obs, epsilon, update_norm)
+    env.step_async(action)
+    return next_obs, (next_obs, action)
+
+
+def buffer_sample(rb: harness.ReplayBuffer, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """Uniform sample of ``batch_size`` filled rows (with replacement): ``obs, actions, rewards, next_obs, dones``.
+    Reads the filled-row count from the device (``size_t``), never from the host, so a captured update sees the
+    buffer grow."""
+    data = rb.data
+    u = torch.rand(batch_size, device=rb.device)
+    idx = (u * rb.size_t).long().clamp(max=rb.capacity - 1)
+    return (
+        data["obs"][idx].float(),
+        data["actions"][idx],
+        data["rewards"][idx],
+        data["next_obs"][idx].float(),
+        data["dones"][idx],
+    )
 
 
 def td_target(
@@ -261,44 +344,6 @@ def td_target(
     else:
         next_value = next_q_target.gather(1, next_q_online.argmax(1, keepdim=True)).squeeze(1)
     return rewards + gamma * (1.0 - dones) * next_value
-
-
-@torch.no_grad()
-def target_update(target: nn.Module, online: nn.Module, tau: float) -> None:
-    """``target <- tau * online + (1 - tau) * target`` for parameters (in place; ``tau=1`` is a hard copy);
-    buffers (the observation statistics) are copied."""
-    for tp, p in zip(target.parameters(), online.parameters()):
-        tp.lerp_(p, tau)
-    for tb, b in zip(target.buffers(), online.buffers()):
-        tb.copy_(b)
-
-
-# ---------------------------------------------------------------------------------------------- replay buffer
-def buffer_sample(rb: harness.ReplayBuffer, batch_size: int) -> tuple[torch.Tensor, ...]:
-    """Uniform sample of ``batch_size`` filled rows (with replacement): ``obs, actions, rewards, next_obs, dones``.
-    Reads the filled-row count from the device (``size_t``), never from the host, so a captured update sees the
-    buffer grow."""
-    data = rb.data
-    u = torch.rand(batch_size, device=rb.device)
-    idx = (u * rb.size_t).long().clamp(max=rb.capacity - 1)
-    return (
-        data["obs"][idx].float(),
-        data["actions"][idx],
-        data["rewards"][idx],
-        data["next_obs"][idx].float(),
-        data["dones"][idx],
-    )
-
-
-# ---------------------------------------------------------------------------------------------- hot paths
-def act(qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Tensor, amp: bool = False) -> torch.Tensor:
-    """Epsilon-greedy actions int64 ``(B,)`` for raw observations ``obs``; ``epsilon`` is a device scalar."""
-    with torch.no_grad(), torch.autocast(obs.device.type, torch.bfloat16, enabled=amp):
-        q = qnet(obs)
-    greedy = q.argmax(1)
-    random_actions = torch.randint(0, q.shape[1], greedy.shape, device=obs.device)
-    explore = torch.rand(greedy.shape, device=obs.device) < epsilon
-    return torch.where(explore, random_actions, greedy)
 
 
 def update(
@@ -337,90 +382,143 @@ def update(
     return {"td_loss": stats[0], "q_values": stats[1], "grad_norm": stats[2], "bad": ~torch.isfinite(stats)}
 
 
-def choose_actions(act_fn, qnet: QNetwork, obs: torch.Tensor, epsilon: torch.Tensor, update_norm: bool) -> torch.Tensor:
-    """``act_fn(obs, epsilon)`` (:func:`act`, bound and maybe compiled), first folding ``obs`` into the observation
-    statistics while ``update_norm`` (a host flag: still before learning starts)."""
-    if update_norm and isinstance(qnet.obs_norm, harness.RunningObsNorm):
-        qnet.obs_norm.update(obs)
-    return act_fn(obs, epsilon)
-
-
-def act_step_store(
-    act_fn,
-    qnet: QNetwork,
-    env,
-    rb: harness.ReplayBuffer,
-    obs: torch.Tensor,
-    epsilon: torch.Tensor,
-    *,
-    update_norm: bool,
-    bootstrap_truncation: bool,
-    reward_scale: float,
-) -> torch.Tensor:
-    """One epsilon-greedy step of every env of a torch-batched ``env``: :func:`choose_actions` (``act_fn``:
-    :func:`act`, bound), the env step and the transitions written into ``rb`` (:func:`harness.store` without
-    advancing; the caller then calls :meth:`~harness.ReplayBuffer.advance`); returns the next observation.
-    ``epsilon`` a device scalar, ``update_norm`` a host flag fixed per compiled or captured copy. Tensors only, every
-    state updated in place, no host sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one
-    CUDA graph."""
-    action = choose_actions(act_fn, qnet, obs, epsilon, update_norm)
-    return harness.store(rb, obs, action, env.step(action), bootstrap_truncation, reward_scale, advance=False)
-
-
-def rollout(
-    env,
-    act_fn,
-    qnet: QNetwork,
-    next_obs: torch.Tensor,
-    rb: dict,
-    epsilon: torch.Tensor,
-    num_steps: int,
-    update_norm: bool,
-    args: Args,
-    step=None,
-) -> tuple[torch.Tensor, tuple | None]:
-    """Step every env ``num_steps`` times epsilon-greedily, storing the transitions; returns ``(last obs, pending)``.
-
-    ``step`` (:func:`act_step_store` bound, for a torch-batched env; ``act_fn`` and ``update_norm`` are then unused)
-    makes each step one call. With ``env.overlap`` (an async gymnasium env) the last step is only sent
-    (``env.step_async``): ``pending`` is its ``(obs, actions)``, for :func:`harness.store` of ``env.step_wait()`` after
-    the gradient steps; else None. No host sync on the torch-batched envs.
-    """
-    if step is not None:
-        for _ in range(num_steps):
-            next_obs = step(next_obs, epsilon)
-            rb.advance(next_obs.shape[0])
-        return next_obs, None
-    for _ in range(num_steps - 1 if env.overlap else num_steps):
-        action = choose_actions(act_fn, qnet, next_obs, epsilon, update_norm)
-        next_obs = harness.store(rb, next_obs, action, env.step(action), args.bootstrap_truncation, args.reward_scale)
-    if not env.overlap:
-        return next_obs, None
-    action = choose_actions(act_fn, qnet, next_obs, epsilon, update_norm)
-    env.step_async(action)
-    return next_obs, (next_obs, action)
-
-
-# ---------------------------------------------------------------------------------------------- out of memory
-def shrink(sizes: Sizes, in_update: bool) -> tuple[Sizes, str]:
-    """DQN's out-of-memory back-off: in the gradient steps halve ``batch_size`` while it stays at least
-    :data:`OOM_MIN_BATCH_SIZE`; otherwise (and stepping the envs, or at setup) halve ``num_envs`` (the envs are
-    rebuilt, the replay buffer kept). Returns ``(new sizes, "batch_size 128 -> 64")``.
-
-    Raises:
-        ValueError: nothing left to halve (one env, and in the gradient steps a batch at its floor).
-    """
-    n, b = sizes.num_envs, sizes.batch_size
-    if in_update and b // 2 >= OOM_MIN_BATCH_SIZE:
-        return dataclasses.replace(sizes, batch_size=b // 2), f"batch_size {b} -> {b // 2}"
-    if n >= 2:
-        return dataclasses.replace(sizes, num_envs=n // 2), f"num_envs {n} -> {n // 2}"
-    floor = f" and batch_size {b} would drop below {OOM_MIN_BATCH_SIZE}" if in_update else ""
-    raise ValueError(f"num_envs {n} cannot be halved{floor}")
+@torch.no_grad()
+def target_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """``target <- tau * online + (1 - tau) * target`` for parameters (in place; ``tau=1`` is a hard copy);
+    buffers (the observation statistics) are copied."""
+    for tp, p in zip(target.parameters(), online.parameters()):
+        tp.lerp_(p, tau)
+    for tb, b in zip(target.buffers(), online.buffers()):
+        tb.copy_(b)
 
 
 # ---------------------------------------------------------------------------------------------- training
-def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
+def check_action_space(env_id: str, space: gym.Space) -> None:
+    """Raise ValueError (naming ``env_id`` and ``space``) unless it is ``Discrete``."""
+    if not isinstance(space, gym.spaces.Discrete):
+        raise ValueError(
+            f"DQN needs a Discrete action space; {env_id} has {space}. Use "
+            "algos/ppo.py, algos/a2c.py or algos/sac.py for continuous (Box) actions."
+        )
+
+
+def start(
+    run: harness.Run,
+    handed: dict | None,
+    env,
+    rb: harness.ReplayBuffer,
+    log: harness.ReplayLog | None,
+    qnet: QNetwork,
+    target: QNetwork,
+    optimizer: optim.Optimizer,
+    lr,
+) -> tuple[torch.Tensor, int]:
+    """Start the game, or continue it: reset the envs, then load the live state ``handed`` over after an out-of-memory
+    error or ``--resume``'s checkpoint (:meth:`harness.Run.restore`) and rebuild the replay buffer from it (its replay
+    ``log`` replayed, or its rows). Returns ``(next_obs, learn_from)``: the first observation and the env step at
+    which the gradient steps begin."""
+    args, device = run.args, run.device
+    next_obs, _ = env.reset(seed=args.seed)
+    loaded = run.restore(handed, {"qnet": qnet, "target": target}, {"optimizer": optimizer}, env, {"optimizer": lr})
+    if loaded is None:
+        return next_obs, args.learning_starts
+    if loaded["env_restored"]:
+        next_obs = loaded["next_obs"].to(device)
+    else:  # new episodes (another num_envs, or a gymnasium env)
+        next_obs, _ = env.reset(seed=args.seed + run.global_step)
+
+    def replay(obs, a):  # one env step and its transitions, to rebuild the buffer from its replay log
+        return harness.store(rb, obs, a, env.step(a), args.bootstrap_truncation, args.reward_scale)
+
+    final_state = loaded["env"] if loaded["env_restored"] else None
+    message, kept = harness.restore_buffer(
+        rb, log, loaded.get("replay_buffer"), env, replay, env.num_envs, final_state, next_obs
+    )
+    # with its buffer back the run learns on from where it was; else it refills learning_starts steps first
+    learn_from = int(loaded.get("learn_from", args.learning_starts)) if kept else None
+    learn_from = run.global_step + args.learning_starts if learn_from is None else learn_from
+    if handed is None:
+        run.resume_note(replay_buffer=message, exact=kept)
+    return next_obs, learn_from
+
+
+def bind_hot_functions(
+    args: Args,
+    env,
+    rb: harness.ReplayBuffer,
+    qnet: QNetwork,
+    target: QNetwork,
+    optimizer: optim.Optimizer,
+    batch_size: int,
+) -> tuple:
+    """The loop's hot functions bound once to the networks, optimizer, env and replay buffer, with the speed switches
+    applied (``harness.bind``): ``(act, act_step_store, update)``.
+
+    On a torch-batched env ``act_step_store`` holds :func:`act_step_store` (action, env step and buffer write) compiled
+    as one graph and replayed as one CUDA graph, one copy per ``update_norm`` (each compiled and captured at its first
+    call); a host env steps between the device calls, so there ``act_step_store`` is None and :func:`act` is compiled
+    or graphed alone. Each gradient step (:func:`update`) is a graph of its own.
+    """
+    policy = partial(act, qnet, amp=args.amp)
+    (learn,) = harness.bind(
+        args,
+        update=partial(
+            update,
+            qnet,
+            target,
+            optimizer,
+            rb,
+            batch_size,
+            args.gamma,
+            args.double_q,
+            args.max_grad_norm,
+            args.amp,
+        ),
+    )
+    steps = None
+    if env.torch_batched:
+        steps = {}
+        for update_norm in (True, False):
+            (step,) = harness.bind(
+                args,
+                graphs=False,
+                act_step_store=partial(
+                    act_step_store,
+                    policy,
+                    qnet,
+                    env,
+                    rb,
+                    update_norm=update_norm,
+                    bootstrap_truncation=args.bootstrap_truncation,
+                    reward_scale=args.reward_scale,
+                ),
+            )
+            steps[update_norm] = harness.capture(args, step)
+    else:  # a host env steps between the device calls
+        (policy,) = harness.bind(args, act=policy)
+    return policy, steps, learn
+
+
+def checkpoint_state(
+    run: harness.Run, qnet, target, optimizer, env, next_obs, learn_from: int, sizes, rb, log, rows: bool
+) -> dict:
+    """What a checkpoint holds besides ``run.counters()``: networks, optimizer, env state, the next observation, the
+    step learning starts at, the sizes, and the replay buffer's log, or its rows where ``rows`` (``--save-buffer``,
+    and always in the live state handed over after an out-of-memory error)."""
+    return {
+        "qnet": qnet.state_dict(),
+        "target": target.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "env": env.state_dict(),
+        "num_envs": sizes.num_envs,
+        "next_obs": next_obs,
+        "learn_from": learn_from,
+        "sizes": dataclasses.asdict(sizes),
+        "replay_buffer": harness.checkpoint_buffer(rb, log, run.global_step, rows),
+    }
+
+
+def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> dict:
     """Train from scratch, from ``--resume``'s checkpoint or from the live state ``handed`` over after a CUDA
     out-of-memory error, until ``total_timesteps``; then :meth:`harness.Run.finish` (its result, with the sizes)."""
     args, device = run.args, run.device
@@ -428,11 +526,7 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
     # TRY NOT TO MODIFY: env setup
     env = harness.make_env(args, sizes.num_envs, device, action_mode="discrete")
     try:
-        if not isinstance(env.single_action_space, gym.spaces.Discrete):
-            raise ValueError(
-                f"DQN needs a Discrete action space; {args.env_id} has {env.single_action_space}. Use "
-                "algos/ppo.py, algos/a2c.py or algos/sac.py for continuous (Box) actions."
-            )
+        check_action_space(args.env_id, env.single_action_space)
         obs_shape, n_actions = tuple(env.obs_shape), int(env.single_action_space.n)
 
         qnet = QNetwork(
@@ -452,69 +546,13 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
         # TRY NOT TO MODIFY: start the game, or continue it
         iteration_steps = sizes.num_envs * args.num_steps
         log = harness.ReplayLog(rb, iteration_steps) if env.torch_batched else None
-        next_obs, _ = env.reset(seed=args.seed)
-        loaded = run.restore(handed, {"qnet": qnet, "target": target}, {"optimizer": optimizer}, env, {"optimizer": lr})
-        learn_from = args.learning_starts
-        if loaded is not None:
-            if loaded["env_restored"]:
-                next_obs = loaded["next_obs"].to(device)
-            else:  # new episodes (another num_envs, or a gymnasium env)
-                next_obs, _ = env.reset(seed=args.seed + run.global_step)
-
-            def replay(obs, a):  # one env step and its transitions, to rebuild the buffer from its replay log
-                return harness.store(rb, obs, a, env.step(a), args.bootstrap_truncation, args.reward_scale)
-
-            final_state = loaded["env"] if loaded["env_restored"] else None
-            message, kept = harness.restore_buffer(
-                rb, log, loaded.get("replay_buffer"), env, replay, sizes.num_envs, final_state, next_obs
-            )
-            # with its buffer back the run learns on from where it was; else it refills learning_starts steps first
-            learn_from = int(loaded.get("learn_from", args.learning_starts)) if kept else None
-            learn_from = run.global_step + args.learning_starts if learn_from is None else learn_from
-            if handed is None:
-                run.resume_note(replay_buffer=message, exact=kept)
+        next_obs, learn_from = start(run, handed, env, rb, log, qnet, target, optimizer, lr)
         # the statistics freeze when learning starts; a fine-tuning (--init-from) keeps those its networks came with
         norm_frozen = run.global_step >= args.learning_starts or bool(args.init_from)
         num_iterations = run.iteration + max(0, args.total_timesteps - run.global_step) // iteration_steps
         num_iterations = max(num_iterations, 1)
 
-        act_fn = partial(act, qnet, amp=args.amp)
-        (update_fn,) = harness.bind(
-            args,
-            update=partial(
-                update,
-                qnet,
-                target,
-                optimizer,
-                rb,
-                sizes.batch_size,
-                args.gamma,
-                args.double_q,
-                args.max_grad_norm,
-                args.amp,
-            ),
-        )
-        steps = None  # a torch-batched env: act, env step and buffer write as one graph, one per update_norm
-        if env.torch_batched:
-            steps = {}
-            for update_norm in (True, False):  # compiled and captured at its first call
-                (fn,) = harness.bind(
-                    args,
-                    graphs=False,
-                    step=partial(
-                        act_step_store,
-                        act_fn,
-                        qnet,
-                        env,
-                        rb,
-                        update_norm=update_norm,
-                        bootstrap_truncation=args.bootstrap_truncation,
-                        reward_scale=args.reward_scale,
-                    ),
-                )
-                steps[update_norm] = harness.capture(args, fn)
-        else:  # a host env steps between the device calls
-            (act_fn,) = harness.bind(args, act=act_fn)
+        act, act_step_store, update = bind_hot_functions(args, env, rb, qnet, target, optimizer, sizes.batch_size)
         actor = GreedyHubPolicy(qnet, discrete_action_table()).to(device) if run.evhub else GreedyPolicy(qnet)
         step_t = torch.full((), float(run.global_step), device=device)
         duration = args.exploration_fraction * args.total_timesteps
@@ -522,20 +560,8 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
         out = {k: torch.full((), math.nan, device=device) for k in LOSS_NAMES}
         guard = run.new_guard()
 
-        def state(live: bool = False) -> dict:
-            """What a checkpoint holds besides ``run.counters()``: the replay buffer's log (its rows with
-            ``--save-buffer``, and always in the ``live`` state handed over after an out-of-memory error)."""
-            return {
-                "qnet": qnet.state_dict(),
-                "target": target.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "env": env.state_dict(),
-                "num_envs": sizes.num_envs,
-                "next_obs": next_obs,
-                "learn_from": learn_from,
-                "sizes": dataclasses.asdict(sizes),
-                "replay_buffer": harness.checkpoint_buffer(rb, log, run.global_step, live or args.save_buffer),
-            }
+        def live_state(rows: bool = True) -> dict:
+            return checkpoint_state(run, qnet, target, optimizer, env, next_obs, learn_from, sizes, rb, log, rows)
 
         cnn = "CNN" if len(obs_shape) == 3 else "MLP"
         overlap = ", env steps overlapped with the gradient steps" if env.overlap else ""
@@ -553,21 +579,22 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
             epsilon.copy_(linear_schedule(args.start_e, args.end_e, duration, step_t))
             try:
                 next_obs, pending = rollout(
-                    env,
-                    act_fn,
+                    act,
+                    act_step_store,
                     qnet,
-                    next_obs,
+                    env,
                     rb,
+                    next_obs,
                     epsilon,
-                    args.num_steps,
-                    not norm_frozen,
-                    args,
-                    None if steps is None else steps[not norm_frozen],
+                    num_steps=args.num_steps,
+                    update_norm=not norm_frozen,
+                    bootstrap_truncation=args.bootstrap_truncation,
+                    reward_scale=args.reward_scale,
                 )
             except RuntimeError as exc:  # TRY NOT TO MODIFY: out of memory: the iteration is repeated with fewer envs
                 run.iteration -= 1
                 where = f"at global_step {run.global_step} (iteration {iteration}), stepping the envs"
-                run.out_of_memory(exc, where, partial(state, live=True))
+                run.out_of_memory(exc, where, live_state)
             prev_step = run.global_step
             run.global_step += iteration_steps
             step_t += iteration_steps
@@ -580,7 +607,7 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
                     target_update(target, qnet, 1.0)
                 try:
                     for _ in range(args.gradient_steps):
-                        out = update_fn()
+                        out = update()
                         run.flag(guard, out["bad"])
                 except RuntimeError as exc:  # out of memory: the iteration's other gradient steps are skipped
                     oom = exc
@@ -597,13 +624,19 @@ def train(run: harness.Run, sizes: Sizes, handed: dict | None) -> dict:
             run.eval_during_training(actor, "hub")
             if run.every(args.checkpoint_every):
                 run.check_finite(guard)
-                run.save(state())
+                run.save(live_state(args.save_buffer))
             if oom is not None:  # TRY NOT TO MODIFY: a smaller batch from the next iteration on
                 where = f"at global_step {run.global_step} (iteration {iteration}), in the gradient steps"
-                run.out_of_memory(oom, where, partial(state, live=True), in_update=True)
+                run.out_of_memory(oom, where, live_state, in_update=True)
 
         run.check_finite(guard)
-        return run.finish(state(), actor, env, action_mode="hub" if run.evhub else None, **dataclasses.asdict(sizes))
+        return run.finish(
+            live_state(args.save_buffer),
+            actor,
+            env,
+            action_mode="hub" if run.evhub else None,
+            **dataclasses.asdict(sizes),
+        )
     finally:
         env.close()  # an async env's workers (after finish, or on an error)
 
@@ -626,8 +659,9 @@ def main(args: Args) -> dict:
         raise ValueError(f"buffer_size={args.buffer_size} must hold at least one step of the {args.num_envs} envs")
     run = harness.Run("dqn", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
-        sizes = Sizes(args.num_envs, args.batch_size, args.buffer_size)
-        return harness.train_with_oom_restarts(train, run, sizes, shrink)
+        sizes = harness.ReplaySizes(args.num_envs, args.batch_size, args.buffer_size)
+        # in the gradient steps the batch halves (down to harness.OOM_MIN_BATCH_SIZE), else num_envs
+        return harness.train_with_oom_restarts(train, run, sizes, harness.halve_batch_or_envs)
     except Exception:
         run.close()
         raise

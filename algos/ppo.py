@@ -132,93 +132,6 @@ class Args(harness.RunArgs):
     treats it as terminal like CleanRL"""
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """The sizes of the run, which an out-of-memory back-off changes (``Args`` never does)."""
-
-    num_envs: int
-    num_steps: int
-    num_minibatches: int
-
-    @property
-    def batch_size(self) -> int:
-        """Env steps per iteration: ``num_envs * num_steps``."""
-        return self.num_envs * self.num_steps
-
-    @property
-    def minibatch_size(self) -> int:
-        """Rows per minibatch: ``batch_size // num_minibatches``."""
-        return self.batch_size // self.num_minibatches
-
-    def __str__(self) -> str:
-        return f"num_envs {self.num_envs} (batch {self.batch_size}, minibatch {self.minibatch_size})"
-
-
-def check_args(args: Args) -> Sizes:
-    """The run's :class:`Sizes`, after checking the arguments.
-
-    Raises:
-        ValueError: a size below 1 or bad ``--cnn-channels``; more minibatches than rows; ``--cudagraphs`` with
-            ``--target-kl`` (its early stop reads the device) or with unequal minibatches.
-    """
-    sizes = Sizes(args.num_envs, args.num_steps, args.num_minibatches)
-    if len(args.cnn_channels) != 2 or min(args.cnn_channels) < 1:
-        raise ValueError(f"--cnn-channels takes two positive channel counts (C1 C2), got {args.cnn_channels}")
-    if min(args.num_envs, args.num_steps, args.log_every) < 1:
-        raise ValueError("num_envs, num_steps and log_every must be >= 1")
-    if sizes.minibatch_size < 1:
-        raise ValueError(f"num_minibatches={args.num_minibatches} exceeds the batch size {sizes.batch_size}")
-    if args.cudagraphs and args.target_kl is not None:
-        raise ValueError(
-            "--cudagraphs cannot be combined with --target-kl: its early stop reads approx_kl on the host "
-            "after every epoch; drop one of the two"
-        )
-    if args.cudagraphs and sizes.batch_size % args.num_minibatches:
-        raise ValueError(
-            f"--cudagraphs needs equal minibatches: the batch size {sizes.batch_size} (num_envs * "
-            f"num_steps) must be a multiple of num_minibatches={args.num_minibatches}"
-        )
-    return sizes
-
-
-def halve_num_envs(sizes: Sizes, in_update: bool, cudagraphs: bool = False) -> tuple[Sizes, str]:
-    """PPO's out-of-memory rule: half the envs, so the batch and each of the ``num_minibatches`` minibatches halve.
-
-    Raises:
-        ValueError: nothing left to halve (one env, or fewer rows than minibatches), or, under ``--cudagraphs``, a
-            batch that would not split into equal minibatches.
-    """
-    new = dataclasses.replace(sizes, num_envs=sizes.num_envs // 2)
-    if new.num_envs < 1 or new.batch_size < sizes.num_minibatches:
-        raise ValueError(f"num_envs {sizes.num_envs} cannot be halved (num_minibatches={sizes.num_minibatches})")
-    if cudagraphs and new.batch_size % sizes.num_minibatches:
-        raise ValueError(
-            f"--cudagraphs needs equal minibatches and {new.num_envs} envs x {sizes.num_steps} steps do "
-            f"not split into num_minibatches={sizes.num_minibatches}"
-        )
-    return (
-        new,
-        f"num_envs {sizes.num_envs} -> {new.num_envs} (batch {sizes.batch_size} -> {new.batch_size}, "
-        f"minibatch {sizes.minibatch_size} -> {new.minibatch_size})",
-    )
-
-
-def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:
-    """Raise ValueError unless PPO can drive these single-env spaces: a Box or Discrete action space, a Box
-    observation space of at most 3 dimensions (flat ones go to the MLP, images ``(C, H, W)`` to the CNN torso)."""
-    if not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise ValueError(
-            f"PPO supports a Box (Gaussian policy) or a Discrete (Categorical policy) action space, but "
-            f"{env_id} has {act_space}; algos/sac.py (Box) and algos/dqn.py (Discrete) take no other kind "
-            f"either: wrap the env to expose a single Box or Discrete action space"
-        )
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) > 3:
-        raise ValueError(
-            f"PPO takes flat Box observations (an MLP) or images (C, H, W) (a CNN torso), but {env_id} "
-            f"has {obs_space}; wrap the env to give (C, H, W) images or flat vectors"
-        )
-
-
 # ---------------------------------------------------------------------------------------------- agent
 class Agent(nn.Module):
     """Actor and critic: the torso of the observations and the policy head of the action space.
@@ -302,14 +215,83 @@ class DeterministicActor(nn.Module):
         return out.argmax(-1) if self.discrete else out.clamp(-1.0, 1.0)
 
 
-def make_storage(sizes: Sizes, obs_shape: tuple[int, ...], act_dim: int, discrete: bool, device: torch.device) -> dict:
-    """Preallocated rollout storage, ``(num_steps, num_envs, ...)`` float32 tensors (int64 actions for a Discrete)."""
-    z = lambda *s: torch.zeros(sizes.num_steps, sizes.num_envs, *s, device=device)  # noqa: E731
-    actions = torch.zeros(sizes.num_steps, sizes.num_envs, dtype=torch.int64, device=device) if discrete else z(act_dim)
-    return {"obs": z(*obs_shape), "actions": actions, "logprobs": z(), "rewards": z(), "dones": z(), "values": z()}
-
-
 # ---------------------------------------------------------------------------------------------- hot functions
+# in the order the loop calls them: rollout (policy_step and the env step, num_steps times), estimate_advantages
+# (the bootstrap value and compute_gae), update (update_minibatch on each minibatch of each epoch)
+def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False):
+    """Fold raw ``obs`` float32 ``(B, *obs_shape)`` into the running normaliser, normalise and sample; no host sync.
+
+    Returns ``(obs_normalised, action, logprob (B,), value (B,))``: the action float32 ``(B, act_dim)`` unclipped (the
+    env clips it) for a Box, int64 ``(B,)`` for a Discrete.
+    """
+    with torch.no_grad():
+        if isinstance(agent.obs_norm, harness.RunningObsNorm):
+            agent.obs_norm.update(obs)
+        obs_n = agent.obs_norm(obs)
+        dist, value = agent.dist_and_value(obs_n, amp)
+        if agent.discrete:
+            # Categorical.sample()'s Gumbel-max draw without its host-side check of the probabilities (a sync)
+            probs = dist.probs
+            action = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+            return obs_n, action, dist.log_prob(action), value
+        # mean + std * noise: dist.sample() checks std >= 0 on the host (a sync); both draw the same numbers
+        action = dist.loc + dist.scale * torch.randn_like(dist.loc)
+        return obs_n, action, dist.log_prob(action).sum(1), value
+
+
+def act_and_step(policy, env, obs: torch.Tensor):
+    """One step of the rollout: ``policy`` (:func:`policy_step`, bound) on the raw ``obs``, then the env's answer.
+    Returns ``(obs_normalised, action, logprob, value, next_obs, reward, terminated, truncated, final_obs)``. For a
+    torch-batched env this is one function of tensors, so ``--compile`` traces policy and env as one graph."""
+    obs_n, action, logprob, value = policy(obs)
+    next_obs, reward, terminated, truncated, info = env.step(action)
+    return obs_n, action, logprob, value, next_obs, reward, terminated, truncated, info["final_obs"]
+
+
+def bootstrap_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch.Tensor:
+    """Value float32 ``(B,)`` of raw observations (the ``final_obs`` of truncated episodes); no host sync."""
+    with torch.no_grad():
+        return agent.get_value(agent.obs_norm(obs), amp)
+
+
+def rollout(
+    policy,
+    env,
+    next_obs,
+    next_done,
+    *,
+    storage: dict,
+    gamma: float,
+    bootstrap_truncation: bool,
+    final_value=None,
+    step=act_and_step,
+):
+    """Collect ``num_steps`` steps of every env into ``storage`` (in place), each ``step(policy, env, obs)``:
+    :func:`act_and_step` (for a torch-batched env compiled as one graph with ``--compile``) with ``policy``
+    (:func:`policy_step`, bound). No host sync beyond what a host env's step needs, so for a torch-batched env
+    ``--cudagraphs`` replays the whole rollout as one CUDA graph.
+
+    ``final_value`` (:func:`bootstrap_value`, bound; for an env with ``has_final_obs`` and ``bootstrap_truncation``):
+    every episode end is a done, and a step that truncates without terminating gets ``gamma * V(final_obs)`` added to
+    its (normalised) reward. Without it, ``bootstrap_truncation`` makes only ``terminated`` a done (EVHub-v0
+    bootstraps through the autoreset into the next window). Returns ``(next_obs, next_done)`` after the last step.
+    """
+    cut_is_done = final_value is not None or not bootstrap_truncation
+    for t in range(storage["obs"].shape[0]):
+        storage["dones"][t] = next_done
+        obs_n, action, logprob, value, next_obs, reward, terminated, truncated, final_obs = step(policy, env, next_obs)
+        storage["obs"][t] = obs_n
+        storage["values"][t] = value
+        storage["actions"][t] = action
+        storage["logprobs"][t] = logprob
+        next_done = (terminated | truncated if cut_is_done else terminated).to(torch.float32)
+        if final_value is not None:  # a time limit is not terminal: bootstrap from the episode's last observation
+            cut = (truncated & ~terminated).to(torch.float32)
+            reward = reward + gamma * cut * final_value(final_obs)
+        storage["rewards"][t] = reward
+    return next_obs, next_done
+
+
 def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, gae_lambda: float):
     """Generalised advantage estimation (Schulman et al. 2016) over a rollout, CleanRL's recursion; no host sync.
 
@@ -333,33 +315,6 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma: float, gae
         lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam
         advantages[t] = lastgaelam
     return advantages, advantages + values
-
-
-def policy_step(agent: Agent, obs: torch.Tensor, amp: bool = False):
-    """Fold raw ``obs`` float32 ``(B, *obs_shape)`` into the running normaliser, normalise and sample; no host sync.
-
-    Returns ``(obs_normalised, action, logprob (B,), value (B,))``: the action float32 ``(B, act_dim)`` unclipped (the
-    env clips it) for a Box, int64 ``(B,)`` for a Discrete.
-    """
-    with torch.no_grad():
-        if isinstance(agent.obs_norm, harness.RunningObsNorm):
-            agent.obs_norm.update(obs)
-        obs_n = agent.obs_norm(obs)
-        dist, value = agent.dist_and_value(obs_n, amp)
-        if agent.discrete:
-            # Categorical.sample()'s Gumbel-max draw without its host-side check of the probabilities (a sync)
-            probs = dist.probs
-            action = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-            return obs_n, action, dist.log_prob(action), value
-        # mean + std * noise: dist.sample() checks std >= 0 on the host (a sync); both draw the same numbers
-        action = dist.loc + dist.scale * torch.randn_like(dist.loc)
-        return obs_n, action, dist.log_prob(action).sum(1), value
-
-
-def bootstrap_value(agent: Agent, obs: torch.Tensor, amp: bool = False) -> torch.Tensor:
-    """Value float32 ``(B,)`` of raw observations (the ``final_obs`` of truncated episodes); no host sync."""
-    with torch.no_grad():
-        return agent.get_value(agent.obs_norm(obs), amp)
 
 
 def estimate_advantages(
@@ -443,7 +398,7 @@ def update_minibatch(
 
 
 def update(
-    learn,
+    update_minibatch,
     b_obs,
     b_actions,
     b_logprobs,
@@ -455,9 +410,9 @@ def update(
     minibatch_size: int,
     target_kl: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``update_epochs`` epochs over the flattened batch of ``B`` rows, one ``learn`` step (:func:`update_minibatch`,
-    bound, compiled or graphed) per minibatch of a device-side permutation (the last one shorter when the size does
-    not divide ``B``). No host sync unless ``target_kl`` is set (one read per epoch).
+    """``update_epochs`` epochs over the flattened batch of ``B`` rows, one ``update_minibatch`` step
+    (:func:`update_minibatch`, bound, compiled or graphed) per minibatch of a device-side permutation (the last one
+    shorter when the size does not divide ``B``). No host sync unless ``target_kl`` is set (one read per epoch).
 
     Returns device tensors: the last minibatch's losses and KL estimates, ``clipfrac`` (mean over the minibatches),
     the batch's ``explained_variance`` and ``bad`` (True where a quantity was non-finite in some minibatch).
@@ -470,7 +425,9 @@ def update(
         perm = torch.randperm(batch_size, device=device)
         for start in range(0, batch_size, minibatch_size):
             mb = perm[start : start + minibatch_size]
-            out = learn(b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb], b_values[mb])
+            out = update_minibatch(
+                b_obs[mb], b_actions[mb], b_logprobs[mb], b_advantages[mb], b_returns[mb], b_values[mb]
+            )
             clipfrac_sum += out["clipfrac"]
             bad |= out["bad"]
             n_mb += 1
@@ -483,42 +440,82 @@ def update(
     return {**last, "clipfrac": clipfrac_sum / max(n_mb, 1), "explained_variance": explained_var, "bad": bad}
 
 
-def act_and_step(act, env, obs: torch.Tensor):
-    """One step of the rollout: ``act`` (:func:`policy_step`, bound) on the raw ``obs``, then the env's answer.
-    Returns ``(obs_normalised, action, logprob, value, next_obs, reward, terminated, truncated, final_obs)``. For a
-    torch-batched env this is one function of tensors, so ``--compile`` traces policy and env as one graph."""
-    obs_n, action, logprob, value = act(obs)
-    next_obs, reward, terminated, truncated, info = env.step(action)
-    return obs_n, action, logprob, value, next_obs, reward, terminated, truncated, info["final_obs"]
-
-
-def rollout(step, next_obs, next_done, *, storage: dict, gamma: float, bootstrap_truncation: bool, final_value=None):
-    """Collect ``num_steps`` steps of every env into ``storage`` (in place) with ``step`` (:func:`act_and_step`,
-    bound); no host sync beyond what a host env's step needs, so for a torch-batched env ``--cudagraphs`` replays the
-    whole rollout as one CUDA graph.
-
-    ``final_value`` (:func:`bootstrap_value`, bound; for an env with ``has_final_obs`` and ``bootstrap_truncation``):
-    every episode end is a done, and a step that truncates without terminating gets ``gamma * V(final_obs)`` added to
-    its (normalised) reward. Without it, ``bootstrap_truncation`` makes only ``terminated`` a done (EVHub-v0
-    bootstraps through the autoreset into the next window). Returns ``(next_obs, next_done)`` after the last step.
-    """
-    cut_is_done = final_value is not None or not bootstrap_truncation
-    for t in range(storage["obs"].shape[0]):
-        storage["dones"][t] = next_done
-        obs_n, action, logprob, value, next_obs, reward, terminated, truncated, final_obs = step(next_obs)
-        storage["obs"][t] = obs_n
-        storage["values"][t] = value
-        storage["actions"][t] = action
-        storage["logprobs"][t] = logprob
-        next_done = (terminated | truncated if cut_is_done else terminated).to(torch.float32)
-        if final_value is not None:  # a time limit is not terminal: bootstrap from the episode's last observation
-            cut = (truncated & ~terminated).to(torch.float32)
-            reward = reward + gamma * cut * final_value(final_obs)
-        storage["rewards"][t] = reward
-    return next_obs, next_done
-
-
 # ---------------------------------------------------------------------------------------------- training
+def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:
+    """Raise ValueError unless PPO can drive these single-env spaces: a Box or Discrete action space, a Box
+    observation space of at most 3 dimensions (flat ones go to the MLP, images ``(C, H, W)`` to the CNN torso)."""
+    if not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete)):
+        raise ValueError(
+            f"PPO supports a Box (Gaussian policy) or a Discrete (Categorical policy) action space, but "
+            f"{env_id} has {act_space}; algos/sac.py (Box) and algos/dqn.py (Discrete) take no other kind "
+            f"either: wrap the env to expose a single Box or Discrete action space"
+        )
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) > 3:
+        raise ValueError(
+            f"PPO takes flat Box observations (an MLP) or images (C, H, W) (a CNN torso), but {env_id} "
+            f"has {obs_space}; wrap the env to give (C, H, W) images or flat vectors"
+        )
+
+
+def make_storage(sizes: Sizes, obs_shape: tuple[int, ...], act_dim: int, discrete: bool, device: torch.device) -> dict:
+    """Preallocated rollout storage, ``(num_steps, num_envs, ...)`` float32 tensors (int64 actions for a Discrete)."""
+    z = lambda *s: torch.zeros(sizes.num_steps, sizes.num_envs, *s, device=device)  # noqa: E731
+    actions = torch.zeros(sizes.num_steps, sizes.num_envs, dtype=torch.int64, device=device) if discrete else z(act_dim)
+    return {"obs": z(*obs_shape), "actions": actions, "logprobs": z(), "rewards": z(), "dones": z(), "values": z()}
+
+
+def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Optimizer, storage: dict) -> tuple:
+    """The loop's hot functions bound once to the agent, optimizer, env and storage, with the speed switches applied
+    (``harness.bind``): ``(rollout, estimate_advantages, update_minibatch)``.
+
+    On a torch-batched env the policy and the env step are compiled as one graph and the whole rollout is replayed as
+    one CUDA graph; a host env steps between the device calls, so there the policy (and the value of the final
+    observations) is compiled or graphed alone.
+    """
+    policy = functools.partial(policy_step, agent, amp=args.amp)
+    final_value = None
+    if env.has_final_obs and args.bootstrap_truncation:
+        final_value = functools.partial(bootstrap_value, agent, amp=args.amp)
+    step = act_and_step
+    if env.torch_batched:  # policy and env step compiled as one graph
+        (step,) = harness.bind(args, graphs=False, act_and_step=step)
+    else:  # a host env steps between the device calls
+        policy, final_value = harness.bind(args, policy_step=policy, bootstrap_value=final_value)
+    bound_rollout = functools.partial(
+        rollout,
+        policy,
+        env,
+        storage=storage,
+        gamma=args.gamma,
+        bootstrap_truncation=args.bootstrap_truncation,
+        final_value=final_value,
+        step=step,
+    )
+    if env.torch_batched:  # the whole rollout replayed as one CUDA graph
+        bound_rollout = harness.capture(args, bound_rollout)
+    return (
+        bound_rollout,
+        *harness.bind(
+            args,
+            estimate_advantages=functools.partial(
+                estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp
+            ),
+            update_minibatch=functools.partial(
+                update_minibatch,
+                agent,
+                optimizer,
+                clip_coef=args.clip_coef,
+                norm_adv=args.norm_adv,
+                clip_vloss=args.clip_vloss,
+                ent_coef=args.ent_coef,
+                vf_coef=args.vf_coef,
+                max_grad_norm=args.max_grad_norm,
+                amp=args.amp,
+            ),
+        ),
+    )
+
+
 def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     """Train at ``sizes`` from ``state`` (the live state after an out-of-memory error) or the checkpoint
     (``--resume``) or afresh; see :func:`main`."""
@@ -548,38 +545,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     num_iterations = run.iteration + (steps_left if loaded is not None else max(1, steps_left))
     end_step = run.global_step + (num_iterations - run.iteration) * sizes.batch_size  # the LR anneals to 0 there
 
-    act = functools.partial(policy_step, agent, amp=args.amp)
-    final_value = None
-    if env.has_final_obs and args.bootstrap_truncation:
-        final_value = functools.partial(bootstrap_value, agent, amp=args.amp)
-    gae = functools.partial(estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp)
-    learn = functools.partial(
-        update_minibatch,
-        agent,
-        optimizer,
-        clip_coef=args.clip_coef,
-        norm_adv=args.norm_adv,
-        clip_vloss=args.clip_vloss,
-        ent_coef=args.ent_coef,
-        vf_coef=args.vf_coef,
-        max_grad_norm=args.max_grad_norm,
-        amp=args.amp,
-    )
-    gae, learn = harness.bind(args, gae=gae, learn=learn)
-    if env.torch_batched:  # policy and env step compiled as one graph, the whole rollout replayed as one CUDA graph
-        (step,) = harness.bind(args, graphs=False, step=functools.partial(act_and_step, act, env))
-    else:  # a host env steps between the device calls
-        act, final_value = harness.bind(args, act=act, final_value=final_value)
-        step = functools.partial(act_and_step, act, env)
-    collect = functools.partial(
-        rollout,
-        step,
-        storage=storage,
-        gamma=args.gamma,
-        bootstrap_truncation=args.bootstrap_truncation,
-        final_value=final_value,
-    )
-    collect = harness.capture(args, collect) if env.torch_batched else collect
+    rollout, estimate_advantages, update_minibatch = bind_hot_functions(args, env, agent, optimizer, storage)
 
     def live_state() -> dict:
         return {
@@ -605,10 +571,12 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         if args.anneal_lr:
             lr.fill_((1.0 - run.global_step / end_step) * args.learning_rate)
         try:
-            next_obs, next_done = collect(next_obs, next_done)
-            advantages, returns = gae(next_obs, next_done, storage["rewards"], storage["values"], storage["dones"])
+            next_obs, next_done = rollout(next_obs, next_done)
+            advantages, returns = estimate_advantages(
+                next_obs, next_done, storage["rewards"], storage["values"], storage["dones"]
+            )
             out = update(
-                learn,
+                update_minibatch,
                 storage["obs"].reshape(-1, *obs_shape),
                 storage["actions"].reshape(-1) if discrete else storage["actions"].reshape(-1, act_dim),
                 storage["logprobs"].reshape(-1),
@@ -657,10 +625,86 @@ def main(args: Args) -> dict:
     run = harness.Run("ppo", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
         return harness.train_with_oom_restarts(
-            train, run, sizes, lambda s, in_update: halve_num_envs(s, in_update, args.cudagraphs)
+            train,
+            run,
+            sizes,
+            lambda sizes, in_update: halve_num_envs(sizes, args.cudagraphs),  # wherever it struck
         )
     finally:
         run.close()
+
+
+# ---------------------------------------------------------------------------------------------- out-of-memory back-off
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes of the run, which an out-of-memory back-off changes (``Args`` never does)."""
+
+    num_envs: int
+    num_steps: int
+    num_minibatches: int
+
+    @property
+    def batch_size(self) -> int:
+        """Env steps per iteration: ``num_envs * num_steps``."""
+        return self.num_envs * self.num_steps
+
+    @property
+    def minibatch_size(self) -> int:
+        """Rows per minibatch: ``batch_size // num_minibatches``."""
+        return self.batch_size // self.num_minibatches
+
+    def __str__(self) -> str:
+        return f"num_envs {self.num_envs} (batch {self.batch_size}, minibatch {self.minibatch_size})"
+
+
+def check_args(args: Args) -> Sizes:
+    """The run's :class:`Sizes`, after checking the arguments.
+
+    Raises:
+        ValueError: a size below 1 or bad ``--cnn-channels``; more minibatches than rows; ``--cudagraphs`` with
+            ``--target-kl`` (its early stop reads the device) or with unequal minibatches.
+    """
+    sizes = Sizes(args.num_envs, args.num_steps, args.num_minibatches)
+    if len(args.cnn_channels) != 2 or min(args.cnn_channels) < 1:
+        raise ValueError(f"--cnn-channels takes two positive channel counts (C1 C2), got {args.cnn_channels}")
+    if min(args.num_envs, args.num_steps, args.log_every) < 1:
+        raise ValueError("num_envs, num_steps and log_every must be >= 1")
+    if sizes.minibatch_size < 1:
+        raise ValueError(f"num_minibatches={args.num_minibatches} exceeds the batch size {sizes.batch_size}")
+    if args.cudagraphs and args.target_kl is not None:
+        raise ValueError(
+            "--cudagraphs cannot be combined with --target-kl: its early stop reads approx_kl on the host "
+            "after every epoch; drop one of the two"
+        )
+    if args.cudagraphs and sizes.batch_size % args.num_minibatches:
+        raise ValueError(
+            f"--cudagraphs needs equal minibatches: the batch size {sizes.batch_size} (num_envs * "
+            f"num_steps) must be a multiple of num_minibatches={args.num_minibatches}"
+        )
+    return sizes
+
+
+def halve_num_envs(sizes: Sizes, cudagraphs: bool = False) -> tuple[Sizes, str]:
+    """PPO's out-of-memory rule, wherever the error struck: half the envs, so the batch and each of the
+    ``num_minibatches`` minibatches halve.
+
+    Raises:
+        ValueError: nothing left to halve (one env, or fewer rows than minibatches), or, under ``--cudagraphs``, a
+            batch that would not split into equal minibatches.
+    """
+    new = dataclasses.replace(sizes, num_envs=sizes.num_envs // 2)
+    if new.num_envs < 1 or new.batch_size < sizes.num_minibatches:
+        raise ValueError(f"num_envs {sizes.num_envs} cannot be halved (num_minibatches={sizes.num_minibatches})")
+    if cudagraphs and new.batch_size % sizes.num_minibatches:
+        raise ValueError(
+            f"--cudagraphs needs equal minibatches and {new.num_envs} envs x {sizes.num_steps} steps do "
+            f"not split into num_minibatches={sizes.num_minibatches}"
+        )
+    return (
+        new,
+        f"num_envs {sizes.num_envs} -> {new.num_envs} (batch {sizes.batch_size} -> {new.batch_size}, "
+        f"minibatch {sizes.minibatch_size} -> {new.minibatch_size})",
+    )
 
 
 if __name__ == "__main__":

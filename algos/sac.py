@@ -83,9 +83,6 @@ LOSS_NAMES = ("qf_loss", "actor_loss", "alpha_loss")
 LOG_STD_MAX = 2.0
 LOG_STD_MIN = -5.0
 
-OOM_MIN_BATCH_SIZE = 64
-"""The smallest batch_size the out-of-memory back-off halves to; below it, num_envs halves instead."""
-
 
 @dataclass
 class Args(harness.RunArgs):
@@ -145,59 +142,6 @@ class Args(harness.RunArgs):
     gymnasium env's run with its buffer (its state cannot be replayed; without it the run refills the buffer for
     learning_starts steps with the current policy). On a torch-batched env the log alone rebuilds the same buffer
     (harness.ReplayLog)"""
-
-
-@dataclass
-class Sizes:
-    """The sizes an out-of-memory back-off changes (``Args`` never does). :func:`shrink` halves ``batch_size`` or
-    ``num_envs``; ``buffer_size`` is set once at setup, to the buffer that fits."""
-
-    num_envs: int
-    batch_size: int
-    buffer_size: int
-
-
-def shrink(sizes: Sizes, in_update: bool, gradient_steps: int = 1) -> tuple[Sizes, str]:
-    """SAC's out-of-memory rule: in the gradient steps (``in_update``) halve ``batch_size`` while it stays
-    ``>= OOM_MIN_BATCH_SIZE``; otherwise, and while stepping the envs, halve ``num_envs`` (the update-to-data ratio
-    ``gradient_steps / num_envs`` doubles). Returns ``(new sizes, "what changed")``.
-
-    Raises:
-        ValueError: one env left (and, in the gradient steps, a batch at its floor).
-    """
-    n, b, g = sizes.num_envs, sizes.batch_size, gradient_steps
-    if in_update and b // 2 >= OOM_MIN_BATCH_SIZE:
-        return dataclasses.replace(sizes, batch_size=b // 2), f"batch_size {b} -> {b // 2}"
-    if n < 2:
-        floor = f" and batch_size {b} would drop below {OOM_MIN_BATCH_SIZE}" if in_update else ""
-        raise ValueError(f"num_envs {n} cannot be halved{floor}")
-    return (
-        dataclasses.replace(sizes, num_envs=n // 2),
-        f"num_envs {n} -> {n // 2} (update-to-data ratio {g / n:.3g} -> {g / (n // 2):.3g})",
-    )
-
-
-def check_action_space(env_id: str, space: gym.Space) -> None:
-    """Raise ValueError (naming ``env_id`` and ``space``) unless it is a ``Box`` with finite bounds."""
-    if not isinstance(space, gym.spaces.Box):
-        raise ValueError(
-            f"SAC needs a continuous (Box) action space, but {env_id} has {space}; use algos/dqn.py for "
-            f"discrete actions"
-        )
-    if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
-        raise ValueError(
-            f"SAC squashes its actions into the action bounds, but {env_id} has an unbounded action space {space}"
-        )
-
-
-def check_observation_space(env_id: str, space: gym.Space) -> None:
-    """Raise ValueError (naming ``env_id`` and ``space``) unless it is a 1-D ``Box``: SAC's networks are MLPs."""
-    if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
-        kind = "image observations (3-D)" if isinstance(space, gym.spaces.Box) and len(space.shape) == 3 else "this"
-        raise ValueError(
-            f"SAC's networks take flat observations (a 1-D Box), but {env_id} has {space}: {kind} is not "
-            f"supported (algos/dqn.py has a CNN torso for image observations)"
-        )
 
 
 # ---------------------------------------------------------------------------------------------- networks
@@ -269,10 +213,23 @@ class DeterministicActor(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- hot functions
+# in the order the loop calls them: sample_action (or act_step_store: action, env step and buffer write on a
+# torch-batched env), then the gradient steps: update_critic, update_actor (every policy_frequency), soft_update
 def sample_action(actor: Actor, obs: torch.Tensor, amp: bool = False) -> torch.Tensor:
     """A stochastic action float32 ``(B, act_dim)`` in (-1, 1) of the current policy for each env; no host sync."""
     with torch.no_grad(), torch.autocast(obs.device.type, torch.bfloat16, enabled=amp):
         return actor.get_action(obs)[0]
+
+
+def act_step_store(
+    policy, env, rb: harness.ReplayBuffer, obs: torch.Tensor, *, reward_scale: float, bootstrap_truncation: bool
+) -> torch.Tensor:
+    """One iteration's env step on a torch-batched env: ``policy`` (:func:`sample_action`, bound) acts on ``obs``, the
+    env steps, and the transitions go into ``rb`` (:func:`harness.store` without advancing; the caller then calls
+    :meth:`~harness.ReplayBuffer.advance`). Returns the next observation. Tensors only, every state updated in place,
+    no host sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
+    actions = policy(obs)
+    return harness.store(rb, obs, actions, env.step(actions), bootstrap_truncation, reward_scale, advance=False)
 
 
 def update_critic(
@@ -363,17 +320,6 @@ def update_actor(
     }
 
 
-def act_step_store(
-    policy, env, rb: harness.ReplayBuffer, obs: torch.Tensor, *, reward_scale: float, bootstrap_truncation: bool
-) -> torch.Tensor:
-    """One iteration's env step on a torch-batched env: ``policy`` (:func:`sample_action`, bound) acts on ``obs``, the
-    env steps, and the transitions go into ``rb`` (:func:`harness.store` without advancing; the caller then calls
-    :meth:`~harness.ReplayBuffer.advance`). Returns the next observation. Tensors only, every state updated in place,
-    no host sync: ``--compile`` traces it as one graph and ``--cudagraphs`` replays it as one CUDA graph."""
-    actions = policy(obs)
-    return harness.store(rb, obs, actions, env.step(actions), bootstrap_truncation, reward_scale, advance=False)
-
-
 @torch.no_grad()
 def soft_update(target: list[torch.Tensor], source: list[torch.Tensor], tau: float) -> None:
     """Polyak averaging in place: ``target <- (1 - tau) * target + tau * source`` for each pair of tensors."""
@@ -381,23 +327,33 @@ def soft_update(target: list[torch.Tensor], source: list[torch.Tensor], tau: flo
 
 
 # ---------------------------------------------------------------------------------------------- training
-def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
-    """Train at ``sizes`` from ``state`` (the live state after an out-of-memory error), the checkpoint (``--resume``)
-    or afresh; see :func:`main`."""
-    args, device = run.args, run.device
-    # TRY NOT TO MODIFY: env setup
-    env = harness.make_env(args, sizes.num_envs, device, action_mode=args.action_mode)
-    try:
-        check_action_space(args.env_id, env.single_action_space)
-        check_observation_space(args.env_id, env.single_observation_space)
-    except ValueError:
-        env.close()
-        raise
-    obs_dim, act_dim = env.obs_shape[0], int(np.prod(env.single_action_space.shape))
-    if args.action_mode == "socket" and not args.socket_features and run.evhub:
-        print("note: --action-mode socket without --socket-features: the networks do not see the sockets")
+def check_action_space(env_id: str, space: gym.Space) -> None:
+    """Raise ValueError (naming ``env_id`` and ``space``) unless it is a ``Box`` with finite bounds."""
+    if not isinstance(space, gym.spaces.Box):
+        raise ValueError(
+            f"SAC needs a continuous (Box) action space, but {env_id} has {space}; use algos/dqn.py for "
+            f"discrete actions"
+        )
+    if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+        raise ValueError(
+            f"SAC squashes its actions into the action bounds, but {env_id} has an unbounded action space {space}"
+        )
 
-    inputs = harness.network_inputs(env, args)
+
+def check_observation_space(env_id: str, space: gym.Space) -> None:
+    """Raise ValueError (naming ``env_id`` and ``space``) unless it is a 1-D ``Box``: SAC's networks are MLPs."""
+    if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
+        kind = "image observations (3-D)" if isinstance(space, gym.spaces.Box) and len(space.shape) == 3 else "this"
+        raise ValueError(
+            f"SAC's networks take flat observations (a 1-D Box), but {env_id} has {space}: {kind} is not "
+            f"supported (algos/dqn.py has a CNN torso for image observations)"
+        )
+
+
+def make_networks(args: Args, obs_dim: int, act_dim: int, inputs: list[int] | None, device: torch.device) -> tuple:
+    """The actor, the twin Q networks and their frozen target copies (``nets``, by checkpoint name), ``log_alpha``
+    and the optimizers with their learning rates (device tensors under CUDA graphs, for capturable Adam; else floats).
+    Returns ``(nets, log_alpha, optimizers, lrs)``; ``optimizers["a_optimizer"]`` is None without ``--autotune``."""
     actor = Actor(obs_dim, act_dim, args.hidden_size, inputs).to(device)
     qf1 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
     qf2 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
@@ -405,7 +361,6 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     for p in (*qf1_target.parameters(), *qf2_target.parameters()):
         p.requires_grad_(False)
     log_alpha = torch.full((), math.log(args.alpha), device=device, requires_grad=args.autotune)
-    # learning rates: device tensors under CUDA graphs (capturable Adam), else floats
     lrs = {"q_optimizer": args.q_lr, "actor_optimizer": args.policy_lr, "a_optimizer": args.q_lr}
     lrs = {name: harness.device_lr(lr, device) if args.cudagraphs else lr for name, lr in lrs.items()}
     adam = functools.partial(torch.optim.Adam, capturable=args.cudagraphs)
@@ -414,46 +369,62 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         "actor_optimizer": adam(list(actor.parameters()), lr=lrs["actor_optimizer"]),
         "a_optimizer": adam([log_alpha], lr=lrs["a_optimizer"]) if args.autotune else None,
     }
-    rb, sizes.buffer_size = harness.allocate_halving(
-        run,
-        lambda n: harness.ReplayBuffer(n, obs_dim, device, (act_dim,), torch.float32),
-        sizes.buffer_size,
-        max(sizes.num_envs, sizes.batch_size),
-        "buffer_size",
-    )
-
-    # TRY NOT TO MODIFY: start the game, or resume it
-    obs, _ = env.reset(seed=args.seed)
     nets = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target}
+    return nets, log_alpha, optimizers, lrs
+
+
+def start(
+    run: harness.Run,
+    state: dict | None,
+    env,
+    rb: harness.ReplayBuffer,
+    log: harness.ReplayLog | None,
+    nets: dict,
+    log_alpha: torch.Tensor,
+    optimizers: dict,
+    lrs: dict,
+) -> tuple[torch.Tensor, int, dict | None]:
+    """Start the game: reset the envs, then load the live ``state`` handed over after an out-of-memory error or
+    ``--resume``'s checkpoint (:meth:`harness.Run.restore`) and rebuild the replay buffer from it (its replay ``log``
+    replayed, or its rows). Returns ``(obs, n_updates, loaded)``; ``loaded`` is None for a fresh start."""
+    args, device = run.args, run.device
+    obs, _ = env.reset(seed=args.seed)
     loaded = run.restore(state, nets, optimizers, env, lrs)
-    log = harness.ReplayLog(rb, sizes.num_envs) if env.torch_batched else None
-    n_updates = 0
-    if loaded is not None:
-        with torch.no_grad():
-            log_alpha.copy_(loaded["log_alpha"])
-        n_updates = int(loaded["n_updates"])
-        obs = loaded["obs"].to(device) if loaded["env_restored"] else env.reset(seed=args.seed + run.global_step)[0]
+    if loaded is None:
+        return obs, 0, None
+    with torch.no_grad():
+        log_alpha.copy_(loaded["log_alpha"])
+    obs = loaded["obs"].to(device) if loaded["env_restored"] else env.reset(seed=args.seed + run.global_step)[0]
 
-        def replay(obs, a):  # one env step and its transitions, to rebuild the buffer from its replay log
-            return harness.store(rb, obs, a, env.step(a), args.bootstrap_truncation, args.reward_scale)
+    def replay(obs, a):  # one env step and its transitions, to rebuild the buffer from its replay log
+        return harness.store(rb, obs, a, env.step(a), args.bootstrap_truncation, args.reward_scale)
 
-        message, kept = harness.restore_buffer(
-            rb,
-            log,
-            loaded["replay_buffer"],
-            env,
-            replay,
-            sizes.num_envs,
-            loaded["env"] if loaded["env_restored"] else None,
-            obs,
-        )
-        if state is None:
-            run.resume_note(replay_buffer=message, exact=kept)
-    # updates begin once the buffer holds learning_starts rows (a resumed run without its buffer refills it)
-    updates_from = run.global_step + max(0, args.learning_starts - rb.size)
-    steps_left = max(0, args.total_timesteps - run.global_step) // sizes.num_envs
-    num_iterations = run.iteration + (steps_left if loaded is not None else max(1, steps_left))
+    message, kept = harness.restore_buffer(
+        rb,
+        log,
+        loaded["replay_buffer"],
+        env,
+        replay,
+        env.num_envs,
+        loaded["env"] if loaded["env_restored"] else None,
+        obs,
+    )
+    if state is None:
+        run.resume_note(replay_buffer=message, exact=kept)
+    return obs, int(loaded["n_updates"]), loaded
 
+
+def bind_hot_functions(
+    args: Args, env, rb: harness.ReplayBuffer, nets: dict, log_alpha: torch.Tensor, optimizers: dict, act_dim: int
+) -> tuple:
+    """The loop's hot functions bound once to the networks, optimizers, env and replay buffer, with the speed switches
+    applied (``harness.bind``): ``(sample_action, act_step_store, update_critic, update_actor, soft_update)``.
+
+    On a torch-batched env :func:`act_step_store` (action, env step and buffer write) is compiled as one graph and
+    replayed as one CUDA graph; a host env steps between the device calls, so there ``act_step_store`` is None and
+    :func:`sample_action` is compiled or graphed alone. The gradient steps are graphs of their own.
+    """
+    actor, qf1, qf2, qf1_target, qf2_target = (nets[k] for k in ("actor", "qf1", "qf2", "qf1_target", "qf2_target"))
     policy = functools.partial(sample_action, actor, amp=args.amp)
     critic_step = functools.partial(
         update_critic,
@@ -484,13 +455,15 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         [*qf1.parameters(), *qf2.parameters()],
         args.tau,
     )
-    critic_step, actor_step, target_step = harness.bind(args, critic=critic_step, actor=actor_step, target=target_step)
-    step = None  # a torch-batched env: act, env step and buffer write as one graph (from learning_starts on)
-    if env.torch_batched:
+    critic_step, actor_step, target_step = harness.bind(
+        args, update_critic=critic_step, update_actor=actor_step, soft_update=target_step
+    )
+    step = None
+    if env.torch_batched:  # act, env step and buffer write as one graph (from learning_starts on)
         (step,) = harness.bind(
             args,
             graphs=False,
-            step=functools.partial(
+            act_step_store=functools.partial(
                 act_step_store,
                 policy,
                 env,
@@ -501,45 +474,90 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         )
         step = harness.capture(args, step)
     else:  # a host env steps between the device calls
-        (policy,) = harness.bind(args, policy=policy)
+        (policy,) = harness.bind(args, sample_action=policy)
+    return policy, step, critic_step, actor_step, target_step
+
+
+def checkpoint_state(
+    run: harness.Run, nets: dict, log_alpha, optimizers: dict, n_updates: int, env, obs, sizes, rb, log, rows: bool
+) -> dict:
+    """What a checkpoint holds besides ``run.counters()``: networks, ``log_alpha``, optimizers, counters, env state,
+    the sizes, and the replay buffer's log, or its rows where ``rows`` (``--save-buffer``, and always in the live
+    state handed over after an out-of-memory error)."""
+    return {
+        **{name: net.state_dict() for name, net in nets.items()},
+        "log_alpha": log_alpha.detach(),
+        **{name: None if o is None else o.state_dict() for name, o in optimizers.items()},
+        "n_updates": n_updates,
+        "env": env.state_dict(),
+        "num_envs": sizes.num_envs,
+        "obs": obs,
+        "sizes": dataclasses.asdict(sizes),
+        "replay_buffer": harness.checkpoint_buffer(rb, log, run.global_step, rows),
+    }
+
+
+def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = None) -> dict:
+    """Train at ``sizes`` from ``state`` (the live state after an out-of-memory error), the checkpoint (``--resume``)
+    or afresh; see :func:`main`."""
+    args, device = run.args, run.device
+    # TRY NOT TO MODIFY: env setup
+    env = harness.make_env(args, sizes.num_envs, device, action_mode=args.action_mode)
+    try:
+        check_action_space(args.env_id, env.single_action_space)
+        check_observation_space(args.env_id, env.single_observation_space)
+    except ValueError:
+        env.close()
+        raise
+    obs_dim, act_dim = env.obs_shape[0], int(np.prod(env.single_action_space.shape))
+    if args.action_mode == "socket" and not args.socket_features and run.evhub:
+        print("note: --action-mode socket without --socket-features: the networks do not see the sockets")
+    nets, log_alpha, optimizers, lrs = make_networks(args, obs_dim, act_dim, harness.network_inputs(env, args), device)
+    rb, sizes.buffer_size = harness.allocate_halving(
+        run,
+        lambda n: harness.ReplayBuffer(n, obs_dim, device, (act_dim,), torch.float32),
+        sizes.buffer_size,
+        max(sizes.num_envs, sizes.batch_size),
+        "buffer_size",
+    )
+    log = harness.ReplayLog(rb, sizes.num_envs) if env.torch_batched else None
+
+    # TRY NOT TO MODIFY: start the game, or resume it
+    obs, n_updates, loaded = start(run, state, env, rb, log, nets, log_alpha, optimizers, lrs)
+    # updates begin once the buffer holds learning_starts rows (a resumed run without its buffer refills it)
+    updates_from = run.global_step + max(0, args.learning_starts - rb.size)
+    steps_left = max(0, args.total_timesteps - run.global_step) // sizes.num_envs
+    num_iterations = run.iteration + (steps_left if loaded is not None else max(1, steps_left))
+
+    sample_action, act_step_store, update_critic, update_actor, soft_update = bind_hot_functions(
+        args, env, rb, nets, log_alpha, optimizers, act_dim
+    )
 
     def live_state(rows: bool = True) -> dict:
-        """What a checkpoint holds besides ``run.counters()``: the replay buffer's log, or its rows where ``rows``
-        (``--save-buffer``, and always in the live state handed over after an out-of-memory error)."""
-        return {
-            **{name: net.state_dict() for name, net in nets.items()},
-            "log_alpha": log_alpha.detach(),
-            **{name: None if o is None else o.state_dict() for name, o in optimizers.items()},
-            "n_updates": n_updates,
-            "env": env.state_dict(),
-            "num_envs": sizes.num_envs,
-            "obs": obs,
-            "sizes": dataclasses.asdict(sizes),
-            "replay_buffer": harness.checkpoint_buffer(rb, log, run.global_step, rows),
-        }
+        return checkpoint_state(run, nets, log_alpha, optimizers, n_updates, env, obs, sizes, rb, log, rows)
 
     nan = torch.full((), math.nan, device=device)
     out_q = dict.fromkeys(("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss"), nan)
     out_pi = dict.fromkeys(("actor_loss", "alpha", "alpha_loss"), nan)  # the logged losses: NaN until learning starts
 
-    def learn() -> None:
+    def update() -> None:
         """``gradient_steps`` updates on uniform samples of the replay buffer."""
         nonlocal n_updates, out_q, out_pi
         for _ in range(args.gradient_steps):
             data = rb.sample(sizes.batch_size)
-            out_q = critic_step(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
+            out_q = update_critic(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
             bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
             bad[0] = out_q["bad"]
             n_updates += 1
             if n_updates % args.policy_frequency == 0:  # TD3-style delayed policy updates
                 for _ in range(args.policy_frequency):
-                    out_pi = actor_step(data["obs"])
+                    out_pi = update_actor(data["obs"])
                     bad[1:] |= out_pi["bad"]
             if n_updates % args.target_network_frequency == 0:
-                target_step()
+                soft_update()
             run.flag(guard, bad)
 
-    evaluator = DeterministicActor(actor)
+    evaluator = DeterministicActor(nets["actor"])
     run.announce(
         f"{sizes.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD "
         f"{args.gradient_steps / sizes.num_envs:.3g}), batch {sizes.batch_size}, buffer "
@@ -554,22 +572,22 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         stepped = in_update = False
         try:
             # ALGO LOGIC: put action logic here
-            if step is not None and run.global_step >= args.learning_starts:
+            if act_step_store is not None and run.global_step >= args.learning_starts:
                 # a torch-batched env: act, step the envs and store the transitions in one (compiled, graphed) call
-                obs = step(obs)
+                obs = act_step_store(obs)
                 rb.advance(sizes.num_envs)
             else:
                 if run.global_step < args.learning_starts:
                     actions = torch.rand(sizes.num_envs, act_dim, device=device) * 2.0 - 1.0
                 else:
-                    actions = policy(obs)
+                    actions = sample_action(obs)
 
                 # TRY NOT TO MODIFY: execute the game (an async gymnasium env steps while the gradient steps run)
                 if env.overlap:
                     env.step_async(actions)
                     if run.global_step >= max(updates_from, 1):  # before this step's transitions are stored
                         in_update = True
-                        learn()
+                        update()
                         in_update = False
                     result = env.step_wait()
                 else:
@@ -584,7 +602,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             # ALGO LOGIC: training
             if not env.overlap and run.global_step >= updates_from:
                 in_update = True
-                learn()
+                update()
         except RuntimeError as exc:
             where = f"at global_step {run.global_step} (iteration {iteration}), "
             where += "in the gradient steps" if in_update else "stepping the envs"
@@ -635,11 +653,12 @@ def main(args: Args) -> dict:
     """
     if args.buffer_size < args.num_envs:
         raise ValueError(f"buffer_size={args.buffer_size} is smaller than num_envs={args.num_envs}")
-    sizes = Sizes(args.num_envs, args.batch_size, args.buffer_size)
+    sizes = harness.ReplaySizes(args.num_envs, args.batch_size, args.buffer_size)
     run = harness.Run("sac", args, LOSS_NAMES, PRESETS, ENV_DEFAULTS)
     try:
+        # in the gradient steps the batch halves (down to harness.OOM_MIN_BATCH_SIZE), else num_envs
         return harness.train_with_oom_restarts(
-            train, run, sizes, functools.partial(shrink, gradient_steps=args.gradient_steps)
+            train, run, sizes, functools.partial(harness.halve_batch_or_envs, gradient_steps=args.gradient_steps)
         )
     finally:
         run.close()

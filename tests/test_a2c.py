@@ -105,8 +105,9 @@ def test_rollout_flags_the_truncations_of_the_env(bootstrap):
     obs, _ = env.reset(seed=0)
     agent = a2c.Agent(env.single_observation_space.shape[0], 2, 8)
     storage = a2c.make_storage(50, 3, obs.shape[1], 2, dev)
-    step = functools.partial(a2c.act_and_step, functools.partial(a2c.policy_step, agent), env)
-    a2c.rollout(step, obs, storage=storage, gamma=0.98, bootstrap_truncation=bootstrap)
+    a2c.rollout(
+        functools.partial(a2c.policy_step, agent), env, obs, storage=storage, gamma=0.98, bootstrap_truncation=bootstrap
+    )
     expected = torch.zeros(50, 3)
     expected[47] = 1.0
     torch.testing.assert_close(storage["dones"], expected)
@@ -185,13 +186,13 @@ def test_cudagraphs_needs_cuda_and_presets_apply():
         a2c.main(preset_args(num_envs=0))
 
 
-def test_out_of_memory_shrink_halves_num_envs_and_the_batch():
+def test_out_of_memory_back_off_halves_num_envs_and_the_batch():
     a2c = load_a2c()
-    sizes, change = a2c.shrink(a2c.Sizes(4, 32), False)
+    sizes, change = a2c.halve_num_envs(a2c.Sizes(4, 32))
     assert sizes == a2c.Sizes(2, 16) and change == "num_envs 4 -> 2 (batch 32 -> 16)"
-    assert a2c.shrink(a2c.Sizes(3, 24), True)[1] == "num_envs 3 -> 1 (batch 24 -> 8)"
+    assert a2c.halve_num_envs(a2c.Sizes(3, 24))[1] == "num_envs 3 -> 1 (batch 24 -> 8)"
     with pytest.raises(ValueError, match="num_envs 1 cannot be halved"):
-        a2c.shrink(a2c.Sizes(1, 8), False)
+        a2c.halve_num_envs(a2c.Sizes(1, 8))
 
 
 @pytest.mark.slow
@@ -209,13 +210,13 @@ def test_act_and_step_compiles_as_one_graph_and_the_rollout_follows_the_eager_on
         obs, _ = env.reset(seed=0)
         agent_copy = a2c.Agent(obs.shape[1], 2, 8)
         agent_copy.load_state_dict(agent.state_dict())  # the running statistics are updated in place
-        step = functools.partial(a2c.act_and_step, functools.partial(a2c.policy_step, agent_copy), env)
-        if compiled:
+        policy, step = functools.partial(a2c.policy_step, agent_copy), a2c.act_and_step
+        if compiled:  # as bind_hot_functions compiles it: policy and env are arguments of the compiled function
             torch._inductor.config.fallback_random = True  # eager's random numbers, as harness.bind sets
             step = torch.compile(step, fullgraph=True)
         storage = a2c.make_storage(60, 3, obs.shape[1], 2, torch.device("cpu"))
         torch.manual_seed(1)
-        next_obs = a2c.rollout(step, obs, storage=storage, gamma=0.98, bootstrap_truncation=True)
+        next_obs = a2c.rollout(policy, env, obs, storage=storage, gamma=0.98, bootstrap_truncation=True, step=step)
         runs.append((next_obs, storage, env.rn["var"].clone()))
     (obs_e, storage_e, var_e), (obs_c, storage_c, var_c) = runs
     torch.testing.assert_close(obs_c, obs_e, rtol=1e-5, atol=1e-5)
@@ -418,7 +419,8 @@ def test_gym_env_rescales_actions_and_truncations_bootstrap_from_final_obs():
         storage = a2c.make_storage(4, 2, 3, 1, torch.device("cpu"))
         torch.manual_seed(1)
         a2c.rollout(
-            functools.partial(a2c.act_and_step, act, env),
+            act,
+            env,
             obs,
             storage=storage,
             gamma=0.9,
@@ -586,8 +588,8 @@ def test_gym_env_gets_discrete_actions_as_ints_offset_by_start():
     assert storage["actions"].dtype == torch.int64 and storage["actions"].shape == (4, 3)
     log.clear()
     obs, _ = env.reset(seed=0)
-    step = functools.partial(a2c.act_and_step, functools.partial(a2c.policy_step, agent), env)
-    a2c.rollout(step, obs, storage=storage, gamma=0.9, bootstrap_truncation=True)
+    policy = functools.partial(a2c.policy_step, agent)
+    a2c.rollout(policy, env, obs, storage=storage, gamma=0.9, bootstrap_truncation=True)
     assert [int(a) for a in log] == (storage["actions"].reshape(-1) - 1).tolist()
     assert set(storage["actions"].unique().tolist()) <= {0, 1, 2}
     env.close()
@@ -825,8 +827,8 @@ def test_gym_image_env_keeps_its_observations_and_bootstraps_from_their_final_ob
         finals.append(final_obs)
         return torch.full((final_obs.shape[0],), 10.0)
 
-    step = functools.partial(a2c.act_and_step, functools.partial(a2c.policy_step, agent), env)
-    a2c.rollout(step, obs, storage=storage, gamma=0.9, bootstrap_truncation=True, value_fn=value_fn)
+    policy = functools.partial(a2c.policy_step, agent)
+    a2c.rollout(policy, env, obs, storage=storage, gamma=0.9, bootstrap_truncation=True, value_fn=value_fn)
     assert len(finals) == 1 and finals[0].shape == (2, 2, 4, 3)
     torch.testing.assert_close(finals[0], torch.full((2, 2, 4, 3), 0.3))  # the last image of each episode
     torch.testing.assert_close(storage["rewards"][2], torch.full((2,), 1.0 + 0.9 * 10.0))

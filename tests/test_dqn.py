@@ -410,17 +410,3 @@ def test_cnn_torso_is_chosen_for_image_observations():
     assert isinstance(mlp.mlp[0], torch.nn.Linear) and mlp(torch.rand(2, 4)).shape == (2, 2)
     rb = harness.ReplayBuffer(5, (3, 6, 5), torch.device("cpu"))
     assert rb.data["obs"].shape == rb.data["next_obs"].shape == (5, 3, 6, 5)
-
-
-def test_shrink_halves_the_batch_in_the_gradient_steps_then_the_envs():
-    dqn = load_dqn()
-    sizes = dqn.Sizes(num_envs=2, batch_size=256, buffer_size=1000)
-    sizes, change = dqn.shrink(sizes, True)
-    assert change == "batch_size 256 -> 128" and sizes.batch_size == 128
-    sizes, change = dqn.shrink(sizes, False)  # stepping the envs: always num_envs
-    assert change == "num_envs 2 -> 1" and sizes.num_envs == 1
-    sizes, change = dqn.shrink(sizes, True)
-    assert change == "batch_size 128 -> 64"
-    with pytest.raises(ValueError, match="num_envs 1 cannot be halved and batch_size 64"):
-        dqn.shrink(sizes, True)  # the batch is at its floor, one env left
-    assert (sizes.num_envs, sizes.batch_size, sizes.buffer_size) == (1, 64, 1000)

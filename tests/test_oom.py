@@ -255,25 +255,26 @@ def test_out_of_memory_message_finds_the_error_behind_another():
 def test_ppo_halving_stops_where_num_envs_cannot_be_halved():
     ppo = load_algo("ppo")
     with pytest.raises(ValueError, match="num_envs 1 cannot be halved"):
-        ppo.halve_num_envs(ppo.Sizes(num_envs=1, num_steps=4, num_minibatches=2), in_update=False)
+        ppo.halve_num_envs(ppo.Sizes(num_envs=1, num_steps=4, num_minibatches=2))
     # under --cudagraphs the halved batch must still split into equal minibatches: 6 envs x 1 step into 2, 3 x 1 not
-    sizes, change = ppo.halve_num_envs(ppo.Sizes(12, 1, 2), in_update=False, cudagraphs=True)
+    sizes, change = ppo.halve_num_envs(ppo.Sizes(12, 1, 2), cudagraphs=True)
     assert change == "num_envs 12 -> 6 (batch 12 -> 6, minibatch 6 -> 3)"
     with pytest.raises(ValueError, match="equal minibatches"):
-        ppo.halve_num_envs(sizes, in_update=False, cudagraphs=True)
+        ppo.halve_num_envs(sizes, cudagraphs=True)
     assert (sizes.num_envs, sizes.batch_size, sizes.minibatch_size) == (6, 6, 3)
 
 
-@pytest.mark.parametrize("name", ["sac", "dqn"])
-def test_off_policy_halving_order_batch_then_envs(name):
-    module = load_algo(name)
-    sizes = module.Sizes(num_envs=2, batch_size=256, buffer_size=1000)
-    sizes, change = module.shrink(sizes, True)
-    assert "batch_size 256 -> 128" in change
-    sizes, change = module.shrink(sizes, False)
-    assert "num_envs 2 -> 1" in change  # stepping the envs: always num_envs
-    sizes, change = module.shrink(sizes, True)
-    assert "batch_size 128 -> 64" in change
-    with pytest.raises(ValueError, match="num_envs 1 cannot be halved and batch_size 64"):
-        module.shrink(sizes, True)  # the batch is at its floor, one env left
-    assert (sizes.num_envs, sizes.batch_size) == (1, 64)
+def test_off_policy_halving_order_batch_then_envs():
+    """SAC's and DQN's rule (the harness's): the batch in the gradient steps, down to its floor, else num_envs."""
+    sizes = harness.ReplaySizes(num_envs=2, batch_size=256, buffer_size=1000)
+    sizes, change = harness.halve_batch_or_envs(sizes, True)
+    assert change == "batch_size 256 -> 128"
+    sizes, change = harness.halve_batch_or_envs(sizes, False)
+    assert change == "num_envs 2 -> 1"  # stepping the envs: always num_envs
+    sizes, change = harness.halve_batch_or_envs(sizes, True)
+    assert change == "batch_size 128 -> 64"
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved and batch_size 64 would drop below 64"):
+        harness.halve_batch_or_envs(sizes, True)  # the batch is at its floor, one env left
+    with pytest.raises(ValueError, match="num_envs 1 cannot be halved$"):
+        harness.halve_batch_or_envs(sizes, False)
+    assert sizes == harness.ReplaySizes(1, 64, 1000)

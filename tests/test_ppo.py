@@ -8,7 +8,6 @@ a synthetic site, resume, the non-finite stop, ``--help``, ``--compile`` on the 
 
 from __future__ import annotations
 
-import functools
 import math
 import subprocess
 from functools import partial
@@ -487,9 +486,9 @@ def test_rollout_bootstraps_truncations_from_final_obs():
         seen.append(obs)
         return torch.full((2,), 10.0)
 
-    step = functools.partial(ppo.act_and_step, act, env)
     _, next_done = ppo.rollout(
-        step,
+        act,
+        env,
         torch.zeros(2, 3),
         torch.zeros(2),
         storage=storage,

@@ -98,19 +98,19 @@ def test_act_step_store_compiles_as_one_graph_and_follows_the_eager_step():
         torch.testing.assert_close(rb_c.data[key], rb_e.data[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_out_of_memory_shrink_halves_the_batch_in_the_updates_then_the_envs():
-    sac = load_sac()
-    sizes = sac.Sizes(num_envs=2, batch_size=256, buffer_size=1000)
-    sizes, change = sac.shrink(sizes, True, gradient_steps=4)
-    assert change == "batch_size 256 -> 128" and sizes == sac.Sizes(2, 128, 1000)
-    sizes, change = sac.shrink(sizes, False, gradient_steps=4)  # stepping the envs: always num_envs
-    assert change == "num_envs 2 -> 1 (update-to-data ratio 2 -> 4)" and sizes == sac.Sizes(1, 128, 1000)
-    sizes, _ = sac.shrink(sizes, True)
-    assert sizes.batch_size == sac.OOM_MIN_BATCH_SIZE == 64
+def test_out_of_memory_back_off_halves_the_batch_in_the_updates_then_the_envs():
+    """SAC's back-off (the harness's off-policy rule) names the update-to-data ratio when num_envs halves."""
+    sizes = harness.ReplaySizes(num_envs=2, batch_size=256, buffer_size=1000)
+    sizes, change = harness.halve_batch_or_envs(sizes, True, gradient_steps=4)
+    assert change == "batch_size 256 -> 128" and sizes == harness.ReplaySizes(2, 128, 1000)
+    sizes, change = harness.halve_batch_or_envs(sizes, False, gradient_steps=4)  # stepping the envs: num_envs
+    assert change == "num_envs 2 -> 1 (update-to-data ratio 2 -> 4)" and sizes == harness.ReplaySizes(1, 128, 1000)
+    sizes, _ = harness.halve_batch_or_envs(sizes, True, gradient_steps=4)
+    assert sizes.batch_size == harness.OOM_MIN_BATCH_SIZE == 64
     with pytest.raises(ValueError, match="num_envs 1 cannot be halved and batch_size 64 would drop below 64"):
-        sac.shrink(sizes, True)  # the batch is at its floor, one env left
+        harness.halve_batch_or_envs(sizes, True, gradient_steps=4)  # the batch is at its floor, one env left
     with pytest.raises(ValueError, match="num_envs 1 cannot be halved$"):
-        sac.shrink(sizes, False)
+        harness.halve_batch_or_envs(sizes, False, gradient_steps=4)
 
 
 def test_squashed_gaussian_log_prob_matches_the_change_of_variables():

@@ -26,7 +26,8 @@ imports this package (``from algos import harness``) and takes every name below 
 * :mod:`~algos.harness.gpu`: :func:`gpu_stats`, logged beside the curves;
 * :mod:`~algos.harness.oom` and :mod:`~algos.harness.backoff`: :func:`train_with_oom_restarts`: on a CUDA
   out-of-memory error the loop hands over its live state, the algorithm's own shrink rule makes the sizes smaller,
-  and training re-enters from that state; :func:`allocate_halving` for a buffer at setup.
+  and training re-enters from that state; :func:`allocate_halving` for a buffer at setup; the off-policy scripts'
+  sizes and shrink rule (:class:`ReplaySizes`, :func:`halve_batch_or_envs`).
 
 The modules import one another in one direction only: ``gpu``, ``speed``, ``nets``, ``export``, ``oom`` and
 ``checkpoint`` stand alone, ``cli`` and ``replay`` read ``checkpoint``, ``run`` reads those, ``backoff`` reads
@@ -43,7 +44,13 @@ try:
 except ModuleNotFoundError:  # run as `python algos/<algo>.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from .backoff import allocate_halving, train_with_oom_restarts
+from .backoff import (
+    OOM_MIN_BATCH_SIZE,
+    ReplaySizes,
+    allocate_halving,
+    halve_batch_or_envs,
+    train_with_oom_restarts,
+)
 from .checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -126,10 +133,13 @@ __all__ = [
     "GPU_STAT_KEYS",
     "gpu_stats",
     # out of memory
+    "OOM_MIN_BATCH_SIZE",
     "OutOfMemoryBackoffError",
     "OutOfMemoryRestart",
+    "ReplaySizes",
     "allocate_halving",
     "free_device_memory",
+    "halve_batch_or_envs",
     "out_of_memory_message",
     "to_cpu",
     "train_with_oom_restarts",

@@ -1,8 +1,10 @@
 """The out-of-memory back-off: a buffer halved at setup (:func:`allocate_halving`), and training that re-enters from
-its live state at smaller sizes (:func:`train_with_oom_restarts`), each change warned and logged."""
+its live state at smaller sizes (:func:`train_with_oom_restarts`), each change warned and logged; the off-policy
+scripts' sizes and rule (:class:`ReplaySizes`, :func:`halve_batch_or_envs`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -91,3 +93,43 @@ def train_with_oom_restarts(train: Callable, run: Run, sizes, shrink: Callable) 
         print(f"warning: {message}", file=sys.stderr, flush=True)
         run.oom_history.append(message)
         run.writer.add_text("oom", message, run.global_step)
+
+
+OOM_MIN_BATCH_SIZE = 64
+"""The smallest batch_size :func:`halve_batch_or_envs` halves to; below it, num_envs halves instead."""
+
+
+@dataclasses.dataclass
+class ReplaySizes:
+    """The sizes of an off-policy run (SAC, DQN) that an out-of-memory back-off changes (``Args`` never does):
+    :func:`halve_batch_or_envs` halves ``batch_size`` or ``num_envs``; ``buffer_size`` is set once at setup, to the
+    replay buffer that fits (:func:`allocate_halving`)."""
+
+    num_envs: int
+    batch_size: int
+    buffer_size: int
+
+
+def halve_batch_or_envs(
+    sizes: ReplaySizes, in_update: bool, gradient_steps: int | None = None
+) -> tuple[ReplaySizes, str]:
+    """The off-policy out-of-memory rule: in the gradient steps (``in_update``) halve ``batch_size`` while it stays at
+    least :data:`OOM_MIN_BATCH_SIZE`; otherwise, and stepping the envs or at setup, halve ``num_envs`` (the envs are
+    rebuilt, the replay buffer kept). Given ``gradient_steps`` per iteration of ``num_envs`` env steps, the change
+    names the update-to-data ratio ``gradient_steps / num_envs``, which doubles. Returns ``(new sizes, "what
+    changed")``, e.g. ``"batch_size 128 -> 64"``.
+
+    Raises:
+        ValueError: nothing left to halve (one env, and in the gradient steps a batch at its floor).
+    """
+    n, b = sizes.num_envs, sizes.batch_size
+    if in_update and b // 2 >= OOM_MIN_BATCH_SIZE:
+        return dataclasses.replace(sizes, batch_size=b // 2), f"batch_size {b} -> {b // 2}"
+    if n < 2:
+        floor = f" and batch_size {b} would drop below {OOM_MIN_BATCH_SIZE}" if in_update else ""
+        raise ValueError(f"num_envs {n} cannot be halved{floor}")
+    change = f"num_envs {n} -> {n // 2}"
+    if gradient_steps is not None:
+        g = gradient_steps
+        change += f" (update-to-data ratio {g / n:.3g} -> {g / (n // 2):.3g})"
+    return dataclasses.replace(sizes, num_envs=n // 2), change
