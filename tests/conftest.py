@@ -10,6 +10,19 @@ from envs.config import config_from_dict
 from envs.site import Site
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker computes on one thread (torch's intra-op pool and the BLAS pools): the workers
+    already fill the cores, and two threads each on two cores made them take turns."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        from threadpoolctl import threadpool_limits
+
+        torch.set_num_threads(1)
+        threadpool_limits(1)
+
+
 def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) -> Site:
     """A synthetic site: ``days`` of train and of test data, sunny days, a daily MOER cycle, random sessions.
 

@@ -264,16 +264,25 @@ def test_moer_scenarios_are_the_forecasts_past_errors():
     np.testing.assert_array_equal(off.scenario_moer(t, H, outlook), np.tile(outlook, (3, 1)))
 
 
-def test_never_reads_data_after_the_hour():
+@pytest.mark.parametrize("today_bandwidth", [0.0, 1.0], ids=["equal_weights", "weights_by_today"])
+def test_never_reads_data_after_the_hour(today_bandwidth):
     """Changing the MOER and the sessions from step ``last + 1`` on leaves every action up to ``last`` unchanged (MOER
-    scenarios on), and the change matters afterwards."""
+    scenarios on; with the weights by today too), and the change matters afterwards."""
     site = make_site(days=10, n_sockets=4)
     last = (REGRESSION_WARMUP_DAYS + 1) * 24 + 5
     runs = []
     for s in (site, changed_future(site, "train", last + 1)):
         data = s.split("train")
         params = dataclasses.replace(scenario.base_params(data.config), horizon_h=12)
-        m = ScenarioMPC(data, params, n_scenarios=3, recency_half_life=2.0, moer_scenarios=True, keep_plans=True)
+        m = ScenarioMPC(
+            data,
+            params,
+            n_scenarios=3,
+            recency_half_life=2.0,
+            moer_scenarios=True,
+            today_bandwidth=today_bandwidth,
+            keep_plans=True,
+        )
         _run(s, "train", m)
         runs.append(m.plans)
     a, b = runs
@@ -379,3 +388,52 @@ def test_tuning_searches_the_scenario_planners_own_parameters_from_its_planner()
     best = valid.iloc[int(np.argmin(valid.cost_kg.to_numpy()))]
     assert PlannerParams.from_dict({k: best[k] for k in base.as_dict()}) == res.params
     assert best.cost_kg <= float(valid[valid.candidate == "start"].cost_kg.iloc[0])
+
+
+def test_weights_by_today_are_a_kernel_of_todays_arrivals_and_sum_to_one():
+    """With a bandwidth, each scenario's probability is proportional to ``exp(-d / (2 h^2))``, ``d`` the chi-square
+    distance between the arrivals per socket group since the last local midnight up to the hour, today and on the
+    scenario's day (counted here from the sessions table); they sum to one, and a day that looks like today weighs
+    more than one that does not."""
+    site = make_site(days=14, n_sockets=4)
+    data = site.split("train")
+    h, K = 1.5, 6
+    m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=K, today_bandwidth=h)
+    arrived = data.sessions[~data.sessions.rejected]
+    for t in (9 * 24 + 9, 12 * 24 + 11, 13 * 24 + 0):
+        days = m.scenario_days(t, min(m.H, data.num_steps - t))
+        m0 = data.last_midnight(t)
+
+        def count(a, b):
+            return float(((arrived.arrival_step >= max(a, 0)) & (arrived.arrival_step <= b)).sum())
+
+        x = count(m0, t)
+        d = np.array([(x - (y := count(m0 - j * 24, t - j * 24))) ** 2 / (x + y + 1.0) for j in days[:, 1]])
+        np.testing.assert_allclose(m.today_distance(t, days), d)
+        p = m.probabilities(t)
+        want = np.exp(-d / (2 * h * h))
+        np.testing.assert_allclose(p, want / want.sum())
+        assert abs(p.sum() - 1.0) < 1e-12 and (p > 0).all()
+        if d.max() > d.min():
+            assert p[d.argmin()] > p[d.argmax()]
+
+
+def test_weights_by_today_with_a_flat_kernel_are_mpc_scenario_exactly_and_a_narrow_one_plans_otherwise():
+    """A bandwidth so wide that every weight is 1 gives ``1 / K`` and the same actions as equal weights, bit for bit;
+    a narrow one changes the plans (the weights reach the LP and the plan)."""
+    site = make_site(days=8, n_sockets=4)
+    params = dataclasses.replace(scenario.base_params(site.config), horizon_h=12)
+    plans = {}
+    for bw in (0.0, 1e12, 0.5):
+        m = ScenarioMPC(site.split("train"), params, n_scenarios=4, today_bandwidth=bw, keep_plans=True)
+        _run(site, "train", m)
+        plans[bw] = np.stack([p.action for p in m.plans])
+    np.testing.assert_array_equal(plans[0.0], plans[1e12])
+    assert not np.array_equal(plans[0.0], plans[0.5])
+
+
+def test_weights_by_today_are_refused_without_past_days():
+    data = make_site(days=4, n_sockets=4).split("train")
+    for kw in ({"today_bandwidth": -1.0}, {"today_bandwidth": 1.0, "scenario_source": "session_model"}):
+        with pytest.raises(ValueError, match="today_bandwidth"):
+            ScenarioMPC(data, scenario.base_params(data.config), **kw)

@@ -23,7 +23,10 @@ own recourse after it (EV charging of its own arrivals, battery, grid). What the
   and energies, forgetting), seeded.
 
 Probabilities: ``p_k`` proportional to ``0.5 ** (k / recency_half_life)`` (``k = 0`` the most recent day), or ``1 / K``
-with half-life 0; the demand weight of :class:`~pipeline.control.mpc.PlannerParams` has no role.
+with half-life 0, times, with ``today_bandwidth > 0``, how much scenario ``k``'s day resembles today so far
+(:meth:`ScenarioMPC.today_distance`: arrivals per socket group from the last local midnight up to ``t`` on both days):
+``exp(-d_k / (2 h^2))`` for distance ``d_k`` and bandwidth ``h``; 0 (the default) leaves them as they are. The demand
+weight of :class:`~pipeline.control.mpc.PlannerParams` has no role.
 
 The LP: each scenario's window LP is ``mpc``'s (:meth:`~pipeline.control.mpc.MPCController.window_lp`: the oracle's
 constraints, deferral past the window, terminal value, tie-breaks, the env's step-0 floors and caps and import-limit
@@ -64,6 +67,9 @@ RECENCY_HALF_LIFE = 0.0
 split."""
 MOER_SCENARIOS = False
 """Whether each scenario adds the forecast's past errors to the MOER outlook, chosen on the train split."""
+TODAY_BANDWIDTH = 0.0
+"""``h``, the bandwidth of the scenarios' weights by today's arrivals (:meth:`ScenarioMPC.today_distance`; 0: not
+weighted by today), chosen on the train split (``docs/agents.md``)."""
 SCENARIO_SOURCE = "past_days"
 """Where each scenario's arrivals come from: ``"past_days"`` (the ``k``-th most recent past day of the same type) or
 ``"session_model"`` (a draw of :class:`~pipeline.control.sessions.SessionModel` with :data:`SESSION_MODEL`), chosen on
@@ -97,6 +103,7 @@ class ScenarioMPC(MPCController):
     ``perfect_arrivals`` must stay False: its scenarios are its forecast):
         n_scenarios: ``K``, at least 1.
         recency_half_life: half-life of the scenarios' probabilities, in same-type days (0: uniform).
+        today_bandwidth: ``h`` of the weights by today's arrivals (module docstring; 0: none).
         moer_scenarios: add the forecast's past errors at each lead to each scenario's MOER outlook.
         scenario_source: ``"past_days"`` or ``"session_model"`` (:data:`SCENARIO_SOURCE`).
         seed: the session model's draws' generator (``"session_model"`` only).
@@ -105,13 +112,16 @@ class ScenarioMPC(MPCController):
     Attributes:
         lp_shape: ``(rows, columns, nonzeros)`` of the last LP solved.
         lp_total: those of every LP solved, summed (``lp_total / solves``: the mean LP).
+        prob: the scenarios' probabilities of the last plan, ``(K,)`` (:meth:`probabilities` at its step).
 
     Raises:
-        ValueError: ``n_scenarios < 1``, a negative half-life, a ``perfect`` flag or an unknown scenario source.
+        ValueError: ``n_scenarios < 1``, a negative half-life or bandwidth, a ``perfect`` flag, an unknown scenario
+            source, or weights by today with the session model's scenarios (they have no past day).
     """
 
     n_scenarios: int = N_SCENARIOS
     recency_half_life: float = RECENCY_HALF_LIFE
+    today_bandwidth: float = TODAY_BANDWIDTH
     moer_scenarios: bool = MOER_SCENARIOS
     scenario_source: str = SCENARIO_SOURCE
     seed: int = 1
@@ -128,19 +138,56 @@ class ScenarioMPC(MPCController):
             raise ValueError(
                 f"ScenarioMPC: scenario_source 'past_days' or 'session_model', got {self.scenario_source!r}"
             )
+        if not self.today_bandwidth >= 0 or (self.today_bandwidth > 0 and self.scenario_source != "past_days"):
+            raise ValueError(
+                f"ScenarioMPC: today_bandwidth >= 0, and 0 unless scenario_source is 'past_days', got "
+                f"{self.today_bandwidth} with {self.scenario_source!r}"
+            )
         super().__post_init__()
         self._model = SessionModel(self.data, **SESSION_MODEL) if self.scenario_source == "session_model" else None
         self._rng = np.random.default_rng(self.seed)
         self._issued: dict[int, np.ndarray] = {}  # step -> the MOER outlook issued then (kg/kWh)
         self.lp_shape = (0, 0, 0)
         self.lp_total = np.zeros(3, np.int64)
+        self.prob = self.probabilities()
+        counts = [g.count for g in self.data.config.ev.groups]
+        self._group_of_socket = np.repeat(np.arange(len(counts)), counts)  # (N,)
 
     # ---------------------------------------------------------------- what is known at step t
-    def probabilities(self) -> np.ndarray:
-        """The scenarios' probabilities, ``(K,)``, summing to 1 (module docstring)."""
+    def probabilities(self, t: int | None = None, days: np.ndarray | None = None) -> np.ndarray:
+        """The scenarios' probabilities, ``(K,)`` float64 summing to 1 (module docstring): by recency, times, with
+        ``today_bandwidth > 0`` and a step ``t``, the kernel of :meth:`today_distance` for the scenarios' past days
+        ``days`` (:meth:`scenario_days`' ``(K, H)``; computed when not given)."""
         k = np.arange(self.n_scenarios, dtype=np.float64)
         w = 0.5 ** (k / self.recency_half_life) if self.recency_half_life > 0 else np.ones_like(k)
+        if self.today_bandwidth > 0 and t is not None:
+            if days is None:
+                days = self.scenario_days(t, min(self.H, self.data.num_steps - t))
+            w = w * np.exp(-self.today_distance(t, days) / (2.0 * self.today_bandwidth**2))
         return w / w.sum()
+
+    def today_distance(self, t: int, days: np.ndarray) -> np.ndarray:
+        """How far each scenario's day is from today so far, ``(K,)`` float64, >= 0: with ``x_g`` the sessions that
+        arrived at socket group ``g`` from the last local midnight up to step ``t`` (inclusive: realised by ``t``) and
+        ``y_g`` those over the same steps ``j`` days before, ``j`` the scenario's past day for the window's next step
+        (``days[:, 1]``, :meth:`scenario_days`), ``sum_g (x_g - y_g)^2 / (x_g + y_g + 1)`` (a chi-square distance of
+        counts: a difference of one arrival weighs more on a quiet day than on a busy one). 0 for a scenario without
+        a past day and for a one-step window."""
+        out = np.zeros(self.n_scenarios)
+        if days.shape[1] < 2:
+            return out
+        m0, G = self.data.last_midnight(t), self._group_of_socket.max() + 1
+        x = self._group_arrivals(m0, t, G)
+        for m, j in enumerate(days[:, 1].tolist()):
+            if j > 0:
+                y = self._group_arrivals(m0 - j * self.day_steps, t - j * self.day_steps, G)
+                out[m] = float(np.sum((x - y) ** 2 / (x + y + 1.0)))
+        return out
+
+    def _group_arrivals(self, a: int, b: int, n_groups: int) -> np.ndarray:
+        """Sessions arriving per socket group over steps ``[max(a, 0), b]``, ``(G,)`` float64."""
+        arrived = (self.data.arrival_stay_steps[max(a, 0) : b + 1] > 0).sum(axis=0)  # (N,)
+        return np.bincount(self._group_of_socket, weights=arrived, minlength=n_groups).astype(np.float64)
 
     def scenario_days(self, t: int, H: int) -> np.ndarray:
         """The past day of each scenario for each step of the window: ``(K, H)`` int64 day offsets ``j`` (the source of
@@ -210,8 +257,9 @@ class ScenarioMPC(MPCController):
         one's MOER (:meth:`scenario_moer` of the outlook ``moer``, ``(H,)``) and sessions (:meth:`scenario_sessions`,
         from each socket's remaining energy and steps, ``(N,)`` each), as ``(moers, sessions, block)``: ``(K, H)``
         kg/kWh, the scenarios' sessions one after another (:meth:`~pipeline.control.mpc.MPCController.sessions`'
-        tuple) and each one's scenario, ``(S,)``. With ``moer_scenarios`` the outlook is kept for later hours'
-        scenarios."""
+        tuple) and each one's scenario, ``(S,)``. Sets :attr:`prob` (:meth:`probabilities` at ``t``). With
+        ``moer_scenarios`` the outlook is kept for later hours' scenarios."""
+        self.prob = self.probabilities(t)
         if self.moer_scenarios:
             self._issued[t] = moer
             self._issued.pop(t - (self.n_scenarios + 1) * self.day_steps, None)
@@ -222,15 +270,15 @@ class ScenarioMPC(MPCController):
         return moers, merged, block
 
     def decision_lp(self, w: WindowLP) -> LP:
-        """The two-stage LP of the scenarios' window LP ``w`` (:meth:`two_stage` with :meth:`probabilities`)."""
-        return self.two_stage(w, self.probabilities())
+        """The two-stage LP of the scenarios' window LP ``w`` (:meth:`two_stage` with :attr:`prob`)."""
+        return self.two_stage(w, self.prob)
 
     def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, cap_all, floor_all) -> Plan:
         """The plan of the two-stage solution ``z``: step 0 (shared) and, over the window, the probability-weighted
         mean of the scenarios' battery and plugged-EV power and of their planned CO2 (each scenario's
         :meth:`~pipeline.control.mpc.MPCController.plan_of` for its MOER ``moer[k]``, ``moer`` ``(K, H)``); counts the
         LP in :attr:`lp_shape` and :attr:`lp_total`."""
-        prob = self.probabilities()
+        prob = self.prob
         plans = [self.plan_of(t, z, lp, b, moer[m], cap_all, floor_all) for m, b in enumerate(w.blocks)]
         plan = plans[0]
         plan.co2_planned_kg = float(sum(p * q.co2_planned_kg for p, q in zip(prob, plans)))
