@@ -66,6 +66,9 @@ class CsmsOptions:
         battery_file: where the battery's set-point is written (JSON, atomically); None: not written.
         hourly_timer: plan at each hour of the clock by itself (a wall clock); with a site clock the site's Clock
             message is the hour.
+        event_delay_s: a transaction's start or stop, or a driver's message, is planned for this many seconds later
+            (the events of a burst, such as a car's StartTransaction and DriverNeeds, get one plan); an hour's plan
+            takes them in at once.
     """
 
     controller: str = "mpc"
@@ -75,6 +78,7 @@ class CsmsOptions:
     response_timeout_s: float = 10.0
     battery_file: Path | None = None
     hourly_timer: bool = False
+    event_delay_s: float = 2.0
 
 
 class OcppSession(ChargePoint):
@@ -250,6 +254,7 @@ class CentralSystem:
         self.last_error: str | None = None
         self.verified: set[tuple[str, bytes]] = set()
         self.wake: asyncio.Event | None = None
+        self.delayed: asyncio.TimerHandle | None = None
         self.finished: asyncio.Condition | None = None
         self.tasks: list[asyncio.Task] = []
         self.dt = pd.Timedelta(hours=site.config.dt_h)
@@ -370,16 +375,20 @@ class CentralSystem:
                 del self.connected[cp_id]
 
     # ------------------------------------------------------------------------------------------ planning
-    def request_plan(self) -> int:
-        """Ask for a plan (at the clock's hour) with what the store holds now; returns the request's number."""
+    def request_plan(self, now: bool = False) -> int:
+        """Ask for a plan (at the clock's hour) with what the store holds then: at once (``now``, an hour's plan)
+        or after :attr:`CsmsOptions.event_delay_s` (an event's); returns the request's number."""
         self.requested += 1
         if self.wake is not None:
-            self.wake.set()
+            if now or self.options.event_delay_s <= 0:
+                self.wake.set()
+            elif self.delayed is None or self.delayed.cancelled():
+                self.delayed = asyncio.get_running_loop().call_later(self.options.event_delay_s, self.wake.set)
         return self.requested
 
     async def plan_and_wait(self) -> str | None:
         """Plan now and wait until the plan is sent; returns None, or the error that stopped it."""
-        n = self.request_plan()
+        n = self.request_plan(now=True)
         async with self.finished:
             await self.finished.wait_for(lambda: self.done >= n)
         return self.last_error
@@ -389,7 +398,12 @@ class CentralSystem:
         while True:
             await self.wake.wait()
             self.wake.clear()
+            if self.delayed is not None:
+                self.delayed.cancel()
+                self.delayed = None
             n = self.requested
+            if n == self.done:  # served by a plan since
+                continue
             try:
                 await self.plan_once()
                 self.last_error = None
@@ -410,7 +424,7 @@ class CentralSystem:
             now = self.clock.now()
             nxt = now.floor(self.dt) + self.dt
             await asyncio.sleep(max((nxt - now).total_seconds(), 0.0) + 0.01)
-            self.request_plan()
+            self.request_plan(now=True)
 
     def live_state(self, now: pd.Timestamp, hist: FeedHistory, issued: pd.Timestamp) -> LiveState:
         """The live state at hour ``now`` from the store (module docstring) and the feed's history."""
@@ -480,8 +494,8 @@ class CentralSystem:
         return pd.concat([hist.sessions, pd.DataFrame(rows)], ignore_index=True)
 
     async def plan_once(self) -> LivePlan:
-        """Plan at the clock's hour and act on it: record, publish the battery's set-point, send the profiles, clear
-        the ended transactions' profiles. Returns the plan.
+        """Plan at the clock's hour and act on it: record, publish the battery's set-point, clear the ended
+        transactions' profiles, send the new ones. Returns the plan.
 
         Raises:
             LiveError: the clock is not set, the feed has no history for the hour, or the state is refused.
@@ -504,8 +518,8 @@ class CentralSystem:
                                            .get("transactionId"), e["payload"]))
             for e in plan.charging_profiles
         ]  # fmt: skip
+        await self.clear_ended()  # first: a connector's next car's profile has the same id
         await asyncio.gather(*(self.send_profile(e["station_id"], row) for e, row in rows))
-        await self.clear_ended()
         return plan
 
     def publish_battery(self, now: pd.Timestamp, plan: LivePlan) -> None:
