@@ -201,6 +201,10 @@ class SimSite:
         for k in range(0, len(ids), 50):
             await asyncio.gather(*(self.connect(i) for i in ids[k : k + 50]))
 
+    def online(self, cp_id: str) -> bool:
+        """Whether a charge point's connection is open."""
+        return self.cps[cp_id].connection.state.name == "OPEN"
+
     async def drop(self, cp_id: str) -> None:
         """Close a charge point's connection; it forgets its profiles (a charger that restarts)."""
         cp = self.cps[cp_id]
@@ -300,6 +304,8 @@ class SimSite:
         """Each open transaction's meter and the battery's SOC."""
         for i, o in self.open.items():
             cp_id, conn = self.socket_of[i]
+            if not self.online(cp_id):  # a charge point off line reports when it is back
+                continue
             sample = {
                 "value": repr(float(self.register_wh[i])),
                 "measurand": "Energy.Active.Import.Register",
@@ -324,7 +330,7 @@ class SimSite:
         if answer.status != "Accepted" or not got.get("ok"):
             raise LiveError(f"hour {now.isoformat()}: the central system did not plan it: {answer.status} {got}")
         for cp_id in {self.socket_of[i][0] for i in self.open}:
-            if self.cps[cp_id].connection.state.name != "OPEN":
+            if not self.online(cp_id):
                 await self.connect(cp_id)
         limits = await self.limits(now)
         doc = await self.battery_setpoint()
