@@ -105,7 +105,8 @@ def run(site: str = "caltech", charge_points: int = 500, hours: int = 48, out_di
         row = asyncio.run(_load(s, charge_points, hours, Path(tmp) / "csms.sqlite"))
     print(
         f"{row['charge_points']} charge points on {row['site']}, {hours} h planned: "
-        f"plan p50 {row['plan_p50_s']:.3f} s, p99 {row['plan_p99_s']:.3f} s; hour round trip p50 {row['hour_p50_s']:.3f} s, p99 {row['hour_p99_s']:.3f} s; "
+        f"plan p50 {row['plan_p50_s']:.3f} s, p99 {row['plan_p99_s']:.3f} s; "
+        f"hour round trip p50 {row['hour_p50_s']:.3f} s, p99 {row['hour_p99_s']:.3f} s; "
         f"heartbeat p50 {1e3 * row['heartbeat_p50_s']:.1f} ms, p99 {1e3 * row['heartbeat_p99_s']:.1f} ms "
         f"({row['heartbeats']}); peak memory {row['peak_rss_mb']:.0f} MiB; {row['wall_s']:.1f} s",
         flush=True,
