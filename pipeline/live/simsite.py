@@ -439,3 +439,52 @@ async def run_local(
     finally:
         await central.stop()
     return res, central
+
+
+@dataclass
+class Args:
+    """The simulated site: the site's charge points as OCPP 1.6J clients replaying a split against a running
+    evhub-csms (started with --clock site), in accelerated time (docs/live.md)."""
+
+    site: str = "caltech"
+    """the site: a shipped name or the path of a site TOML (the central system's)"""
+    url: str = "ws://127.0.0.1:9000"
+    """the central system's ws:// or wss:// address"""
+    credentials: Path = Path("credentials.txt")
+    """the `id password [role]` lines the central system was started with (the site controller's role: site)"""
+    split: str = "test"
+    """the split replayed from its start"""
+    hours: int | None = None
+    """hours to replay (default: the whole split)"""
+    cafile: Path | None = None
+    """with wss://: the certificate to trust (PEM)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.live.simsite`` (tyro): replay, print the result as JSON; an expected error prints one
+    line and returns 1."""
+    import tyro
+
+    from envs.errors import exit_code
+    from envs.site import load_site
+    from pipeline.live.csms import read_credentials
+
+    args = tyro.cli(Args, args=argv)
+
+    def run() -> None:
+        rows = read_credentials(args.credentials)
+        site_ids = [i for i, _, role in rows if role == "site"]
+        if not site_ids:
+            raise LiveError(f"--credentials: {args.credentials}: no id with the role site (the site controller)")
+        tls = ssl.create_default_context(cafile=str(args.cafile)) if args.cafile else None
+        sim = SimSite(
+            load_site(args.site), args.url, {i: p for i, p, _ in rows}, site_ids[0], args.split, args.hours, tls=tls
+        )
+        res = asyncio.run(sim.run())
+        print(json.dumps({k: v for k, v in vars(res).items() if k != "transactions"}, indent=2), flush=True)
+
+    return exit_code(run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
