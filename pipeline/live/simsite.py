@@ -162,7 +162,7 @@ class SimSite:
         self.session_ids = {(int(r.arrival_step), int(r.socket)): str(r.session_id) for r in ses.itertuples()}
 
     # ------------------------------------------------------------------------------------------ connections
-    async def connect(self, cp_id: str, wait_s: float = 30.0) -> SimChargePoint:
+    async def connect(self, cp_id: str, wait_s: float = 120.0) -> SimChargePoint:
         """Connect ``cp_id`` (retrying while the central system is down, up to ``wait_s``) and boot it."""
         from websockets.asyncio.client import connect
 
