@@ -23,12 +23,19 @@ from pipeline.control import registry
 from pipeline.live import csms
 from pipeline.live.simsite import SimChargePoint, SimSite, basic_auth, register, run_local, site_passwords
 from pipeline.live.sources import LateFeed, SiteClock, SiteDataFeed, default_mapping, fill_late
-from pipeline.live.store import Store, check_password
+from pipeline.live.store import Store, StoreError, check_password, hash_password
+
+FAST_HASH = 2**4
+"""scrypt's cost in these tests' stores (the production default is 2**14: 50 ms a hash)."""
 
 
 def _site(days: int = 2):
     """A small synthetic site with a 6 h window (the test split: ``days`` days)."""
     return make_site(days=days, n_sockets=6, mpc={"horizon_h": 6})
+
+
+def _store(path) -> Store:
+    return Store(path, scrypt_n=FAST_HASH)
 
 
 def _study_co2(site, hours: int | None = None) -> tuple[float, float]:
@@ -55,38 +62,42 @@ def _served(site, res, central, hours: int | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def small():
+    """The 2-day site and the study's CO2 and unserved energy over its first day."""
     site = _site()
     return site, _study_co2(site, HOURS)
 
 
 # ------------------------------------------------------------------------------------------------ the loop
-def test_the_csms_loop_gives_the_study_rows_co2(tmp_path):
-    """mpc through the central system over the whole test split (3 days): each hour planned from the store (meter
-    values, drivers' needs, the battery's SOC report) and applied by the simulated site from the profiles and the
-    battery set-point it received gives the study's CO2 to 0.1 kg, every car served."""
-    site = _site(days=3)
+def test_the_csms_loop_gives_the_study_rows_co2(tmp_path, small):
+    """mpc through the central system over the whole test split (2 days, across a local midnight): each hour planned
+    from the store (meter values, drivers' needs, the battery's SOC report) and applied by the simulated site from
+    the profiles and the battery set-point it received gives the study's CO2 to 0.1 kg, every car served."""
+    site = small[0]
     co2, unserved = _study_co2(site)
-    res, central = asyncio.run(run_local(site, tmp_path / "csms.sqlite"))
+    res, central = asyncio.run(run_local(site, _store(tmp_path / "csms.sqlite")))
     assert res.hours == site.split("test").num_steps
     assert abs(res.co2_kg - co2) < 0.1, (res.co2_kg, co2)
     assert abs(res.unserved_kwh - unserved) < 1e-3
     _served(site, res, central)
     profiles = central.store.profiles()
     assert profiles and {p["status"] for p in profiles} == {"accepted"}
-    assert len(central.plans) == res.hours  # one plan an hour: the events' plans fold into the hour's
-    print(f"\ncsms loop, mpc, synthetic 3 days: {res.co2_kg:.4f} kg vs study {co2:.4f} kg ({res.co2_kg - co2:+.5f})")
+    assert len(central.plans) == len(central.store.plans()) == res.hours  # the events' plans fold into the hour's
+    print(f"\ncsms loop, mpc, synthetic 2 days: {res.co2_kg:.4f} kg vs study {co2:.4f} kg ({res.co2_kg - co2:+.5f})")
 
 
 def test_the_store_keeps_hashes_and_writes_ahead(tmp_path):
     """Passwords are stored as salted scrypt hashes only; the store runs in WAL mode and a recorded transaction is
     in the file (another connection sees it) as soon as the call returns."""
-    store = Store(tmp_path / "s.sqlite")
+    store = _store(tmp_path / "s.sqlite")
     store.add_charge_point("CP-1", "secret-1")
     stored, role = store.charge_point("CP-1")
     assert "secret-1" not in stored and role == "charge_point"
     assert check_password(stored, "secret-1") and not check_password(stored, "secret-2")
     store.add_charge_point("CP-2", "secret-1")
     assert store.charge_point("CP-2")[0] != stored  # salted
+    assert hash_password("x").startswith(f"scrypt${2**14}$8$1$")  # production strength by default
+    with pytest.raises(StoreError, match="power of 2"):
+        hash_password("x", 1000)
     tx = store.start_transaction("CP-1", 1, "tag", pd.Timestamp("2019-05-01T10:00Z"), 12)
     other = sqlite3.connect(tmp_path / "s.sqlite")
     assert other.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -99,7 +110,7 @@ def test_a_rejected_profile_is_retried_and_logged(tmp_path, small):
     gets it and the run's CO2 is the clean run's."""
     site, (co2, _) = small
     cp = next(iter(default_mapping(site)))[0]
-    res, central = asyncio.run(run_local(site, tmp_path / "csms.sqlite", hours=HOURS, reject={cp: 1}))
+    res, central = asyncio.run(run_local(site, _store(tmp_path / "csms.sqlite"), hours=HOURS, reject={cp: 1}))
     assert res.rejected == 1
     assert len(central.store.events("profile_rejected")) == 1
     assert any(p["status"] == "accepted" and p["retries"] == 1 for p in central.store.profiles())
@@ -121,7 +132,7 @@ def test_a_dropped_charge_point_gets_its_profile_again(tmp_path, small):
     async def drop(sim):
         await sim.drop(cp_id)
 
-    res, central = asyncio.run(run_local(site, tmp_path / "csms.sqlite", hours=HOURS, hooks={t: drop}))
+    res, central = asyncio.run(run_local(site, _store(tmp_path / "csms.sqlite"), hours=HOURS, hooks={t: drop}))
     resent = central.store.events("profile_resent")
     assert any(cp_id in e["detail"] for e in resent)
     assert any(p["status"] == "offline" for p in central.store.profiles())
@@ -130,16 +141,17 @@ def test_a_dropped_charge_point_gets_its_profile_again(tmp_path, small):
     assert abs(res.co2_kg - co2) < 0.05 * co2  # the hour it was off line it sent no meter value: planned on the last
 
 
-def test_a_late_moer_feed_is_planned_on_the_last_forecast(tmp_path, small):
+def test_a_late_moer_feed_is_planned_on_the_last_forecast(tmp_path):
     """The MOER feed brings nothing for three hours (one at a time): the central system plans on the forecast issued
     an hour before, says so in its log, and every car is still served (the CO2 differs: other forecasts, other
-    plans; the difference is printed)."""
-    site = small[0]
-    co2, _ = _study_co2(site)  # the whole split: a window cut short would miss what the battery holds at its end
+    plans; the difference is printed). A 1-day site, run over its whole split: a window cut short would miss what
+    the battery holds at its end."""
+    site = _site(days=1)
+    co2, _ = _study_co2(site)
     start = site.config.split_bounds("test")[0]
     late = [start + pd.Timedelta(hours=h) for h in (9, 12, 15)]
     feed = LateFeed(SiteDataFeed(site, "test"), late)
-    res, central = asyncio.run(run_local(site, tmp_path / "csms.sqlite", feed=feed))
+    res, central = asyncio.run(run_local(site, _store(tmp_path / "csms.sqlite"), feed=feed))
     logged = central.store.events("moer_feed_late")
     assert len(logged) == 3 and "planning on the one issued at" in logged[0]["detail"]
     _served(site, res, central)
@@ -177,45 +189,59 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_the_csms_killed_mid_run_resumes_from_its_store(tmp_path, small):
-    """The central system runs as its own process (``python -m pipeline.live.csms``); it is killed (SIGKILL) in the
-    middle of the split with cars plugged in and started again on the same store: it resumes the open transactions
-    from SQLite, re-plans, every car is served, no transaction is lost, and the CO2 is the clean run's."""
+    """The central system runs as its own process (the command, ``python -m pipeline.live.csms``); it is killed
+    (SIGKILL) in the middle of the day with cars plugged in and started again on the same store (in the test's
+    process, built as the command builds it: a second start-up of the command would only cost time): it resumes the
+    open transactions from SQLite, re-plans, every car is served, no transaction is lost, and the CO2 is the clean
+    run's."""
     site, (co2, _) = small
     toml = write_site(site, tmp_path / "site")
     passwords = site_passwords(site)
-    cred = tmp_path / "credentials.txt"
-    cred.write_text("".join(f"{i} {p} {'site' if i == 'site' else 'charge_point'}\n" for i, p in passwords.items()))
+    db, battery = tmp_path / "csms.sqlite", tmp_path / "battery.json"
+    store = _store(db)
+    register(store, passwords)
+    store.close()
     port = _free_port()
+    args = csms.Args(site=str(toml), clock="site", port=port, db=db, battery_file=battery)
     cmd = [sys.executable, "-m", "pipeline.live.csms", "--site", str(toml), "--clock", "site", "--port", str(port)]
-    cmd += ["--db", str(tmp_path / "csms.sqlite"), "--credentials", str(cred)]
-    cmd += ["--battery-file", str(tmp_path / "battery.json")]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)]
+    cmd += ["--db", str(db), "--battery-file", str(battery)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     data = site.split("test")
     ses = data.sessions[~data.sessions.rejected & (data.sessions.arrival_step < HOURS)]
     t_kill = int(ses.arrival_step.iloc[len(ses) // 2]) + 1
+    restarted: list[csms.CentralSystem] = []
 
     async def kill(sim):
-        procs[-1].kill()
-        procs[-1].wait()
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        proc.kill()
+        proc.wait()
+        central = csms.build(args)
+        await central.start("127.0.0.1", port)
+        restarted.append(central)
         await sim.connect_all()
 
     sim = SimSite(site, f"ws://127.0.0.1:{port}", passwords, hours=HOURS, hooks={t_kill: kill})
+
+    async def replay():
+        try:
+            return await sim.run()
+        finally:
+            for central in restarted:
+                await central.stop()
+
     try:
-        res = asyncio.run(sim.run())
+        res = asyncio.run(replay())
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert procs[0].returncode == -9 and len(procs) == 2
-    store = Store(tmp_path / "csms.sqlite")
-    txs = store.transactions()
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -9 and len(restarted) == 1
+    txs = Store(db).transactions()
     assert res.unserved_kwh < 1e-3 and res.fallbacks == 0
     assert res.started == res.stopped == len(txs) == len(ses)
     assert all(t["stop_time"] is not None for t in txs)
     before = [t for t in txs if pd.Timestamp(t["start_time"]) < data.time[t_kill] < pd.Timestamp(t["stop_time"])]
     assert before, "no car was plugged in across the restart"
-    assert json.loads((tmp_path / "battery.json").read_text())["time"] == data.time[HOURS - 1].isoformat()
+    assert restarted[0].store.events("profile_resent")  # the open transactions' profiles, sent again
+    assert json.loads(battery.read_text())["time"] == data.time[HOURS - 1].isoformat()
     print(f"\nfault, central system killed and restarted: CO2 {res.co2_kg - co2:+.5f} kg vs the clean run")
     assert abs(res.co2_kg - co2) < 0.1
 
@@ -224,12 +250,12 @@ def test_the_csms_killed_mid_run_resumes_from_its_store(tmp_path, small):
 @contextlib.asynccontextmanager
 async def _serving(tmp_path, tls=None):
     site = _site()
-    store = Store(tmp_path / "csms.sqlite")
+    store = _store(tmp_path / "csms.sqlite")
     cp = next(iter(default_mapping(site)))[0]
     passwords = {cp: "good-password", "site": "site-password"}
     register(store, passwords)
     central = csms.CentralSystem(site, store, SiteClock(), SiteDataFeed(site), default_mapping(site))
-    server = await central.start("127.0.0.1", 0, tls)
+    server = await central.start("127.0.0.1", 0, tls, http_port=0)
     try:
         yield central, server.sockets[0].getsockname()[1], cp, passwords
     finally:
@@ -317,6 +343,53 @@ def test_bad_frames_get_a_callerror_or_close_and_the_service_goes_on(tmp_path, c
                     want = {"malformed JSON": "Format", "unsupported action": "NotSupported", "bad payload": ""}[case]
                     assert answer[2].startswith(want), answer
             assert await _boots(url, cp, pw[cp]) == "Accepted"
+
+    asyncio.run(scenario())
+
+
+async def _post(port: int, path: str, auth: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` as JSON to the HTTP endpoint: ``(status, JSON answer)``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Length: {len(data)}\r\n\r\n"
+    writer.write(head.encode() + data)
+    raw = await reader.read()
+    writer.close()
+    status, _, rest = raw.partition(b"\r\n")
+    return int(status.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_the_drivers_http_endpoint_sets_a_transactions_needs(tmp_path):
+    """``POST /drivers/<charge point>/<connector>`` with the site controller's credentials sets the departure and
+    need of the connector's open transaction, recorded as the driver's; a charge point's credentials get 401, a
+    connector without a transaction 404, a body without its need or with a departure without its UTC offset 400."""
+    from ocpp.v16 import call
+    from websockets.asyncio.client import connect
+
+    async def scenario():
+        async with _serving(tmp_path) as (central, port, cp, pw):
+            http = central.http_server.sockets[0].getsockname()[1]
+            site_auth, path = basic_auth("site", pw["site"]), f"/drivers/{cp}/1"
+            body = {"departure": "2019-05-03T18:00:00-07:00", "need_kwh": 12.5}
+            assert (await _post(http, path, site_auth, body))[0] == 404  # no car yet
+            headers = {"Authorization": basic_auth(cp, pw[cp])}
+            async with connect(
+                f"ws://127.0.0.1:{port}/{cp}", subprotocols=["ocpp1.6"], additional_headers=headers
+            ) as ws:
+                client = SimChargePoint(cp, ws)
+                task = asyncio.create_task(client.start())
+                started = await client.call(
+                    call.StartTransaction(connector_id=1, id_tag="car", meter_start=0, timestamp="2019-05-03T16:00:00Z")
+                )
+                task.cancel()
+            assert await _post(http, path, site_auth, body) == (200, {"transactionId": started.transaction_id})
+            row = central.store.transaction(started.transaction_id)
+            assert row["needs_source"] == "driver" and row["need_kwh"] == 12.5
+            assert pd.Timestamp(row["departure"]) == pd.Timestamp(body["departure"])
+            assert (await _post(http, path, headers["Authorization"], body))[0] == 401
+            assert (await _post(http, path, site_auth, {"departure": body["departure"]}))[0] == 400
+            assert (await _post(http, path, site_auth, body | {"departure": "2019-05-03T18:00"}))[0] == 400
+            assert len(central.store.events("http_refused")) == 4
 
     asyncio.run(scenario())
 

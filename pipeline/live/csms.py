@@ -12,6 +12,10 @@ the meter values, the driver's departure and need from a ``DataTransfer`` (vendo
 or the session model's expectation), the history from the MOER feed, :func:`pipeline.live.make_plan`; then it sends
 each connector with a car its ``SetChargingProfile`` (retried when rejected), clears the profiles of ended
 transactions, and publishes the battery's set-point (a JSON file written atomically, and ``GET /battery``).
+
+With an HTTP port (``--http-port``) it also serves the site's app, with the site controller's credentials (Basic
+auth): ``POST /drivers/<charge point>/<connector>`` with ``{"departure": ISO 8601, "need_kwh": kWh}`` sets the needs
+of the connector's open transaction (as ``DriverNeeds`` does), and ``GET /battery``.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from envs.site import Site
 from pipeline.live.profiles import LivePlan, make_plan
 from pipeline.live.sources import Clock, FeedHistory, MoerFeed, SiteClock, expected_session, fill_late
 from pipeline.live.state import DayStart, LiveError, LiveState, PluggedEV
-from pipeline.live.store import Store, check_password, utc_text
+from pipeline.live.store import Store, StoreError, check_password, utc_text
 
 VENDOR = "evhub"
 """The ``vendorId`` of the central system's ``DataTransfer`` messages (``DriverNeeds``, ``BatteryStatus``,
@@ -51,6 +55,10 @@ VENDOR = "evhub"
 SUBPROTOCOL = "ocpp1.6"
 MAX_FRAME_BYTES = 1 << 20
 """The largest frame taken (1 MiB); a larger one closes the connection with 1009."""
+HTTP_MAX_BODY = 1 << 16
+"""The largest request body of the HTTP endpoint (64 KiB); a larger one gets 413."""
+HTTP_TIMEOUT_S = 10.0
+"""How long the HTTP endpoint waits for a whole request, s (then 408)."""
 log = logging.getLogger("evhub.csms")
 
 
@@ -196,14 +204,7 @@ class OcppSession(ChargePoint):
         row = self.central.store.transaction(tx)
         if row is None or row["charge_point"] != self.id:
             raise LiveError(f"transactionId {tx}: no such transaction at charge point {self.id!r}")
-        need = float(body["energyKWh"])
-        if not np.isfinite(need) or need < 0:
-            raise LiveError(f"energyKWh: {need!r} is not an energy >= 0 (kWh)")
-        departure = pd.Timestamp(body["departure"])
-        if departure.tzinfo is None:
-            raise LiveError(f"departure: {body['departure']!r} has no UTC offset")
-        self.central.store.set_needs(tx, departure, need, body.get("sessionId"), "driver")
-        self.central.request_plan()
+        self.central.driver_needs(tx, body["departure"], body["energyKWh"], body.get("sessionId"))
         return {"transactionId": tx}
 
     async def battery_status(self, body: dict) -> dict:
@@ -229,6 +230,17 @@ class OcppSession(ChargePoint):
     def _site_only(self, what: str) -> None:
         if self.role != "site":
             raise LiveError(f"{what}: charge point {self.id!r} is not the site controller")
+
+
+def basic_credentials(header: str | None) -> tuple[str, str] | None:
+    """``(user, password)`` of an HTTP Basic ``Authorization`` header value; None: none, or not Basic."""
+    if not header or not header.startswith("Basic "):
+        return None
+    try:
+        user, sep, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return (user, password) if sep else None
 
 
 class CentralSystem:
@@ -257,6 +269,7 @@ class CentralSystem:
         self.delayed: asyncio.TimerHandle | None = None
         self.finished: asyncio.Condition | None = None
         self.tasks: list[asyncio.Task] = []
+        self.http_server: asyncio.Server | None = None
         self.dt = pd.Timedelta(hours=site.config.dt_h)
 
     # ------------------------------------------------------------------------------------------ time
@@ -275,10 +288,18 @@ class CentralSystem:
                 self.clock.advance(t)
 
     # ------------------------------------------------------------------------------------------ serving
-    async def start(self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None):
-        """Start serving (and planning); returns the server (``server.sockets[0].getsockname()`` gives the port)."""
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None,
+        http_port: int | None = None,
+    ):  # fmt: skip
+        """Start serving (and planning), the HTTP endpoint too on ``http_port`` (0: any free port; None: not served,
+        ``self.http_server`` None); returns the WebSocket server (``server.sockets[0].getsockname()`` gives the
+        port)."""
         from websockets.asyncio.server import serve
 
+        self.http_server = None
+        if http_port is not None:
+            self.http_server = await asyncio.start_server(self.http, host, http_port, ssl=ssl_context)
         self.wake, self.finished = asyncio.Event(), asyncio.Condition()
         self.tasks.append(asyncio.create_task(self.planner()))
         if self.options.hourly_timer:
@@ -302,35 +323,54 @@ class CentralSystem:
             t.cancel()
         self.server.close()
         await self.server.wait_closed()
+        if self.http_server is not None:
+            self.http_server.close()
+            await self.http_server.wait_closed()
+
+    def verify(self, cp_id: str, stored: str, password: str) -> bool:
+        """Whether ``password`` is ``cp_id``'s (its stored hash ``stored``); a pair once verified is remembered by an
+        HMAC of it (reconnections skip scrypt)."""
+        key = (cp_id, hmac.new(stored.encode(), password.encode(), hashlib.sha256).digest())
+        if key in self.verified:
+            return True
+        if not check_password(stored, password):
+            return False
+        self.verified.add(key)
+        return True
+
+    def site_authorised(self, header: str | None) -> tuple[str | None, HTTPStatus | None, str]:
+        """The site controller a request's ``Authorization`` header authenticates: ``(id, None, "")``, or ``(None,
+        401, why)``."""
+        creds = basic_credentials(header)
+        if creds is None:
+            return None, HTTPStatus.UNAUTHORIZED, "no Basic credentials"
+        user, password = creds
+        known = self.store.charge_point(user)
+        if known is None or known[1] != "site":
+            return None, HTTPStatus.UNAUTHORIZED, f"{user!r} is not the site controller"
+        if not self.verify(user, known[0], password):
+            return None, HTTPStatus.UNAUTHORIZED, f"wrong password for {user!r}"
+        return user, None, ""
 
     def authorised(self, request) -> tuple[str | None, HTTPStatus | None, str]:
-        """The id a handshake's request authenticates as (Basic auth against the path's id): ``(id, None, "")``, or
-        ``(None, status, why)``."""
+        """The id a handshake's request authenticates as (Basic auth against the path's id; ``/battery``: the site
+        controller): ``(id, None, "")``, or ``(None, status, why)``."""
         path = unquote(urlparse(request.path).path)
-        cp_id = path.rstrip("/").rsplit("/", 1)[-1]
-        if path == "/battery":
-            cp_id = None
-        known = self.store.charge_point(cp_id) if cp_id else None
         header = request.headers.get("Authorization")
-        if cp_id is not None and known is None:
+        if path == "/battery":
+            return self.site_authorised(header)
+        cp_id = path.rstrip("/").rsplit("/", 1)[-1]
+        known = self.store.charge_point(cp_id) if cp_id else None
+        if known is None:
             return None, HTTPStatus.NOT_FOUND, f"unknown charge point {cp_id!r}"
-        if not header or not header.startswith("Basic "):
+        creds = basic_credentials(header)
+        if creds is None:
             return None, HTTPStatus.UNAUTHORIZED, "no Basic credentials"
-        try:
-            user, _, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
-        except (ValueError, UnicodeDecodeError):
-            return None, HTTPStatus.UNAUTHORIZED, "malformed Basic credentials"
-        if cp_id is None:  # /battery: the site controller's credentials
-            cp_id, known = user, self.store.charge_point(user)
-            if known is None or known[1] != "site":
-                return None, HTTPStatus.UNAUTHORIZED, f"{user!r} is not the site controller"
+        user, password = creds
         if user != cp_id:
             return None, HTTPStatus.UNAUTHORIZED, f"user {user!r} is not the charge point of the path {cp_id!r}"
-        key = (cp_id, hmac.new(known[0].encode(), password.encode(), hashlib.sha256).digest())
-        if key not in self.verified:
-            if not check_password(known[0], password):
-                return None, HTTPStatus.UNAUTHORIZED, f"wrong password for {cp_id!r}"
-            self.verified.add(key)
+        if not self.verify(cp_id, known[0], password):
+            return None, HTTPStatus.UNAUTHORIZED, f"wrong password for {cp_id!r}"
         return cp_id, None, ""
 
     def process_request(self, connection, request):
@@ -373,6 +413,91 @@ class CentralSystem:
             resend.cancel()
             if self.connected.get(cp_id) is session:
                 del self.connected[cp_id]
+
+    # ------------------------------------------------------------------------------------------ the site's app
+    async def http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request of the HTTP endpoint (module docstring), answered with JSON and the connection closed: 200,
+        or 400 (a bad request or body), 401, 404 (no such endpoint, or no open transaction at the connector), 408,
+        411 (no ``Content-Length``), 413 (a body over :data:`HTTP_MAX_BODY`)."""
+        try:
+            status, doc = await asyncio.wait_for(self.http_answer(reader), HTTP_TIMEOUT_S)
+        except TimeoutError:
+            status, doc = HTTPStatus.REQUEST_TIMEOUT, {"error": "the request did not come whole in time"}
+        except (ValueError, UnicodeDecodeError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            status, doc = HTTPStatus.BAD_REQUEST, {"error": "not an HTTP/1.1 request"}
+        if status != HTTPStatus.OK:
+            self.store.log(self.time_or_now(), "http_refused", f"{int(status)}: {doc.get('error')}")
+        body = (json.dumps(doc) + "\n").encode()
+        head = f"HTTP/1.1 {int(status)} {status.phrase}\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        if status == HTTPStatus.UNAUTHORIZED:
+            head += 'WWW-Authenticate: Basic realm="evhub-csms"\r\n'
+        with contextlib.suppress(ConnectionError):
+            writer.write(head.encode() + b"\r\n" + body)
+            await writer.drain()
+            writer.close()
+
+    async def http_answer(self, reader: asyncio.StreamReader) -> tuple[HTTPStatus, dict]:
+        """Read one request of the HTTP endpoint and act on it: ``(status, JSON document)``.
+
+        Raises:
+            ValueError, UnicodeDecodeError, asyncio.IncompleteReadError, asyncio.LimitOverrunError: not HTTP.
+        """
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        method, target, _ = head[0].split(" ", 2)
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:] if line)}
+        _, status, why = self.site_authorised(headers.get("authorization"))
+        if status is not None:
+            return status, {"error": why}
+        path = unquote(urlparse(target).path)
+        parts = path.strip("/").split("/")
+        if method == "GET" and path == "/battery":
+            return HTTPStatus.OK, self.battery_doc or {}
+        if method != "POST" or len(parts) != 3 or parts[0] != "drivers" or not parts[2].isdigit():
+            return HTTPStatus.NOT_FOUND, {"error": f"{method} {path}: give POST /drivers/<charge point>/<connector>"}
+        length = headers.get("content-length", "")
+        if not length.isdigit():
+            return HTTPStatus.LENGTH_REQUIRED, {"error": "no Content-Length"}
+        if int(length) > HTTP_MAX_BODY:
+            return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": f"a body over {HTTP_MAX_BODY} bytes"}
+        cp_id, connector = parts[1], int(parts[2])
+        open_tx = [
+            t for t in self.store.open_transactions() if (t["charge_point"], t["connector"]) == (cp_id, connector)
+        ]
+        if not open_tx:
+            return HTTPStatus.NOT_FOUND, {"error": f"no open transaction at {cp_id!r} connector {connector}"}
+        try:
+            body = json.loads(await reader.readexactly(int(length)))
+            if not isinstance(body, dict):
+                raise LiveError("the body is not a JSON object")
+            self.driver_needs(open_tx[-1]["id"], body["departure"], body["need_kwh"], body.get("session_id"))
+        except KeyError as exc:
+            return HTTPStatus.BAD_REQUEST, {"error": f"the body has no {exc.args[0]!r}"}
+        except (LiveError, TypeError, ValueError) as exc:
+            return HTTPStatus.BAD_REQUEST, {"error": str(exc)[:500]}
+        return HTTPStatus.OK, {"transactionId": open_tx[-1]["id"]}
+
+    def driver_needs(self, tx: int, departure, need_kwh, session_id: str | None = None) -> None:
+        """Record a driver's departure (ISO 8601 with its UTC offset, or a Timestamp) and energy need (kWh) for
+        transaction ``tx``, and ask for a plan.
+
+        Raises:
+            LiveError: a need that is not a finite energy >= 0, a departure without a UTC offset, an unknown
+                transaction. ValueError: a departure that is not a time.
+        """
+        need = float(need_kwh)
+        if not np.isfinite(need) or need < 0:
+            raise LiveError(f"energy need: {need_kwh!r} is not an energy >= 0 (kWh)")
+        if not isinstance(departure, str | pd.Timestamp):
+            raise LiveError(f"departure: {departure!r} is not an ISO 8601 time")
+        when = pd.Timestamp(departure)
+        if when.tzinfo is None:
+            raise LiveError(f"departure: {departure!r} has no UTC offset")
+        try:
+            self.store.set_needs(tx, when, need, session_id, "driver")
+        except StoreError as exc:
+            raise LiveError(str(exc)) from None
+        self.request_plan()
 
     # ------------------------------------------------------------------------------------------ planning
     def request_plan(self, now: bool = False) -> int:
@@ -511,6 +636,7 @@ class CentralSystem:
         plan = await asyncio.to_thread(make_plan, self.site, state, self.options.controller, **self.options.plan_kwargs)
         self.plans.append(plan)
         self.plan_latency_s.append(plan.wall_s)
+        self.store.plan_made(now, plan.controller, plan.wall_s, len(plan.charging_profiles))
         self.store.battery(now, "setpoint_kw", float(plan.battery_kw[0]))
         self.publish_battery(now, plan)
         rows = [
@@ -610,6 +736,9 @@ class Args:
     """the address to listen on"""
     port: int = 9000
     """the port to listen on"""
+    http_port: int | None = None
+    """the port of the HTTP endpoint for the site's app (POST /drivers/<charge point>/<connector>, GET /battery;
+    the site controller's credentials; TLS as the WebSocket's); default: not served"""
     certfile: Path | None = None
     """TLS certificate (PEM; OCPP security profile 2: wss://); with --keyfile"""
     keyfile: Path | None = None
@@ -709,12 +838,18 @@ def build(args: Args) -> CentralSystem:
     return CentralSystem(site, store, clock, SiteDataFeed(site, args.split), mapping, options)
 
 
-async def serve_forever(central: CentralSystem, host: str, port: int, tls: ssl.SSLContext | None) -> None:
+async def serve_forever(
+    central: CentralSystem, host: str, port: int, tls: ssl.SSLContext | None, http_port: int | None = None
+) -> None:
     """Serve until cancelled."""
-    server = await central.start(host, port, tls)
+    server = await central.start(host, port, tls, http_port)
     scheme = "wss" if tls else "ws"
     print(f"evhub-csms: listening on {scheme}://{host}:{server.sockets[0].getsockname()[1]}/<charge point id>",
           flush=True)  # fmt: skip
+    if central.http_server is not None:
+        got = central.http_server.sockets[0].getsockname()[1]
+        scheme = "https" if tls else "http"
+        print(f"evhub-csms: the site's app at {scheme}://{host}:{got}/drivers/<charge point>/<connector>", flush=True)
     try:
         await asyncio.Future()
     finally:
@@ -733,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         tls = server_tls(args.certfile, args.keyfile)
         central = build(args)
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve_forever(central, args.host, args.port, tls))
+            asyncio.run(serve_forever(central, args.host, args.port, tls, args.http_port))
 
     return exit_code(run)
 

@@ -408,14 +408,15 @@ def register(store, passwords: dict[str, str], site_id: str = "site") -> None:
 
 
 async def run_local(
-    site: Site, db: str | Path, controller: str = "mpc", split: str = "test", hours: int | None = None,
+    site: Site, db, controller: str = "mpc", split: str = "test", hours: int | None = None,
     feed=None, hooks: dict | None = None, reject: dict[str, int] | None = None, options=None,
 ) -> tuple[SimResult, object]:  # fmt: skip
     """A central system (site clock, the site's data as its MOER feed) and this simulated site in one event loop on
     localhost; returns the simulated site's result and the central system (its store open).
 
     Args:
-        db: the central system's store. feed: its MOER feed (default :class:`pipeline.live.sources.SiteDataFeed`).
+        db: the central system's store (a path, or a :class:`pipeline.live.store.Store`).
+        feed: its MOER feed (default :class:`pipeline.live.sources.SiteDataFeed`).
         hooks: as :class:`SimSite`'s. reject: ``{charge point: n}``: it answers Rejected to its next ``n`` profiles.
         options: the :class:`pipeline.live.csms.CsmsOptions` (``controller`` is set from ``controller``).
     """
@@ -423,7 +424,7 @@ async def run_local(
     from pipeline.live.sources import SiteClock, SiteDataFeed
     from pipeline.live.store import Store
 
-    store = Store(db)
+    store = db if isinstance(db, Store) else Store(db)
     passwords = site_passwords(site)
     register(store, passwords)
     options = options or CsmsOptions()

@@ -45,6 +45,9 @@ CREATE INDEX IF NOT EXISTS profile_by_connector ON profiles (charge_point, conne
 CREATE TABLE IF NOT EXISTS battery (
     time TEXT NOT NULL, kind TEXT NOT NULL, value REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS plans (
+    time TEXT NOT NULL, controller TEXT NOT NULL, wall_s REAL NOT NULL, profiles INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     time TEXT NOT NULL, kind TEXT NOT NULL, detail TEXT NOT NULL
 );
@@ -55,10 +58,21 @@ class StoreError(ValueError):
     """A request the store refuses (an unknown transaction, a bad role): the message names it."""
 
 
-def hash_password(password: str) -> str:
-    """A salted scrypt hash of ``password`` (``scrypt$n$r$p$salt$hash``, hex); the password itself is never stored."""
+SCRYPT_N = 2**14
+"""scrypt's cost (its ``n``; ``r`` = 8, ``p`` = 1: 16 MiB and some 50 ms a hash): the strength of the stored hashes."""
+
+
+def hash_password(password: str, n: int = SCRYPT_N) -> str:
+    """A salted scrypt hash of ``password`` (``scrypt$n$r$p$salt$hash``, hex) at cost ``n``; the password itself is
+    never stored.
+
+    Raises:
+        StoreError: ``n`` is not a power of 2 above 1.
+    """
+    if n < 2 or n & (n - 1):
+        raise StoreError(f"scrypt cost n = {n}: give a power of 2 above 1")
     salt = secrets.token_bytes(16)
-    n, r, p = 2**14, 8, 1
+    r, p = 8, 1
     digest = hashlib.scrypt(password.encode(), salt=salt, n=n, r=r, p=p, dklen=32)
     return f"scrypt${n}${r}${p}${salt.hex()}${digest.hex()}"
 
@@ -85,10 +99,13 @@ class Store:
 
     Args:
         path: the database file (created with its folder when missing).
+        scrypt_n: the cost of the password hashes it writes (:func:`hash_password`; a stored hash keeps its own
+            cost, so a store may hold hashes of several).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, scrypt_n: int = SCRYPT_N):
         self.path = Path(path)
+        self.scrypt_n = int(scrypt_n)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, isolation_level=None)
         self.db.row_factory = sqlite3.Row
@@ -120,7 +137,7 @@ class Store:
         self._write(
             "INSERT INTO charge_points (id, password_hash, role) VALUES (?, ?, ?) "
             "ON CONFLICT(id) DO UPDATE SET password_hash = excluded.password_hash, role = excluded.role",
-            (cp_id, hash_password(password), role),
+            (cp_id, hash_password(password, self.scrypt_n), role),
         )
 
     def charge_point(self, cp_id: str) -> tuple[str, str] | None:
@@ -231,6 +248,17 @@ class Store:
     def profiles(self) -> list[dict]:
         """Every profile row, in order (``payload`` as JSON text)."""
         return [dict(r) for r in self.db.execute("SELECT * FROM profiles ORDER BY id").fetchall()]
+
+    def plan_made(self, time, controller: str, wall_s: float, profiles: int) -> None:
+        """Record a plan: its hour, controller, wall time (s) and how many profiles it sends."""
+        self._write(
+            "INSERT INTO plans (time, controller, wall_s, profiles) VALUES (?, ?, ?, ?)",
+            (utc_text(time), controller, float(wall_s), int(profiles)),
+        )
+
+    def plans(self) -> list[dict]:
+        """Every plan recorded, in order."""
+        return [dict(r) for r in self.db.execute("SELECT * FROM plans ORDER BY rowid").fetchall()]
 
     # ------------------------------------------------------------------------------------------ battery, log
     def battery(self, time, kind: str, value: float) -> None:
