@@ -327,18 +327,18 @@ class CentralSystem:
             self.http_server.close()
             await self.http_server.wait_closed()
 
-    def verify(self, cp_id: str, stored: str, password: str) -> bool:
-        """Whether ``password`` is ``cp_id``'s (its stored hash ``stored``); a pair once verified is remembered by an
-        HMAC of it (reconnections skip scrypt)."""
+    async def verify(self, cp_id: str, stored: str, password: str) -> bool:
+        """Whether ``password`` is ``cp_id``'s (its stored hash ``stored``): scrypt in a worker thread (the event loop
+        goes on serving meanwhile); a pair once verified is remembered by an HMAC of it (reconnections skip scrypt)."""
         key = (cp_id, hmac.new(stored.encode(), password.encode(), hashlib.sha256).digest())
         if key in self.verified:
             return True
-        if not check_password(stored, password):
+        if not await asyncio.to_thread(check_password, stored, password):
             return False
         self.verified.add(key)
         return True
 
-    def site_authorised(self, header: str | None) -> tuple[str | None, HTTPStatus | None, str]:
+    async def site_authorised(self, header: str | None) -> tuple[str | None, HTTPStatus | None, str]:
         """The site controller a request's ``Authorization`` header authenticates: ``(id, None, "")``, or ``(None,
         401, why)``."""
         creds = basic_credentials(header)
@@ -348,17 +348,17 @@ class CentralSystem:
         known = self.store.charge_point(user)
         if known is None or known[1] != "site":
             return None, HTTPStatus.UNAUTHORIZED, f"{user!r} is not the site controller"
-        if not self.verify(user, known[0], password):
+        if not await self.verify(user, known[0], password):
             return None, HTTPStatus.UNAUTHORIZED, f"wrong password for {user!r}"
         return user, None, ""
 
-    def authorised(self, request) -> tuple[str | None, HTTPStatus | None, str]:
+    async def authorised(self, request) -> tuple[str | None, HTTPStatus | None, str]:
         """The id a handshake's request authenticates as (Basic auth against the path's id; ``/battery``: the site
         controller): ``(id, None, "")``, or ``(None, status, why)``."""
         path = unquote(urlparse(request.path).path)
         header = request.headers.get("Authorization")
         if path == "/battery":
-            return self.site_authorised(header)
+            return await self.site_authorised(header)
         cp_id = path.rstrip("/").rsplit("/", 1)[-1]
         known = self.store.charge_point(cp_id) if cp_id else None
         if known is None:
@@ -369,13 +369,13 @@ class CentralSystem:
         user, password = creds
         if user != cp_id:
             return None, HTTPStatus.UNAUTHORIZED, f"user {user!r} is not the charge point of the path {cp_id!r}"
-        if not self.verify(cp_id, known[0], password):
+        if not await self.verify(cp_id, known[0], password):
             return None, HTTPStatus.UNAUTHORIZED, f"wrong password for {cp_id!r}"
         return cp_id, None, ""
 
-    def process_request(self, connection, request):
+    async def process_request(self, connection, request):
         """The handshake's hook: refuse strangers (404 / 401), serve ``GET /battery``, else let the upgrade go on."""
-        cp_id, status, why = self.authorised(request)
+        cp_id, status, why = await self.authorised(request)
         if status is not None:
             self.store.log(self.time_or_now(), "refused", f"{request.path}: {why}")
             response = connection.respond(status, f"{why}\n")
@@ -446,7 +446,7 @@ class CentralSystem:
         head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         method, target, _ = head[0].split(" ", 2)
         headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:] if line)}
-        _, status, why = self.site_authorised(headers.get("authorization"))
+        _, status, why = await self.site_authorised(headers.get("authorization"))
         if status is not None:
             return status, {"error": why}
         path = unquote(urlparse(target).path)

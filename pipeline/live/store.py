@@ -1,7 +1,8 @@
 """The central system's record (:class:`Store`): one SQLite file in WAL mode, one commit per event, written before the
 central system acts on it: the charge points and their password hashes, the transactions (with the driver's departure
-and need), the meter values, every charging profile sent and what became of it, the battery's SOC reports and
-set-points, and a log of what went wrong. A central system killed at any instant restarts from it.
+and need), the meter values, the plans made (their wall time), every charging profile sent and what became of it,
+the battery's SOC reports and set-points, and a log of what went wrong. A central system killed at any instant
+restarts from it.
 
 Times are stored as ISO 8601 strings in UTC; energy in Wh (meters) or kWh (needs); power in kW.
 """
