@@ -1,0 +1,120 @@
+"""A week of a site through the central system (``evhub-csms``) against the study's run of the same controller.
+
+What is run: the central system (site clock, the site's data as its MOER feed, its store in a temporary folder) and
+the simulated site (:mod:`pipeline.live.simsite`: the site's charge points as OCPP 1.6J clients on localhost) over the
+first ``days`` days of the split, in one event loop. The reference is the study's own run of the controller
+(:meth:`pipeline.control.registry.Controller.simulate`) over a copy of the site whose split ends two days after the
+week (the plans of the week never reach that end, so they are the full split's), its first ``days * 24`` hours of CO2.
+
+Run ``python -m benchmarks.csms_week --help``; the table goes to ``outputs/bench/csms_week.parquet``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from benchmarks.common import machine_info, save_table
+
+COLUMNS = (
+    "site", "controller", "hours", "csms_co2_kg", "study_co2_kg", "diff_kg", "csms_unserved_kwh", "study_unserved_kwh",
+    "transactions", "plans", "plan_p50_s", "plan_p99_s", "wall_s",
+)  # fmt: skip
+"""Columns: the site, controller and hours run; the week's CO2 (kg) and unserved energy (kWh) through the central
+system and in the study's run; the transactions the central system saw, its plans, their latency (s) and the run's
+wall time (s)."""
+
+
+def study_week(site, controller: str, split: str, hours: int) -> tuple[float, float]:
+    """The study's run of ``controller`` over the first ``hours`` of ``split``: ``(co2_kg, unserved_kwh)``."""
+    from envs.site import Site
+    from pipeline.control import registry
+
+    cfg = site.config
+    start = cfg.split_bounds(split)[0].tz_convert(cfg.timezone)
+    last = (start + pd.Timedelta(hours=hours) + pd.Timedelta(days=1)).date().isoformat()
+    splits = {s: getattr(cfg.splits, s) for s in ("train", "test")}
+    splits[split] = (start.date().isoformat(), last)
+    short = Site(cfg.replace(splits=splits), site.hourly, site.sessions, dict(site.source))
+    _, traces = registry.get(controller).simulate(short, split)
+    week = traces.iloc[:hours]
+    return float(week.co2_kg.sum()), float(week.unserved_kwh.sum())
+
+
+def run(
+    site: str = "caltech", controller: str = "mpc", days: int = 7, split: str = "test", out_dir: str | None = None
+) -> pd.DataFrame:
+    """Run the week both ways; print one line and write the table."""
+    import numpy as np
+
+    from envs.site import load_site
+    from pipeline.live.simsite import run_local
+
+    s = load_site(site)
+    hours = 24 * days
+    with tempfile.TemporaryDirectory() as tmp:
+        res, central = asyncio.run(run_local(s, Path(tmp) / "csms.sqlite", controller, split, hours))
+        transactions = len(central.store.transactions())
+        central.store.close()
+    co2, unserved = study_week(s, controller, split, hours)
+    lat = np.asarray(central.plan_latency_s)
+    row = {
+        "site": s.config.name,
+        "controller": controller,
+        "hours": res.hours,
+        "csms_co2_kg": res.co2_kg,
+        "study_co2_kg": co2,
+        "diff_kg": res.co2_kg - co2,
+        "csms_unserved_kwh": res.unserved_kwh,
+        "study_unserved_kwh": unserved,
+        "transactions": transactions,
+        "plans": len(lat),
+        "plan_p50_s": float(np.percentile(lat, 50)),
+        "plan_p99_s": float(np.percentile(lat, 99)),
+        "wall_s": res.wall_s,
+    }
+    print(
+        f"{controller} on {s.config.name}, first {res.hours} h of {split}: CO2 {res.co2_kg:.3f} kg through the central "
+        f"system, {co2:.3f} kg in the study's run (difference {res.co2_kg - co2:+.4f} kg); unserved "
+        f"{res.unserved_kwh:.4f} / {unserved:.4f} kWh; {transactions} transactions, {len(lat)} plans (p50 "
+        f"{row['plan_p50_s']:.3f} s, p99 {row['plan_p99_s']:.3f} s), {res.wall_s:.1f} s",
+        flush=True,
+    )
+    df = pd.DataFrame([row], columns=list(COLUMNS))
+    df["machine"] = json.dumps(machine_info())
+    save_table(df, "csms_week", out_dir)
+    return df
+
+
+@dataclass
+class Args:
+    """A week of a site through the central system and the simulated site, against the study's run."""
+
+    site: str = "caltech"
+    """site: a shipped site name or a path to a site TOML file"""
+    controller: str = "mpc"
+    """the causal controller (one that needs no tuning: mpc, mpc_scenario, mpc_tuned_start, mpc_rl_start)"""
+    days: int = 7
+    """days from the split's start"""
+    split: str = "test"
+    """the split replayed"""
+    out_dir: str | None = None
+    """folder of csms_week.parquet (None: outputs/bench/)"""
+
+
+def main(args: Args | None = None) -> pd.DataFrame:
+    """Command-line entry point (tyro)."""
+    if args is None:
+        import tyro
+
+        args = tyro.cli(Args)
+    return run(args.site, args.controller, args.days, args.split, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
