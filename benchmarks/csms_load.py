@@ -113,13 +113,13 @@ def heartbeat_worker(url: str, ids: dict[str, str], ready, go, stop, out: str) -
 
 
 def _start_csms(toml: str, db: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m pipeline.live.csms`` (site clock, any free port); returns it and its ``ws://`` address.
+    """Start ``python -m pipeline.live.csms`` (``mpc``, site clock, any free port); returns it and its address.
 
     Raises:
         RuntimeError: it ended before it listened (its stderr's tail in the message).
     """
-    cmd = [sys.executable, "-m", "pipeline.live.csms", "--site", toml, "--clock", "site", "--port", "0"]
-    cmd += ["--db", str(db), "--battery-file", str(tmp / "battery.json")]
+    cmd = [sys.executable, "-m", "pipeline.live.csms", "--site", toml, "--controller", "mpc", "--clock", "site"]
+    cmd += ["--port", "0", "--db", str(db), "--battery-file", str(tmp / "battery.json")]
     err = open(tmp / "csms.err", "w")  # noqa: SIM115 - the process writes to it until it ends
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()

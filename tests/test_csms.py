@@ -202,9 +202,9 @@ def test_the_csms_killed_mid_run_resumes_from_its_store(tmp_path, small):
     register(store, passwords)
     store.close()
     port = _free_port()
-    args = csms.Args(site=str(toml), clock="site", port=port, db=db, battery_file=battery)
-    cmd = [sys.executable, "-m", "pipeline.live.csms", "--site", str(toml), "--clock", "site", "--port", str(port)]
-    cmd += ["--db", str(db), "--battery-file", str(battery)]
+    args = csms.Args(site=str(toml), controller="mpc", clock="site", port=port, db=db, battery_file=battery)
+    cmd = [sys.executable, "-m", "pipeline.live.csms", "--site", str(toml), "--controller", "mpc", "--clock", "site"]
+    cmd += ["--port", str(port), "--db", str(db), "--battery-file", str(battery)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     data = site.split("test")
     ses = data.sessions[~data.sessions.rejected & (data.sessions.arrival_step < HOURS)]
@@ -428,3 +428,7 @@ def test_the_command_says_what_is_wrong_in_one_line(capsys, tmp_path):
     assert len(err) == 1 and err[0].startswith("error: --clock:"), err
     assert csms.main(["--certfile", str(tmp_path / "c.pem"), "--db", str(tmp_path / "x.sqlite")]) == 1
     assert "--keyfile" in capsys.readouterr().err
+    # no --controller: the report's answer, and without study results one line saying how to get one
+    assert csms.main(["--db", str(tmp_path / "x.sqlite"), "--output-dir", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: controller: not given") and "--controller" in err[0], err

@@ -728,8 +728,9 @@ class Args:
 
     site: str = "caltech"
     """the site: a shipped name (caltech, iquitos) or the path of a site TOML"""
-    controller: str = "mpc"
-    """the causal planner of the registry that plans (docs/live.md)"""
+    controller: str | None = None
+    """the causal planner of the registry that plans (docs/live.md); default: the report's answer for the site, read
+    from its results (as evhub-plan's)"""
     db: Path = Path("outputs/csms/csms.sqlite")
     """the central system's record (SQLite): charge points, transactions, meter values, profiles, set-points"""
     host: str = "127.0.0.1"
@@ -808,14 +809,15 @@ def build(args: Args) -> CentralSystem:
         LiveError: a bad option (the message names it). ConfigError, FileNotFoundError: an unknown site.
     """
     from envs.site import load_site
-    from pipeline.live.controllers import check_controller
+    from pipeline.live.controllers import answer, check_controller
     from pipeline.live.sources import SiteDataFeed, WallClock, default_mapping, read_mapping
     from pipeline.live.store import StoreError
 
     if args.clock not in ("wall", "site"):
         raise LiveError(f"--clock: {args.clock!r} is neither wall nor site")
-    check_controller(args.controller)
     site = load_site(args.site)
+    controller = args.controller or answer(site, args.output_dir, args.experiment)
+    check_controller(controller)
     if args.split not in ("train", "test"):
         raise LiveError(f"--split: {args.split!r} is neither train nor test")
     store = Store(args.db)
@@ -829,7 +831,7 @@ def build(args: Args) -> CentralSystem:
         read_mapping(args.mapping, site.config.ev.n_sockets) if args.mapping is not None else default_mapping(site)
     )
     options = CsmsOptions(
-        controller=args.controller,
+        controller=controller,
         plan_kwargs={"output_dir": args.output_dir, "experiment": args.experiment},
         battery_file=args.battery_file,
         hourly_timer=args.clock == "wall",
