@@ -848,6 +848,7 @@ async def serve_forever(
     scheme = "wss" if tls else "ws"
     print(f"evhub-csms: listening on {scheme}://{host}:{server.sockets[0].getsockname()[1]}/<charge point id>",
           flush=True)  # fmt: skip
+    print(f"evhub-csms: plans with {central.options.controller} each hour and on each transaction", flush=True)
     if central.http_server is not None:
         got = central.http_server.sockets[0].getsockname()[1]
         scheme = "https" if tls else "http"
