@@ -141,6 +141,10 @@ class EVConfig:
         """Maximum charging power of each socket, kW: shape ``(n_sockets,)`` float64, groups in order."""
         return np.concatenate([np.full(g.count, g.kw, dtype=np.float64) for g in self.groups])
 
+    def group_of_socket(self) -> np.ndarray:
+        """Each socket's group, an index into :attr:`groups`: shape ``(n_sockets,)`` int64, groups in order."""
+        return np.repeat(np.arange(len(self.groups), dtype=np.int64), [g.count for g in self.groups])
+
 
 EXPORT_CREDITS = ("none", "moer")
 """Values of ``grid.export_credit``."""

@@ -150,8 +150,7 @@ class ScenarioMPC(MPCController):
         self.lp_shape = (0, 0, 0)
         self.lp_total = np.zeros(3, np.int64)
         self.prob = self.probabilities()
-        counts = [g.count for g in self.data.config.ev.groups]
-        self._group_of_socket = np.repeat(np.arange(len(counts)), counts)  # (N,)
+        self._group_of_socket = self.data.config.ev.group_of_socket()  # (N,)
 
     # ---------------------------------------------------------------- what is known at step t
     def probabilities(self, t: int | None = None, days: np.ndarray | None = None) -> np.ndarray:
@@ -176,7 +175,7 @@ class ScenarioMPC(MPCController):
         out = np.zeros(self.n_scenarios)
         if days.shape[1] < 2:
             return out
-        m0, G = self.data.last_midnight(t), self._group_of_socket.max() + 1
+        m0, G = self.data.last_midnight(t), len(self.data.config.ev.groups)
         x = self._group_arrivals(m0, t, G)
         for m, j in enumerate(days[:, 1].tolist()):
             if j > 0:

@@ -131,9 +131,8 @@ class SessionModel:
         self.day_type = np.zeros(n_days, np.int64)  # 1: weekend
         self.day_type[self.day_of] = np.asarray(local.day_of_week >= 5, np.int64)
         self.socket_kw = np.asarray(data.socket_kw, np.float64)
-        counts = [g.count for g in cfg.ev.groups]
-        self.group_of_socket = np.repeat(np.arange(len(counts)), counts)  # (N,)
-        self.n_groups = len(counts)
+        self.group_of_socket = cfg.ev.group_of_socket()  # (N,)
+        self.n_groups = len(cfg.ev.groups)
         self.group_sockets = [np.flatnonzero(self.group_of_socket == g) for g in range(self.n_groups)]
         self.group_kw = np.array([self.socket_kw[s[0]] for s in self.group_sockets])
         # every arrival of the split, in step order (the fit reads only those before its day)

@@ -46,7 +46,7 @@ from envs.files import write_text
 from envs.site import Site
 from pipeline.live.profiles import LivePlan, make_plan
 from pipeline.live.sources import Clock, FeedHistory, MoerFeed, SiteClock, expected_session, fill_late
-from pipeline.live.state import DayStart, LiveError, LiveState, PluggedEV
+from pipeline.live.state import DayStart, LiveError, LiveState, PluggedEV, as_timestamp
 from pipeline.live.store import Store, StoreError, check_password, utc_text
 
 VENDOR = "evhub"
@@ -223,7 +223,7 @@ class OcppSession(ChargePoint):
         clock = self.central.clock
         if not isinstance(clock, SiteClock):
             raise LiveError("Clock: this central system keeps its own time (run it with --clock site)")
-        clock.advance(pd.Timestamp(body["time"]))
+        clock.advance(as_timestamp(body["time"], "Clock.time"))
         error = await self.central.plan_and_wait()
         return {"planned": utc_text(clock.now()), "ok": error is None, "error": error}
 
@@ -482,17 +482,15 @@ class CentralSystem:
         transaction ``tx``, and ask for a plan.
 
         Raises:
-            LiveError: a need that is not a finite energy >= 0, a departure without a UTC offset, an unknown
-                transaction. ValueError: a departure that is not a time.
+            LiveError: a need that is not a finite energy >= 0, a departure that is not a time or has no UTC
+                offset (:func:`pipeline.live.state.as_timestamp`), an unknown transaction.
         """
         need = float(need_kwh)
         if not np.isfinite(need) or need < 0:
             raise LiveError(f"energy need: {need_kwh!r} is not an energy >= 0 (kWh)")
         if not isinstance(departure, str | pd.Timestamp):
             raise LiveError(f"departure: {departure!r} is not an ISO 8601 time")
-        when = pd.Timestamp(departure)
-        if when.tzinfo is None:
-            raise LiveError(f"departure: {departure!r} has no UTC offset")
+        when = as_timestamp(departure, "departure")
         try:
             self.store.set_needs(tx, when, need, session_id, "driver")
         except StoreError as exc:
