@@ -483,3 +483,28 @@ def _config_changed():
     from doit.tools import config_changed
 
     return config_changed({k: v for k, v in SETTINGS.items() if k not in ("scheduler_address",)})
+
+
+def task_wheelhouse():
+    """Wheels of every dependency but torch, for an offline install on a machine whose torch is there already.
+
+    ``doit wheelhouse python=3.12 platform=manylinux_2_28_x86_64 exclude="numpy pandas" dest=outputs/wheelhouse``
+    (each optional: CPython 3.12, manylinux x86-64, nothing excluded, outputs/wheelhouse); then, on the target, from
+    the project's root: ``pip install --no-index --find-links outputs/wheelhouse --no-build-isolation -e .``
+    (:mod:`pipeline.wheelhouse`)."""
+
+    def action():
+        from pipeline import wheelhouse
+        from pipeline.study.config import variable
+
+        def given(name: str, default: str) -> str:
+            return (variable(name) or (default,))[0]
+
+        argv = ["--python", given("python", "3.12"), "--dest", given("dest", "outputs/wheelhouse")]
+        for tag in given("platform", "").split():
+            argv += ["--platform", tag]
+        for name in given("exclude", "").split():
+            argv += ["--exclude", name]
+        return wheelhouse.main(argv) == 0
+
+    return {"actions": [action], "uptodate": [False], "verbosity": 2}

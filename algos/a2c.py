@@ -510,7 +510,7 @@ def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Opt
         step=step,
     )
     if env.torch_batched:  # the whole rollout replayed as one CUDA graph
-        bound_rollout = harness.capture(args, bound_rollout)
+        bound_rollout = harness.capture(args, bound_rollout, "rollout")
     bound_update = functools.partial(
         update,
         agent,

@@ -312,19 +312,11 @@ def rollout(
 
 
 def buffer_sample(rb: harness.ReplayBuffer, batch_size: int) -> tuple[torch.Tensor, ...]:
-    """Uniform sample of ``batch_size`` filled rows (with replacement): ``obs, actions, rewards, next_obs, dones``.
-    Reads the filled-row count from the device (``size_t``), never from the host, so a captured update sees the
-    buffer grow."""
-    data = rb.data
-    u = torch.rand(batch_size, device=rb.device)
-    idx = (u * rb.size_t).long().clamp(max=rb.capacity - 1)
-    return (
-        data["obs"][idx].float(),
-        data["actions"][idx],
-        data["rewards"][idx],
-        data["next_obs"][idx].float(),
-        data["dones"][idx],
-    )
+    """Uniform sample of ``batch_size`` filled rows (with replacement, drawn on the device:
+    :meth:`harness.ReplayBuffer.sample_on_device`, so a captured update sees the buffer grow): ``obs, actions,
+    rewards, next_obs, dones``, observations as float32."""
+    data = rb.sample_on_device(batch_size)
+    return data["obs"].float(), data["actions"], data["rewards"], data["next_obs"].float(), data["dones"]
 
 
 def td_target(
@@ -493,7 +485,7 @@ def bind_hot_functions(
                     reward_scale=args.reward_scale,
                 ),
             )
-            steps[update_norm] = harness.capture(args, step)
+            steps[update_norm] = harness.capture(args, step, "act_step_store")
     else:  # a host env steps between the device calls
         (policy,) = harness.bind(args, act=policy)
     return policy, steps, learn

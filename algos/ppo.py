@@ -52,9 +52,11 @@ from envs.vector import NormalizeReward
 PRESETS = {
     # 2 CPU cores: ~100 envs, a small net, one torch thread; about 2 minutes on the caltech site, evaluation included
     "cpu": {"num_envs": 128, "num_steps": 168, "total_timesteps": 4_000_000, "hidden_size": 64, "num_threads": 1},
-    # one GPU: thousands of envs, a wider net
-    "gpu": {"num_envs": 2048, "num_steps": 168, "total_timesteps": 50_000_000, "hidden_size": 256, "num_threads": 0},
-}
+    # one GPU: thousands of envs, a wider net; a log (one host read, a metrics.parquet write) every 10 iterations, not
+    # every one: each log stalls the GPU for the host's work
+    "gpu": {"num_envs": 2048, "num_steps": 168, "total_timesteps": 50_000_000, "hidden_size": 256, "num_threads": 0,
+            "log_every": 10},
+}  # fmt: skip
 """Args values per size preset, applied before the command line is read (which overrides any of them)."""
 
 ENV_DEFAULTS = {
@@ -492,28 +494,32 @@ def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Opt
         step=step,
     )
     if env.torch_batched:  # the whole rollout replayed as one CUDA graph
-        bound_rollout = harness.capture(args, bound_rollout)
-    return (
-        bound_rollout,
-        *harness.bind(
-            args,
-            estimate_advantages=functools.partial(
-                estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp
-            ),
-            update_minibatch=functools.partial(
-                update_minibatch,
-                agent,
-                optimizer,
-                clip_coef=args.clip_coef,
-                norm_adv=args.norm_adv,
-                clip_vloss=args.clip_vloss,
-                ent_coef=args.ent_coef,
-                vf_coef=args.vf_coef,
-                max_grad_norm=args.max_grad_norm,
-                amp=args.amp,
-            ),
+        bound_rollout = harness.capture(args, bound_rollout, "rollout")
+    # GAE's loop over num_steps (a week) unrolled: compiling it took 48 s of PPO's 107 s of compilation at the CPU
+    # preset and saves little (docs/benchmarks.md); it stays eager, replayed inside a CUDA graph with --cudagraphs
+    (advantages,) = harness.bind(
+        args,
+        compile=False,
+        estimate_advantages=functools.partial(
+            estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp
         ),
     )
+    (minibatch_step,) = harness.bind(
+        args,
+        update_minibatch=functools.partial(
+            update_minibatch,
+            agent,
+            optimizer,
+            clip_coef=args.clip_coef,
+            norm_adv=args.norm_adv,
+            clip_vloss=args.clip_vloss,
+            ent_coef=args.ent_coef,
+            vf_coef=args.vf_coef,
+            max_grad_norm=args.max_grad_norm,
+            amp=args.amp,
+        ),
+    )
+    return bound_rollout, advantages, minibatch_step
 
 
 def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:

@@ -11,7 +11,8 @@ The hot functions (:func:`sample_action`, :func:`update_critic`, :func:`update_a
 functions bound to the networks once; ``--compile`` and ``--cudagraphs`` rebind them (``harness.bind``), ``--amp``
 runs the network forward passes under bf16 autocast. On a torch-batched env the action, the env step and the buffer
 write of an iteration are one function (:func:`act_step_store`, from ``learning_starts`` on: the random actions before
-it step eagerly), compiled as one graph and replayed as one CUDA graph; the gradient steps stay graphs of their own.
+it step eagerly), compiled as one graph and replayed as one CUDA graph; the gradient steps of an iteration (twin critics
+as one batched network, each piece compiled once) are replayed as one CUDA graph.
 
 Truncations. EVHub-v0 never terminates (episodes end by time limit, the env resets in the same step): by default
 (``--bootstrap-truncation``) the target bootstraps through the autoreset into the next window. A gymnasium env
@@ -46,6 +47,7 @@ import functools
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -158,20 +160,36 @@ def squashed_gaussian_sample(mean: torch.Tensor, log_std: torch.Tensor, noise: t
     return torch.tanh(u), gauss - log_det
 
 
-class SoftQNetwork(nn.Module):
-    """Q(s, a): raw obs float32 ``(B, obs_dim)`` (the ``inputs`` features kept; None: all) and actions ``(B, act_dim)``
-    -> ``(B,)``, through two ReLU layers of ``hidden`` units."""
+class TwinQNetwork(nn.Module):
+    """The twin critics as one network: ``n`` (2) Q(s, a) MLPs of two ReLU layers of ``hidden`` units, their weights
+    stacked, so each layer is one batched matmul (``torch.baddbmm``) for both. Raw obs float32 ``(B, obs_dim)`` (the
+    ``inputs`` features kept; None: all) and actions ``(B, act_dim)`` -> Q ``(n, B)``.
 
-    def __init__(self, obs_dim: int, act_dim: int, hidden: int, inputs: list[int] | None):
+    Each member is initialised as an ``nn.Linear`` stack (PyTorch's default init), member after member, so a seed
+    gives the weights that ``n`` separate networks made in turn would have; on the CPU the batched forward and
+    backward passes give those networks' values to the last bit."""
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int, inputs: list[int] | None, n: int = 2):
         super().__init__()
         self.select = harness.select(inputs, obs_dim)
-        n_in = obs_dim if inputs is None else len(inputs)
-        self.net = nn.Sequential(
-            nn.Linear(n_in + act_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+        n_in = (obs_dim if inputs is None else len(inputs)) + act_dim
+        members = [[nn.Linear(n_in, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 1)] for _ in range(n)]
+        # layer l's weights (n, out, in) and biases (n, 1, out), nn.Linear's layout per member
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.stack([m[layer].weight.detach() for m in members])) for layer in range(3)
+        )
+        self.biases = nn.ParameterList(
+            nn.Parameter(torch.stack([m[layer].bias.detach() for m in members])[:, None, :]) for layer in range(3)
         )
 
     def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.cat([self.select(obs), act.to(obs.dtype)], -1)).squeeze(-1)
+        x = torch.cat([self.select(obs), act.to(obs.dtype)], -1)
+        h = x.expand(len(self.weights[0]), *x.shape)
+        *hidden, (w_out, b_out) = zip(self.weights, self.biases)
+        for w, b in hidden:
+            h = F.relu(torch.baddbmm(b.to(h.dtype), h, w.to(h.dtype).transpose(1, 2)))
+        # the head as (n, 1, hidden) @ (n, hidden, B): the product nn.Linear's one-output layer computes, same bits
+        return torch.baddbmm(b_out.to(h.dtype), w_out.to(h.dtype), h.transpose(1, 2)).squeeze(1)
 
 
 class Actor(nn.Module):
@@ -240,10 +258,8 @@ def update_critic(
     dones,
     *,
     actor: Actor,
-    qf1: SoftQNetwork,
-    qf2: SoftQNetwork,
-    qf1_target: SoftQNetwork,
-    qf2_target: SoftQNetwork,
+    qf: TwinQNetwork,
+    qf_target: TwinQNetwork,
     log_alpha: torch.Tensor,
     q_optimizer: torch.optim.Optimizer,
     gamma: float,
@@ -259,13 +275,11 @@ def update_critic(
     with torch.no_grad():
         with autocast():
             next_actions, next_log_pi, _ = actor.get_action(next_obs)
-            q1_next = qf1_target(next_obs, next_actions).float()
-            q2_next = qf2_target(next_obs, next_actions).float()
-        min_q_next = torch.minimum(q1_next, q2_next) - log_alpha.exp() * next_log_pi
+            q_next = qf_target(next_obs, next_actions).float()
+        min_q_next = torch.minimum(q_next[0], q_next[1]) - log_alpha.exp() * next_log_pi
         target = rewards + (1.0 - dones) * gamma * min_q_next
     with autocast():
-        q1 = qf1(obs, actions).float()
-        q2 = qf2(obs, actions).float()
+        q1, q2 = qf(obs, actions).float()
     qf1_loss = F.mse_loss(q1, target)
     qf2_loss = F.mse_loss(q2, target)
     qf_loss = qf1_loss + qf2_loss
@@ -286,8 +300,7 @@ def update_actor(
     obs,
     *,
     actor: Actor,
-    qf1: SoftQNetwork,
-    qf2: SoftQNetwork,
+    qf: TwinQNetwork,
     log_alpha: torch.Tensor,
     actor_optimizer: torch.optim.Optimizer,
     a_optimizer: torch.optim.Optimizer | None,
@@ -299,7 +312,8 @@ def update_actor(
     ``alpha_loss`` and ``bad`` ``(2,)`` (which of the two losses is non-finite)."""
     with torch.autocast(obs.device.type, torch.bfloat16, enabled=amp):
         pi, log_pi, _ = actor.get_action(obs)
-        min_q = torch.minimum(qf1(obs, pi), qf2(obs, pi)).float()
+        q = qf(obs, pi)
+        min_q = torch.minimum(q[0], q[1]).float()
     actor_loss = (log_alpha.exp().detach() * log_pi - min_q).mean()
     actor_optimizer.zero_grad(set_to_none=True)
     # gradients only into the actor: the critics' grads belong to the critic step
@@ -324,6 +338,45 @@ def update_actor(
 def soft_update(target: list[torch.Tensor], source: list[torch.Tensor], tau: float) -> None:
     """Polyak averaging in place: ``target <- (1 - tau) * target + tau * source`` for each pair of tensors."""
     torch._foreach_lerp_(target, source, tau)
+
+
+def gradient_steps(
+    sample: Callable[[], dict[str, torch.Tensor]],
+    critic_step: Callable,
+    actor_step: Callable,
+    target_step: Callable,
+    *,
+    num_steps: int,
+    first_update: int,
+    policy_frequency: int,
+    target_network_frequency: int,
+) -> dict[str, torch.Tensor]:
+    """One iteration's ``num_steps`` gradient steps, numbered ``first_update + 1, ...``: each a replay sample
+    (``sample()``) and a critic step (:func:`update_critic`); every ``policy_frequency``-th also ``policy_frequency``
+    actor steps (:func:`update_actor`, TD3's delayed policy updates), every ``target_network_frequency``-th the
+    Polyak update (:func:`soft_update`). Tensors only, no host sync: ``--compile`` traces it as one graph and
+    ``--cudagraphs`` replays it as one CUDA graph.
+
+    Returns the last critic step's outputs, the last actor step's (absent where none ran) and ``bad``, bool
+    ``(len(LOSS_NAMES),)``: True where that loss was non-finite in some step.
+    """
+    out: dict[str, torch.Tensor] = {}
+    bad = None
+    for update in range(first_update + 1, first_update + num_steps + 1):
+        data = sample()
+        out_q = critic_step(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
+        no_actor_step = torch.zeros(len(LOSS_NAMES) - 1, dtype=torch.bool, device=out_q["bad"].device)
+        flags = [out_q["bad"].reshape(1), no_actor_step]
+        out.update(out_q)
+        if update % policy_frequency == 0:
+            for _ in range(policy_frequency):
+                out_pi = actor_step(data["obs"])
+                flags[1] = flags[1] | out_pi["bad"]
+                out.update(out_pi)
+        if update % target_network_frequency == 0:
+            target_step()
+        bad = torch.cat(flags) if bad is None else bad | torch.cat(flags)
+    return {**out, "bad": bad}
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -351,25 +404,25 @@ def check_observation_space(env_id: str, space: gym.Space) -> None:
 
 
 def make_networks(args: Args, obs_dim: int, act_dim: int, inputs: list[int] | None, device: torch.device) -> tuple:
-    """The actor, the twin Q networks and their frozen target copies (``nets``, by checkpoint name), ``log_alpha``
+    """The actor, the twin Q networks (one :class:`TwinQNetwork`) and its frozen target copy (``nets``, by checkpoint
+    name), ``log_alpha``
     and the optimizers with their learning rates (device tensors under CUDA graphs, for capturable Adam; else floats).
     Returns ``(nets, log_alpha, optimizers, lrs)``; ``optimizers["a_optimizer"]`` is None without ``--autotune``."""
     actor = Actor(obs_dim, act_dim, args.hidden_size, inputs).to(device)
-    qf1 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
-    qf2 = SoftQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
-    qf1_target, qf2_target = copy.deepcopy(qf1), copy.deepcopy(qf2)
-    for p in (*qf1_target.parameters(), *qf2_target.parameters()):
+    qf = TwinQNetwork(obs_dim, act_dim, args.hidden_size, inputs).to(device)
+    qf_target = copy.deepcopy(qf)
+    for p in qf_target.parameters():
         p.requires_grad_(False)
     log_alpha = torch.full((), math.log(args.alpha), device=device, requires_grad=args.autotune)
     lrs = {"q_optimizer": args.q_lr, "actor_optimizer": args.policy_lr, "a_optimizer": args.q_lr}
     lrs = {name: harness.device_lr(lr, device) if args.cudagraphs else lr for name, lr in lrs.items()}
     adam = functools.partial(torch.optim.Adam, capturable=args.cudagraphs)
     optimizers = {
-        "q_optimizer": adam([*qf1.parameters(), *qf2.parameters()], lr=lrs["q_optimizer"]),
+        "q_optimizer": adam(list(qf.parameters()), lr=lrs["q_optimizer"]),
         "actor_optimizer": adam(list(actor.parameters()), lr=lrs["actor_optimizer"]),
         "a_optimizer": adam([log_alpha], lr=lrs["a_optimizer"]) if args.autotune else None,
     }
-    nets = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target}
+    nets = {"actor": actor, "qf": qf, "qf_target": qf_target}
     return nets, log_alpha, optimizers, lrs
 
 
@@ -418,21 +471,24 @@ def bind_hot_functions(
     args: Args, env, rb: harness.ReplayBuffer, nets: dict, log_alpha: torch.Tensor, optimizers: dict, act_dim: int
 ) -> tuple:
     """The loop's hot functions bound once to the networks, optimizers, env and replay buffer, with the speed switches
-    applied (``harness.bind``): ``(sample_action, act_step_store, update_critic, update_actor, soft_update)``.
+    applied (``harness.bind``): ``(sample_action, act_step_store, learner)``.
 
     On a torch-batched env :func:`act_step_store` (action, env step and buffer write) is compiled as one graph and
     replayed as one CUDA graph; a host env steps between the device calls, so there ``act_step_store`` is None and
-    :func:`sample_action` is compiled or graphed alone. The gradient steps are graphs of their own.
+    :func:`sample_action` is compiled or graphed alone. ``learner(phase)`` is an iteration's :func:`gradient_steps`:
+    its pieces (:func:`update_critic`, :func:`update_actor`, :func:`soft_update`) each compiled once, the whole loop
+    of ``gradient_steps`` steps replayed as one CUDA graph, one per ``phase`` (the update count modulo the period of
+    the delayed policy and target updates; each captured at its first use). Under CUDA graphs the replay sample is
+    drawn on the device (:meth:`harness.ReplayBuffer.sample_on_device`), else by
+    :meth:`harness.ReplayBuffer.sample`, whose draws an eager run of an earlier version made too.
     """
-    actor, qf1, qf2, qf1_target, qf2_target = (nets[k] for k in ("actor", "qf1", "qf2", "qf1_target", "qf2_target"))
+    actor, qf, qf_target = nets["actor"], nets["qf"], nets["qf_target"]
     policy = functools.partial(sample_action, actor, amp=args.amp)
     critic_step = functools.partial(
         update_critic,
         actor=actor,
-        qf1=qf1,
-        qf2=qf2,
-        qf1_target=qf1_target,
-        qf2_target=qf2_target,
+        qf=qf,
+        qf_target=qf_target,
         log_alpha=log_alpha,
         q_optimizer=optimizers["q_optimizer"],
         gamma=args.gamma,
@@ -441,23 +497,40 @@ def bind_hot_functions(
     actor_step = functools.partial(
         update_actor,
         actor=actor,
-        qf1=qf1,
-        qf2=qf2,
+        qf=qf,
         log_alpha=log_alpha,
         actor_optimizer=optimizers["actor_optimizer"],
         a_optimizer=optimizers["a_optimizer"],
         target_entropy=-float(act_dim),
         amp=args.amp,
     )
-    target_step = functools.partial(
-        soft_update,
-        [*qf1_target.parameters(), *qf2_target.parameters()],
-        [*qf1.parameters(), *qf2.parameters()],
-        args.tau,
-    )
+    target_step = functools.partial(soft_update, list(qf_target.parameters()), list(qf.parameters()), args.tau)
+    # each piece compiled once (small graphs, a short compile), the iteration's loop over them captured as one graph
     critic_step, actor_step, target_step = harness.bind(
-        args, update_critic=critic_step, update_actor=actor_step, soft_update=target_step
+        args, graphs=False, update_critic=critic_step, update_actor=actor_step, soft_update=target_step
     )
+    sampler = rb.sample_on_device if args.cudagraphs else rb.sample
+    learners: dict[int, Callable] = {}
+
+    def learner(phase: int) -> Callable:
+        if phase not in learners:
+            learners[phase] = harness.capture(
+                args,
+                functools.partial(
+                    gradient_steps,
+                    functools.partial(sampler, args.batch_size),
+                    critic_step,
+                    actor_step,
+                    target_step,
+                    num_steps=args.gradient_steps,
+                    first_update=phase,
+                    policy_frequency=args.policy_frequency,
+                    target_network_frequency=args.target_network_frequency,
+                ),
+                "gradient_steps",
+            )
+        return learners[phase]
+
     step = None
     if env.torch_batched:  # act, env step and buffer write as one graph (from learning_starts on)
         (step,) = harness.bind(
@@ -472,10 +545,10 @@ def bind_hot_functions(
                 bootstrap_truncation=args.bootstrap_truncation,
             ),
         )
-        step = harness.capture(args, step)
+        step = harness.capture(args, step, "act_step_store")
     else:  # a host env steps between the device calls
         (policy,) = harness.bind(args, sample_action=policy)
-    return policy, step, critic_step, actor_step, target_step
+    return policy, step, learner
 
 
 def checkpoint_state(
@@ -529,33 +602,24 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = Non
     steps_left = max(0, args.total_timesteps - run.global_step) // sizes.num_envs
     num_iterations = run.iteration + (steps_left if loaded is not None else max(1, steps_left))
 
-    sample_action, act_step_store, update_critic, update_actor, soft_update = bind_hot_functions(
-        args, env, rb, nets, log_alpha, optimizers, act_dim
-    )
+    sample_action, act_step_store, learner = bind_hot_functions(args, env, rb, nets, log_alpha, optimizers, act_dim)
+    period = math.lcm(args.policy_frequency, args.target_network_frequency)
 
     def live_state(rows: bool = True) -> dict:
         return checkpoint_state(run, nets, log_alpha, optimizers, n_updates, env, obs, sizes, rb, log, rows)
 
     nan = torch.full((), math.nan, device=device)
-    out_q = dict.fromkeys(("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss"), nan)
-    out_pi = dict.fromkeys(("actor_loss", "alpha", "alpha_loss"), nan)  # the logged losses: NaN until learning starts
+    # the logged losses: NaN until learning starts, then the last values of the last iteration's gradient steps
+    losses = dict.fromkeys(("qf1_values", "qf2_values", "qf1_loss", "qf2_loss", "qf_loss"), nan)
+    losses |= dict.fromkeys(("actor_loss", "alpha", "alpha_loss"), nan)
 
     def update() -> None:
         """``gradient_steps`` updates on uniform samples of the replay buffer."""
-        nonlocal n_updates, out_q, out_pi
-        for _ in range(args.gradient_steps):
-            data = rb.sample(sizes.batch_size)
-            out_q = update_critic(data["obs"], data["actions"], data["rewards"], data["next_obs"], data["dones"])
-            bad = torch.zeros(len(LOSS_NAMES), dtype=torch.bool, device=device)
-            bad[0] = out_q["bad"]
-            n_updates += 1
-            if n_updates % args.policy_frequency == 0:  # TD3-style delayed policy updates
-                for _ in range(args.policy_frequency):
-                    out_pi = update_actor(data["obs"])
-                    bad[1:] |= out_pi["bad"]
-            if n_updates % args.target_network_frequency == 0:
-                soft_update()
-            run.flag(guard, bad)
+        nonlocal n_updates
+        out = learner(n_updates % period)()
+        n_updates += args.gradient_steps
+        run.flag(guard, out["bad"])
+        losses.update({k: v for k, v in out.items() if k != "bad"})
 
     evaluator = DeterministicActor(nets["actor"])
     run.announce(
@@ -614,7 +678,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = Non
             run.log(
                 env,
                 guard,
-                {f"losses/{k}": v for k, v in {**out_q, **out_pi}.items() if k != "bad"},
+                {f"losses/{k}": v for k, v in losses.items()},
                 learning_rate=args.q_lr,
                 policy_lr=args.policy_lr,
                 gradient_steps=n_updates,

@@ -4,15 +4,18 @@
 # (torch.profiler), then `doit run pipeline` with the agents compiled and graphed (each agent's SPS is in its
 # train.log). `doit bench part=gpu` measures all of it and more, in well over half an hour.
 #
-#   bash benchmarks/gpu_short.sh OUT_DIR [LIMIT_S]     # from the repository root
+#   bash benchmarks/gpu_short.sh OUT_DIR [LIMIT_S [WHEELHOUSE]]     # from the repository root
 #
+# WHEELHOUSE: a folder of `doit wheelhouse` (the dependencies but torch) for a machine without network whose torch is
+# installed: the project is installed from it first (pip --no-index), its time counted in the limit.
 # OUT_DIR gets gpu_short.log (everything printed, each line with the seconds since the start), the env and profile
 # tables, the pipeline's co2_comparison.parquet and report.md. The pipeline runs in outputs/ as usual and is stopped
 # when the whole script has run LIMIT_S seconds (default 580), leaving the lines it printed so far.
 # EVHUB_GPU_SLOTS=k in the environment lets k agents share the GPU (docs/cluster.md).
 set -u
-out=${1:?usage: bash benchmarks/gpu_short.sh OUT_DIR [LIMIT_S]}
+out=${1:?usage: bash benchmarks/gpu_short.sh OUT_DIR [LIMIT_S [WHEELHOUSE]]}
 deadline=$(( $(date +%s) + ${2:-580} ))
+wheelhouse=${3:-}
 mkdir -p "$out"
 work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
@@ -28,6 +31,10 @@ for line in sys.stdin:
 t0=$(date +%s.%N)
 
 {
+    if [ -n "$wheelhouse" ]; then
+        echo "== offline install from $wheelhouse"
+        python3 -m pip install -q --no-index --find-links "$wheelhouse" --no-build-isolation -e . || exit 1
+    fi
     echo "== device"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())"

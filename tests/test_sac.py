@@ -136,20 +136,95 @@ def test_squashed_gaussian_log_prob_matches_the_change_of_variables():
     assert torch.isfinite(lp).all() and (a <= 1.0).all()
 
 
+def test_twin_critics_are_two_mlps_in_one_batched_network():
+    """Same seed, same weights as two nn.Linear stacks made in turn, and the same values and gradients to the bit."""
+    sac = load_sac()
+    obs_dim, act_dim, hidden, inputs = 7, 2, 16, [0, 2, 3, 6]
+    torch.manual_seed(3)
+    twin = sac.TwinQNetwork(obs_dim, act_dim, hidden, inputs)
+    torch.manual_seed(3)
+    mlps = [
+        torch.nn.Sequential(
+            torch.nn.Linear(len(inputs) + act_dim, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 1),
+        )
+        for _ in range(2)
+    ]
+    obs, act = torch.randn(32, obs_dim), torch.rand(32, act_dim, requires_grad=True)
+    q = twin(obs, act)
+    assert q.shape == (2, 32)
+    x = torch.cat([obs[:, inputs], act], -1)
+    for k, mlp in enumerate(mlps):
+        assert torch.equal(q[k], mlp(x).squeeze(-1))
+    (g_twin,) = torch.autograd.grad(torch.minimum(q[0], q[1]).sum(), act)
+    ref = torch.minimum(mlps[0](x).squeeze(-1), mlps[1](x).squeeze(-1))
+    (g_ref,) = torch.autograd.grad(ref.sum(), act)
+    assert torch.allclose(g_twin, g_ref, rtol=0, atol=1e-6)
+    layer0 = twin.weights[0]
+    assert layer0.shape == (2, hidden, len(inputs) + act_dim)  # one matmul for both members per layer
+    assert torch.equal(layer0[1], mlps[1][0].weight)
+
+
+def test_gradient_steps_follow_the_delay_schedule_in_one_call():
+    """One call does num_steps critic steps, policy_frequency actor steps at each policy_frequency-th update, the
+    target update at each target_network_frequency-th, and ORs the non-finite flags of all of them."""
+    sac = load_sac()
+    calls = []
+
+    def critic(*batch):
+        calls.append("q")
+        return {"qf_loss": torch.tensor(float(len(calls))), "bad": torch.tensor(len(calls) == 2)}
+
+    def actor(obs):
+        calls.append("pi")
+        return {"actor_loss": torch.tensor(1.0), "bad": torch.tensor([False, False])}
+
+    def target():
+        calls.append("target")
+
+    data = {k: torch.zeros(4) for k in ("obs", "actions", "rewards", "next_obs", "dones")}
+    out = sac.gradient_steps(
+        lambda: data,
+        critic,
+        actor,
+        target,
+        num_steps=4,
+        first_update=0,
+        policy_frequency=2,
+        target_network_frequency=2,
+    )
+    assert calls == ["q", "q", "pi", "pi", "target", "q", "q", "pi", "pi", "target"]
+    assert out["bad"].tolist() == [True, False, False] and float(out["qf_loss"]) == 7.0
+    calls.clear()
+    sac.gradient_steps(
+        lambda: data,
+        critic,
+        actor,
+        target,
+        num_steps=1,
+        first_update=1,
+        policy_frequency=2,
+        target_network_frequency=1,
+    )
+    assert calls == ["q", "pi", "pi", "target"]
+
+
 def test_actor_and_updates_run_and_move_the_parameters():
     sac = load_sac()
     torch.manual_seed(0)
     obs_dim, act_dim, inputs = 7, 2, [0, 1, 4, 5, 6]
     actor = sac.Actor(obs_dim, act_dim, 8, inputs)
-    qf1, qf2 = sac.SoftQNetwork(obs_dim, act_dim, 8, inputs), sac.SoftQNetwork(obs_dim, act_dim, 8, inputs)
-    qt1, qt2 = sac.SoftQNetwork(obs_dim, act_dim, 8, inputs), sac.SoftQNetwork(obs_dim, act_dim, 8, inputs)
+    qf, qt = sac.TwinQNetwork(obs_dim, act_dim, 8, inputs), sac.TwinQNetwork(obs_dim, act_dim, 8, inputs)
     log_alpha = torch.zeros((), requires_grad=True)
-    q_opt = torch.optim.Adam([*qf1.parameters(), *qf2.parameters()], lr=1e-2)
+    q_opt = torch.optim.Adam(qf.parameters(), lr=1e-2)
     pi_opt = torch.optim.Adam(actor.parameters(), lr=1e-2)
     a_opt = torch.optim.Adam([log_alpha], lr=1e-2)
     obs, next_obs = torch.randn(16, obs_dim), torch.randn(16, obs_dim)
     actions, rewards, dones = torch.rand(16, act_dim) * 2 - 1, torch.randn(16), torch.zeros(16)
-    q_before = [p.clone() for p in qf1.parameters()]
+    q_before = [p.clone() for p in qf.parameters()]
     pi_before = [p.clone() for p in actor.parameters()]
     out = sac.update_critic(
         obs,
@@ -158,24 +233,21 @@ def test_actor_and_updates_run_and_move_the_parameters():
         next_obs,
         dones,
         actor=actor,
-        qf1=qf1,
-        qf2=qf2,
-        qf1_target=qt1,
-        qf2_target=qt2,
+        qf=qf,
+        qf_target=qt,
         log_alpha=log_alpha,
         q_optimizer=q_opt,
         gamma=0.9,
         amp=False,
     )
     assert not bool(out["bad"]) and all(torch.isfinite(out[k]) for k in ("qf1_values", "qf_loss"))
-    assert all(not torch.equal(a, b) for a, b in zip(q_before, qf1.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(q_before, qf.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(pi_before, actor.parameters()))  # the critic step leaves the actor
-    q_after_critic = [p.clone() for p in qf1.parameters()]
+    q_after_critic = [p.clone() for p in qf.parameters()]
     out = sac.update_actor(
         obs,
         actor=actor,
-        qf1=qf1,
-        qf2=qf2,
+        qf=qf,
         log_alpha=log_alpha,
         actor_optimizer=pi_opt,
         a_optimizer=a_opt,
@@ -183,7 +255,7 @@ def test_actor_and_updates_run_and_move_the_parameters():
         amp=False,
     )
     assert not bool(out["bad"].any())
-    assert all(torch.equal(a, b) for a, b in zip(q_after_critic, qf1.parameters()))  # the actor step leaves the critics
+    assert all(torch.equal(a, b) for a, b in zip(q_after_critic, qf.parameters()))  # the actor step leaves the critics
     assert any(not torch.equal(a, b) for a, b in zip(pi_before, actor.parameters()))
     assert float(log_alpha.detach()) != 0.0
 

@@ -21,6 +21,7 @@ from envs.evhub import DEFAULT_BESS_ACTION
 from envs.vector import EVHUB_ID, RecordEpisodeStatistics, env_name, is_evhub, make_vec
 
 from .checkpoint import CheckpointError
+from .speed import use_compile_cache
 
 EVHUB_ONLY_ARGS = (
     "site",
@@ -86,6 +87,10 @@ class RunArgs:
     """capture the hot functions in CUDA graphs (capturable optimizers, device-tensor learning rates); needs CUDA"""
     amp: bool = False
     """bf16 autocast of the network forward passes (CUDA or CPU)"""
+    compile_cache: str = "outputs/compile_cache"
+    """with --compile: the folder of the persistent compile cache (Inductor's FX graph and AOTAutograd caches, Triton's
+    kernels), shared by every script and run: a graph compiled once is loaded from it afterwards; "" keeps torch's
+    default under the system's temporary folder"""
     num_threads: int = 1
     """torch intra-op CPU threads, 0 keeps torch's default (cpu presets: 1, the tensors of a few hundred envs and these
     small nets gain nothing from more, and spinning threads cost a lot on a busy machine; gpu presets: 0)"""
@@ -230,6 +235,8 @@ def setup(args) -> torch.device:
         torch.set_num_threads(args.num_threads)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
+    if args.compile:
+        use_compile_cache(args.compile_cache)
     return device
 
 

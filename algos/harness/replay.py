@@ -106,6 +106,13 @@ class ReplayBuffer:
         idx = torch.randint(0, self.size, (batch_size,), device=self.device, generator=generator)
         return {key: value.index_select(0, idx) for key, value in self.data.items()}
 
+    def sample_on_device(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """:meth:`sample` that reads the filled-row count from the device (``size_t``), never from the host, so a
+        compiled or captured update sees the buffer grow: ``floor(u * size)`` for ``u ~ U[0, 1)`` (``torch.rand``;
+        other draws than :meth:`sample`'s ``torch.randint``). An empty buffer gives row 0."""
+        idx = (torch.rand(batch_size, device=self.device) * self.size_t).long().clamp(max=self.capacity - 1)
+        return {key: value[idx] for key, value in self.data.items()}
+
     def rows(self, key: str, first: int, end: int) -> torch.Tensor:
         """Field ``key`` of the transitions numbered ``first .. end - 1`` since the buffer's first write (transition
         ``j`` sits in row ``j % capacity``), oldest first; only those still held are meaningful."""

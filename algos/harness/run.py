@@ -39,7 +39,7 @@ from .cli import EVHUB_ONLY_ARGS, output_dir, presets_table, setup
 from .export import export_policy
 from .gpu import gpu_stats
 from .oom import OutOfMemoryRestart, out_of_memory_message, to_cpu
-from .speed import synced_clock
+from .speed import COMPILE_CLOCK, synced_clock
 
 
 class NonFiniteLossError(RuntimeError):
@@ -79,6 +79,8 @@ class Run:
         self.sps = self.sps_steady = 0.0
         self.bar = None
         self._site = None
+        COMPILE_CLOCK.reset()
+        self._compile_shown = 0.0
 
     @property
     def writer(self) -> SummaryWriter:
@@ -325,6 +327,10 @@ class Run:
         if totals[0]:
             for key in ("return", "length", "co2_kg", "unserved_kwh") if self.evhub else ("return", "length"):
                 self.writer.add_scalar(f"charts/episodic_{key}", ep[key], step)
+        if COMPILE_CLOCK.total_s() != self._compile_shown:  # new graphs compiled or captured since the last log
+            self._compile_shown = COMPILE_CLOCK.total_s()
+            print(COMPILE_CLOCK.summary(), flush=True)
+            self.writer.add_scalar("perf/compile_s", self._compile_shown, step)
         for tag, value in {**host, "charts/SPS": int(self.sps), **gpu}.items():
             if math.isfinite(value):
                 self.writer.add_scalar(tag, value, step)
@@ -440,8 +446,13 @@ class Run:
             "policy": str(path),
             "vector_mode": None if env.torch_batched else env.vector_mode,
             "resumes": self.resumes,
+            "compile_s": COMPILE_CLOCK.total_s(),
+            "compile_graphs": sum(COMPILE_CLOCK.graphs.values()),
+            "recompiles": sum(COMPILE_CLOCK.late_graphs.values()),
             **result,
         }
+        if args.compile or args.cudagraphs:
+            print(COMPILE_CLOCK.summary())
         self.close_env()
         if self.evhub and args.eval_split.lower() != "none":
             row, traces = self.evaluate(

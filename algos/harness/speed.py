@@ -1,13 +1,97 @@
 """The speed switches: ``--compile`` and ``--cudagraphs`` applied once to the plain hot functions (LeanRL's pattern,
-:func:`bind`, :func:`capture`), :class:`CudaGraphed` replaying one from a CUDA graph, learning rates as device tensors
-(:func:`device_lr`) and a clock that waits for the device (:func:`synced_clock`)."""
+:func:`bind`, :func:`capture`), :class:`CudaGraphed` replaying one from a CUDA graph, the persistent compile cache
+(:func:`use_compile_cache`), the time spent compiling and capturing (:data:`COMPILE_CLOCK`), learning rates as device
+tensors (:func:`device_lr`) and a clock that waits for the device (:func:`synced_clock`)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
+
+
+def use_compile_cache(path: str | Path | None) -> Path | None:
+    """Keep Inductor's compiled graphs in ``path``: its FX graph cache, the AOTAutograd cache and, under them, Triton's
+    kernels (``TORCHINDUCTOR_CACHE_DIR``, which the compile workers inherit). Entries are keyed as torch keys them
+    (graph, inputs' shapes and dtypes, config, torch version, device), so a graph one process compiled is a cache hit
+    for the next, whichever script compiled it, and a second run compiles nothing it compiled before. Call it before
+    the first compilation; None or ``""`` leaves torch's default (a folder under the system's temporary directory).
+    Returns the folder, absolute, created where missing."""
+    if not path:
+        return None
+    folder = Path(path).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return folder
+
+
+class CompileClock:
+    """Per hot function (by the name :func:`bind` gives it): the wall seconds of the calls that compiled a graph or
+    captured a CUDA graph, the graphs compiled (Dynamo's ``unique_graphs``), and the graphs compiled after its first
+    :attr:`SETTLE` calls (recompilations: each one costs the compile again, in the steady loop). Only the outermost
+    timed call counts, so a rollout captured around a compiled step is charged once, under the rollout's name."""
+
+    SETTLE = 2
+    """calls of a function in which compiling is expected (the first call compiles; the second may once more, where
+    Dynamo turns a changing Python number into a symbol)"""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every figure (a new run)."""
+        self.seconds: dict[str, float] = {}
+        self.graphs: dict[str, int] = {}
+        self.late_graphs: dict[str, int] = {}
+        self._depth = 0
+
+    def timed(self, name: str, fn: Callable) -> Callable:
+        """``fn`` with its compile and capture time charged to ``name``."""
+        calls = 0
+
+        def call(*args, **kwargs):
+            nonlocal calls
+            if self._depth:
+                return fn(*args, **kwargs)
+            calls += 1
+            graphs0, captured0 = dynamo_counters["stats"]["unique_graphs"], getattr(fn, "graph", None)
+            start = time.perf_counter()
+            self._depth += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            new = dynamo_counters["stats"]["unique_graphs"] - graphs0
+            if new or getattr(fn, "graph", None) is not captured0:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.graphs[name] = self.graphs.get(name, 0) + new
+                if calls > self.SETTLE and new:
+                    self.late_graphs[name] = self.late_graphs.get(name, 0) + new
+            return out
+
+        return call
+
+    def total_s(self) -> float:
+        """Compile and capture seconds over every function."""
+        return sum(self.seconds.values())
+
+    def summary(self) -> str:
+        """One line: the total, then each function's seconds and graphs, and any recompilation."""
+        parts = [f"{name} {s:.1f} s, {self.graphs.get(name, 0)} graphs" for name, s in self.seconds.items()]
+        late = sum(self.late_graphs.values())
+        tail = f"; RECOMPILED after the first calls: {self.late_graphs}" if late else ""
+        return f"compile and capture: {self.total_s():.1f} s ({'; '.join(parts)}){tail}"
+
+
+COMPILE_CLOCK = CompileClock()
+"""The process's :class:`CompileClock`: :func:`bind` and :func:`capture` charge it, :class:`~algos.harness.Run` resets,
+logs and returns it."""
 
 
 class CudaGraphed:
@@ -47,28 +131,33 @@ class CudaGraphed:
         return self.static_out
 
 
-def bind(args, graphs: bool = True, **fns: Callable | None) -> tuple:
+def bind(args, graphs: bool = True, compile: bool = True, **fns: Callable | None) -> tuple:
     """The hot functions (already bound to their networks with :func:`functools.partial`) as the speed switches
-    say: ``torch.compile`` with ``--compile`` (eager's random kernels, so a seed gives the same run), then, unless
-    ``graphs`` is False (a function replayed inside a larger graph, see :func:`capture`), :class:`CudaGraphed` with
-    ``--cudagraphs``. None stays None. Returns them in the order given."""
+    say: ``torch.compile`` with ``--compile`` (eager's random kernels, so a seed gives the same run) unless
+    ``compile`` is False (a long unrolled loop, e.g. GAE over a week of steps, whose graph costs far more to compile
+    than it saves: its kernels still run in the CUDA graph), then, unless ``graphs`` is False (a function replayed
+    inside a larger graph, see :func:`capture`), :class:`CudaGraphed` with ``--cudagraphs``; the compile and capture
+    time of each is charged to :data:`COMPILE_CLOCK` under its keyword. None stays None. Returns them in the order
+    given."""
     out = []
     if args.compile:
         torch._inductor.config.fallback_random = True
-    for fn in fns.values():
-        if fn is not None and args.compile:
+    for name, fn in fns.items():
+        if fn is not None and args.compile and compile:
             fn = torch.compile(fn)
         if fn is not None and args.cudagraphs and graphs:
             fn = CudaGraphed(fn)
+        if fn is not None and (args.compile or args.cudagraphs):
+            fn = COMPILE_CLOCK.timed(name, fn)
         out.append(fn)
     return tuple(out)
 
 
-def capture(args, fn: Callable) -> Callable:
+def capture(args, fn: Callable, name: str = "graph") -> Callable:
     """``fn`` (tensors in, tensors out, no host sync, every state it touches updated in place) replayed from one CUDA
     graph with ``--cudagraphs``, e.g. a whole rollout of a torch-batched env: policy and env steps of ``num_steps``
-    steps in one launch. As it is otherwise."""
-    return CudaGraphed(fn) if args.cudagraphs else fn
+    steps in one launch; its capture (and the compiling of what it calls) charged to ``name``. As it is otherwise."""
+    return COMPILE_CLOCK.timed(name, CudaGraphed(fn)) if args.cudagraphs else fn
 
 
 def device_lr(value: float, device: torch.device) -> torch.Tensor:

@@ -123,11 +123,16 @@ VARIABLES = {
     "workers": "EVHUB_WORKERS",
     "gpu_slots": "EVHUB_GPU_SLOTS",
     "tune_budget": "EVHUB_TUNE_BUDGET",
+    "python": "EVHUB_WHEEL_PYTHON",
+    "platform": "EVHUB_WHEEL_PLATFORM",
+    "exclude": "EVHUB_WHEEL_EXCLUDE",
+    "dest": "EVHUB_WHEEL_DEST",
 }
 """Every doit variable of ``dodo.py`` and the environment variable standing in for it (``part`` belongs
 to ``doit bench``; ``kwp``, ``bess_kwh``, ``bess_kw_per_kwh``, ``controllers`` and ``workers`` to ``doit run
 sizing``, see :mod:`pipeline.study.sizing`; ``gpu_slots`` to the embedded cluster of a CUDA machine,
-:func:`pipeline.study.cluster.gpu_slots`; the others to the study)."""
+:func:`pipeline.study.cluster.gpu_slots`; ``python``, ``platform``, ``exclude`` and ``dest`` to ``doit wheelhouse``,
+:mod:`pipeline.wheelhouse`; the others to the study)."""
 
 
 def _doit_variables() -> dict[str, str]:
