@@ -271,13 +271,20 @@ def task_train():
 
 
 def task_evaluate():
-    """Evaluate every trained policy deterministically over the train and the test split."""
-    return {
-        "actions": [_stage("evaluate")],
-        "file_dep": _targets("train") + _site_files() + depends.as_strings(depends.files(*depends.ENV)),
-        "targets": _targets("evaluate"),
-        "clean": True,
-    }
+    """Evaluate every trained policy deterministically over the train and the test split, one task per agent: each
+    starts when its agent's training ends, on the CPU workers, while the next agent trains on the GPU."""
+    for algo in CFG.algos:
+        cfg = replace(CFG, algos=(algo,))
+        yield {
+            "name": algo,
+            "doc": f"evaluate {algo}'s policies (seeds {list(CFG.seeds)}) on the train and the test split",
+            "actions": [_stage("evaluate", cfg, f"evaluate:{algo}")],
+            "file_dep": [str(p) for p in outputs(cfg)["train"]]
+            + _site_files()
+            + depends.as_strings(depends.files(*depends.ENV)),
+            "targets": [str(p) for p in outputs(cfg)["evaluate"]],
+            "clean": True,
+        }
 
 
 def task_report():

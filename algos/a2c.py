@@ -402,7 +402,7 @@ def update(
     v_loss = F.mse_loss(new_value, b_returns)
     loss = pg_loss + vf_coef * v_loss - ent_coef * entropy
 
-    optimizer.zero_grad(set_to_none=True)
+    harness.zero_grad(optimizer)
     loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
     optimizer.step()

@@ -366,7 +366,7 @@ def update(
         q = qnet(obs)
     q_taken = q.float().gather(1, actions[:, None]).squeeze(1)
     loss = F.smooth_l1_loss(q_taken, y)
-    optimizer.zero_grad(set_to_none=False)
+    harness.zero_grad(optimizer, set_to_none=False)
     loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(qnet.parameters(), max_grad_norm)
     optimizer.step()

@@ -382,7 +382,7 @@ def update_minibatch(
     entropy_loss = entropy.mean()
     loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
 
-    optimizer.zero_grad(set_to_none=True)
+    harness.zero_grad(optimizer)
     loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
     optimizer.step()

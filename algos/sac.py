@@ -283,7 +283,7 @@ def update_critic(
     qf1_loss = F.mse_loss(q1, target)
     qf2_loss = F.mse_loss(q2, target)
     qf_loss = qf1_loss + qf2_loss
-    q_optimizer.zero_grad(set_to_none=True)
+    harness.zero_grad(q_optimizer)
     torch.autograd.backward(qf_loss, inputs=[p for group in q_optimizer.param_groups for p in group["params"]])
     q_optimizer.step()
     return {
@@ -315,13 +315,13 @@ def update_actor(
         q = qf(obs, pi)
         min_q = torch.minimum(q[0], q[1]).float()
     actor_loss = (log_alpha.exp().detach() * log_pi - min_q).mean()
-    actor_optimizer.zero_grad(set_to_none=True)
+    harness.zero_grad(actor_optimizer)
     # gradients only into the actor: the critics' grads belong to the critic step
     torch.autograd.backward(actor_loss, inputs=list(actor.parameters()))
     actor_optimizer.step()
     if a_optimizer is not None:
         alpha_loss = (-log_alpha.exp() * (log_pi.detach() + target_entropy)).mean()
-        a_optimizer.zero_grad(set_to_none=True)
+        harness.zero_grad(a_optimizer)
         torch.autograd.backward(alpha_loss, inputs=[log_alpha])
         a_optimizer.step()
     else:

@@ -107,7 +107,7 @@ def test_two_experiments_run_side_by_side_and_a_second_run_of_one_is_refused(tmp
         timeout=300,
     )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    for task in ("validate", "baselines", "train:ppo", "evaluate", "report"):
+    for task in ("validate", "baselines", "train:ppo", "evaluate:ppo", "report"):
         assert f"-- {task}" in again.stdout, again.stdout
 
 

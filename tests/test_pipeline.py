@@ -13,41 +13,6 @@ import pytest
 from conftest import ROOT, doit, make_site, write_site
 
 
-@pytest.mark.slow
-def test_tiny_pipeline_end_to_end_then_up_to_date_then_config_change(tmp_path):
-    site_toml = write_site(make_site(days=14), tmp_path / "site")
-    out = tmp_path / "outputs"
-    first = doit(["run", "pipeline"], site_toml, out, EVHUB_ALGOS="ppo,dqn")  # an on- and an off-policy agent
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    report = out / "synthetic" / "report"
-    table = pd.read_parquet(report / "co2_comparison.parquet")
-    assert {"uncontrolled", "rule_based", "oracle", "ppo"} <= set(table.controller)
-    assert set(table.split) == {"train", "test"}
-    for _split, rows in table.groupby("split"):
-        oracle = rows.loc[rows.controller == "oracle", "co2_kg"].iloc[0]
-        assert (rows.co2_kg >= oracle - 1e-6).all(), rows[["controller", "co2_kg"]]
-        assert rows.loc[rows.controller == "uncontrolled", "co2_reduction_pct"].iloc[0] == pytest.approx(0.0)
-    text = (report / "report.md").read_text()
-    assert "ppo" in text and "oracle" in text and f"synthetic ({site_toml})" in text
-    assert any(report.glob("*.png"))
-    assert any((out / "synthetic" / "runs" / "ppo_seed1").glob("events.out.tfevents.*"))
-    clock = first.stdout.split("wall time of this command's tasks:\n")[1].splitlines()  # the run ends with its table
-    assert {row.split()[0] for row in clock[1:]} >= {"validate", "baselines", "train:ppo", "train:dqn", "report"}
-    assert clock[-1].split()[:2] == ["whole", "command"], clock
-
-    # nothing changed: every task is up to date
-    second = doit(["run", "pipeline"], site_toml, out, EVHUB_ALGOS="ppo,dqn")
-    assert second.returncode == 0, second.stderr[-3000:]
-    for task in ("validate", "baselines", "train:ppo", "evaluate", "report"):
-        assert f"-- {task}" in second.stdout, second.stdout
-
-    # a changed site config re-runs what depends on it
-    site_toml.write_text(site_toml.read_text().replace("kwp = 10.0", "kwp = 12.0"))
-    third = doit(["run", "baselines"], site_toml, out, EVHUB_ALGOS="ppo,dqn")
-    assert third.returncode == 0, third.stderr[-3000:]
-    assert ".  validate" in third.stdout and ".  baselines" in third.stdout, third.stdout
-
-
 def _copy_project(dst):
     """The code and shipped sites of the project (what ``doit`` runs) copied to ``dst``; returns ``dst``."""
     for part in ("envs", "pipeline", "algos"):
@@ -57,18 +22,32 @@ def _copy_project(dst):
 
 
 @pytest.mark.slow
-def test_learned_planners_end_to_end_then_cached_then_retuned_after_an_env_edit(tmp_path):
-    """The rows the README leads with, through doit and Dask: a site with enough train days for the learned planners
-    (15), the ``tiny`` tuning budget. Their rows exist on both splits and serve every car; a second run tunes and
-    trains nothing; an edit of a file of ``envs/`` makes the cached tuning stale, so ``tune`` runs CMA-ES again."""
+def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_after_an_env_edit(tmp_path):
+    """The whole study through doit and Dask on a small synthetic site: enough train days for the learned planners
+    (15), the ``tiny`` tuning budget, an on- and an off-policy agent. The report has every row on both splits, none
+    below the oracle, the learned planners serve every car and stand beside their starts; a second run finds every
+    task up to date and tunes and trains nothing; a changed site config re-runs what depends on it; an edit of a file
+    of ``envs/`` makes the cached tuning stale, so ``tune`` runs CMA-ES again."""
     project = _copy_project(tmp_path / "project")  # a copy whose envs/ the test may edit
     site_toml = write_site(make_site(days=15, n_sockets=4, mpc={"horizon_h": 6}), tmp_path / "site")
     out = tmp_path / "outputs"
-    env = {"EVHUB_ALGOS": "ppo", "EVHUB_TOTAL_TIMESTEPS": "1024", "EVHUB_TUNE_BUDGET": "tiny"}
+    env = {"EVHUB_ALGOS": "ppo,dqn", "EVHUB_TOTAL_TIMESTEPS": "1024", "EVHUB_TUNE_BUDGET": "tiny"}
     first = doit(["run", "pipeline"], site_toml, out, cwd=project, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "tune: seeds [1], budget 'tiny'" in first.stdout and "mpc_rl seed 1: 14 days of PPO" in first.stdout
-    table = pd.read_parquet(out / "synthetic" / "report" / "co2_comparison.parquet")
+    report = out / "synthetic" / "report"
+    table = pd.read_parquet(report / "co2_comparison.parquet")
+    assert {"uncontrolled", "rule_based", "oracle", "ppo", "dqn"} <= set(table.controller)
+    assert set(table.split) == {"train", "test"}
+    assert (table.loc[table.controller == "uncontrolled", "co2_reduction_pct"] == pytest.approx(0.0)).all()
+    text = (report / "report.md").read_text()
+    assert "ppo" in text and "oracle" in text and f"synthetic ({site_toml})" in text
+    assert any(report.glob("*.png"))
+    assert any((out / "synthetic" / "runs" / "ppo_seed1").glob("events.out.tfevents.*"))
+    clock = first.stdout.split("wall time of this command's tasks:\n")[1].splitlines()  # the run ends with its table
+    tasks = {row.split()[0] for row in clock[1:]}
+    assert tasks >= {"validate", "baselines", "train:ppo", "train:dqn", "evaluate:ppo", "evaluate:dqn", "report"}
+    assert clock[-1].split()[:2] == ["whole", "command"], clock
     names = ("mpc_tuned_start", "mpc_tuned", "mpc_adaptive", "mpc_rl_start", "mpc_rl")
     learned = table[table.controller.isin(names)]
     assert sorted(zip(learned.controller, learned.split)) == sorted((c, s) for c in names for s in ("test", "train"))
@@ -85,11 +64,12 @@ def test_learned_planners_end_to_end_then_cached_then_retuned_after_an_env_edit(
     summary = json.loads((tuned / "mpc_tuned_seed1.json").read_text())
     assert summary["budget"] == "tiny" and (tuned / "mpc_rl_seed1" / "policy.pt2").is_file()
 
-    # nothing changed: neither the tuning nor mpc_rl's training runs again
+    # nothing changed: every task is up to date, neither the tuning nor mpc_rl's training runs again
     second = doit(["run", "pipeline"], site_toml, out, cwd=project, **env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    for task in ("tune:mpc_tuned", "tune:mpc_rl", "planners", "report"):
+    for task in ("validate", "baselines", "tune:mpc_tuned", "tune:mpc_rl", "planners", "train:ppo", "evaluate:ppo"):
         assert f"-- {task}" in second.stdout, second.stdout
+    assert "-- report" in second.stdout, second.stdout
     assert "tune: seeds" not in second.stdout and "days of PPO" not in second.stdout
 
     # a tuning that kept its start: mpc_tuned is mpc_tuned_start's run, read from the baselines' files (written for
@@ -112,3 +92,9 @@ def test_learned_planners_end_to_end_then_cached_then_retuned_after_an_env_edit(
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert "tune: seeds [1], budget 'tiny'" in third.stdout, third.stdout
     assert json.loads((tuned / "mpc_tuned_seed1.json").read_text())["fingerprint"] != summary["fingerprint"]
+
+    # a changed site config re-runs what depends on it
+    site_toml.write_text(site_toml.read_text().replace("kwp = 10.0", "kwp = 12.0"))
+    changed = doit(["run", "baselines"], site_toml, out, cwd=project, **env)
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert ".  validate" in changed.stdout and ".  baselines" in changed.stdout, changed.stdout

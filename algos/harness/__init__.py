@@ -30,8 +30,8 @@ imports this package (``from algos import harness``) and takes every name below 
   sizes and shrink rule (:class:`ReplaySizes`, :func:`halve_batch_or_envs`).
 
 The modules import one another in one direction only: ``gpu``, ``speed``, ``nets``, ``export``, ``oom`` and
-``checkpoint`` stand alone, ``cli`` and ``replay`` read ``checkpoint``, ``run`` reads those, ``backoff`` reads
-``run``.
+``checkpoint`` stand alone, ``cli`` reads ``checkpoint`` and ``speed``, ``replay`` reads ``checkpoint``, ``run``
+reads those, ``backoff`` reads ``run``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ from .nets import RunningObsNorm, Select, cnn_torso, explained_variance, layer_i
 from .oom import OutOfMemoryBackoffError, OutOfMemoryRestart, free_device_memory, out_of_memory_message, to_cpu
 from .replay import ReplayBuffer, ReplayLog, checkpoint_buffer, restore_buffer, store
 from .run import NonFiniteLossError, Run
-from .speed import CudaGraphed, bind, capture, device_lr, synced_clock
+from .speed import COMPILE_CLOCK, CudaGraphed, bind, capture, device_lr, synced_clock, use_compile_cache, zero_grad
 
 __all__ = [
     # cli
@@ -117,11 +117,14 @@ __all__ = [
     "EnvUnitsPolicy",
     "export_policy",
     # speed
+    "COMPILE_CLOCK",
     "CudaGraphed",
     "bind",
     "capture",
     "device_lr",
     "synced_clock",
+    "use_compile_cache",
+    "zero_grad",
     # nets
     "RunningObsNorm",
     "Select",

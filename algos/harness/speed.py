@@ -160,6 +160,19 @@ def capture(args, fn: Callable, name: str = "graph") -> Callable:
     return COMPILE_CLOCK.timed(name, CudaGraphed(fn)) if args.cudagraphs else fn
 
 
+def zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """``optimizer.zero_grad(set_to_none)`` in a form ``torch.compile`` traces: Dynamo does not trace
+    ``Optimizer.zero_grad`` (torch 2.11-2.13), so calling it splits a compiled update into a graph before it and one
+    after, with eager work between (more kernels in every replay, more to compile). The same gradients: None, or
+    zero-filled in place."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if set_to_none:
+                p.grad = None  # whatever it was: no branch on it, so no second graph once the gradients exist
+            elif p.grad is not None:
+                p.grad.zero_()
+
+
 def device_lr(value: float, device: torch.device) -> torch.Tensor:
     """A learning rate as a device tensor, annealed in place: no recompilation, and CUDA graphs see the new value. On
     CUDA float32 (Adam takes a tensor LR only as capturable); on the CPU float64, which Adam reads back as a Python
