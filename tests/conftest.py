@@ -156,9 +156,10 @@ def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timest
     """Train ``algos/<name>.py`` eagerly and with ``--compile`` (same seed and budget) and check that every
     logged metric agrees up to float rounding: under ``--compile`` the random numbers come from eager's kernels,
     so a seed means the same run on both paths. The compiled run compiles nothing after its hot functions' first
-    calls and writes its graphs to the compile cache it is given."""
+    calls."""
     metrics = {}
-    for label, flags in (("eager", []), ("compile", ["--compile", "--compile-cache", str(tmp_path / "cache")])):
+    # torch's own cache folder (--compile-cache ""), as a run before the project's cache: kept between test sessions
+    for label, flags in (("eager", []), ("compile", ["--compile", "--compile-cache", ""])):
         out = tmp_path / label
         proc = run_algo(
             name,
@@ -178,7 +179,6 @@ def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timest
         assert (out / "policy.pt2").is_file()
         if label == "compile":  # each hot function compiled in its first calls, never again (harness.COMPILE_CLOCK)
             assert "compile and capture:" in proc.stdout and "RECOMPILED" not in proc.stdout, proc.stdout[-3000:]
-            assert any((tmp_path / "cache").rglob("*")), "nothing written to the compile cache"
         metrics[label] = pd.read_parquet(out / "metrics.parquet").drop(columns=["wall_s", "sps"])
     eager, compiled = (metrics[k].to_numpy(dtype=float) for k in ("eager", "compile"))
     assert len(eager) >= 2 and np.isfinite(eager[-1]).sum() > 3

@@ -39,7 +39,7 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
     table = pd.read_parquet(report / "co2_comparison.parquet")
     assert {"uncontrolled", "rule_based", "oracle", "ppo", "dqn"} <= set(table.controller)
     assert set(table.split) == {"train", "test"}
-    assert (table.loc[table.controller == "uncontrolled", "co2_reduction_pct"] == pytest.approx(0.0)).all()
+    assert table.loc[table.controller == "uncontrolled", "co2_reduction_pct"].abs().max() < 1e-9
     text = (report / "report.md").read_text()
     assert "ppo" in text and "oracle" in text and f"synthetic ({site_toml})" in text
     assert any(report.glob("*.png"))
