@@ -158,7 +158,7 @@ def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timest
     so a seed means the same run on both paths. The compiled run compiles nothing after its hot functions' first
     calls."""
     metrics = {}
-    # torch's own cache folder (--compile-cache ""), as a run before the project's cache: kept between test sessions
+    # torch's own cache folder (--compile-cache ""), as before the project's cache: it outlives a test run
     for label, flags in (("eager", []), ("compile", ["--compile", "--compile-cache", ""])):
         out = tmp_path / label
         proc = run_algo(
