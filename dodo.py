@@ -254,37 +254,43 @@ def task_planners():
     }
 
 
-def task_train():
-    """Train each agent (algos/<name>.py) on the train split: side by side on a CPU-only machine, one per GPU worker
-    of a cluster, one after another on the GPU of a CUDA machine (pipeline.study.cluster.training_placement)."""
+def _per_agent(stage: str, doc: str, file_dep, **extra):
+    """One doit task of ``stage`` per agent (``<stage>:<algo>``), for every seed: ``doc`` and ``file_dep(algo, cfg)``
+    of the agent and its one-agent config, the stage's outputs for that agent as targets, ``extra`` keys added."""
     for algo in CFG.algos:
         cfg = replace(CFG, algos=(algo,))
         yield {
             "name": algo,
-            "doc": f"train {algo} (algos/{algo}.py) for seeds {list(CFG.seeds)}",
-            "actions": [_stage("train", cfg, f"train:{algo}")],
-            "file_dep": _targets("validate") + _site_files() + depends.as_strings(depends.training(algo)),
-            "targets": [str(p) for p in outputs(cfg)["train"]],
-            "uptodate": [_config_changed()],
+            "doc": doc.format(algo=algo, seeds=list(CFG.seeds)),
+            "actions": [_stage(stage, cfg, f"{stage}:{algo}")],
+            "file_dep": file_dep(algo, cfg),
+            "targets": [str(p) for p in outputs(cfg)[stage]],
             "clean": True,
+            **extra,
         }
+
+
+def task_train():
+    """Train each agent (algos/<name>.py) on the train split: side by side on a CPU-only machine, one per GPU worker
+    of a cluster, one after another on the GPU of a CUDA machine (pipeline.study.cluster.training_placement)."""
+    yield from _per_agent(
+        "train",
+        "train {algo} (algos/{algo}.py) for seeds {seeds}",
+        lambda algo, cfg: _targets("validate") + _site_files() + depends.as_strings(depends.training(algo)),
+        uptodate=[_config_changed()],
+    )
 
 
 def task_evaluate():
     """Evaluate every trained policy deterministically over the train and the test split, one task per agent: each
     starts when its agent's training ends, on the CPU workers, while the next agent trains on the GPU."""
-    for algo in CFG.algos:
-        cfg = replace(CFG, algos=(algo,))
-        yield {
-            "name": algo,
-            "doc": f"evaluate {algo}'s policies (seeds {list(CFG.seeds)}) on the train and the test split",
-            "actions": [_stage("evaluate", cfg, f"evaluate:{algo}")],
-            "file_dep": [str(p) for p in outputs(cfg)["train"]]
-            + _site_files()
-            + depends.as_strings(depends.files(*depends.ENV)),
-            "targets": [str(p) for p in outputs(cfg)["evaluate"]],
-            "clean": True,
-        }
+    yield from _per_agent(
+        "evaluate",
+        "evaluate {algo}'s policies (seeds {seeds}) on the train and the test split",
+        lambda algo, cfg: (
+            [str(p) for p in outputs(cfg)["train"]] + _site_files() + depends.as_strings(depends.files(*depends.ENV))
+        ),
+    )
 
 
 def task_report():
