@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -108,3 +109,35 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert "tune: seeds [1], budget 'tiny'" in third.stdout, third.stdout
     assert json.loads((tuned / "mpc_tuned_seed1.json").read_text())["fingerprint"] != summary["fingerprint"]
+
+
+def test_the_large_agent_budget_trains_at_the_gpu_presets_and_the_report_names_the_budget(tmp_path, monkeypatch):
+    """``agent_budget=large`` puts ``--preset gpu`` before the user's flags of every agent script (which still win),
+    the default budget adds nothing, an unknown one is refused with the known ones, and the report says which budget
+    the agents trained with."""
+    from doit import doit_cmd
+
+    from envs.files import write_parquet
+    from envs.kpis import KPI_COLUMNS
+    from pipeline.study.config import from_environment
+    from pipeline.study.tasks import make_report
+
+    monkeypatch.delenv("EVHUB_AGENT_BUDGET", raising=False)
+    assert from_environment(site="caltech", extra_algo_args=("--compile",)).algo_args == ("--compile",)
+    monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"agent_budget": "large", "algo_args": "--preset cpu"})
+    large = from_environment(site="caltech")
+    assert large.agent_budget == "large" and large.algo_args == ("--preset", "gpu", "--preset", "cpu")
+    monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"agent_budget": "huge"})
+    with pytest.raises(ValueError, match=r"agent_budget='huge': unknown budget \(known: preset, large\)"):
+        from_environment(site="caltech")
+
+    toml = write_site(make_site(days=7), tmp_path / "site")
+    kpis = []
+    for controller in ("uncontrolled", "rule_based", "oracle", "ppo"):
+        for split in ("train", "test"):
+            row = {"controller": controller, "split": split, **{k: 1.0 for k in KPI_COLUMNS}}
+            kpis.append(str(write_parquet(pd.DataFrame([row]), tmp_path / "kpis" / f"{controller}_{split}.parquet")))
+    for budget, said in (("large", "`large`: each script's gpu preset"), (None, "`preset`: each script's preset")):
+        cfg = {"site_toml": str(toml), "algos": ["ppo"], **({"agent_budget": budget} if budget else {})}
+        md = Path(make_report(cfg, kpis, {}, {}, str(tmp_path / "report"))).read_text()
+        assert f"**agents' training budget**: {said}" in md, md[:3000]

@@ -3,8 +3,8 @@
 Values come from, in order: keyword arguments, doit command-line variables (``doit run pipeline
 site=path/to/site.toml``), environment variables (``EVHUB_SITE``, ``EVHUB_EXPERIMENT``,
 ``EVHUB_OUTPUT_DIR``, ``EVHUB_ALGOS``, ``EVHUB_SEEDS``, ``EVHUB_TOTAL_TIMESTEPS``,
-``EVHUB_ALGO_ARGS``, ``DASK_SCHEDULER_ADDRESS``), then defaults. A doit variable that is not one of
-:data:`VARIABLES` (a typo such as ``algo=ppo``) and an unknown algorithm name are errors naming the
+``EVHUB_ALGO_ARGS``, ``EVHUB_AGENT_BUDGET``, ``DASK_SCHEDULER_ADDRESS``), then defaults. A doit variable that is
+not one of :data:`VARIABLES` (a typo such as ``algo=ppo``) and an unknown algorithm name are errors naming the
 variable and its value.
 """
 
@@ -41,6 +41,16 @@ def check_algos(algos: tuple[str, ...], where: str = "algos") -> None:
         )
 
 
+AGENT_BUDGETS = {
+    "preset": ((), "each script's preset for the device it runs on: its cpu preset on a CPU, gpu on CUDA"),
+    "large": (("--preset", "gpu"), "each script's gpu preset (its networks, envs and env steps) wherever it runs"),
+}
+"""The agents' training budgets: name -> (the flags put before ``extra_algo_args`` of every agent script, what the
+report says of it). ``preset`` is the default; ``large`` trains at the GPU presets on any device (on a 2-core CPU,
+PPO's 50 M steps take about 79 minutes a seed). A flag in ``extra_algo_args`` still wins (the last of a repeated flag
+does), and ``total_timesteps`` overrides the steps of both."""
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """One study: a site, the agents to train, where outputs go and which Dask cluster runs it.
@@ -60,6 +70,8 @@ class PipelineConfig:
             larger budget is used as it is.
         extra_algo_args: extra command-line flags of every agent script (for example ``("--compile",
             "--cudagraphs")`` on a GPU); doit variable ``algo_args`` / ``EVHUB_ALGO_ARGS``, split like a shell.
+        agent_budget: the agents' training budget, a name of :data:`AGENT_BUDGETS` (``preset`` or ``large``); doit
+            variable ``agent_budget`` / ``EVHUB_AGENT_BUDGET``.
     """
 
     site: str = "caltech"
@@ -71,18 +83,22 @@ class PipelineConfig:
     scheduler_address: str | None = None
     extra_algo_args: tuple[str, ...] = field(default=())
     tune_budget: str = "small"
+    agent_budget: str = "preset"
 
     def __post_init__(self):
         """Check the agents and default ``experiment`` to the site's name.
 
         Raises:
             ValueError: an unknown algorithm name (message names ``algos``, the bad name and the known ones), or an
-                unknown tuning budget.
+                unknown tuning or agent budget.
             FileNotFoundError / envs.config.ConfigError: the site config cannot be loaded.
         """
         check_algos(self.algos)
         if self.tune_budget not in BUDGETS:
             raise ValueError(f"tune_budget={self.tune_budget!r}: unknown budget (known: {', '.join(BUDGETS)})")
+        if self.agent_budget not in AGENT_BUDGETS:
+            known = ", ".join(AGENT_BUDGETS)
+            raise ValueError(f"agent_budget={self.agent_budget!r}: unknown budget (known: {known})")
         if not self.experiment:
             object.__setattr__(self, "experiment", load_config(self.site)[0].name)
 
@@ -98,6 +114,11 @@ class PipelineConfig:
         if not out.is_absolute():
             out = PROJECT_ROOT / out
         return out / self.experiment
+
+    @property
+    def algo_args(self) -> tuple[str, ...]:
+        """The flags every agent script gets: the budget's (:data:`AGENT_BUDGETS`), then ``extra_algo_args``."""
+        return (*AGENT_BUDGETS[self.agent_budget][0], *self.extra_algo_args)
 
     def as_dict(self) -> dict:
         """Plain dict (for doit's ``config_changed``)."""
@@ -123,6 +144,7 @@ VARIABLES = {
     "workers": "EVHUB_WORKERS",
     "gpu_slots": "EVHUB_GPU_SLOTS",
     "tune_budget": "EVHUB_TUNE_BUDGET",
+    "agent_budget": "EVHUB_AGENT_BUDGET",
     "python": "EVHUB_WHEEL_PYTHON",
     "platform": "EVHUB_WHEEL_PLATFORM",
     "exclude": "EVHUB_WHEEL_EXCLUDE",
@@ -217,5 +239,7 @@ def from_environment(**overrides) -> PipelineConfig:
         kw["scheduler_address"] = v or None
     if (v := var("tune_budget")) is not None:
         kw["tune_budget"] = v
+    if (v := var("agent_budget")) is not None:
+        kw["agent_budget"] = v
     kw.update(overrides)
     return PipelineConfig(**kw)

@@ -253,7 +253,7 @@ class _Graph:
         runs: dict[tuple[str, int], object] = {}
         if "train" in self.stages:
             place = training_placement(self.client)
-            algo_args = cfg.extra_algo_args
+            algo_args = cfg.algo_args
             if "--compile" in algo_args:  # one compile cache for every agent, kept with the outputs
                 algo_args = ("--compile-cache", str(Path(cfg.output_dir).resolve() / "compile_cache"), *algo_args)
             for algo in cfg.algos:
