@@ -89,18 +89,20 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
 
     # a changed site config makes what depends on it stale (doit's own status: R = would run, U = up to date), and
     # the same text again makes it up to date: doit compares the file's content
-    def status() -> dict:
+    stale = ("validate", "baselines", "tune:mpc_tuned", "tune:mpc_rl", "planners", "train:ppo", "evaluate:dqn")
+
+    def status() -> dict:  # one `doit list` for all of them
         listed = doit(["list", "--status", "--all"], site_toml, out, cwd=project, **env)
         assert listed.returncode == 0, listed.stderr[-3000:]
-        return dict(reversed(line.split()[:2]) for line in listed.stdout.splitlines() if line[:2] in ("R ", "U "))
+        every = dict(reversed(line.split()[:2]) for line in listed.stdout.splitlines() if line[:2] in ("R ", "U "))
+        return {task: every[task] for task in stale}
 
     text = site_toml.read_text()
-    stale = ("validate", "baselines", "tune:mpc_tuned", "tune:mpc_rl", "planners", "train:ppo", "evaluate:dqn")
-    assert {task: status()[task] for task in stale} == dict.fromkeys(stale, "U")
+    assert status() == dict.fromkeys(stale, "U")
     site_toml.write_text(text.replace("kwp = 10.0", "kwp = 12.0"))
-    assert {task: status()[task] for task in stale} == dict.fromkeys(stale, "R")
+    assert status() == dict.fromkeys(stale, "R")
     site_toml.write_text(text)
-    assert {task: status()[task] for task in stale} == dict.fromkeys(stale, "U")
+    assert status() == dict.fromkeys(stale, "U")
 
     # a comment appended to a file of envs/ (what the backtests run): the cached tuning is stale and is made again
     evhub = project / "envs" / "evhub.py"

@@ -41,14 +41,24 @@ def check_algos(algos: tuple[str, ...], where: str = "algos") -> None:
         )
 
 
+@dataclass(frozen=True)
+class AgentBudget:
+    """One training budget of the agents: ``flags`` put before ``extra_algo_args`` of every agent script, and what
+    the report ``says`` of it."""
+
+    flags: tuple[str, ...]
+    says: str
+
+
 AGENT_BUDGETS = {
-    "preset": ((), "each script's preset for the device it runs on: its cpu preset on a CPU, gpu on CUDA"),
-    "large": (("--preset", "gpu"), "each script's gpu preset (its networks, envs and env steps) wherever it runs"),
+    "preset": AgentBudget((), "each script's preset for the device it runs on: its cpu preset on a CPU, gpu on CUDA"),
+    "large": AgentBudget(
+        ("--preset", "gpu"), "each script's gpu preset (its networks, envs and env steps) wherever it runs"
+    ),
 }
-"""The agents' training budgets: name -> (the flags put before ``extra_algo_args`` of every agent script, what the
-report says of it). ``preset`` is the default; ``large`` trains at the GPU presets on any device (on a 2-core CPU,
-PPO's 50 M steps take about 79 minutes a seed). A flag in ``extra_algo_args`` still wins (the last of a repeated flag
-does), and ``total_timesteps`` overrides the steps of both."""
+"""The agents' training budgets by name. ``preset`` is the default; ``large`` trains at the GPU presets on any device
+(on a 2-core CPU, PPO's 50 M steps take about 79 minutes a seed). A flag in ``extra_algo_args`` still wins (the last of
+a repeated flag does), and ``total_timesteps`` overrides the steps of both."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,7 @@ class PipelineConfig:
     @property
     def algo_args(self) -> tuple[str, ...]:
         """The flags every agent script gets: the budget's (:data:`AGENT_BUDGETS`), then ``extra_algo_args``."""
-        return (*AGENT_BUDGETS[self.agent_budget][0], *self.extra_algo_args)
+        return (*AGENT_BUDGETS[self.agent_budget].flags, *self.extra_algo_args)
 
     def as_dict(self) -> dict:
         """Plain dict (for doit's ``config_changed``)."""

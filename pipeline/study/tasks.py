@@ -476,7 +476,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         else "grid import x MOER of its hour; exported energy is not credited",
         "splits": f"train {c.splits.train[0]}..{c.splits.train[1]}, test {c.splits.test[0]}..{c.splits.test[1]}",
         "agents": ", ".join(cfg_dict["algos"]),
-        "agents' training budget": f"`{budget}`: {AGENT_BUDGETS[budget][1]}"
+        "agents' training budget": f"`{budget}`: {AGENT_BUDGETS[budget].says}"
         + (f", {cfg_dict['total_timesteps']:,} env steps each" if cfg_dict.get("total_timesteps") else ""),
     }
     notes = []
