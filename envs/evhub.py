@@ -34,7 +34,9 @@ Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per 
 the last step (at the split's first step: the data's forecast for it) and its forecasts for this and the next two steps
 (4), SOC (1), aggregates (occupied fraction, energy needed, floor and cap power; 4), outlook (PV energy of the next 24 h
 per kWp, and the EV energy requested per day over the past 7 days; 2), then per socket (occupied, energy needed, steps
-to departure; 3 * n_sockets). Energy needed is scaled per socket by its own power, ``e_i / (8 h * Pmax_i)`` (hours of
+to departure; 3 * n_sockets), then the context (:mod:`envs.context`: the EV energy expected per socket group over the
+next 1-6 and 7-24 hours from the split's last same-type days, and the MOER at 3-5 h from the last week's same hours;
+``2 * n_groups + 3``). Energy needed is scaled per socket by its own power, ``e_i / (8 h * Pmax_i)`` (hours of
 full-power charging left / 8: the same range for a 3.3 kW and a 50 kW socket); the floor and cap aggregates by the
 site's total socket power ``sum_i Pmax_i``, the demand outlook by ``24 h * sum_i Pmax_i / 8`` (with one kind of socket,
 ``sum_i Pmax_i = n_sockets * socket_kw`` exactly). The PV look-ahead reads the modelled PV series itself (a perfect
@@ -45,7 +47,9 @@ Episodes: training draws a random window of ``episode.train_steps`` steps of the
 ``full_split=True`` runs the whole split once from its first step (evaluation). With
 ``episode.session_keep_min < 1`` each training window keeps each arriving session with a probability
 drawn per window from ``[session_keep_min, 1]`` (demand augmentation: a later year may see far fewer
-drivers than the training year); the demand feature is scaled by the same probability. Episodes end by time
+drivers than the training year); the demand feature is scaled by the same probability. With ``dc_prior=True``
+training windows also draw DC fast-charger sessions from :mod:`envs.context`'s prior (a rate per window; its expected
+energy is added to the DC group's context). Episodes end by time
 limit only (``truncated``); ``autoreset_mode`` is SAME_STEP: the observation returned on the last step
 is already the first of the next episode.
 """
@@ -61,7 +65,7 @@ import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from envs import rng
+from envs import context, rng
 from envs.rng import seeds_tensor, stream_keys
 from envs.site import Site, SplitData, load_site
 
@@ -135,24 +139,27 @@ def action_dim(action_mode: str, n_sockets: int) -> int:
     raise ValueError(f"unknown action_mode {action_mode!r}: expected 'hub', 'socket' or 'discrete'")
 
 
-def obs_dim(n_sockets: int) -> int:
-    """Size of the observation vector for a site with ``n_sockets`` sockets."""
-    return N_SITE_FEATURES + 3 * n_sockets
+def obs_dim(n_sockets: int, n_groups: int = 1) -> int:
+    """Size of the observation vector for a site with ``n_sockets`` sockets in ``n_groups`` socket groups."""
+    return N_SITE_FEATURES + 3 * n_sockets + context.n_context(n_groups)
 
 
 N_SITE_FEATURES = 19
 """Number of site-level observation features before the ``3 * n_sockets`` per-socket ones."""
 
 
-def observation_layout(n_sockets: int) -> dict[str, list[int]]:
+def observation_layout(n_sockets: int, n_groups: int = 1) -> dict[str, list[int]]:
     """Feature indices of the observation by name: ``"hour_of_day"`` (sin, cos), ``"day_of_week"`` (sin, cos),
-    ``"site"`` (every site-level feature, those two groups included) and ``"sockets"`` (the ``3 * n_sockets``
-    per-socket features: occupied, energy needed, hours to departure)."""
+    ``"site"`` (every site-level feature, those two groups included), ``"sockets"`` (the ``3 * n_sockets``
+    per-socket features: occupied, energy needed, hours to departure) and ``"context"`` (the last
+    :func:`envs.context.n_context` features: expected arrivals per socket group, MOER at 3-5 h)."""
+    sockets_end = N_SITE_FEATURES + 3 * n_sockets
     return {
         "hour_of_day": [0, 1],
         "day_of_week": [2, 3],
         "site": list(range(N_SITE_FEATURES)),
-        "sockets": list(range(N_SITE_FEATURES, obs_dim(n_sockets))),
+        "sockets": list(range(N_SITE_FEATURES, sockets_end)),
+        "context": list(range(sockets_end, obs_dim(n_sockets, n_groups))),
     }
 
 
@@ -170,6 +177,8 @@ class EVHubVectorEnv(VectorEnv):
         episode_steps: training window length in steps (default: the site's ``episode.train_steps``).
         window_end: training windows lie within the split's steps ``[0, window_end)`` (default: the whole split);
             the online learners train on an acting split's realised past this way.
+        dc_prior: training windows (not ``full_split``) add sessions at the DC sockets drawn from
+            :mod:`envs.context`'s prior (a site without a socket above :data:`envs.context.LEVEL2_MAX_KW` is unchanged).
         dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
         bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
             ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always stored;
@@ -210,6 +219,7 @@ class EVHubVectorEnv(VectorEnv):
         bess_action: str = "setpoint",
         edf: str | None = None,
         window_end: int | None = None,
+        dc_prior: bool = False,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -239,7 +249,8 @@ class EVHubVectorEnv(VectorEnv):
         self.n_sockets = cfg.ev.n_sockets
 
         adim = action_dim(action_mode, self.n_sockets)
-        odim = obs_dim(self.n_sockets)
+        self.n_groups = len(cfg.ev.groups)
+        odim = obs_dim(self.n_sockets, self.n_groups)
         if action_mode == "discrete":
             self.single_action_space = gym.spaces.Discrete(adim)
             self._discrete_actions = discrete_action_table().to(device=self.device, dtype=dtype)
@@ -293,6 +304,17 @@ class EVHubVectorEnv(VectorEnv):
         self._thinning = self._keep_min < 1.0
         self._arrival_need = t(d.arrival_need_kwh)
         self._arrival_stay = t(d.arrival_stay_steps, torch.int64)
+        ctx = context.context_table(d)
+        n_moer = len(context.CONTEXT_MOER_LEADS_H)
+        ctx[:, -n_moer:] = (ctx[:, -n_moer:] - MOER_CENTER) / MOER_SCALE
+        self._context_obs = t(ctx)
+        # the DC prior (training windows only): which sockets, when cars come, and the context a unit rate adds
+        self._dc_prior = bool(dc_prior) and not full_split
+        dc = context.dc_sockets(d) if self._dc_prior else np.zeros(0, np.int64)
+        self._dc_prior = self._dc_prior and len(dc) > 0
+        self._dc_index = t(dc, torch.int64)
+        self._dc_share = t(context.arrival_share(d)) if self._dc_prior else None
+        self._dc_context = t(context.dc_prior_context(d)) if self._dc_prior else None
 
         b = cfg.bess
         self._e_min = b.soc_min * b.capacity_kwh
@@ -310,6 +332,7 @@ class EVHubVectorEnv(VectorEnv):
         self.ev_need_kwh = z(B, N)  # energy each plugged EV still needs, kWh
         self.ev_steps_left = z(B, N, dt=torch.int64)  # steps until departure; 0 = socket free
         self.session_keep = torch.ones(B, dtype=dtype, device=self.device)  # per-window session keep probability
+        self.dc_rate = z(B)  # per-window DC prior sessions per day per DC socket (0 without the prior)
         self.rng = z(B, dt=torch.int64)  # per-env counter-based random streams (envs.rng), seeded from 0 ...
         self.rng.copy_(stream_keys(seeds_tensor(0, B, self.device)))  # ... until reset(seed=...)
         if edf not in (None, "sort", "pairwise"):
@@ -321,7 +344,7 @@ class EVHubVectorEnv(VectorEnv):
     @property
     def observation_layout(self) -> dict[str, list[int]]:
         """Feature indices of this env's observation by name (:func:`observation_layout`)."""
-        return observation_layout(self.n_sockets)
+        return observation_layout(self.n_sockets, self.n_groups)
 
     @property
     def soc(self) -> torch.Tensor:
@@ -370,6 +393,25 @@ class EVHubVectorEnv(VectorEnv):
             arrive = arrive & (u < self.session_keep[:, None])
         self.ev_need_kwh.copy_(torch.where(arrive, need, self.ev_need_kwh))
         self.ev_steps_left.copy_(torch.where(arrive, stay, self.ev_steps_left))
+        if self._dc_prior:  # fixed at construction
+            self._plug_in_dc_prior()
+
+    def _plug_in_dc_prior(self) -> None:
+        """The DC prior's sessions (:mod:`envs.context`): each free DC socket gets a car at the current step with
+        probability ``rate * share`` (its window's rate per day times the step's share of a day's arrivals), asking
+        for an energy uniform in :data:`envs.context.DC_SESSION_KWH` (at most what the socket delivers in its stay)."""
+        n = len(self._dc_index)
+        u = rng.unit(rng.draw(self.rng, 2 * n), self.dtype)
+        p = (self.dc_rate * self._dc_share.index_select(0, self.t))[:, None]
+        steps_left = self.ev_steps_left.index_select(1, self._dc_index)
+        arrive = (u[:, :n] < p) & (steps_left == 0)
+        kw = self._socket_kw.index_select(0, self._dc_index)
+        lo, hi = context.DC_SESSION_KWH
+        need = lo + (hi - lo) * u[:, n:]
+        stay = torch.ceil(need / (kw * self.cfg.dt_h) - 1e-9).clamp(min=1).to(torch.int64)
+        need_all = self.ev_need_kwh.index_select(1, self._dc_index)
+        self.ev_need_kwh.index_copy_(1, self._dc_index, torch.where(arrive, need, need_all))
+        self.ev_steps_left.index_copy_(1, self._dc_index, torch.where(arrive, stay, steps_left))
 
     def _observe(self) -> torch.Tensor:
         N = self.n_sockets
@@ -387,10 +429,13 @@ class EVHubVectorEnv(VectorEnv):
             [self._pv_day_obs.index_select(0, self.t), self._demand_obs.index_select(0, self.t) * self.session_keep],
             dim=1,
         )
-        obs = torch.cat([self._exo_obs.index_select(0, self.t), soc, agg, outlook, occupied, need, steps], dim=1)
+        ctx = self._context_obs.index_select(0, self.t)
+        if self._dc_prior:  # fixed at construction
+            ctx = ctx + self.dc_rate[:, None] * self._dc_context.index_select(0, self.t)
+        obs = torch.cat([self._exo_obs.index_select(0, self.t), soc, agg, outlook, occupied, need, steps, ctx], dim=1)
         return obs.clamp(-OBS_BOUND, OBS_BOUND)
 
-    STATE_KEYS = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left", "session_keep", "rng")
+    STATE_KEYS = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left", "session_keep", "dc_rate", "rng")
     """Tensors that make up the dynamic state of all envs, the per-env random streams among them
     (:meth:`state_dict`)."""
 
@@ -439,7 +484,7 @@ class EVHubVectorEnv(VectorEnv):
         """Start new windows in the envs of ``mask`` (bool ``(num_envs,)``), in place. Every env draws two numbers
         from its stream (window start, session keep probability), masked or not, so its stream never depends on
         the others'."""
-        x = rng.draw(self.rng, 2)
+        x = rng.draw(self.rng, 3 if self._dc_prior else 2)
         if starts is None:
             high = 1 if self.full_split else self.window_end - self.episode_steps + 1
             starts = rng.below(x[:, 0], high)
@@ -451,6 +496,9 @@ class EVHubVectorEnv(VectorEnv):
         if self._thinning:
             keep = self._keep_min + (1.0 - self._keep_min) * rng.unit(x[:, 1], self.dtype)
             self.session_keep.copy_(torch.where(mask, keep, self.session_keep))
+        if self._dc_prior:
+            rate = context.DC_SESSIONS_PER_DAY_MAX * rng.unit(x[:, 2], self.dtype)
+            self.dc_rate.copy_(torch.where(mask, rate, self.dc_rate))
 
     def _ev_power(self, a_ev: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """Per-socket EV power, kW, ``(num_envs, n_sockets)``, from the EV part of the action."""

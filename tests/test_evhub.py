@@ -248,7 +248,7 @@ def test_outlook_features_pv_next_day_and_causal_demand(site):
         expected_pv = d.pv_kw[t : t + 24].sum() / kwp / 8.0
         assert obs[0, 17].item() == pytest.approx(expected_pv, rel=1e-9)
         obs, *_ = env.step(torch.tensor([[0.0, 1.0]]))
-    assert env.single_observation_space.shape[0] == 19 + 3 * env.n_sockets
+    assert env.single_observation_space.shape[0] == 19 + 3 * env.n_sockets + 2 * len(site.config.ev.groups) + 3
 
     first_arrival = int(np.flatnonzero(d.arrival_need_kwh.sum(1) > 0)[0])
     demand = env._demand_obs

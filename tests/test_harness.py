@@ -174,13 +174,17 @@ def test_the_env_publishes_its_observation_layout_and_the_scripts_read_it():
     site = make_site(days=3, n_sockets=5)
     env = make_vec("EVHub-v0", 2, "cpu", site=site, split="train")
     layout = env.observation_layout
-    assert layout["sockets"] == list(range(env.obs_shape[0] - 15, env.obs_shape[0]))
-    assert layout["site"] == list(range(env.obs_shape[0] - 15))
+    n = env.obs_shape[0]
+    assert layout["context"] == list(range(n - 5, n))  # one socket group: two windows and three MOER leads
+    assert layout["sockets"] == list(range(n - 20, n - 5))
+    assert layout["site"] == list(range(n - 20))
     assert set(layout["day_of_week"]) < set(layout["site"]) and set(layout["hour_of_day"]) < set(layout["site"])
     args = load_algo("ppo").Args(env_id="EVHub-v0", socket_features=False, weekday_features=False)
     kept = harness.network_inputs(env, args)
-    assert not set(kept) & set(layout["sockets"]) and not set(kept) & set(layout["day_of_week"])
-    assert harness.network_inputs(env, load_algo("ppo").Args(weekday_features=True)) == list(range(env.obs_shape[0]))
+    assert not set(kept) & (set(layout["sockets"]) | set(layout["day_of_week"]) | set(layout["context"]))
+    everything = load_algo("ppo").Args(weekday_features=True, context_features=True)
+    assert harness.network_inputs(env, everything) == list(range(n))
+    assert harness.network_inputs(env, load_algo("ppo").Args(weekday_features=True)) == list(range(n - 5))
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

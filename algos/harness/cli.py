@@ -31,6 +31,8 @@ EVHUB_ONLY_ARGS = (
     "bess_action",
     "socket_features",
     "weekday_features",
+    "context_features",
+    "dc_prior",
     "eval_split",
     "eval_every",
 )
@@ -81,6 +83,13 @@ class RunArgs:
     weekday_features: bool = False
     """feed the day-of-week features (sin/cos) to the networks (EVHub-v0 only; off: the policy reads the EV demand
     from the sockets instead of learning the weekday pattern of the training year, which transfers worse)"""
+    context_features: bool = False
+    """feed the context features to the networks (EVHub-v0 only; envs/context.py): the EV energy expected per socket
+    group over the next 1-6 and 7-24 h from the acting split's last 21 same-type days, and the MOER at 3-5 h from the
+    last week's same hours (off: the networks read what they always read)"""
+    dc_prior: bool = False
+    """training windows also draw sessions at the DC sockets from a prior of public DC fast-charging figures (EVHub-v0
+    only; envs/context.py): for a training split whose DC charger has no sessions"""
     compile: bool = False
     """torch.compile the hot functions"""
     cudagraphs: bool = False
@@ -254,17 +263,19 @@ def make_env(args, num_envs: int, device: torch.device, action_mode: str | None 
             action_mode=action_mode,
             bess_action=args.bess_action,
             window_end=args.train_window_end or None,
+            dc_prior=args.dc_prior,
         )
     return RecordEpisodeStatistics(make_vec(args.env_id, num_envs, device, args.vector_mode, **kwargs))
 
 
 def network_inputs(env, args) -> list[int] | None:
     """The observation features the networks read: None (all) but for EVHub-v0, where the env's
-    ``observation_layout`` names the per-socket and day-of-week features that ``--socket-features`` and
-    ``--weekday-features`` leave out."""
+    ``observation_layout`` names the per-socket, day-of-week and context features that ``--socket-features``,
+    ``--weekday-features`` and ``--context-features`` leave out."""
     if not is_evhub(args.env_id):
         return None
     layout = env.observation_layout
     drop = set() if args.socket_features else set(layout["sockets"])
     drop |= set() if args.weekday_features else set(layout["day_of_week"])
+    drop |= set() if args.context_features else set(layout["context"])
     return [i for i in range(int(np.prod(env.single_observation_space.shape))) if i not in drop]

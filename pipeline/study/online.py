@@ -55,7 +55,8 @@ KEEP = ("preset", "action_mode", "num_envs", "num_steps", "learning_rate", "gamm
 KEEP += ("gradient_steps", "batch_size", "buffer_size", "tau", "target_network_frequency", "double_q", "reward_scale")
 KEEP += ("gae_lambda", "num_minibatches", "update_epochs", "norm_adv", "clip_coef", "clip_vloss", "ent_coef")
 KEEP += ("vf_coef", "init_logstd", "norm_reward", "anneal_lr")
-KEEP += ("socket_features", "weekday_features", "norm_obs", "bootstrap_truncation", "bess_action", "cuda")
+KEEP += ("socket_features", "weekday_features", "context_features", "norm_obs", "bootstrap_truncation", "bess_action")
+KEEP += ("cuda",)
 """The run's arguments a fine-tuning repeats where its script has them (its networks, sizes and update rule); the
 rest are the fine-tuning's own."""
 
