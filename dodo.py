@@ -21,6 +21,7 @@ Settings, as doit variables after the command or as environment variables::
     doit run pipeline scheduler=tcp://host:8786   # DASK_SCHEDULER_ADDRESS (default: a LocalCluster)
     doit run pipeline algo_args="--compile --cudagraphs"   # EVHUB_ALGO_ARGS (extra flags of every agent script)
     doit run pipeline agent_budget=large                   # EVHUB_AGENT_BUDGET: the agents at their gpu presets
+    doit run pipeline agent_inputs=context                 # EVHUB_AGENT_INPUTS: context features and the DC prior
 
 ``doit run ingest`` (the first task of ``pipeline``) builds the site's processed data from the raw sources its
 TOML names in ``[sources]`` (``pipeline.data.ingest``); a shipped site whose raw files are not here uses its shipped

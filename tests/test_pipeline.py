@@ -113,10 +113,10 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
     assert json.loads((tuned / "mpc_tuned_seed1.json").read_text())["fingerprint"] != summary["fingerprint"]
 
 
-def test_the_large_agent_budget_trains_at_the_gpu_presets_and_the_report_names_the_budget(tmp_path, monkeypatch):
-    """``agent_budget=large`` puts ``--preset gpu`` before the user's flags of every agent script (which still win),
-    the default budget adds nothing, an unknown one is refused with the known ones, and the report says which budget
-    the agents trained with."""
+def test_the_agents_budget_and_inputs_become_their_flags_and_the_report_names_them(tmp_path, monkeypatch):
+    """``agent_budget=large`` puts ``--preset gpu`` and ``agent_inputs=context`` puts ``--context-features --dc-prior``
+    before the user's flags of every agent script (which still win), the defaults add nothing, an unknown name is
+    refused with the known ones, and the report says which budget and inputs the agents trained with."""
     from doit import doit_cmd
 
     from envs.files import write_parquet
@@ -125,12 +125,19 @@ def test_the_large_agent_budget_trains_at_the_gpu_presets_and_the_report_names_t
     from pipeline.study.tasks import make_report
 
     monkeypatch.delenv("EVHUB_AGENT_BUDGET", raising=False)
+    monkeypatch.delenv("EVHUB_AGENT_INPUTS", raising=False)
     assert from_environment(site="caltech", extra_algo_args=("--compile",)).algo_args == ("--compile",)
     monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"agent_budget": "large", "algo_args": "--preset cpu"})
     large = from_environment(site="caltech")
     assert large.agent_budget == "large" and large.algo_args == ("--preset", "gpu", "--preset", "cpu")
     monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"agent_budget": "huge"})
     with pytest.raises(ValueError, match=r"agent_budget='huge': unknown budget \(known: preset, large\)"):
+        from_environment(site="caltech")
+    monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"agent_inputs": "context", "agent_budget": "large"})
+    both = from_environment(site="caltech")
+    assert both.algo_args == ("--preset", "gpu", "--context-features", "--dc-prior")
+    monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"agent_inputs": "everything"})
+    with pytest.raises(ValueError, match=r"agent_inputs='everything': unknown inputs \(known: plain, context\)"):
         from_environment(site="caltech")
 
     toml = write_site(make_site(days=7), tmp_path / "site")
@@ -143,3 +150,7 @@ def test_the_large_agent_budget_trains_at_the_gpu_presets_and_the_report_names_t
         cfg = {"site_toml": str(toml), "algos": ["ppo"], **({"agent_budget": budget} if budget else {})}
         md = Path(make_report(cfg, kpis, {}, {}, str(tmp_path / "report"))).read_text()
         assert f"**agents' training budget**: {said}" in md, md[:3000]
+        assert "**agents' inputs**: `plain`: the observation without its context features" in md, md[:3000]
+    cfg = {"site_toml": str(toml), "algos": ["ppo"], "agent_inputs": "context"}
+    md = Path(make_report(cfg, kpis, {}, {}, str(tmp_path / "report"))).read_text()
+    assert "**agents' inputs**: `context`: the observation with its context features" in md, md[:3000]

@@ -132,7 +132,10 @@ class Controller:
         return self.runner(site, split, *self.runner_args, **kwargs)
 
 
-_AGENT_KNOWS = "the observation (PV, MOER and its forecasts, SOC, sockets, time); trained on the train split"
+_AGENT_KNOWS = (
+    "the observation (PV, MOER and its forecasts, SOC, sockets, time; with agent_inputs=context also the arrivals "
+    "expected per socket group from the acting split's past days); trained on the train split"
+)
 
 CONTROLLERS: dict[str, Controller] = {
     c.name: c

@@ -3,9 +3,9 @@
 Values come from, in order: keyword arguments, doit command-line variables (``doit run pipeline
 site=path/to/site.toml``), environment variables (``EVHUB_SITE``, ``EVHUB_EXPERIMENT``,
 ``EVHUB_OUTPUT_DIR``, ``EVHUB_ALGOS``, ``EVHUB_SEEDS``, ``EVHUB_TOTAL_TIMESTEPS``,
-``EVHUB_ALGO_ARGS``, ``EVHUB_AGENT_BUDGET``, ``DASK_SCHEDULER_ADDRESS``), then defaults. A doit variable that is
-not one of :data:`VARIABLES` (a typo such as ``algo=ppo``) and an unknown algorithm name are errors naming the
-variable and its value.
+``EVHUB_ALGO_ARGS``, ``EVHUB_AGENT_BUDGET``, ``EVHUB_AGENT_INPUTS``, ``DASK_SCHEDULER_ADDRESS``), then
+defaults. A doit variable that is not one of :data:`VARIABLES` (a typo such as ``algo=ppo``) and an unknown algorithm
+name are errors naming the variable and its value.
 """
 
 from __future__ import annotations
@@ -42,23 +42,34 @@ def check_algos(algos: tuple[str, ...], where: str = "algos") -> None:
 
 
 @dataclass(frozen=True)
-class AgentBudget:
-    """One training budget of the agents: ``flags`` put before ``extra_algo_args`` of every agent script, and what
-    the report ``says`` of it."""
+class AgentFlags:
+    """A named set of agent-script flags (a training budget, the inputs): ``flags`` put before ``extra_algo_args`` of
+    every agent script, and what the report ``says`` of it."""
 
     flags: tuple[str, ...]
     says: str
 
 
 AGENT_BUDGETS = {
-    "preset": AgentBudget((), "each script's preset for the device it runs on: its cpu preset on a CPU, gpu on CUDA"),
-    "large": AgentBudget(
+    "preset": AgentFlags((), "each script's preset for the device it runs on: its cpu preset on a CPU, gpu on CUDA"),
+    "large": AgentFlags(
         ("--preset", "gpu"), "each script's gpu preset (its networks, envs and env steps) wherever it runs"
     ),
 }
 """The agents' training budgets by name. ``preset`` is the default; ``large`` trains at the GPU presets on any device
 (on a 2-core CPU, PPO's 50 M steps take about 79 minutes a seed). A flag in ``extra_algo_args`` still wins (the last of
 a repeated flag does), and ``total_timesteps`` overrides the steps of both."""
+
+AGENT_INPUTS = {
+    "plain": AgentFlags((), "the observation without its context features; trained on the train split's sessions"),
+    "context": AgentFlags(
+        ("--context-features", "--dc-prior"),
+        "the observation with its context features (expected arrivals per socket group, MOER at 3-5 h); trained on "
+        "the train split's sessions plus the DC prior's (envs/context.py)",
+    ),
+}
+"""What the agents read and train on, by name: ``plain`` (the default) or ``context`` (``--context-features
+--dc-prior``; docs/agents.md, "Context per socket group and a prior of DC sessions")."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class PipelineConfig:
             "--cudagraphs")`` on a GPU); doit variable ``algo_args`` / ``EVHUB_ALGO_ARGS``, split like a shell.
         agent_budget: the agents' training budget, a name of :data:`AGENT_BUDGETS` (``preset`` or ``large``); doit
             variable ``agent_budget`` / ``EVHUB_AGENT_BUDGET``.
+        agent_inputs: what the agents read and train on, a name of :data:`AGENT_INPUTS` (``plain`` or ``context``);
+            doit variable ``agent_inputs`` / ``EVHUB_AGENT_INPUTS``.
     """
 
     site: str = "caltech"
@@ -94,13 +107,14 @@ class PipelineConfig:
     extra_algo_args: tuple[str, ...] = field(default=())
     tune_budget: str = "small"
     agent_budget: str = "preset"
+    agent_inputs: str = "plain"
 
     def __post_init__(self):
         """Check the agents and default ``experiment`` to the site's name.
 
         Raises:
             ValueError: an unknown algorithm name (message names ``algos``, the bad name and the known ones), or an
-                unknown tuning or agent budget.
+                unknown tuning or agent budget or agent inputs.
             FileNotFoundError / envs.config.ConfigError: the site config cannot be loaded.
         """
         check_algos(self.algos)
@@ -109,6 +123,9 @@ class PipelineConfig:
         if self.agent_budget not in AGENT_BUDGETS:
             known = ", ".join(AGENT_BUDGETS)
             raise ValueError(f"agent_budget={self.agent_budget!r}: unknown budget (known: {known})")
+        if self.agent_inputs not in AGENT_INPUTS:
+            known = ", ".join(AGENT_INPUTS)
+            raise ValueError(f"agent_inputs={self.agent_inputs!r}: unknown inputs (known: {known})")
         if not self.experiment:
             object.__setattr__(self, "experiment", load_config(self.site)[0].name)
 
@@ -127,8 +144,9 @@ class PipelineConfig:
 
     @property
     def algo_args(self) -> tuple[str, ...]:
-        """The flags every agent script gets: the budget's (:data:`AGENT_BUDGETS`), then ``extra_algo_args``."""
-        return (*AGENT_BUDGETS[self.agent_budget].flags, *self.extra_algo_args)
+        """The flags every agent script gets: the budget's (:data:`AGENT_BUDGETS`), the inputs' (:data:`AGENT_INPUTS`),
+        then ``extra_algo_args``."""
+        return (*AGENT_BUDGETS[self.agent_budget].flags, *AGENT_INPUTS[self.agent_inputs].flags, *self.extra_algo_args)
 
     def as_dict(self) -> dict:
         """Plain dict (for doit's ``config_changed``)."""
@@ -155,6 +173,7 @@ VARIABLES = {
     "gpu_slots": "EVHUB_GPU_SLOTS",
     "tune_budget": "EVHUB_TUNE_BUDGET",
     "agent_budget": "EVHUB_AGENT_BUDGET",
+    "agent_inputs": "EVHUB_AGENT_INPUTS",
     "python": "EVHUB_WHEEL_PYTHON",
     "platform": "EVHUB_WHEEL_PLATFORM",
     "exclude": "EVHUB_WHEEL_EXCLUDE",
@@ -251,5 +270,7 @@ def from_environment(**overrides) -> PipelineConfig:
         kw["tune_budget"] = v
     if (v := var("agent_budget")) is not None:
         kw["agent_budget"] = v
+    if (v := var("agent_inputs")) is not None:
+        kw["agent_inputs"] = v
     kw.update(overrides)
     return PipelineConfig(**kw)

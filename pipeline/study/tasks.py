@@ -25,7 +25,7 @@ from pipeline import depends
 from pipeline.control import registry, rl_planner, tuning
 from pipeline.study import results
 from pipeline.study.cluster import PRIORITY
-from pipeline.study.config import AGENT_BUDGETS, PROJECT_ROOT, SPLITS, shown_path
+from pipeline.study.config import AGENT_BUDGETS, AGENT_INPUTS, PROJECT_ROOT, SPLITS, shown_path
 from pipeline.study.report import site_data_sources, write_report
 from pipeline.study.sizing import report_summary
 
@@ -459,7 +459,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     """
 
     c, toml = load_config(cfg_dict["site_toml"])
-    budget = cfg_dict.get("agent_budget", "preset")
+    budget, inputs = cfg_dict.get("agent_budget", "preset"), cfg_dict.get("agent_inputs", "plain")
     summary = {
         "site": f"{c.name} ({shown_path(cfg_dict['site_toml'])})",
         "timezone": c.timezone,
@@ -478,6 +478,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         "agents": ", ".join(cfg_dict["algos"]),
         "agents' training budget": f"`{budget}`: {AGENT_BUDGETS[budget].says}"
         + (f", {cfg_dict['total_timesteps']:,} env steps each" if cfg_dict.get("total_timesteps") else ""),
+        "agents' inputs": f"`{inputs}`: {AGENT_INPUTS[inputs].says}",
     }
     notes = []
     if c.synthetic_sessions:
