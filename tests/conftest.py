@@ -84,6 +84,16 @@ def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) ->
     return Site(config_from_dict(raw, "synthetic"), hourly, sessions, {"hourly": "synthetic/hourly.parquet"})
 
 
+DC_SOCKETS = {
+    "ev": {
+        "n_sockets": 6,
+        "socket_kw": 50.0,
+        "sockets": [{"count": 1, "kw": 50.0, "stations": "DC-*"}, {"count": 5, "kw": 6.6, "stations": "CA-*"}],
+    }
+}
+"""A :func:`make_site` override: one 50 kW DC socket (no session: no station id matches it) and five Level-2 ones."""
+
+
 @pytest.fixture
 def site() -> Site:
     return make_site()

@@ -678,6 +678,8 @@ def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake_run, train
         "bess_action",
         "socket_features",
         "weekday_features",
+        "context_features",
+        "dc_prior",
         "eval_split",
         "eval_every",
     }

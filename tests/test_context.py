@@ -3,18 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from conftest import DC_SOCKETS as DC_SITE
 from conftest import changed_future, make_site
 
 from envs import context
 from envs.evhub import EVHubVectorEnv
-
-DC_SITE = {
-    "ev": {
-        "n_sockets": 6,
-        "socket_kw": 50.0,
-        "sockets": [{"count": 1, "kw": 50.0, "stations": "DC-*"}, {"count": 5, "kw": 6.6, "stations": "CA-*"}],
-    }
-}
 
 
 def test_the_context_reads_only_what_was_realised_by_its_step():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_site
+from conftest import DC_SOCKETS, make_site
 
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import balance_residual
@@ -29,13 +29,14 @@ def random_actions(env: EVHubVectorEnv, steps: int, seed: int) -> list[torch.Ten
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("action_mode, edf", [("hub", "pairwise"), ("socket", "sort"), ("discrete", "sort")])
-def test_the_step_compiles_as_one_graph_and_follows_the_eager_step(action_mode, edf):
-    site = make_site(days=7, n_sockets=6, **THINNED)
-    eager, graphed = (
-        EVHubVectorEnv(8, site=site, action_mode=action_mode, edf=edf, dtype=torch.float64, bess_action="surplus")
-        for _ in range(2)
-    )
+@pytest.mark.parametrize(
+    "action_mode, edf, dc_prior", [("hub", "pairwise", False), ("socket", "sort", False), ("discrete", "sort", True)]
+)
+def test_the_step_compiles_as_one_graph_and_follows_the_eager_step(action_mode, edf, dc_prior):
+    """(The DC prior's case on a site with a DC socket: its draws in the graph too.)"""
+    site = make_site(days=7, n_sockets=6, **THINNED, **(DC_SOCKETS if dc_prior else {}))
+    kwargs = dict(action_mode=action_mode, edf=edf, dtype=torch.float64, bess_action="surplus", dc_prior=dc_prior)
+    eager, graphed = (EVHubVectorEnv(8, site=site, **kwargs) for _ in range(2))
     eager.reset(seed=5)
     graphed.reset(seed=5)
     step = torch.compile(graphed.step, fullgraph=True)  # any graph break raises here
