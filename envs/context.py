@@ -30,7 +30,6 @@ from any split:
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
 from envs.site import SplitData
 
@@ -62,13 +61,21 @@ def _day_steps(data: SplitData) -> int:
     return max(1, round(24.0 / data.config.dt_h))
 
 
-def _weekend(data: SplitData, n: int) -> np.ndarray:
-    """Whether each of steps ``0 .. n-1`` (past the split's end too) starts on a local Saturday or Sunday: ``(n,)``
-    bool."""
-    step = np.timedelta64(round(data.config.dt_h * 3600), "s")
-    t0 = data.time[0].to_datetime64()
-    local = pd.DatetimeIndex(t0 + step * np.arange(n)).tz_localize("UTC").tz_convert(data.config.timezone)
-    return np.asarray(local.day_of_week >= 5)
+def _group_kw(data: SplitData) -> np.ndarray:
+    """Each socket group's total power, ``(G,)`` float64, kW."""
+    return np.array([g.count * g.kw for g in data.config.ev.groups])
+
+
+def _window_features(cum: np.ndarray, group_kw: float, data: SplitData, scale: float = 1.0) -> list[np.ndarray]:
+    """The context's windows (:data:`CONTEXT_WINDOWS_H`) of one group at every step ``t``: the energy arriving over
+    steps ``t + lo .. t + hi`` from its cumulative sum ``cum`` (``cum[k]`` = kWh over steps ``0 .. k-1``, at least
+    ``T + day + 1`` long) times ``scale``, as ``kWh / (group kW * window hours) * 4``; one ``(T,)`` array a window."""
+    dt, D, t = data.config.dt_h, _day_steps(data), np.arange(data.num_steps)
+    out = []
+    for lo_h, hi_h in CONTEXT_WINDOWS_H:
+        lo, hi = max(1, round(lo_h / dt)), min(D, round(hi_h / dt))
+        out.append(scale * (cum[t + hi + 1] - cum[t + lo]) / (group_kw * (hi - lo + 1) * dt) * 4.0)
+    return out
 
 
 def group_arrivals_kwh(data: SplitData) -> np.ndarray:
@@ -87,7 +94,7 @@ def expected_arrivals_kwh(data: SplitData, days: int = CONTEXT_DAYS) -> np.ndarr
     arrived = group_arrivals_kwh(data)
     T, G = arrived.shape
     n = T + D
-    weekend = _weekend(data, n)
+    weekend = data.weekend(n)
     u = np.arange(n)
     total = np.zeros((n, G))
     count = np.zeros(n)
@@ -106,18 +113,13 @@ def context_table(data: SplitData) -> np.ndarray:
     """The context features of every step of ``data`` (module docstring), ``(T, n_context(G))`` float64: per group the
     windows of :data:`CONTEXT_WINDOWS_H` (group after group, scaled), then the MOER leads in kg/kWh (the env centres
     and scales them as its other MOER features)."""
-    cfg = data.config
-    dt, D, T = cfg.dt_h, _day_steps(data), data.num_steps
+    dt, D, T = data.config.dt_h, _day_steps(data), data.num_steps
     expected = expected_arrivals_kwh(data)
     c = np.concatenate([np.zeros((1, expected.shape[1])), np.cumsum(expected, 0)])
-    group_kw = np.array([g.count * g.kw for g in cfg.ev.groups])
-    t = np.arange(T)
     cols = []
-    for g in range(len(group_kw)):
-        for lo_h, hi_h in CONTEXT_WINDOWS_H:
-            lo, hi = max(1, round(lo_h / dt)), min(D, round(hi_h / dt))
-            kwh = c[t + hi + 1, g] - c[t + lo, g]
-            cols.append(kwh / (group_kw[g] * (hi - lo + 1) * dt) * 4.0)
+    for g, kw in enumerate(_group_kw(data)):
+        cols += _window_features(c[:, g], kw, data)
+    t = np.arange(T)
     for lead_h in CONTEXT_MOER_LEADS_H:
         lead = round(lead_h / dt)
         total, count = np.zeros(T), np.zeros(T)
@@ -152,20 +154,17 @@ def dc_prior_context(data: SplitData) -> np.ndarray:
     in the windows of the DC sockets' groups only: the prior's expected energy (the mean of :data:`DC_SESSION_KWH`
     times the window's share of a day's arrivals), scaled as :func:`context_table` scales real arrivals."""
     cfg = data.config
-    dt, D, T = cfg.dt_h, _day_steps(data), data.num_steps
+    D = _day_steps(data)
     share = arrival_share(data)
     # the window looks past the split's end: the share continues day after day
     share = np.concatenate([share, share[-D:], share[-D:]])
     c = np.concatenate([[0.0], np.cumsum(share)])
     groups = cfg.ev.group_of_socket()
     n_dc = np.bincount(groups[dc_sockets(data)], minlength=len(cfg.ev.groups))
-    group_kw = np.array([g.count * g.kw for g in cfg.ev.groups])
+    group_kw = _group_kw(data)
     mean_kwh = 0.5 * (DC_SESSION_KWH[0] + DC_SESSION_KWH[1])
-    out = np.zeros((T, n_context(len(group_kw))))
-    t = np.arange(T)
+    out = np.zeros((data.num_steps, n_context(len(group_kw))))
+    W = len(CONTEXT_WINDOWS_H)
     for g in np.flatnonzero(n_dc):
-        for w, (lo_h, hi_h) in enumerate(CONTEXT_WINDOWS_H):
-            lo, hi = max(1, round(lo_h / dt)), min(D, round(hi_h / dt))
-            kwh = n_dc[g] * mean_kwh * (c[t + hi + 1] - c[t + lo])
-            out[:, g * len(CONTEXT_WINDOWS_H) + w] = kwh / (group_kw[g] * (hi - lo + 1) * dt) * 4.0
+        out[:, g * W : (g + 1) * W] = np.stack(_window_features(c, group_kw[g], data, n_dc[g] * mean_kwh), axis=1)
     return out

@@ -88,6 +88,16 @@ class SplitData:
         m = m[m <= t]
         return int(m[-1]) if len(m) else 0
 
+    def weekend(self, n: int | None = None) -> np.ndarray:
+        """Whether each of steps ``0 .. n-1`` starts on a local Saturday or Sunday (the config's ``timezone``): ``(n,)``
+        bool; ``n`` defaults to the split's ``T`` and may run past its end (the clock continues in steps of
+        ``dt_h``)."""
+        n = self.num_steps if n is None else int(n)
+        step = pd.Timedelta(hours=self.config.dt_h)
+        extra = self.time[-1] + step * np.arange(1, max(n - self.num_steps, 0) + 1)
+        local = self.time.append(pd.DatetimeIndex(extra))[:n].tz_convert(self.config.timezone)
+        return np.asarray(local.day_of_week >= 5)
+
 
 @dataclass
 class Site:

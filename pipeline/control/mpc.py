@@ -359,7 +359,7 @@ class MPCController:
         p = self.params
         self.H = max(1, int(round(p.horizon_h / cfg.dt_h)))
         self.day_steps = max(1, int(round(DAY / cfg.dt_h)))
-        self.weekend = np.asarray(self.data.time.tz_convert(cfg.timezone).day_of_week >= 5)  # (T,) bool
+        self.weekend = self.data.weekend()  # (T,) bool
         if self.forecaster is None and not self.perfect_moer:
             self.forecaster = MOERRegression(
                 self.data, self.H, half_life_days=p.moer_half_life_days, five_minute=p.moer_five_minute
