@@ -25,6 +25,14 @@ from any split:
   DC sessions, June 2020 - June 2023);
 * about 4 sessions a day per public DC charger (US DOE EV Project, ECOtality, 2013): the rate's range is centred
   there, from none (a charger nobody uses) to twice that.
+
+Exogenous prior (training only, ``exo_prior=True``): each training window plans on another year's MOER and PV, made
+from its own by three factors drawn uniformly, per window, within the month-to-month spread of the training steps
+(:func:`exo_spread`: each calendar month's ratio to the whole, over the steps training may read): the MOER level
+``l`` and contrast ``c`` (``m' = max(0, l * mu + c * (m - mu))``, ``mu`` the training steps' mean MOER; the
+observation's MOER features, the context's included, and the reward read ``m'``) and the PV scale ``s``
+(``pv' = s * pv``, the PV features too). The later months of a year are its stand-in for a new regime: a window of May
+then practises the level of August, and the reverse. A split of one month gives factors of 1.
 """
 
 from __future__ import annotations
@@ -147,6 +155,36 @@ def arrival_share(data: SplitData) -> np.ndarray:
     counts = np.bincount(slot, weights=(data.arrival_stay_steps > 0).sum(1), minlength=D)[:D]
     share = counts / counts.sum() if counts.sum() > 0 else np.full(D, 1.0 / D)
     return share[slot]
+
+
+def exo_spread(data: SplitData, end: int | None = None) -> dict[str, float | tuple[float, float]]:
+    """The month-to-month spread of the MOER and PV over steps ``0 .. end-1`` of ``data`` (default: all), the ranges
+    of the exogenous prior (module docstring). Each calendar month (local time) with steps there gives its mean MOER
+    over the mean of all those steps (level), its MOER standard deviation over theirs (contrast) and its mean PV power
+    over theirs (PV scale); a range is the lowest and highest month's ratio ((1, 1) where the steps' MOER or PV does
+    not vary, or with a single month).
+
+    Returns:
+        ``{"moer_mean": mu (kg/kWh), "level": (lo, hi), "contrast": (lo, hi), "pv_scale": (lo, hi)}``.
+    """
+    end = data.num_steps if end is None else int(end)
+    local = data.time[:end].tz_convert(data.config.timezone)
+    month = np.asarray(local.year * 12 + local.month)
+    moer, pv = np.asarray(data.moer[:end], np.float64), np.asarray(data.pv_kw[:end], np.float64)
+    months = np.unique(month)
+
+    def spread(values: np.ndarray, whole: float) -> tuple[float, float]:
+        if whole <= 0 or len(values) < 2:
+            return 1.0, 1.0
+        ratios = values / whole
+        return float(ratios.min()), float(ratios.max())
+
+    return {
+        "moer_mean": float(moer.mean()),
+        "level": spread(np.array([moer[month == m].mean() for m in months]), moer.mean()),
+        "contrast": spread(np.array([moer[month == m].std() for m in months]), moer.std()),
+        "pv_scale": spread(np.array([pv[month == m].mean() for m in months]), pv.mean()),
+    }
 
 
 def dc_prior_context(data: SplitData) -> np.ndarray:

@@ -49,7 +49,9 @@ Episodes: training draws a random window of ``episode.train_steps`` steps of the
 drawn per window from ``[session_keep_min, 1]`` (demand augmentation: a later year may see far fewer
 drivers than the training year); the demand feature is scaled by the same probability. With ``dc_prior=True``
 training windows also draw DC fast-charger sessions from :mod:`envs.context`'s prior (a rate per window; its expected
-energy is added to the DC group's context). Episodes end by time
+energy is added to the DC group's context); with ``exo_prior=True`` they scale the MOER (level, contrast) and the PV by
+per-window factors within the training steps' month-to-month spread (:func:`envs.context.exo_spread`). Episodes end by
+time
 limit only (``truncated``); ``autoreset_mode`` is SAME_STEP: the observation returned on the last step
 is already the first of the next episode.
 """
@@ -179,6 +181,8 @@ class EVHubVectorEnv(VectorEnv):
             the online learners train on an acting split's realised past this way.
         dc_prior: training windows (not ``full_split``) add sessions at the DC sockets drawn from
             :mod:`envs.context`'s prior (a site without a socket above :data:`envs.context.LEVEL2_MAX_KW` is unchanged).
+        exo_prior: training windows (not ``full_split``) see the MOER and PV changed by per-window factors drawn within
+            the month-to-month spread of the steps before ``window_end`` (:mod:`envs.context`, exogenous prior).
         dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
         bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
             ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always stored;
@@ -188,11 +192,11 @@ class EVHubVectorEnv(VectorEnv):
             the sockets due before it, ``(num_envs, n_sockets, n_sockets)`` comparisons: no sort kernel, and one fused
             reduction under ``torch.compile``). Default: ``"pairwise"`` on CUDA, ``"sort"`` elsewhere.
 
-    Randomness (window starts, the session thinning of training windows) comes from one counter-based stream per
-    env (:mod:`envs.rng`): ``reset(seed=s)`` seeds env ``i`` with ``s + i``, a sequence seeds each env, and
-    ``reset()`` continues the streams; env ``i`` of a batch thus follows a single env seeded like it. The step is
-    pure tensor code with the state updated in place, so ``torch.compile(env.step, fullgraph=True)`` traces it as
-    one graph and a CUDA graph can replay it.
+    Randomness (window starts, the session thinning of training windows, the priors' draws) comes from one counter-
+    based stream per env (:mod:`envs.rng`): ``reset(seed=s)`` seeds env ``i`` with ``s + i``, a sequence seeds each
+    env, and ``reset()`` continues the streams; env ``i`` of a batch thus follows a single env seeded like it. The
+    step is pure tensor code with the state updated in place, so ``torch.compile(env.step, fullgraph=True)`` traces
+    it as one graph and a CUDA graph can replay it.
 
     ``step(actions)`` takes a tensor ``(num_envs, action_dim)`` (anything ``torch.as_tensor`` accepts)
     and returns ``obs (num_envs, obs_dim)``, ``reward``, ``terminated``, ``truncated`` (each
@@ -220,6 +224,7 @@ class EVHubVectorEnv(VectorEnv):
         edf: str | None = None,
         window_end: int | None = None,
         dc_prior: bool = False,
+        exo_prior: bool = False,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -315,6 +320,11 @@ class EVHubVectorEnv(VectorEnv):
         self._dc_index = t(dc, torch.int64)
         self._dc_share = t(context.arrival_share(d)) if self._dc_prior else None
         self._dc_context = t(context.dc_prior_context(d)) if self._dc_prior else None
+        # the exogenous prior (training windows only): the ranges of the per-window MOER level and contrast and PV scale
+        self._exo_prior = bool(exo_prior) and not full_split
+        spread = context.exo_spread(d, self.window_end)
+        self._exo_mean = spread["moer_mean"]
+        self._exo_ranges = t([spread["level"], spread["contrast"], spread["pv_scale"]])  # (3, 2): lo, hi
 
         b = cfg.bess
         self._e_min = b.soc_min * b.capacity_kwh
@@ -333,6 +343,7 @@ class EVHubVectorEnv(VectorEnv):
         self.ev_steps_left = z(B, N, dt=torch.int64)  # steps until departure; 0 = socket free
         self.session_keep = torch.ones(B, dtype=dtype, device=self.device)  # per-window session keep probability
         self.dc_rate = z(B)  # per-window DC prior sessions per day per DC socket (0 without the prior)
+        self.exo_factors = torch.ones(B, 3, dtype=dtype, device=self.device)  # per window: MOER level, contrast; PV
         self.rng = z(B, dt=torch.int64)  # per-env counter-based random streams (envs.rng), seeded from 0 ...
         self.rng.copy_(stream_keys(seeds_tensor(0, B, self.device)))  # ... until reset(seed=...)
         if edf not in (None, "sort", "pairwise"):
@@ -374,8 +385,9 @@ class EVHubVectorEnv(VectorEnv):
         """
         floor, cap = self._ev_bounds()
         b, dt = self.cfg.bess, self.cfg.dt_h
+        pv = self._pv_kw.index_select(0, self.t)
         return {
-            "pv_kw": self._pv_kw.index_select(0, self.t),
+            "pv_kw": pv * self.exo_factors[:, 2] if self._exo_prior else pv,
             "load_kw": self._load_kw.index_select(0, self.t),
             "ev_floor_kw": floor.sum(1),
             "ev_max_kw": cap.sum(1),
@@ -432,10 +444,40 @@ class EVHubVectorEnv(VectorEnv):
         ctx = self._context_obs.index_select(0, self.t)
         if self._dc_prior:  # fixed at construction
             ctx = ctx + self.dc_rate[:, None] * self._dc_context.index_select(0, self.t)
-        obs = torch.cat([self._exo_obs.index_select(0, self.t), soc, agg, outlook, occupied, need, steps, ctx], dim=1)
+        exo = self._exo_obs.index_select(0, self.t)
+        if self._exo_prior:  # fixed at construction
+            n = len(context.CONTEXT_MOER_LEADS_H)
+            pv_scale = self.exo_factors[:, 2:]
+            exo = torch.cat([exo[:, :4], exo[:, 4:8] * pv_scale, self._exo_moer_obs(exo[:, 8:12])], dim=1)
+            ctx = torch.cat([ctx[:, :-n], self._exo_moer_obs(ctx[:, -n:])], dim=1)
+            outlook = torch.cat([outlook[:, :1] * pv_scale, outlook[:, 1:]], dim=1)
+        obs = torch.cat([exo, soc, agg, outlook, occupied, need, steps, ctx], dim=1)
         return obs.clamp(-OBS_BOUND, OBS_BOUND)
 
-    STATE_KEYS = ("t", "elapsed", "energy_kwh", "ev_need_kwh", "ev_steps_left", "session_keep", "dc_rate", "rng")
+    def _exo_moer(self, moer: torch.Tensor) -> torch.Tensor:
+        """The exogenous prior's MOER, kg/kWh: ``max(0, level * mu + contrast * (moer - mu))`` per env (``moer``
+        ``(num_envs,)`` or ``(num_envs, k)``)."""
+        level, contrast = self.exo_factors[:, 0], self.exo_factors[:, 1]
+        if moer.dim() == 2:
+            level, contrast = level[:, None], contrast[:, None]
+        mu = self._exo_mean
+        return (level * mu + contrast * (moer - mu)).clamp(min=0.0)
+
+    def _exo_moer_obs(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`_exo_moer` of MOER observation features ``x`` (centred and scaled), ``(num_envs, k)``."""
+        return (self._exo_moer(x * MOER_SCALE + MOER_CENTER) - MOER_CENTER) / MOER_SCALE
+
+    STATE_KEYS = (
+        "t",
+        "elapsed",
+        "energy_kwh",
+        "ev_need_kwh",
+        "ev_steps_left",
+        "session_keep",
+        "dc_rate",
+        "exo_factors",
+        "rng",
+    )
     """Tensors that make up the dynamic state of all envs, the per-env random streams among them
     (:meth:`state_dict`)."""
 
@@ -484,7 +526,7 @@ class EVHubVectorEnv(VectorEnv):
         """Start new windows in the envs of ``mask`` (bool ``(num_envs,)``), in place. Every env draws two numbers
         from its stream (window start, session keep probability), masked or not, so its stream never depends on
         the others'."""
-        x = rng.draw(self.rng, 3 if self._dc_prior else 2)
+        x = rng.draw(self.rng, 2 + self._dc_prior + 3 * self._exo_prior)
         if starts is None:
             high = 1 if self.full_split else self.window_end - self.episode_steps + 1
             starts = rng.below(x[:, 0], high)
@@ -499,6 +541,10 @@ class EVHubVectorEnv(VectorEnv):
         if self._dc_prior:
             rate = context.DC_SESSIONS_PER_DAY_MAX * rng.unit(x[:, 2], self.dtype)
             self.dc_rate.copy_(torch.where(mask, rate, self.dc_rate))
+        if self._exo_prior:
+            lo, hi = self._exo_ranges[:, 0], self._exo_ranges[:, 1]
+            u = rng.unit(x[:, -3:], self.dtype)  # (num_envs, 3)
+            self.exo_factors.copy_(torch.where(mask[:, None], lo + (hi - lo) * u, self.exo_factors))
 
     def _ev_power(self, a_ev: torch.Tensor, floor: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """Per-socket EV power, kW, ``(num_envs, n_sockets)``, from the EV part of the action."""
@@ -536,6 +582,9 @@ class EVHubVectorEnv(VectorEnv):
         pv = self._pv_kw.index_select(0, self.t)
         load = self._load_kw.index_select(0, self.t)
         moer = self._moer.index_select(0, self.t)
+        if self._exo_prior:  # fixed at construction
+            pv = pv * self.exo_factors[:, 2]
+            moer = self._exo_moer(moer)
 
         floor, cap = self._ev_bounds()
         ev = self._ev_power(a[:, 1:], floor, cap)

@@ -680,6 +680,7 @@ def test_snake_hyperparameters_leave_out_the_evhub_only_options(snake_run, train
         "weekday_features",
         "context_features",
         "dc_prior",
+        "exo_prior",
         "eval_split",
         "eval_every",
     }

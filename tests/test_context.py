@@ -85,12 +85,15 @@ def test_the_dc_prior_brings_cars_to_the_dc_socket_only_within_its_ranges():
         assert float(extra[i, 0]) == pytest.approx(float(want), rel=1e-9)
 
 
-def test_without_dc_sockets_or_at_evaluation_the_prior_changes_nothing():
-    """A site whose sockets are all Level-2 gets the same trajectory with the prior; so does a full-split run."""
-    for site, full in ((make_site(days=7), False), (make_site(days=7, **DC_SITE), True)):
+def test_without_dc_sockets_or_at_evaluation_the_priors_change_nothing():
+    """A site whose sockets are all Level-2 gets the same trajectory with the DC prior; a full-split run the same with
+    either prior."""
+    cases = ((make_site(days=7), False, "dc_prior"), (make_site(days=7, **DC_SITE), True, "dc_prior"))
+    for site, full, flag in (*cases, (make_site(days=7), True, "exo_prior")):
         runs = []
         for prior in (False, True):
-            env = EVHubVectorEnv(4, site=site, split="train", dc_prior=prior, full_split=full, dtype=torch.float64)
+            kwargs = {flag: prior}
+            env = EVHubVectorEnv(4, site=site, split="train", full_split=full, dtype=torch.float64, **kwargs)
             obs, _ = env.reset(seed=2)
             out = [obs]
             for _ in range(60):
@@ -101,8 +104,8 @@ def test_without_dc_sockets_or_at_evaluation_the_prior_changes_nothing():
 
 
 def test_training_with_the_prior_reads_nothing_of_the_test_split(monkeypatch):
-    """The training bank (windows of the train split, the DC prior's sessions) is built without the test split: a site
-    whose test split cannot be read trains the same."""
+    """The training bank (windows of the train split, the DC prior's sessions, the exogenous prior) is built without
+    the test split: a site whose test split cannot be read trains the same."""
     site = make_site(days=7, **DC_SITE)
     real_split = type(site).split
 
@@ -112,9 +115,72 @@ def test_training_with_the_prior_reads_nothing_of_the_test_split(monkeypatch):
         return real_split(self, name)
 
     monkeypatch.setattr(type(site), "split", train_only)
-    env = EVHubVectorEnv(8, site=site, split="train", dc_prior=True)
+    env = EVHubVectorEnv(8, site=site, split="train", dc_prior=True, exo_prior=True)
     env.reset(seed=0)
     for _ in range(100):
         env.step(torch.rand(8, 2))
     with pytest.raises(AssertionError, match="test"):
         EVHubVectorEnv(1, site=site, split="test")
+
+
+# ---------------------------------------------------------------------------------------------- exogenous prior
+def test_the_exo_spread_is_the_months_ratios_over_the_steps_training_may_read():
+    """Each range is the lowest and highest calendar month's ratio to the whole (MOER mean, MOER standard deviation,
+    PV mean) over steps before ``end``; what comes after ``end`` changes nothing; one month gives factors of 1."""
+    site = make_site(days=45)  # train: 2019-05-01 .. 06-14, two months
+    data = site.split("train")
+    local = data.time.tz_convert(site.config.timezone)
+    moer, pv = data.moer.astype(np.float64), data.pv_kw.astype(np.float64)
+    may = np.asarray(local.month == 5)
+    got = context.exo_spread(data)
+    assert got["moer_mean"] == pytest.approx(moer.mean(), rel=1e-12)
+    for key, f in (("level", np.mean), ("contrast", np.std)):
+        ratios = sorted([f(moer[may]) / f(moer), f(moer[~may]) / f(moer)])
+        assert got[key] == pytest.approx(tuple(ratios), rel=1e-9)
+    assert got["pv_scale"] == pytest.approx(tuple(sorted([pv[may].mean() / pv.mean(), pv[~may].mean() / pv.mean()])))
+    assert got["level"][0] < 1 < got["level"][1]
+    cut = 24 * 38
+    assert context.exo_spread(changed_future(site, "train", cut).split("train"), cut) == context.exo_spread(data, cut)
+    assert context.exo_spread(data, 24 * 20) == {
+        "moer_mean": pytest.approx(moer[: 24 * 20].mean()),
+        "level": (1.0, 1.0),
+        "contrast": (1.0, 1.0),
+        "pv_scale": (1.0, 1.0),
+    }
+
+
+def test_the_exo_prior_draws_its_factors_in_range_and_the_step_and_observation_read_them():
+    site = make_site(days=45)
+    spread = context.exo_spread(site.split("train"))
+    kwargs = dict(site=site, split="train", dtype=torch.float64, bess_action="surplus")
+    env = EVHubVectorEnv(256, exo_prior=True, **kwargs)
+    env.reset(seed=4)
+    for j, key in enumerate(("level", "contrast", "pv_scale")):
+        lo, hi = spread[key]
+        f = env.exo_factors[:, j]
+        assert lo <= float(f.min()) and float(f.max()) <= hi and float(f.max() - f.min()) > 0.8 * (hi - lo)
+    # factors of 1: the plain env's trajectory (up to the rounding of mu + (m - mu))
+    starts = {"start_steps": [5, 100, 333, 700]}
+    plain, prior = EVHubVectorEnv(4, **kwargs), EVHubVectorEnv(4, exo_prior=True, **kwargs)
+    out = {}
+    for name, e in (("plain", plain), ("prior", prior)):
+        e.reset(seed=1, options=starts)
+        e.exo_factors.fill_(1.0)
+        out[name] = [e.step(torch.tensor([[0.4, 0.6]] * 4))[:2] for _ in range(30)]
+    for (o1, r1), (o2, r2) in zip(out["plain"], out["prior"], strict=True):
+        torch.testing.assert_close(o1, o2, rtol=0, atol=1e-12)
+        torch.testing.assert_close(r1, r2, rtol=0, atol=1e-12)
+    # other factors: the step's CO2 and PV, and the observation's MOER features, are the prior's
+    prior.reset(seed=1, options=starts)
+    factors = torch.tensor([[0.7, 1.1, 1.2], [1.2, 0.7, 0.8], [1.0, 1.0, 1.0], [0.9, 1.3, 1.0]], dtype=torch.float64)
+    prior.exo_factors.copy_(factors)
+    mu = spread["moer_mean"]
+    data = prior.data
+    for _ in range(30):
+        t = prior.t.numpy().copy()
+        obs, _, _, _, info = prior.step(torch.tensor([[0.4, 0.6]] * 4))
+        moer = np.maximum(factors[:, 0].numpy() * mu + factors[:, 1].numpy() * (data.moer[t] - mu), 0.0)
+        np.testing.assert_allclose(info["co2_kg"].numpy(), info["grid_import_kw"].numpy() * moer, rtol=1e-9)
+        np.testing.assert_allclose(info["pv_kw"].numpy(), factors[:, 2].numpy() * data.pv_kw[t], rtol=1e-9)
+        last = np.maximum(factors[:, 0].numpy() * mu + factors[:, 1].numpy() * (data.moer[t] - mu), 0.0)
+        np.testing.assert_allclose(obs[:, 8].numpy(), (last - 0.25) / 0.25, rtol=1e-9, atol=1e-12)

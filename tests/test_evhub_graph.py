@@ -30,12 +30,14 @@ def random_actions(env: EVHubVectorEnv, steps: int, seed: int) -> list[torch.Ten
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "action_mode, edf, dc_prior", [("hub", "pairwise", False), ("socket", "sort", False), ("discrete", "sort", True)]
+    "action_mode, edf, priors", [("hub", "pairwise", False), ("socket", "sort", False), ("discrete", "sort", True)]
 )
-def test_the_step_compiles_as_one_graph_and_follows_the_eager_step(action_mode, edf, dc_prior):
-    """(The DC prior's case on a site with a DC socket: its draws in the graph too.)"""
-    site = make_site(days=7, n_sockets=6, **THINNED, **(DC_SOCKETS if dc_prior else {}))
-    kwargs = dict(action_mode=action_mode, edf=edf, dtype=torch.float64, bess_action="surplus", dc_prior=dc_prior)
+def test_the_step_compiles_as_one_graph_and_follows_the_eager_step(action_mode, edf, priors):
+    """(The priors' case on a site with a DC socket and a train split over two months: the DC prior's draws and the
+    exogenous prior's factors in the graph too.)"""
+    site = make_site(days=35 if priors else 7, n_sockets=6, **THINNED, **(DC_SOCKETS if priors else {}))
+    kwargs = dict(action_mode=action_mode, edf=edf, dtype=torch.float64, bess_action="surplus")
+    kwargs.update(dc_prior=priors, exo_prior=priors)
     eager, graphed = (EVHubVectorEnv(8, site=site, **kwargs) for _ in range(2))
     eager.reset(seed=5)
     graphed.reset(seed=5)

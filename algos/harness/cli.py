@@ -33,6 +33,7 @@ EVHUB_ONLY_ARGS = (
     "weekday_features",
     "context_features",
     "dc_prior",
+    "exo_prior",
     "eval_split",
     "eval_every",
 )
@@ -90,6 +91,9 @@ class RunArgs:
     dc_prior: bool = False
     """training windows also draw sessions at the DC sockets from a prior of public DC fast-charging figures (EVHub-v0
     only; envs/context.py): for a training split whose DC charger has no sessions"""
+    exo_prior: bool = False
+    """training windows see the MOER (level and contrast) and the PV scaled by per-window factors drawn within the
+    training steps' month-to-month spread (EVHub-v0 only; envs/context.py): other years' carbon and weather"""
     compile: bool = False
     """torch.compile the hot functions"""
     cudagraphs: bool = False
@@ -264,6 +268,7 @@ def make_env(args, num_envs: int, device: torch.device, action_mode: str | None 
             bess_action=args.bess_action,
             window_end=args.train_window_end or None,
             dc_prior=args.dc_prior,
+            exo_prior=args.exo_prior,
         )
     return RecordEpisodeStatistics(make_vec(args.env_id, num_envs, device, args.vector_mode, **kwargs))
 
