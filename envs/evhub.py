@@ -192,11 +192,11 @@ class EVHubVectorEnv(VectorEnv):
             the sockets due before it, ``(num_envs, n_sockets, n_sockets)`` comparisons: no sort kernel, and one fused
             reduction under ``torch.compile``). Default: ``"pairwise"`` on CUDA, ``"sort"`` elsewhere.
 
-    Randomness (window starts, the session thinning of training windows, the priors' draws) comes from one counter-
-    based stream per env (:mod:`envs.rng`): ``reset(seed=s)`` seeds env ``i`` with ``s + i``, a sequence seeds each
-    env, and ``reset()`` continues the streams; env ``i`` of a batch thus follows a single env seeded like it. The
-    step is pure tensor code with the state updated in place, so ``torch.compile(env.step, fullgraph=True)`` traces
-    it as one graph and a CUDA graph can replay it.
+    Randomness (window starts, the session thinning of training windows, the priors' draws) comes from one
+    counter-based stream per env (:mod:`envs.rng`): ``reset(seed=s)`` seeds env ``i`` with ``s + i``, a sequence
+    seeds each env, and ``reset()`` continues the streams; env ``i`` of a batch thus follows a single env seeded
+    like it. The step is pure tensor code with the state updated in place, so ``torch.compile(env.step,
+    fullgraph=True)`` traces it as one graph and a CUDA graph can replay it.
 
     ``step(actions)`` takes a tensor ``(num_envs, action_dim)`` (anything ``torch.as_tensor`` accepts)
     and returns ``obs (num_envs, obs_dim)``, ``reward``, ``terminated``, ``truncated`` (each
