@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters as dynamo_counters
 
 
 def use_compile_cache(path: str | Path | None) -> Path | None:
@@ -53,6 +52,8 @@ class CompileClock:
 
     def timed(self, name: str, fn: Callable) -> Callable:
         """``fn`` with its compile and capture time charged to ``name``."""
+        from torch._dynamo.utils import counters as dynamo_counters  # here: Dynamo's import costs seconds a process
+
         calls = 0
 
         def call(*args, **kwargs):
