@@ -264,16 +264,24 @@ def test_moer_scenarios_are_the_forecasts_past_errors():
     np.testing.assert_array_equal(off.scenario_moer(t, H, outlook), np.tile(outlook, (3, 1)))
 
 
-@pytest.mark.parametrize("today_bandwidth", [0.0, 1.0], ids=["equal_weights", "weights_by_today"])
-def test_never_reads_data_after_the_hour(today_bandwidth):
+@pytest.mark.parametrize(
+    "today_bandwidth, near", [(0.0, 1.0), (1.0, 1.0), (0.0, 1.6)], ids=["equal_weights", "weights_by_today", "near"]
+)
+def test_never_reads_data_after_the_hour(today_bandwidth, near):
     """Changing the MOER and the sessions from step ``last + 1`` on leaves every action up to ``last`` unchanged (MOER
-    scenarios on; with the weights by today too), and the change matters afterwards."""
+    scenarios on; with the weights by today, or the outlook's contrast at leads 1-5 h, too), and the change matters
+    afterwards."""
     site = make_site(days=10, n_sockets=4)
     last = (REGRESSION_WARMUP_DAYS + 1) * 24 + 5
     runs = []
     for s in (site, changed_future(site, "train", last + 1)):
         data = s.split("train")
-        params = dataclasses.replace(scenario.base_params(data.config), horizon_h=12)
+        params = dataclasses.replace(
+            scenario.base_params(data.config),
+            horizon_h=12,
+            moer_near_contrast_1_2h=near,
+            moer_near_contrast_3_5h=1.0 / near,
+        )
         m = ScenarioMPC(
             data,
             params,
@@ -289,6 +297,25 @@ def test_never_reads_data_after_the_hour(today_bandwidth):
     for pa, pb in zip(a[: last + 1], b[: last + 1]):
         np.testing.assert_array_equal(pa.action, pb.action, err_msg=f"step {pa.t}")
     assert any(not np.array_equal(pa.action, pb.action) for pa, pb in zip(a[last + 1 :], b[last + 1 :]))
+
+
+def test_the_near_contrast_scales_leads_1_to_5_hours_about_the_current_hours_outlook():
+    """Leads 1-2 h and 3-5 h of the MOER outlook are planned on as ``f_0 + a * (f_k - f_0)`` (clipped at 0), the
+    others as forecast; contrasts of 1 give the forecast itself."""
+    site = make_site(days=10, n_sockets=3)
+    data = site.split("train")
+    base = scenario.base_params(data.config)
+    t, H = (REGRESSION_WARMUP_DAYS + 1) * 24 + 7, 24
+    plain = ScenarioMPC(data, base, n_scenarios=2).moer_outlook(t, H)
+    ones = dataclasses.replace(base, moer_near_contrast_1_2h=1.0, moer_near_contrast_3_5h=1.0)
+    np.testing.assert_array_equal(ScenarioMPC(data, ones, n_scenarios=2).moer_outlook(t, H), plain)
+    near = dataclasses.replace(base, moer_near_contrast_1_2h=1.8, moer_near_contrast_3_5h=0.5)
+    got = ScenarioMPC(data, near, n_scenarios=2).moer_outlook(t, H)
+    want = plain.copy()
+    want[1:3] = np.maximum(plain[0] + 1.8 * (plain[1:3] - plain[0]), 0.0)
+    want[3:6] = plain[0] + 0.5 * (plain[3:6] - plain[0])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert not np.allclose(got[1:6], plain[1:6]) and np.array_equal(got[[0, *range(6, H)]], plain[[0, *range(6, H)]])
 
 
 def test_first_step_is_what_the_env_does_serving_every_car_above_the_oracle():

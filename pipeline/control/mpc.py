@@ -115,6 +115,9 @@ class PlannerParams:
         moer_contrast, moer_bias: the MOER outlook ``f`` is planned on as ``m + moer_contrast * (f - m) + moer_bias *
             m``, ``m`` its mean over the window (1 and 0: as forecast). A regression forecast is shrunk towards its
             mean where it is unsure; a contrast above 1 plans as if the forecast's hour-to-hour shape were surer.
+        moer_near_contrast_1_2h, moer_near_contrast_3_5h: then the outlook's leads 1-2 h and 3-5 h are planned on as
+            ``f_0 + a * (f_k - f_0)`` (clipped at 0), ``f_0`` its value for the current step (1: as forecast; below 1
+            the next hours look more like this one, above 1 less): where the plan's value lies (docs/agents.md).
         demand_day_type: draw the expected demand of each hour from the last ``expected_demand_days`` days of its own
             day type (weekday or weekend, local time) rather than from the last days whatever their type.
         moer_half_life_days: the half-life of the MOER regression's past pairs, days (0: none, ``mpc``'s forecast;
@@ -132,6 +135,8 @@ class PlannerParams:
     terminal_value: float = TERMINAL_VALUE
     moer_contrast: float = 1.0
     moer_bias: float = 0.0
+    moer_near_contrast_1_2h: float = 1.0
+    moer_near_contrast_3_5h: float = 1.0
     demand_day_type: bool = False
     moer_half_life_days: float = 0.0
     moer_five_minute: bool = False
@@ -393,6 +398,13 @@ class MPCController:
         if p.moer_contrast != 1.0 or p.moer_bias != 0.0:
             m = float(fc.mean())
             fc = np.maximum(m + p.moer_contrast * (fc - m) + p.moer_bias * m, 0.0)
+        near = ((1, 2, p.moer_near_contrast_1_2h), (3, 5, p.moer_near_contrast_3_5h))
+        if any(a != 1.0 for *_, a in near):
+            fc = fc.copy()
+            dt = d.config.dt_h
+            for lo_h, hi_h, a in near:
+                k = slice(max(1, round(lo_h / dt)), round(hi_h / dt) + 1)
+                fc[k] = np.maximum(fc[0] + a * (fc[k] - fc[0]), 0.0)
         return fc
 
     def sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray):

@@ -82,6 +82,10 @@ TUNED_SPACE = tuple(p for p in tuning.SPACE if p.name in ("terminal_value", "moe
 """The planner's parameters :func:`tune` searches for ``mpc_scenario`` (the ranges of
 :data:`pipeline.control.tuning.SPACE`): the ones it reads and no grid chose (``K``, the horizon and the day type were
 chosen on the train split by grids; the demand weight and days have no role)."""
+NEAR_SPACE = (tuning.Param("moer_near_contrast_1_2h", 0.5, 2.0), tuning.Param("moer_near_contrast_3_5h", 0.5, 2.0))
+"""The MOER outlook's contrast at leads 1-2 h and 3-5 h (:class:`~pipeline.control.mpc.PlannerParams`), chosen by the
+plan's CO2 (``tune(space=NEAR_SPACE)``): from half to twice the forecast's own deviation from the current hour, 1 (the
+forecast as it is) the start and the centre on a log scale."""
 
 
 def base_params(site_config: SiteConfig) -> PlannerParams:
@@ -335,10 +339,10 @@ def run_window(
     return run_controller(site, split, start, steps, lambda data: controller(data, params, **settings))
 
 
-def tune(site: Site | str, seeds=(1,), budget: str = "small", evaluate=None, **kwargs) -> list:
-    """CMA-ES over :data:`TUNED_SPACE` for ``mpc_scenario``'s planner on the train split's weeks, from
-    :func:`base_params` (:func:`pipeline.control.tuning.tune` with this planner's backtests, :func:`run_window`);
-    ``evaluate`` as there (default: one window after another here). Returns one
+def tune(site: Site | str, seeds=(1,), budget: str = "small", evaluate=None, space=TUNED_SPACE, **kwargs) -> list:
+    """CMA-ES over ``space`` (:data:`TUNED_SPACE`, or :data:`NEAR_SPACE`) for ``mpc_scenario``'s planner on the train
+    split's weeks, from :func:`base_params` (:func:`pipeline.control.tuning.tune` with this planner's backtests,
+    :func:`run_window`); ``evaluate`` as there (default: one window after another here). Returns one
     :class:`~pipeline.control.tuning.TuningResult` per seed. What it found: ``docs/agents.md``, "Scenario MPC".
 
     Raises:
@@ -346,7 +350,7 @@ def tune(site: Site | str, seeds=(1,), budget: str = "small", evaluate=None, **k
     """
     site = load_site(site)
     evaluate = evaluate or tuning.local_evaluator(site, "train", run_window)
-    return tuning.tune(site, seeds, budget, evaluate, space=TUNED_SPACE, start=base_params(site.config), **kwargs)
+    return tuning.tune(site, seeds, budget, evaluate, space=space, start=base_params(site.config), **kwargs)
 
 
 def simulate(site: Site | str, split: str, **settings) -> tuple[pd.DataFrame, pd.DataFrame]:
