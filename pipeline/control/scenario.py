@@ -85,7 +85,8 @@ chosen on the train split by grids; the demand weight and days have no role)."""
 NEAR_SPACE = (tuning.Param("moer_near_contrast_1_2h", 0.5, 2.0), tuning.Param("moer_near_contrast_3_5h", 0.5, 2.0))
 """The MOER outlook's contrast at leads 1-2 h and 3-5 h (:class:`~pipeline.control.mpc.PlannerParams`), chosen by the
 plan's CO2 (``tune(space=NEAR_SPACE)``): from half to twice the forecast's own deviation from the current hour, 1 (the
-forecast as it is) the start and the centre on a log scale."""
+forecast as it is) the start and the centre on a log scale. Tuned on caltech and not adopted (docs/agents.md):
+:class:`~pipeline.control.mpc.PlannerParams`' defaults keep 1."""
 
 
 def base_params(site_config: SiteConfig) -> PlannerParams:
