@@ -50,10 +50,9 @@ drawn per window from ``[session_keep_min, 1]`` (demand augmentation: a later ye
 drivers than the training year); the demand feature is scaled by the same probability. With ``dc_prior=True``
 training windows also draw DC fast-charger sessions from :mod:`envs.context`'s prior (a rate per window; its expected
 energy is added to the DC group's context); with ``exo_prior=True`` they scale the MOER (level, contrast) and the PV by
-per-window factors within the training steps' month-to-month spread (:func:`envs.context.exo_spread`). Episodes end by
-time
-limit only (``truncated``); ``autoreset_mode`` is SAME_STEP: the observation returned on the last step
-is already the first of the next episode.
+per-window factors within the training steps' month-to-month spread (:func:`envs.context.exo_spread`). Episodes end
+by time limit only (``truncated``); ``autoreset_mode`` is SAME_STEP: the observation returned on the last step is
+already the first of the next episode.
 """
 
 from __future__ import annotations
@@ -322,9 +321,10 @@ class EVHubVectorEnv(VectorEnv):
         self._dc_context = t(context.dc_prior_context(d)) if self._dc_prior else None
         # the exogenous prior (training windows only): the ranges of the per-window MOER level and contrast and PV scale
         self._exo_prior = bool(exo_prior) and not full_split
-        spread = context.exo_spread(d, self.window_end)
-        self._exo_mean = spread["moer_mean"]
-        self._exo_ranges = t([spread["level"], spread["contrast"], spread["pv_scale"]])  # (3, 2): lo, hi
+        if self._exo_prior:
+            spread = context.exo_spread(d, self.window_end)
+            self._exo_mean = spread["moer_mean"]
+            self._exo_ranges = t([spread["level"], spread["contrast"], spread["pv_scale"]])  # (3, 2): lo, hi
 
         b = cfg.bess
         self._e_min = b.soc_min * b.capacity_kwh
@@ -455,12 +455,9 @@ class EVHubVectorEnv(VectorEnv):
         return obs.clamp(-OBS_BOUND, OBS_BOUND)
 
     def _exo_moer(self, moer: torch.Tensor) -> torch.Tensor:
-        """The exogenous prior's MOER, kg/kWh: ``max(0, level * mu + contrast * (moer - mu))`` per env (``moer``
-        ``(num_envs,)`` or ``(num_envs, k)``)."""
-        level, contrast = self.exo_factors[:, 0], self.exo_factors[:, 1]
-        if moer.dim() == 2:
-            level, contrast = level[:, None], contrast[:, None]
-        mu = self._exo_mean
+        """The exogenous prior's MOER, kg/kWh: ``max(0, level * mu + contrast * (moer - mu))`` per env, ``moer``
+        ``(num_envs, k)``."""
+        level, contrast, mu = self.exo_factors[:, :1], self.exo_factors[:, 1:2], self._exo_mean
         return (level * mu + contrast * (moer - mu)).clamp(min=0.0)
 
     def _exo_moer_obs(self, x: torch.Tensor) -> torch.Tensor:
@@ -523,9 +520,9 @@ class EVHubVectorEnv(VectorEnv):
         return self._observe(), {}
 
     def _reset_envs(self, mask: torch.Tensor, starts: torch.Tensor | None = None) -> None:
-        """Start new windows in the envs of ``mask`` (bool ``(num_envs,)``), in place. Every env draws two numbers
-        from its stream (window start, session keep probability), masked or not, so its stream never depends on
-        the others'."""
+        """Start new windows in the envs of ``mask`` (bool ``(num_envs,)``), in place. Every env draws the same count
+        from its stream, masked or not, so its stream never depends on the others': the window start and the session
+        keep probability, then the DC prior's rate and the exogenous prior's three factors where they are on."""
         x = rng.draw(self.rng, 2 + self._dc_prior + 3 * self._exo_prior)
         if starts is None:
             high = 1 if self.full_split else self.window_end - self.episode_steps + 1
@@ -584,7 +581,7 @@ class EVHubVectorEnv(VectorEnv):
         moer = self._moer.index_select(0, self.t)
         if self._exo_prior:  # fixed at construction
             pv = pv * self.exo_factors[:, 2]
-            moer = self._exo_moer(moer)
+            moer = self._exo_moer(moer[:, None])[:, 0]
 
         floor, cap = self._ev_bounds()
         ev = self._ev_power(a[:, 1:], floor, cap)
