@@ -398,12 +398,12 @@ class MPCController:
         if p.moer_contrast != 1.0 or p.moer_bias != 0.0:
             m = float(fc.mean())
             fc = np.maximum(m + p.moer_contrast * (fc - m) + p.moer_bias * m, 0.0)
-        near = ((1, 2, p.moer_near_contrast_1_2h), (3, 5, p.moer_near_contrast_3_5h))
+        near = ((1, 3, p.moer_near_contrast_1_2h), (3, 6, p.moer_near_contrast_3_5h))  # hours [from, to)
         if any(a != 1.0 for *_, a in near):
             fc = fc.copy()
             dt = d.config.dt_h
-            for lo_h, hi_h, a in near:
-                k = slice(max(1, round(lo_h / dt)), round(hi_h / dt) + 1)
+            for lo_h, hi_h, a in near:  # contiguous bands at any step length: steps 1-2 and 3-5 at hourly steps
+                k = slice(max(1, round(lo_h / dt)), round(hi_h / dt))
                 fc[k] = np.maximum(fc[0] + a * (fc[k] - fc[0]), 0.0)
         return fc
 
