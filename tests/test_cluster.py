@@ -147,7 +147,7 @@ def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_training_is_rescheduled_and_the_run_resumes(tmp_path):
-    total = 4 * 48 * 150  # PPO: 150 iterations of 4 envs x 48 steps, a checkpoint every 2
+    total = 4 * 48 * 50  # PPO: 50 iterations of 4 envs x 48 steps, a checkpoint every 2
     with cluster(tmp_path) as address:
         out = tmp_path / "outputs"
         env = tiny_pipeline_env(write_site(make_site(days=7), tmp_path / "site"), out, total, scheduler=address)
