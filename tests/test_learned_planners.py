@@ -69,14 +69,40 @@ def test_a_site_path_is_loaded_again_when_its_files_change(tmp_path):
     assert after.co2_kg > 1.5 * before.co2_kg, (before.co2_kg, after.co2_kg)
 
 
+def _memo_evaluator(site: Site) -> tuple[tuning.Evaluate, list[int]]:
+    """:func:`tuning.local_evaluator` that backtests each distinct ``(params, start, steps)`` once (a backtest is
+    deterministic: ``test_a_backtest_is_the_env_run_of_the_window``) and counts the backtests it ran."""
+    run = tuning.local_evaluator(site, "train")
+    seen: dict = {}
+    ran = [0]
+
+    def evaluate(jobs):
+        new = [j for j in dict.fromkeys(jobs) if j not in seen]
+        seen.update(zip(new, run(new)))
+        ran[0] += len(new)
+        return [seen[j] for j in jobs]
+
+    return evaluate, ran
+
+
 def test_tuning_with_a_seed_is_repeatable():
+    """The same seed gives the same candidates, history and result; another seed other candidates; a seed tuned
+    beside others the same as alone. The backtests are memoised (each distinct window and candidate run once): what
+    is under test is the tuner's sampling, and a repeated tuning then costs no backtest."""
     site = make_site(days=15, mpc={"horizon_h": 6})
+    evaluate, ran = _memo_evaluator(site)
+
+    def tune(seeds):
+        return tuning.tune(site, seeds=seeds, budget=FAST, progress=lambda line: None, evaluate=evaluate)
+
     np.random.seed(7)
     outside = np.random.get_state()
-    a = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
+    a = tune((3,))[0]
     after = np.random.get_state()  # cma draws from each seed's own generator, not NumPy's global one
     assert all(np.array_equal(x, y) for x, y in zip(outside, after))
-    b = tuning.tune(site, seeds=(3,), budget=FAST, progress=lambda line: None)[0]
+    first = ran[0]
+    b = tune((3,))[0]
+    assert ran[0] == first  # the same candidates on the same weeks: every backtest already run
     validation = a.history.candidate.str.startswith(("start", "mean after generation"))
     assert a.params == b.params and len(a.history) - validation.sum() == FAST.generations * FAST.popsize
     assert 2 <= validation.sum() <= 1 + tuning.VALIDATED_MEANS  # the start and the distinct means validated
@@ -84,10 +110,10 @@ def test_tuning_with_a_seed_is_repeatable():
         row[list(a.params.as_dict())].to_dict() for _, row in a.history[validation].iterrows()
     ]
     pd.testing.assert_frame_equal(a.history, b.history)
-    c = tuning.tune(site, seeds=(4,), budget=FAST, progress=lambda line: None)[0]
+    c = tune((4,))[0]
     assert not c.history.equals(a.history)  # another seed samples other candidates
     # a seed's tuning does not depend on the seeds tuned beside it (CMA-ES runs in lockstep, one batch a generation)
-    d, e = tuning.tune(site, seeds=(4, 3), budget=FAST, progress=lambda line: None)
+    d, e = tune((4, 3))
     pd.testing.assert_frame_equal(d.history, c.history)
     pd.testing.assert_frame_equal(e.history, a.history)
 
