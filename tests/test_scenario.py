@@ -147,6 +147,16 @@ def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
         alone.append(step0(m.solve(o.c, o.A_eq, o.b_eq, o.bounds, t), one.blocks[0]))
     assert any(not np.allclose(x, alone[0], atol=1e-6) for x in alone[1:])
     np.testing.assert_allclose(prob, np.full(4, 0.25))
+    # with the battery's first 3 steps shared: its charge and discharge there are one schedule, later ones not
+    lp3 = m.two_stage(w, prob, 3)
+    assert lp3.nonanticipativity_rows == lp.nonanticipativity_rows + 2 * 2 * 3
+    z3 = m.solve(lp3.c, lp3.A_eq, lp3.b_eq, lp3.bounds, t)
+    bess = [np.r_[z3[v.off.ch : v.off.ch + 3], z3[v.off.dis : v.off.dis + 3]] for v in w.blocks]
+    for b in bess[1:]:
+        np.testing.assert_allclose(b, bess[0], atol=1e-7)
+    assert lp3.c @ z3 >= lp.c @ z - 1e-6  # a constrained plan never expects less CO2
+    with pytest.raises(ValueError, match="shared_bess_steps"):
+        ScenarioMPC(data, scenario.base_params(data.config), shared_bess_steps=0)
     m2 = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=3, recency_half_life=1.0)
     np.testing.assert_allclose(m2.probabilities(), np.array([4, 2, 1]) / 7)
 
@@ -265,12 +275,14 @@ def test_moer_scenarios_are_the_forecasts_past_errors():
 
 
 @pytest.mark.parametrize(
-    "today_bandwidth, near", [(0.0, 1.0), (1.0, 1.0), (0.0, 1.6)], ids=["equal_weights", "weights_by_today", "near"]
+    "today_bandwidth, near, shared",
+    [(0.0, 1.0, 1), (1.0, 1.0, 1), (0.0, 1.6, 1), (0.0, 1.0, 3)],
+    ids=["equal_weights", "weights_by_today", "near", "shared_battery"],
 )
-def test_never_reads_data_after_the_hour(today_bandwidth, near):
+def test_never_reads_data_after_the_hour(today_bandwidth, near, shared):
     """Changing the MOER and the sessions from step ``last + 1`` on leaves every action up to ``last`` unchanged (MOER
-    scenarios on; with the weights by today, or the outlook's contrast at leads 1-5 h, too), and the change matters
-    afterwards."""
+    scenarios on; with the weights by today, the outlook's contrast at leads 1-5 h, or the battery's first hours
+    shared, too), and the change matters afterwards."""
     site = make_site(days=10, n_sockets=4)
     last = (REGRESSION_WARMUP_DAYS + 1) * 24 + 5
     runs = []
@@ -289,6 +301,7 @@ def test_never_reads_data_after_the_hour(today_bandwidth, near):
             recency_half_life=2.0,
             moer_scenarios=True,
             today_bandwidth=today_bandwidth,
+            shared_bess_steps=shared,
             keep_plans=True,
         )
         _run(s, "train", m)

@@ -62,6 +62,9 @@ from pipeline.control.sessions import SessionModel
 
 N_SCENARIOS = 21
 """``K``, past days (scenarios) per plan, chosen on the train split (``docs/agents.md``)."""
+SHARED_BESS_STEPS = 1
+"""The window's first steps whose battery schedule every scenario shares (1: the two-stage plan, only step 0
+shared), chosen on the train split (``docs/agents.md``)."""
 RECENCY_HALF_LIFE = 0.0
 """Half-life of the scenarios' probabilities in same-type days (0: every scenario ``1 / K``), chosen on the train
 split."""
@@ -113,6 +116,9 @@ class ScenarioMPC(MPCController):
         scenario_source: ``"past_days"`` or ``"session_model"`` (:data:`SCENARIO_SOURCE`).
         seed: the session model's draws' generator (``"session_model"`` only).
         warm_start: start each hour's HiGHS from the last hour's basis (:class:`~pipeline.control.mpc.MPCController`).
+        shared_bess_steps: the window's first steps whose battery charge and discharge every scenario shares (1: the
+            first step alone, the two-stage plan; more: the battery's next hours are one schedule for every scenario,
+            while the EVs, grid and curtailment after step 0 remain each scenario's own).
 
     Attributes:
         lp_shape: ``(rows, columns, nonzeros)`` of the last LP solved.
@@ -120,8 +126,9 @@ class ScenarioMPC(MPCController):
         prob: the scenarios' probabilities of the last plan, ``(K,)`` (:meth:`probabilities` at its step).
 
     Raises:
-        ValueError: ``n_scenarios < 1``, a negative half-life or bandwidth, a ``perfect`` flag, an unknown scenario
-            source, or weights by today with the session model's scenarios (they have no past day).
+        ValueError: ``n_scenarios < 1``, ``shared_bess_steps < 1``, a negative half-life or bandwidth, a ``perfect``
+            flag, an unknown scenario source, or weights by today with the session model's scenarios (they have no past
+            day).
     """
 
     n_scenarios: int = N_SCENARIOS
@@ -131,6 +138,7 @@ class ScenarioMPC(MPCController):
     scenario_source: str = SCENARIO_SOURCE
     seed: int = 1
     warm_start: bool = True
+    shared_bess_steps: int = SHARED_BESS_STEPS
 
     def __post_init__(self):
         perfect = self.perfect or self.perfect_moer or self.perfect_arrivals
@@ -139,6 +147,8 @@ class ScenarioMPC(MPCController):
                 f"ScenarioMPC: n_scenarios >= 1, recency_half_life >= 0 and no perfect, perfect_moer or "
                 f"perfect_arrivals required, got {self.n_scenarios}, {self.recency_half_life}, {perfect}"
             )
+        if self.shared_bess_steps < 1:
+            raise ValueError(f"ScenarioMPC: shared_bess_steps >= 1 required, got {self.shared_bess_steps}")
         if self.scenario_source not in ("past_days", "session_model"):
             raise ValueError(
                 f"ScenarioMPC: scenario_source 'past_days' or 'session_model', got {self.scenario_source!r}"
@@ -275,7 +285,7 @@ class ScenarioMPC(MPCController):
 
     def decision_lp(self, w: WindowLP) -> LP:
         """The two-stage LP of the scenarios' window LP ``w`` (:meth:`two_stage` with :attr:`prob`)."""
-        return self.two_stage(w, self.prob)
+        return self.two_stage(w, self.prob, self.shared_bess_steps)
 
     def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, cap_all, floor_all) -> Plan:
         """The plan of the two-stage solution ``z``: step 0 (shared) and, over the window, the probability-weighted
@@ -293,15 +303,22 @@ class ScenarioMPC(MPCController):
         return plan
 
     @staticmethod
-    def two_stage(w: WindowLP, prob: np.ndarray) -> LP:
+    def two_stage(w: WindowLP, prob: np.ndarray, shared_bess_steps: int = 1) -> LP:
         """The two-stage LP of the scenarios' window LPs (:meth:`~pipeline.control.mpc.MPCController.window_lp`'s
         ``w`` with ``K`` blocks) with probabilities ``prob`` (``(K,)``): each block's costs times its ``p_k``, and
         non-anticipativity rows ``z0[j] - zk[j] = 0`` after the blocks' rows for each step-0 column ``j`` of scenario
         0 (``ch, dis, g, u, x`` and the plugged EVs' first columns; the plugged EVs come first in every block, in the
-        same order). Returns ``w.lp`` with that ``c``, ``A_eq`` (CSR when there are such rows), ``b_eq`` and
-        ``nonanticipativity_rows`` (its ``bounds`` shared)."""
+        same order), and with ``shared_bess_steps`` > 1 for the battery's ``ch`` and ``dis`` columns of the window's
+        steps 1 to ``shared_bess_steps - 1`` too. Returns ``w.lp`` with that ``c``, ``A_eq`` (CSR when there are such
+        rows), ``b_eq`` and ``nonanticipativity_rows`` (its ``bounds`` shared)."""
         lp, blocks = w.lp, w.blocks
-        shared = [np.r_[[b.off.ch, b.off.dis, b.off.g, b.off.u, b.off.x], b.col0].astype(np.int64) for b in blocks]
+        later = np.arange(1, min(shared_bess_steps, blocks[0].H))  # the battery's later shared steps
+        shared = [
+            np.r_[[b.off.ch, b.off.dis, b.off.g, b.off.u, b.off.x], b.col0, b.off.ch + later, b.off.dis + later].astype(
+                np.int64
+            )
+            for b in blocks
+        ]
         A = lp.A_eq
         n_rows = len(shared[0]) * (len(blocks) - 1)
         if n_rows:
