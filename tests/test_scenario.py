@@ -147,7 +147,7 @@ def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
         alone.append(step0(m.solve(o.c, o.A_eq, o.b_eq, o.bounds, t), one.blocks[0]))
     assert any(not np.allclose(x, alone[0], atol=1e-6) for x in alone[1:])
     np.testing.assert_allclose(prob, np.full(4, 0.25))
-    # with the battery's first 3 steps shared: its charge and discharge there are one schedule, later ones not
+    # with the battery's first 3 steps shared: its charge and discharge there are one schedule for every scenario
     lp3 = m.two_stage(w, prob, 3)
     assert lp3.nonanticipativity_rows == lp.nonanticipativity_rows + 2 * 2 * 3
     z3 = m.solve(lp3.c, lp3.A_eq, lp3.b_eq, lp3.bounds, t)
