@@ -10,11 +10,21 @@ Importing this package registers ``EVHub-v0``, ``Snake-v0`` (:mod:`envs.snake`) 
     single = gym.make("EVHub-v0")
 """
 
+import importlib
+
 import gymnasium as gym
 
 from envs.config import ConfigError, SiteConfig, load_config
-from envs.evhub import INFO_KEYS, EVHubEnv, EVHubVectorEnv
-from envs.site import Site, SplitData, load_site
+
+_LAZY = {
+    "INFO_KEYS": "envs.evhub",
+    "EVHubEnv": "envs.evhub",
+    "EVHubVectorEnv": "envs.evhub",
+    "Site": "envs.site",
+    "SplitData": "envs.site",
+    "load_site": "envs.site",
+}
+"""Names imported on first use (PEP 562), so that reading a site config (``envs.config``) does not import torch."""
 
 __all__ = [
     "INFO_KEYS",
@@ -44,3 +54,11 @@ if "Snake-v0" not in gym.registry:
 
 if "IOBound-v0" not in gym.registry:
     gym.register(id="IOBound-v0", entry_point="envs.io_bound:IOBoundEnv")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'envs' has no attribute {name!r}")

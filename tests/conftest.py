@@ -12,15 +12,31 @@ from envs.site import Site
 
 def pytest_configure(config):
     """Under pytest-xdist each worker computes on one thread (torch's intra-op pool and the BLAS pools): the workers
-    already fill the cores, and two threads each on two cores made them take turns."""
+    already fill the cores, and two threads each on two cores made them take turns.
+
+    Inductor compiles in the process that asks (``TORCHINDUCTOR_COMPILE_THREADS=1``, inherited by the scripts the
+    tests start; a value already set is kept): its pool of compile workers, one per core, would start a Python with
+    torch in every compiling process of a suite that already fills the cores (the PPO compile test: 94 s of CPU with
+    the pool, 79 s without, alone on two cores)."""
     import os
 
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
         from threadpoolctl import threadpool_limits
 
         torch.set_num_threads(1)
         threadpool_limits(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The ``slow`` tests run first, then the others, each group module by module in collection order: the long tests
+    start while every worker is busy, and the short ones fill the end instead of one long test running alone
+    (pytest-xdist's ``load`` scheduling hands the tests out in this order)."""
+    first: dict = {}
+    for item in items:
+        first.setdefault(item.module, len(first))
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, first[item.module]))
 
 
 def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) -> Site:

@@ -152,3 +152,28 @@ def test_no_import_circle():
         cycle = exc.args[1][::-1]  # graphlib lists each module before the one that imports it
         steps = [f"{a} -> {b} ({MODULES[a].relative_to(ROOT)}:{GRAPH[a][b]})" for a, b in itertools.pairwise(cycle)]
         pytest.fail("import circle:\n" + "\n".join(steps))
+
+
+def test_every_registry_runner_names_a_function():
+    from pipeline.control import registry
+
+    for c in registry.CONTROLLERS.values():
+        if c.simulated:
+            assert callable(c.run_function), c.name
+        else:
+            with pytest.raises(TypeError, match="trained, not simulated"):
+                _ = c.run_function
+
+
+def test_reading_the_controller_table_imports_no_controller():
+    """The registry names its runners by module, so reading it (as ``doit list`` or a bad doit variable does) imports
+    neither torch nor a controller; ``envs.site`` likewise leaves the env (torch) until it is asked for."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, envs.site, pipeline.control.registry as r; r.simulated(); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pipeline.control.') and m != r.__name__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

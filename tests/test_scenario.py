@@ -353,7 +353,7 @@ def test_first_step_is_what_the_env_does_serving_every_car_above_the_oracle():
 
 def test_registry_row_and_runner(capsys):
     c = registry.get("mpc_scenario")
-    assert c.causal and c.runner is scenario.simulate and not c.tuned and not c.seeded
+    assert c.causal and c.run_function is scenario.simulate and not c.tuned and not c.seeded
     assert "mpc_scenario" in registry.simulated(make_site(days=15).config, tuned=False)
     assert "mpc_scenario" not in registry.simulated(make_site(days=4).config)  # too short to draw past days from
     site = make_site(days=4, n_sockets=4, mpc={"horizon_h": 6})

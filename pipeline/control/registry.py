@@ -24,21 +24,21 @@ split and in the split it acts on; nothing is chosen on the test split's outcome
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from envs.config import SiteConfig
-from envs.site import Site
 from envs.toml_table import did_you_mean
-from pipeline.control import baselines, learned, mpc, oracle, rl_planner, scenario
+
+if TYPE_CHECKING:
+    from envs.site import Site
 
 FAMILIES = ("reference", "rule", "planner", "learned planner", "agent", "online agent", "bound")
 """Controller families in report order."""
-
-Simulate = Callable[[Site, str], tuple[pd.DataFrame, pd.DataFrame]]
-"""``(site, split) -> (kpi_row, traces)`` as :func:`envs.kpis.evaluate_policy` returns them."""
 
 
 def _always(cfg: SiteConfig) -> bool:
@@ -71,7 +71,8 @@ class Controller:
         learned: fits something to the site's data (a forecast, its parameters or a network).
         knows: what it reads when it acts, in a few words (the report's "knows" column).
         runner: the function that simulates it over a split, ``(site, split, *runner_args, [seed=, tuned_dir=]) ->
-            (kpi_row, traces)``; ``None`` for the agents (trained and evaluated by the study).
+            (kpi_row, traces)``, named ``"module:function"`` and imported when it runs (so that reading this table
+            imports no controller); ``None`` for the agents (trained and evaluated by the study).
         runner_args: extra positional arguments of the runner after ``(site, split)``.
         enabled: whether a site runs it (the MPC family can be switched off with ``[mpc] enabled = false``; the learned
             planners also need :data:`LEARNED_MIN_TRAIN_DAYS` in the train split).
@@ -89,7 +90,7 @@ class Controller:
     causal: bool
     learned: bool
     knows: str
-    runner: Callable[..., tuple[pd.DataFrame, pd.DataFrame]] | None = None
+    runner: str | None = None
     runner_args: tuple = ()
     enabled: Callable[[SiteConfig], bool] = _always
     retries: int = 1
@@ -129,7 +130,19 @@ class Controller:
             if tuned_dir is None:
                 raise TypeError(f"controller {self.name!r} reads tuned parameters: give the tuning folder")
             kwargs["tuned_dir"] = tuned_dir
-        return self.runner(site, split, *self.runner_args, **kwargs)
+        return self.run_function(site, split, *self.runner_args, **kwargs)
+
+    @property
+    def run_function(self) -> Callable[..., tuple[pd.DataFrame, pd.DataFrame]]:
+        """The runner itself, imported from its module.
+
+        Raises:
+            TypeError: an agent (no runner).
+        """
+        if self.runner is None:
+            raise TypeError(f"controller {self.name!r} has no runner: it is trained, not simulated")
+        module, _, function = self.runner.partition(":")
+        return getattr(importlib.import_module(module), function)
 
 
 _AGENT_KNOWS = (
@@ -141,35 +154,38 @@ CONTROLLERS: dict[str, Controller] = {
     c.name: c
     for c in (
         Controller("uncontrolled", "reference", True, False, "nothing: EVs at full power, battery idle",
-                   baselines.simulate, ("uncontrolled",), retries=2),
+                   "pipeline.control.baselines:simulate", ("uncontrolled",), retries=2),
         Controller("rule_based", "rule", True, False, "the hour's PV surplus or deficit",
-                   baselines.simulate, ("rule_based",), retries=2),
+                   "pipeline.control.baselines:simulate", ("rule_based",), retries=2),
         Controller("mpc", "planner", True, False,
                    "24 h LP on a MOER regression refit daily and the past week's sessions (hand-set weights)",
-                   mpc.simulate, ("mpc",), _mpc_enabled),
+                   "pipeline.control.mpc:simulate", ("mpc",), _mpc_enabled),
         Controller("mpc_tuned_start", "learned planner", True, False,
                    "mpc_tuned's untrained start: mpc on the learned MOER forecast at the site's [mpc] values, where"
                    " CMA-ES starts",
-                   learned.simulate_tuned_start, (), _learned_enabled),
+                   "pipeline.control.learned:simulate_tuned_start", (), _learned_enabled),
         Controller("mpc_tuned", "learned planner", True, True,
                    "mpc on a learned MOER forecast (5-minute data, forgets old days), its parameters tuned by"
                    " CMA-ES in closed loop on the train split's weeks",
-                   learned.simulate_tuned, (), _learned_enabled, seeded=True, tuned=True, start="mpc_tuned_start"),
+                   "pipeline.control.learned:simulate_tuned", (), _learned_enabled, seeded=True, tuned=True,
+                   start="mpc_tuned_start"),
         Controller("mpc_adaptive", "learned planner", True, True,
                    "mpc_tuned, its demand weight re-chosen each week by backtesting the split's last weeks",
-                   learned.simulate_adaptive, (), _learned_enabled, seeded=True, tuned=True, start="mpc_tuned"),
+                   "pipeline.control.learned:simulate_adaptive", (), _learned_enabled, seeded=True, tuned=True,
+                   start="mpc_tuned"),
         Controller("mpc_rl_start", "learned planner", True, False,
                    "mpc_rl's untrained start: its planner (learned MOER forecast, demand by day type) with the"
                    " policy's zero action every day: demand weight 0.5, terminal value 1.0",
-                   rl_planner.simulate_start, (), _learned_enabled),
+                   "pipeline.control.rl_planner:simulate_start", (), _learned_enabled),
         Controller("mpc_rl", "learned planner", True, True,
                    "mpc on a learned MOER forecast and demand by day type, its demand weight and terminal value"
                    " set each day by a PPO policy trained on the train split",
-                   rl_planner.simulate_rl, (), _learned_enabled, seeded=True, tuned=True, start="mpc_rl_start"),
+                   "pipeline.control.rl_planner:simulate_rl", (), _learned_enabled, seeded=True, tuned=True,
+                   start="mpc_rl_start"),
         Controller("mpc_scenario", "learned planner", True, False,
                    "a 24 h two-stage LP over scenarios: the real sessions of each of the last 21 past days of the"
                    " same day type, one shared first step; the learned MOER forecast",
-                   scenario.simulate, (), _learned_enabled),
+                   "pipeline.control.scenario:simulate", (), _learned_enabled),
         *(Controller(a, "agent", True, True, _AGENT_KNOWS, seeded=True) for a in ("ppo", "sac", "a2c", "dqn")),
         *(Controller(f"{a}_online", "online agent", True, True,
                      f"{a}'s observation; from the second week on, fine-tuned at each week's start on the acting "
@@ -178,9 +194,9 @@ CONTROLLERS: dict[str, Controller] = {
                    "mpc_rl, its day-level policy fine-tuned at each week's start by PPO on backtests of the acting"
                    " split's last 4 weeks", seeded=True, start="mpc_rl"),
         Controller("mpc_perfect", "bound", False, False, "the true MOER and arrivals of the next 24 h",
-                   mpc.simulate, ("mpc_perfect",), _mpc_enabled),
+                   "pipeline.control.mpc:simulate", ("mpc_perfect",), _mpc_enabled),
         Controller("oracle", "bound", False, False, "the whole split (perfect-foresight LP)",
-                   oracle.simulate),
+                   "pipeline.control.oracle:simulate"),
     )
 }  # fmt: skip
 """Every controller by name, in report order (agents among themselves are shown by name)."""
