@@ -29,16 +29,6 @@ def pytest_configure(config):
         threadpool_limits(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The ``slow`` tests run first, then the others, each group module by module in collection order: the long tests
-    start while every worker is busy, and the short ones fill the end instead of one long test running alone
-    (pytest-xdist's ``load`` scheduling hands the tests out in this order)."""
-    first: dict = {}
-    for item in items:
-        first.setdefault(item.module, len(first))
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, first[item.module]))
-
-
 def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) -> Site:
     """A synthetic site: ``days`` of train and of test data, sunny days, a daily MOER cycle, random sessions.
 
