@@ -65,14 +65,20 @@ from doit.exceptions import InvalidDodoFile
 from pipeline import depends
 from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study.failures import ExpectedError, doit_action, one_message, quiet_worker_failures
-from pipeline.study.graph import outputs, run
 from pipeline.study.runstate import current_doit_command, doit_config, stage_table, timed
 
-# a bad doit variable (from_environment raises ValueError naming it) or site config stops doit here, with one line
+# a bad doit variable (from_environment raises ValueError naming it) or site config stops doit here, with one line,
+# before the study's graph and its controllers (torch, HiGHS, matplotlib) are imported: a second instead of six
 try:
     CFG = from_environment()
-    OUT = outputs(CFG)
     SITE_TOML = CFG.site_toml
+except (ExpectedError, ValueError, FileNotFoundError) as exc:
+    raise InvalidDodoFile(one_message(exc)) from None
+
+from pipeline.study.graph import outputs, run  # noqa: E402  (after the settings are read, above)
+
+try:
+    OUT = outputs(CFG)
 except (ExpectedError, ValueError, FileNotFoundError) as exc:
     raise InvalidDodoFile(one_message(exc)) from None
 COMMAND = current_doit_command()

@@ -165,15 +165,19 @@ def test_every_registry_runner_names_a_function():
                 _ = c.run_function
 
 
-def test_reading_the_controller_table_imports_no_controller():
-    """The registry names its runners by module, so reading it (as ``doit list`` or a bad doit variable does) imports
-    neither torch nor a controller; ``envs.site`` likewise leaves the env (torch) until it is asked for."""
+def test_reading_the_settings_and_the_controller_table_imports_no_controller():
+    """The registry names its runners by module and the tuning imports its planner where it runs, so reading the
+    study's settings and the controller table (what ``dodo.py`` does before anything else: a bad doit variable or site
+    config stops doit there) imports neither torch nor a controller; ``envs.site`` likewise leaves the env (torch)
+    until it is asked for."""
     import subprocess
     import sys
 
     code = (
-        "import sys, envs.site, pipeline.control.registry as r; r.simulated(); "
-        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pipeline.control.') and m != r.__name__))"
+        "import sys, envs.site, pipeline.study.config, pipeline.control.registry as r; r.simulated(); "
+        "from pipeline.control.tuning import BUDGETS; "
+        "light = {r.__name__, 'pipeline.control.tuning'}; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pipeline.control.') and m not in light))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

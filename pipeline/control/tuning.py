@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -40,9 +41,11 @@ import pandas as pd
 from envs.files import write_parquet, write_text
 from envs.site import Site, load_site
 from pipeline import depends
-from pipeline.control.backtest import WindowResult, run_window, weeks
-from pipeline.control.mpc import PlannerParams
 from pipeline.paths import PROJECT_ROOT
+
+if TYPE_CHECKING:  # the planner (torch, HiGHS) is imported where a tuning runs, so that reading BUDGETS stays light
+    from pipeline.control.backtest import WindowResult
+    from pipeline.control.mpc import PlannerParams
 
 
 @dataclass(frozen=True)
@@ -194,24 +197,36 @@ class TuningResult:
         }
 
 
-Evaluate = Callable[[list[tuple[PlannerParams, int, int]]], list[WindowResult]]
+Evaluate = Callable[[list[tuple["PlannerParams", int, int]]], list["WindowResult"]]
 """Backtests a batch of ``(params, start, steps)`` windows of the tuned split, in order (locally or on Dask)."""
 
 
-Window = Callable[..., WindowResult]
+Window = Callable[..., "WindowResult"]
 """A backtest of one window, ``(site, split, start, steps, params) -> WindowResult``: the planner's
 (:func:`pipeline.control.backtest.run_window`, the default) or another planner on the same parameters
 (:func:`pipeline.control.scenario.run_window`)."""
 
 
-def local_evaluator(site: Site | str, split: str, window: Window = run_window) -> Evaluate:
-    """Backtests one window after another in this process, each by ``window``."""
+def _planner_window(window: Window | None) -> Window:
+    """``window``, or the planner's backtest (:func:`pipeline.control.backtest.run_window`) when None."""
+    if window is not None:
+        return window
+    from pipeline.control.backtest import run_window
+
+    return run_window
+
+
+def local_evaluator(site: Site | str, split: str, window: Window | None = None) -> Evaluate:
+    """Backtests one window after another in this process, each by ``window`` (default: the planner's,
+    :func:`pipeline.control.backtest.run_window`)."""
+    window = _planner_window(window)
     return lambda jobs: [window(site, split, s, n, p) for p, s, n in jobs]
 
 
-def dask_evaluator(client, site_toml: str, split: str, priority: int = 0, window: Window = run_window) -> Evaluate:
-    """Backtests as Dask tasks of ``client`` at Dask ``priority``, one task per window, each by ``window`` (a worker
-    loads a site once)."""
+def dask_evaluator(client, site_toml: str, split: str, priority: int = 0, window: Window | None = None) -> Evaluate:
+    """Backtests as Dask tasks of ``client`` at Dask ``priority``, one task per window, each by ``window`` (default:
+    the planner's, :func:`pipeline.control.backtest.run_window`; a worker loads a site once)."""
+    window = _planner_window(window)
 
     def evaluate(jobs):
         futures = [
@@ -280,6 +295,8 @@ def tune(
     b, name = (budget, "custom") if isinstance(budget, Budget) else (BUDGETS[budget], budget)
     evaluate = evaluate or local_evaluator(site, split)
     pool = _week_pool(site, split)
+    from pipeline.control.mpc import PlannerParams
+
     start = start or PlannerParams.learned_start(site.config)
     x0 = encode(start, space, undecided=True)
     box = list(space)
@@ -315,6 +332,8 @@ def _week_pool(site: Site, split: str) -> list[tuple[int, int]]:
         ValueError: a split with fewer than two whole weeks.
     """
     data = site.split(split)
+    from pipeline.control.backtest import weeks
+
     pool = weeks(data)[1:]  # the first week warms the planner's forecasts up
     pool = [w for w in pool if w[1] == pool[0][1]]  # whole weeks only
     if len(pool) < 1:
@@ -494,6 +513,8 @@ def kept_start(folder: str | Path, seed: int, config) -> bool:
     """Whether the tuning of ``seed`` in ``folder`` ended where ``mpc_tuned_start`` plans: its parameters are
     :meth:`~pipeline.control.mpc.PlannerParams.learned_start`'s for the site ``config`` (then ``mpc_tuned`` runs the
     same planner as ``mpc_tuned_start``)."""
+    from pipeline.control.mpc import PlannerParams
+
     return load_params(folder, seed) == PlannerParams.learned_start(config)
 
 
@@ -508,4 +529,6 @@ def load_params(folder: str | Path, seed: int) -> PlannerParams:
         raise FileNotFoundError(
             f"{js}: no tuned planner parameters for seed {seed} (run `doit run tune` or the pipeline)"
         )
+    from pipeline.control.mpc import PlannerParams
+
     return PlannerParams.from_dict(json.loads(js.read_text())["params"])
