@@ -77,10 +77,7 @@ except (ExpectedError, ValueError, FileNotFoundError) as exc:
 
 from pipeline.study.graph import outputs, run  # noqa: E402  (after the settings are read, above)
 
-try:
-    OUT = outputs(CFG)
-except (ExpectedError, ValueError, FileNotFoundError) as exc:
-    raise InvalidDodoFile(one_message(exc)) from None
+OUT = outputs(CFG)  # the site config loaded above
 COMMAND = current_doit_command()
 
 
