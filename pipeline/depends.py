@@ -29,6 +29,8 @@ CONTROL = ("pipeline/control/**/*.py",)
 """The simulated controllers: registry, baselines, planners, the oracle, the learned planners' tuning."""
 REPORT = (
     "pipeline/study/report.py",
+    "pipeline/study/comparison.py",
+    "pipeline/study/figures.py",
     "pipeline/study/document.py",
     "pipeline/study/information.py",
     "pipeline/study/tasks.py",

@@ -171,7 +171,8 @@ def test_unknown_run_and_missing_rows(tiny):
 
 
 def test_report_shows_the_table_when_there(tables, tmp_path):
-    from pipeline.study.report import read_kpi_files, report_blocks
+    from pipeline.study.comparison import read_kpi_files
+    from pipeline.study.report import report_blocks
 
     rows, _ = tables
     kpi = registry.get("rule_based").simulate(make_site(days=2), "test")[0]

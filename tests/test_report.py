@@ -21,23 +21,22 @@ from conftest import make_site
 
 from envs.kpis import KPI_COLUMNS, TRACE_COLUMNS, add_relative_kpis, evaluate_policy, write_parquet
 from pipeline.control import registry
-from pipeline.study.document import Definitions, Paragraph, Table
-from pipeline.study.report import (
+from pipeline.study.comparison import (
     GAP_VS_RULE,
-    KIND_COLORS,
     SAVING_VS_ORACLE,
     SEED_COLUMNS,
     START_COLUMNS,
-    answer_blocks,
     best_controllers,
-    controller_kind,
+    read_kpi_files,
+)
+from pipeline.study.document import Definitions, Paragraph, Table
+from pipeline.study.figures import KIND_COLORS, controller_kind, ranked_by_saving, saving_figure
+from pipeline.study.report import (
+    answer_blocks,
     controller_legend,
     definitions,
     kpi_markdown_table,
-    ranked_by_saving,
-    read_kpi_files,
     results_table,
-    saving_figure,
     site_data_sources,
     summary_paragraph,
     write_report,

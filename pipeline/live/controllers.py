@@ -299,7 +299,7 @@ def results_root(site: Site, output_dir: str | Path = "outputs", experiment: str
 def answer(site: Site, output_dir: str | Path = "outputs", experiment: str = "") -> str:
     """The controller the report answers with for ``site``: the lowest-CO2 causal row of its results
     (``report/co2_comparison.parquet``) on the held-out split, as the report's first section names it
-    (:func:`pipeline.study.report.best_controllers`).
+    (:func:`pipeline.study.comparison.best_controllers`).
 
     Raises:
         LiveError: no results yet (run the pipeline, or name a controller), or none that names a causal row.
@@ -310,7 +310,7 @@ def answer(site: Site, output_dir: str | Path = "outputs", experiment: str = "")
             f"controller: not given, and no study results for site {site.config.name!r} to read the report's answer "
             f"from ({shown_path(f)} is missing): run `doit run pipeline` first, or pass --controller (e.g. mpc)"
         )
-    from pipeline.study.report import best_controllers
+    from pipeline.study.comparison import best_controllers
 
     table = pd.read_parquet(f)
     split = "test" if (table.split == "test").any() else str(table.split.iloc[0])
