@@ -75,7 +75,7 @@ try:
 except (ExpectedError, ValueError, FileNotFoundError) as exc:
     raise InvalidDodoFile(one_message(exc)) from None
 
-from pipeline.study.graph import outputs, run  # noqa: E402  (after the settings are read, above)
+from pipeline.study.results import outputs  # noqa: E402  (after the settings are read, above)
 
 OUT = outputs(CFG)  # the site config loaded above
 COMMAND = current_doit_command()
@@ -115,6 +115,8 @@ def _stage(stage: str, cfg=CFG, task: str | None = None):
     raise a plain ValueError naming the file and key)."""
 
     def action():
+        from pipeline.study.graph import run  # the controllers (torch, HiGHS): imported where a stage runs
+
         quiet_worker_failures(cfg.scheduler_address)
         run(cfg, stages={stage})
 
@@ -206,7 +208,6 @@ def task_tune():
     made for the same fingerprint with the budget asked for or a larger one is used as it is.
     """
     from pipeline.control import tuning
-    from pipeline.study.tasks import rl_planner_trained
 
     tuned_dir = CFG.root / "tuned"
     budget = TUNE_CFG.tune_budget
@@ -216,6 +217,8 @@ def task_tune():
         return all(tuning.cached(tuned_dir, s, fp, budget) for s in CFG.seeds)
 
     def trained() -> bool:  # every seed's mpc_rl policy likewise
+        from pipeline.study.tasks import rl_planner_trained
+
         return all(rl_planner_trained(str(SITE_TOML), s, tuned_dir, budget) for s in CFG.seeds)
 
     inputs = _targets("validate") + _site_files() + CONTROLLER_CODE

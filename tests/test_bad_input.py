@@ -175,7 +175,8 @@ def _bad_site(tmp_path, bad: Bad) -> Path:
 def test_bad_data_is_rejected_by_the_validation_tasks(tmp_path, kind):
     """The validation task of one input raises the message that names the file, column and row or time."""
     from envs.errors import ExpectedError
-    from pipeline.study.tasks import INPUTS, validate_input
+    from pipeline.study.results import INPUTS
+    from pipeline.study.tasks import validate_input
 
     bad = KINDS[kind]
     site_toml = _bad_site(tmp_path, bad)

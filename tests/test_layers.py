@@ -168,15 +168,16 @@ def test_every_registry_runner_names_a_function():
 def test_reading_the_settings_and_the_controller_table_imports_no_controller():
     """The registry names its runners by module and the tuning imports its planner where it runs, so reading the
     study's settings and the controller table (what ``dodo.py`` does before anything else: a bad doit variable or site
-    config stops doit there) imports neither torch nor a controller; ``envs.site`` likewise leaves the env (torch)
-    until it is asked for."""
+    config stops doit there) and naming every stage's files (doit's targets) import neither torch nor a controller;
+    ``envs.site`` likewise leaves the env (torch) until it is asked for."""
     import subprocess
     import sys
 
     code = (
         "import sys, envs.site, pipeline.study.config, pipeline.control.registry as r; r.simulated(); "
         "from pipeline.control.tuning import BUDGETS; "
-        "light = {r.__name__, 'pipeline.control.tuning'}; "
+        "from pipeline.study.results import outputs; outputs(pipeline.study.config.from_environment()); "
+        "light = {r.__name__, 'pipeline.control.tuning', 'pipeline.control.tuned'}; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pipeline.control.') and m not in light))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout

@@ -16,6 +16,7 @@ from envs.site import Site
 from pipeline.control import learned, tuning
 from pipeline.control.backtest import run_window, weeks
 from pipeline.control.mpc import MPCController, PlannerParams
+from pipeline.control.tuned import tuning_files
 
 FAST = tuning.Budget(generations=3, popsize=4, weeks=1, sigma0=0.3, validation_weeks=1)
 """A tuning budget a test can afford (14 week backtests)."""
@@ -354,7 +355,7 @@ def test_a_tuning_that_kept_its_start_gives_mpc_tuned_the_starts_run(tmp_path):
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     start = PlannerParams.learned_start(site.config)
-    tuning.result_files(tuned, 2)[0].write_text(json.dumps({"params": start.as_dict()}))
+    tuning_files(tuned, 2)[0].write_text(json.dumps({"params": start.as_dict()}))
     assert tuning.kept_start(tuned, 2, site.config)
     files = tasks.run_controller(toml, "mpc_tuned_start", "test", str(tmp_path / "baselines"), inputs="key 1")
     assert tasks.run_inputs(files) == "key 1"  # what the planners stage checks before it shares the run
@@ -364,7 +365,7 @@ def test_a_tuning_that_kept_its_start_gives_mpc_tuned_the_starts_run(tmp_path):
     own = tasks.run_controller(toml, "mpc_tuned", "test", str(tmp_path / "own"), seed=2, tuned_dir=str(tuned))
     for a, b in zip(shared, own):
         pd.testing.assert_frame_equal(pd.read_parquet(a), pd.read_parquet(b))
-    tuning.result_files(tuned, 2)[0].write_text(
+    tuning_files(tuned, 2)[0].write_text(
         json.dumps({"params": dataclasses.replace(start, expected_demand_weight=0.5).as_dict()})
     )
     assert not tuning.kept_start(tuned, 2, site.config)

@@ -311,7 +311,7 @@ def test_run_mpc_row_and_site_options(tiny, capsys):
 
 def test_pipeline_outputs_follow_the_site_option(tmp_path):
     from pipeline.study.config import PipelineConfig
-    from pipeline.study.graph import outputs
+    from pipeline.study.results import outputs
 
     on = write_site(make_site(days=2), tmp_path / "on")
     off_site = make_site(days=2, mpc={"enabled": False})

@@ -18,8 +18,9 @@ from envs.evhub import EVHubVectorEnv
 from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site, load_site, station_sockets
 from pipeline import live
-from pipeline.control import registry, rl_planner, tuning
+from pipeline.control import registry, rl_planner
 from pipeline.control.mpc import PlannerParams
+from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
 
 AT = "2021-08-23T08:00:00-07:00"
 """The hour of the issue's example on the shipped caltech site (its test split)."""
@@ -53,8 +54,8 @@ def _study(out, name: str = "synthetic") -> None:
     params = PlannerParams(
         horizon_h=6, expected_demand_weight=0.6, demand_day_type=True, moer_half_life_days=3.0, moer_five_minute=True
     )
-    tuning.result_files(tuned, 1)[0].write_text(json.dumps({"params": params.as_dict()}))
-    policy = rl_planner.policy_file(rl_planner.run_dir(tuned, 1))
+    tuning_files(tuned, 1)[0].write_text(json.dumps({"params": params.as_dict()}))
+    policy = rl_policy_file(rl_run_dir(tuned, 1))
     policy.parent.mkdir()
     torch.export.save(torch.export.export(_DayPolicy(), (torch.zeros(1, len(rl_planner.OBS_NAMES)),)), str(policy))
 

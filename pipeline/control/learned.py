@@ -30,6 +30,7 @@ from envs.site import Site, SplitData, load_site
 from pipeline.control import tuning
 from pipeline.control.backtest import WindowResult, week_steps, weeks
 from pipeline.control.mpc import MPCController, PlannerParams
+from pipeline.control.tuned import tuning_files
 
 ADAPTIVE_WEIGHTS = (0.25, 0.5, 0.75, 1.0)
 """Expected-demand weights ``mpc_adaptive`` chooses among each week (besides ``mpc_tuned``'s own). Weight 0 (the
@@ -227,7 +228,7 @@ def simulate_adaptive(site: Site, split: str, seed: int, tuned_dir: str | Path) 
 
     tuned = tuning.load_params(tuned_dir, seed)
     cands = candidates(tuned)
-    stamp = tuning.result_files(tuned_dir, seed)[0].stat().st_mtime_ns
+    stamp = tuning_files(tuned_dir, seed)[0].stat().st_mtime_ns
 
     def table(s: str) -> pd.DataFrame:
         f = table_file(tuned_dir, s, seed)

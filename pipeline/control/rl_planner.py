@@ -51,6 +51,7 @@ from envs.site import Site, SplitData, load_site
 from pipeline.control.backtest import UNSERVED_COST, evaluation_site
 from pipeline.control.learned import run_planner
 from pipeline.control.mpc import MPCController, PlannerParams
+from pipeline.control.tuned import rl_policy_file, rl_run_dir
 
 ENV_ID = "EVHubPlanner-v0"
 REWARD_SCALE_KG = 50.0
@@ -384,16 +385,6 @@ def training_environ(site_toml: str | Path, split: str = "train", window: tuple[
     }
 
 
-def run_dir(tuned_dir: str | Path, seed: int) -> Path:
-    """The training run of ``mpc_rl``'s policy of ``seed``, beside the tuning: ``<tuned_dir>/mpc_rl_seed<seed>/``."""
-    return Path(tuned_dir) / f"mpc_rl_seed{seed}"
-
-
-def policy_file(run_dir: str | Path) -> Path:
-    """The exported day-level policy of an ``mpc_rl`` training run."""
-    return Path(run_dir) / "policy.pt2"
-
-
 def start_params(site: Site) -> PlannerParams:
     """The planner's parameters under the untrained policy's action: the zero action every day (the mean of PPO's
     Gaussian policy at its start, whose mean layer starts near zero): weight 0.5, terminal value 1.0, the others
@@ -421,7 +412,7 @@ def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tup
     """
     from envs.kpis import load_policy
 
-    path = policy_file(run_dir(tuned_dir, seed))
+    path = rl_policy_file(rl_run_dir(tuned_dir, seed))
     if not path.is_file():
         raise FileNotFoundError(
             f"{path}: no trained mpc_rl policy for seed {seed} (run `doit run tune` or the pipeline)"

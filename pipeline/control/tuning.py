@@ -41,6 +41,7 @@ import pandas as pd
 from envs.files import write_parquet, write_text
 from envs.site import Site, load_site
 from pipeline import depends
+from pipeline.control.tuned import tuning_files
 from pipeline.paths import PROJECT_ROOT
 
 if TYPE_CHECKING:  # the planner (torch, HiGHS) is imported where a tuning runs, so that reading BUDGETS stays light
@@ -479,14 +480,9 @@ def _short(p: PlannerParams) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the cache
-def result_files(folder: str | Path, seed: int) -> tuple[Path, Path]:
-    """``(summary_json, history_parquet)`` of the tuning with ``seed`` in ``folder``."""
-    return Path(folder) / f"mpc_tuned_seed{seed}.json", Path(folder) / f"mpc_tuned_seed{seed}_history.parquet"
-
-
 def write(result: TuningResult, folder: str | Path, fingerprint_hex: str) -> list[Path]:
     """Write a tuning's summary (JSON, with the fingerprint it was made for) and history atomically."""
-    js, hist = result_files(folder, result.seed)
+    js, hist = tuning_files(folder, result.seed)
     return [
         write_parquet(result.history, hist),
         write_text(js, json.dumps(result.summary() | {"fingerprint": fingerprint_hex}, indent=2)),
@@ -496,7 +492,7 @@ def write(result: TuningResult, folder: str | Path, fingerprint_hex: str) -> lis
 def cached(folder: str | Path, seed: int, fingerprint_hex: str, budget: str = "small") -> dict | None:
     """The cached tuning summary of ``seed`` in ``folder`` when it was made for ``fingerprint_hex`` with ``budget``
     or a larger one (:data:`BUDGETS` order); else None."""
-    js, hist = result_files(folder, seed)
+    js, hist = tuning_files(folder, seed)
     if not (js.is_file() and hist.is_file()):
         return None
     try:
@@ -524,7 +520,7 @@ def load_params(folder: str | Path, seed: int) -> PlannerParams:
     Raises:
         FileNotFoundError: no tuning of that seed there (the message says how to make one).
     """
-    js, _ = result_files(folder, seed)
+    js, _ = tuning_files(folder, seed)
     if not js.is_file():
         raise FileNotFoundError(
             f"{js}: no tuned planner parameters for seed {seed} (run `doit run tune` or the pipeline)"

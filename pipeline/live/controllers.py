@@ -23,6 +23,7 @@ from envs.site import Site
 from pipeline.control import learned, registry, rl_planner, scenario, tuning
 from pipeline.control.backtest import run_window, week_steps, weeks
 from pipeline.control.mpc import MPCController, PlannerParams
+from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
 from pipeline.live.history import History
 from pipeline.live.state import LiveError
 from pipeline.paths import PROJECT_ROOT, shown_path
@@ -144,7 +145,7 @@ def _train_week_table(site: Site, tuned_dir: Path, seed: int, cands: list) -> pd
     """The train split's week table kept beside the tuning (computed and kept there when missing or older than the
     tuning, as :func:`pipeline.control.learned.simulate_adaptive` does)."""
     f = learned.table_file(tuned_dir, "train", seed)
-    stamp = tuning.result_files(tuned_dir, seed)[0].stat().st_mtime_ns
+    stamp = tuning_files(tuned_dir, seed)[0].stat().st_mtime_ns
     if f.is_file() and f.stat().st_mtime_ns >= stamp:
         t = pd.read_parquet(f)
         if t.candidate.nunique() == len(cands):
@@ -157,7 +158,7 @@ def _rl_planner(hist: History, tuned_dir: Path, seed: int) -> tuple[MPCControlle
     the last local midnight (or the history's first step), from the site then (:attr:`LiveState.day_start`,
     :func:`pipeline.control.rl_planner.policy_day_params`); returns it (its forecast refit up to that midnight's day)
     and that midnight's step."""
-    path = rl_planner.policy_file(rl_planner.run_dir(tuned_dir, seed))
+    path = rl_policy_file(rl_run_dir(tuned_dir, seed))
     if not path.is_file():
         raise LiveError(
             f"controller: no trained mpc_rl policy for seed {seed} ({shown_path(path)}): run `doit run pipeline` first"
@@ -230,7 +231,7 @@ def _plan_scenario(run: PlanInputs) -> StepPlan:
 
 
 def _has_policy(tuned_dir: Path, seed: int) -> bool:
-    return rl_planner.policy_file(rl_planner.run_dir(tuned_dir, seed)).is_file()
+    return rl_policy_file(rl_run_dir(tuned_dir, seed)).is_file()
 
 
 @dataclass(frozen=True)

@@ -25,50 +25,13 @@ import functools
 from pathlib import Path
 
 from envs.config import load_config
-from pipeline.control import learned, registry, rl_planner, tuning
+from pipeline.control import learned, registry, tuning
 from pipeline.control.backtest import run_window
 from pipeline.study import results, tasks
 from pipeline.study.cluster import PRIORITY, get_client, training_placement
 from pipeline.study.config import SPLITS, PipelineConfig
 
 STAGES = ("validate", "baselines", "tune", "tune_rl", "planners", "train", "evaluate", "report")
-
-
-def simulated(cfg: PipelineConfig) -> tuple[str, ...]:
-    """The controllers of the ``baselines`` stage for this site: simulated, reading no tuning
-    (:func:`pipeline.control.registry.simulated`)."""
-    return registry.simulated(load_config(cfg.site_toml)[0], tuned=False)
-
-
-def planners(cfg: PipelineConfig) -> tuple[str, ...]:
-    """The controllers of the ``planners`` stage for this site: simulated once per seed from the tuning."""
-    return registry.simulated(load_config(cfg.site_toml)[0], tuned=True)
-
-
-def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
-    """Every file each stage writes, by stage (doit's targets and the stand-ins for skipped stages)."""
-    root = cfg.root
-    runs = [(a, s) for a in cfg.algos for s in cfg.seeds]
-    return {
-        "validate": [root / "validate" / f"{i}.json" for i in tasks.INPUTS],
-        "baselines": [f for c in simulated(cfg) for s in SPLITS for f in results.files(root / "baselines", c, s)],
-        "tune": [f for seed in cfg.seeds for f in tuning.result_files(root / "tuned", seed)] if planners(cfg) else [],
-        "tune_rl": [rl_planner.policy_file(rl_planner.run_dir(root / "tuned", seed)) for seed in cfg.seeds]
-        if "mpc_rl" in planners(cfg)
-        else [],
-        "planners": [
-            f
-            for c in planners(cfg)
-            for seed in cfg.seeds
-            for s in SPLITS
-            for f in results.files(root / "planners", c, s, seed)
-        ],
-        "train": [
-            root / "runs" / results.run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")
-        ],
-        "evaluate": [f for a, seed in runs for s in SPLITS for f in results.files(root / "eval", a, s, seed)],
-        "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
-    }
 
 
 def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
@@ -115,7 +78,7 @@ class _Graph:
         self.site = str(cfg.site_toml)
         self.root = cfg.root
         self.tuned_dir = str(cfg.root / "tuned")
-        self.expected = outputs(cfg)
+        self.expected = results.outputs(cfg)
         self.submit = client.submit
         self.futures: dict[str, object] = {}
 
@@ -162,7 +125,7 @@ class _Graph:
             return self.on_disk("validate") if self.stages & {"baselines", "train"} else None
         checks = [
             self.submit(tasks.validate_input, self.site, kind, key=f"validate-{kind}-{self.cfg.experiment}", pure=False)
-            for kind in tasks.INPUTS
+            for kind in results.INPUTS
         ]
         self.futures["validate"] = self.collect(tasks.write_validation, checks, str(self.root / "validate"))
         return self.futures["validate"]
@@ -171,7 +134,7 @@ class _Graph:
         """The simulated controllers (baselines, planners, bounds): one task per controller x split."""
         if "baselines" not in self.stages:
             return self.on_disk("baselines") if "report" in self.stages else None
-        jobs = [self.simulate(c, s, validated) for c in simulated(self.cfg) for s in SPLITS]
+        jobs = [self.simulate(c, s, validated) for c in results.simulated(self.cfg) for s in SPLITS]
         self.futures["baselines"] = self.collect(_flatten, jobs)
         return self.futures["baselines"]
 
@@ -182,13 +145,13 @@ class _Graph:
         if "tune" in self.stages:
             self.futures["tune"] = (
                 tasks.tune_planner(self.site, cfg.seeds, self.tuned_dir, cfg.tune_budget, self.client)
-                if planners(cfg)
+                if results.planners(cfg)
                 else []
             )
         if "tune_rl" in self.stages:
             self.futures["tune_rl"] = (
                 tasks.train_rl_planners(self.site, cfg.seeds, self.tuned_dir, cfg.tune_budget, self.client)
-                if "mpc_rl" in planners(cfg)
+                if "mpc_rl" in results.planners(cfg)
                 else []
             )
 
@@ -202,7 +165,7 @@ class _Graph:
         tables = self.week_tables()
         config = load_config(cfg.site_toml)[0]
         jobs = []
-        for c in planners(cfg):
+        for c in results.planners(cfg):
             for seed in cfg.seeds:
                 for s in SPLITS:
                     if c == "mpc_tuned" and tuning.kept_start(self.tuned_dir, seed, config):
@@ -232,7 +195,7 @@ class _Graph:
         """``mpc_adaptive``'s week tables by seed (none when the site runs no ``mpc_adaptive``): every (candidate,
         week) backtest one task, then a task that writes the seed's table."""
         tables = {}
-        if "mpc_adaptive" in planners(self.cfg):
+        if "mpc_adaptive" in results.planners(self.cfg):
             for seed in self.cfg.seeds:
                 windows = learned.table_windows(self.site, tuning.load_params(self.tuned_dir, seed), SPLITS)
                 backtests = [

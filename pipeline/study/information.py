@@ -48,7 +48,7 @@ from envs.config import load_config
 from envs.files import write_parquet, write_text
 from envs.site import Site, load_site
 from pipeline import depends
-from pipeline.control import registry, rl_planner
+from pipeline.control import registry
 from pipeline.study import results
 from pipeline.study.cluster import PRIORITY, get_client
 from pipeline.study.config import SPLITS
@@ -138,6 +138,8 @@ def simulate(site: Site, split: str, controller: str) -> tuple[pd.DataFrame, pd.
         raise KeyError(
             f"{controller!r} is not a run of the value-of-information table (runs: {', '.join(controllers())})"
         )
+    from pipeline.control import rl_planner  # the planner (torch, HiGHS): imported where a run runs
+
     return rl_planner.simulate_start(
         site, split, controller, perfect_moer=variant.perfect_moer, perfect_arrivals=variant.perfect_arrivals
     )

@@ -34,7 +34,8 @@ from envs.site import load_site
 from pipeline import depends
 from pipeline.control import rl_planner
 from pipeline.control.backtest import evaluation_site, week_steps
-from pipeline.study import graph, results, tasks
+from pipeline.control.tuned import rl_policy_file, rl_run_dir
+from pipeline.study import results, tasks
 from pipeline.study.cluster import PRIORITY, get_client
 from pipeline.study.config import SPLITS
 
@@ -167,7 +168,7 @@ class OnlinePlanner(_WeeklyFineTuning, rl_planner.DailyPolicyPlanner):
         if not (Path(run_dir) / "checkpoint.pt").is_file():
             raise FileNotFoundError(f"{Path(run_dir) / 'checkpoint.pt'}: no mpc_rl run to fine-tune from")
         site = evaluation_site(load_site(site_toml))
-        policy = load_policy(rl_planner.policy_file(run_dir))
+        policy = load_policy(rl_policy_file(run_dir))
         rl_planner.DailyPolicyPlanner.__init__(self, site, split, policy, rl_planner.base_params(site))
         self.seed, self.site_toml, self.work_dir, self.last_run = seed, str(site_toml), Path(work_dir), Path(run_dir)
         self.steps = FINE_TUNE_STEPS["mpc_rl"] if days is None else int(days)
@@ -230,8 +231,8 @@ def online_algos(algos) -> tuple[str, ...]:
 
 def online_forms(cfg) -> tuple[str, ...]:
     """What ``doit run online`` runs an online form of: :func:`online_algos` of ``cfg.algos``, and ``mpc_rl`` where
-    the site runs it (:func:`pipeline.study.graph.planners`)."""
-    return online_algos(cfg.algos) + (("mpc_rl",) if "mpc_rl" in graph.planners(cfg) else ())
+    the site runs it (:func:`pipeline.study.results.planners`)."""
+    return online_algos(cfg.algos) + (("mpc_rl",) if "mpc_rl" in results.planners(cfg) else ())
 
 
 def start_run(cfg, name: str, seed: int) -> Path:
@@ -239,7 +240,7 @@ def start_run(cfg, name: str, seed: int) -> Path:
     beside the tuning."""
     root = Path(cfg.root)
     if name == "mpc_rl":
-        return rl_planner.run_dir(root / "tuned", seed)
+        return rl_run_dir(root / "tuned", seed)
     return root / "runs" / results.run_name(name, seed)
 
 

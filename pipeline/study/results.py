@@ -7,8 +7,14 @@ Under ``<output_dir>/<experiment>/``::
     runs/<agent>_seed<seed>/                               a training run (TensorBoard events, metrics, policy)
     eval/<agent>_seed<seed>_<split>[_traces].parquet       a trained agent evaluated on a split
 
+    validate/<input>.json                                  one input of the site checked (:data:`INPUTS`)
+    tuned/                                                 the learned planners' tuning (:mod:`pipeline.control.tuned`)
+    planners/<controller>_seed<seed>_<split>[_traces].parquet   a learned planner tuned with a seed, on a split
+    report/                                                the report (:mod:`pipeline.study.report`)
+
 Controller names may hold underscores (``rule_based``, ``mpc_perfect``); a split name is the last part and
-never holds one.
+never holds one. :func:`outputs` names every file each stage writes, importing no controller (doit names its targets
+with it before anything heavy is imported).
 """
 
 from __future__ import annotations
@@ -16,6 +22,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from envs.config import load_config
+from pipeline.control import registry
+from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
+from pipeline.study.config import SPLITS, PipelineConfig
+
+INPUTS = ("config", "hourly", "sessions")
+"""The site's inputs, each validated by one task into ``validate/<input>.json``."""
 
 TRACES_SUFFIX = "_traces"
 _SEED = re.compile(r"^(?P<controller>.+)_seed(?P<seed>\d+)$")
@@ -71,3 +85,34 @@ def parse(path: str | Path) -> ResultFile:
         raise ValueError(f"{path}: not a result file (expected <controller>_<split>[_traces].parquet)")
     m = _SEED.match(head)
     return ResultFile(m["controller"], int(m["seed"]), split, traces) if m else ResultFile(head, None, split, traces)
+
+
+def simulated(cfg: PipelineConfig) -> tuple[str, ...]:
+    """The controllers of the ``baselines`` stage for this site: simulated, reading no tuning
+    (:func:`pipeline.control.registry.simulated`)."""
+    return registry.simulated(load_config(cfg.site_toml)[0], tuned=False)
+
+
+def planners(cfg: PipelineConfig) -> tuple[str, ...]:
+    """The controllers of the ``planners`` stage for this site: simulated once per seed from the tuning."""
+    return registry.simulated(load_config(cfg.site_toml)[0], tuned=True)
+
+
+def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
+    """Every file each stage writes, by stage (doit's targets and the stand-ins for skipped stages)."""
+    root = cfg.root
+    runs = [(a, s) for a in cfg.algos for s in cfg.seeds]
+    return {
+        "validate": [root / "validate" / f"{i}.json" for i in INPUTS],
+        "baselines": [f for c in simulated(cfg) for s in SPLITS for f in files(root / "baselines", c, s)],
+        "tune": [f for seed in cfg.seeds for f in tuning_files(root / "tuned", seed)] if planners(cfg) else [],
+        "tune_rl": [rl_policy_file(rl_run_dir(root / "tuned", seed)) for seed in cfg.seeds]
+        if "mpc_rl" in planners(cfg)
+        else [],
+        "planners": [
+            f for c in planners(cfg) for seed in cfg.seeds for s in SPLITS for f in files(root / "planners", c, s, seed)
+        ],
+        "train": [root / "runs" / run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")],
+        "evaluate": [f for a, seed in runs for s in SPLITS for f in files(root / "eval", a, s, seed)],
+        "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
+    }

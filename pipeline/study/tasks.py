@@ -23,14 +23,12 @@ from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_site
 from pipeline import depends
 from pipeline.control import registry, rl_planner, tuning
+from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
 from pipeline.study import results
 from pipeline.study.cluster import PRIORITY
 from pipeline.study.config import AGENT_BUDGETS, AGENT_INPUTS, PROJECT_ROOT, SPLITS, shown_path
 from pipeline.study.report import site_data_sources, write_report
 from pipeline.study.sizing import report_summary
-
-INPUTS = ("config", "hourly", "sessions")
-"""Inputs validated one task each."""
 
 
 def validate_input(site_toml: str, kind: str) -> dict:
@@ -61,7 +59,7 @@ def validate_input(site_toml: str, kind: str) -> dict:
             summary[split] = {"steps": data.num_steps, "sessions": len(data.sessions)}
         return summary
     if kind not in ("hourly", "sessions"):
-        raise ValueError(f"unknown input kind {kind!r}: expected one of {INPUTS}")
+        raise ValueError(f"unknown input kind {kind!r}: expected one of {results.INPUTS}")
     file = path.parent / cfg.data_dir / f"{kind}.parquet"
     df = read_table(file)
     validate_table(kind, df, str(file))
@@ -138,7 +136,7 @@ def tune_planner(site_toml: str, seeds, tuned_dir: str, budget: str, client=None
                 f"({result.solves / max(result.solve_s, 1e-9):.0f} solves/s); {result.params}",
                 flush=True,
             )
-    return [str(f) for s in seeds for f in tuning.result_files(tuned_dir, s)]
+    return [str(f) for s in seeds for f in tuning_files(tuned_dir, s)]
 
 
 def train_rl_planners(site_toml: str, seeds, tuned_dir: str, budget: str, client=None) -> list[str]:
@@ -153,27 +151,27 @@ def train_rl_planners(site_toml: str, seeds, tuned_dir: str, budget: str, client
     days = tuning.BUDGETS[budget].rl_days
     if client is None:
         for seed in todo:
-            train_rl_planner(site_toml, seed, str(rl_planner.run_dir(tuned_dir, seed)), days)
+            train_rl_planner(site_toml, seed, str(rl_run_dir(tuned_dir, seed)), days)
     else:
         options = {"priority": PRIORITY["train"]}  # CPU work (each day is 24 LP solves): no GPU asked for
         client.gather(
             [
                 client.submit(
-                    train_rl_planner, site_toml, seed, str(rl_planner.run_dir(tuned_dir, seed)), days, **options,
+                    train_rl_planner, site_toml, seed, str(rl_run_dir(tuned_dir, seed)), days, **options,
                     pure=False,
                 )
                 for seed in todo
             ]
         )  # fmt: skip
-    return [str(rl_planner.policy_file(rl_planner.run_dir(tuned_dir, s))) for s in seeds]
+    return [str(rl_policy_file(rl_run_dir(tuned_dir, s))) for s in seeds]
 
 
 def rl_planner_trained(site_toml: str, seed: int, tuned_dir: str | Path, budget: str) -> str | None:
     """The budget (a :data:`pipeline.control.tuning.BUDGETS` key) of the finished ``mpc_rl`` run of ``seed`` in
     ``tuned_dir`` when it was trained for this site, data and code with ``budget`` or a larger one; else None."""
-    run = rl_planner.run_dir(tuned_dir, seed)
+    run = rl_run_dir(tuned_dir, seed)
     spec = run / "run.json"
-    if not (spec.is_file() and rl_planner.policy_file(run).is_file()):
+    if not (spec.is_file() and rl_policy_file(run).is_file()):
         return None
     try:
         made = json.loads(spec.read_text()).get("fingerprint")
@@ -497,7 +495,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         )
     root, seeds = Path(out_dir).parent, cfg_dict.get("seeds", ())
     runs = {f"{a} seed {sd}": root / "runs" / results.run_name(a, sd) for a in cfg_dict["algos"] for sd in seeds}
-    runs |= {f"mpc_rl's policy, seed {sd}": rl_planner.run_dir(root / "tuned", sd) for sd in seeds}
+    runs |= {f"mpc_rl's policy, seed {sd}": rl_run_dir(root / "tuned", sd) for sd in seeds}
     if note := resumed_note(runs):
         notes.append(note)
     sizing_file = Path(out_dir).parent / "sizing" / "sizing.parquet"  # a sizing study of this experiment, if run
