@@ -5,8 +5,8 @@ agents; each a Parquet written by :func:`envs.kpis.kpi_row`), their hourly trace
 ``metrics.parquet``, and writes into one folder:
 
 - ``co2_comparison.parquet``: one row per controller x split (:func:`pipeline.study.comparison.read_kpi_files`),
-  columns ``controller``, ``split`` and exactly :data:`envs.kpis.KPI_COLUMNS`, relative KPIs filled by
-  :func:`envs.kpis.add_relative_kpis`, then the seeds' and the untrained starts' columns;
+  columns ``controller``, ``split``, :data:`envs.kpis.KPI_COLUMNS` (the relative KPIs filled by
+  :func:`envs.kpis.add_relative_kpis`), then the seeds' and the untrained starts' columns;
 - the figures of :mod:`pipeline.study.figures`: ``co2_by_controller.png`` (the main one), ``test_week_traces.png``
   and ``learning_curves.png`` (when their inputs exist);
 - ``report.md``: title, the answer (the controller a site should run, with its numbers, then what each of its
