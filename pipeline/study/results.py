@@ -102,16 +102,13 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
     """Every file each stage writes, by stage (doit's targets and the stand-ins for skipped stages)."""
     root = cfg.root
     runs = [(a, s) for a in cfg.algos for s in cfg.seeds]
+    tuned = planners(cfg)  # the site config read once
     return {
         "validate": [root / "validate" / f"{i}.json" for i in INPUTS],
         "baselines": [f for c in simulated(cfg) for s in SPLITS for f in files(root / "baselines", c, s)],
-        "tune": [f for seed in cfg.seeds for f in tuning_files(root / "tuned", seed)] if planners(cfg) else [],
-        "tune_rl": [rl_policy_file(rl_run_dir(root / "tuned", seed)) for seed in cfg.seeds]
-        if "mpc_rl" in planners(cfg)
-        else [],
-        "planners": [
-            f for c in planners(cfg) for seed in cfg.seeds for s in SPLITS for f in files(root / "planners", c, s, seed)
-        ],
+        "tune": [f for seed in cfg.seeds for f in tuning_files(root / "tuned", seed)] if tuned else [],
+        "tune_rl": [rl_policy_file(rl_run_dir(root / "tuned", sd)) for sd in cfg.seeds] if "mpc_rl" in tuned else [],
+        "planners": [f for c in tuned for sd in cfg.seeds for s in SPLITS for f in files(root / "planners", c, s, sd)],
         "train": [root / "runs" / run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")],
         "evaluate": [f for a, seed in runs for s in SPLITS for f in files(root / "eval", a, s, seed)],
         "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
