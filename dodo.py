@@ -427,11 +427,13 @@ def task_online():
     ``<experiment>/online/``; the report shows the rows once they are there. Same settings as the pipeline (``site=``,
     ``experiment=``, ``seeds=``, ``scheduler=``).
     """
-    from pipeline.study import online
+    from pipeline.study import results
 
-    cfg = replace(CFG, algos=online.online_algos(CFG.algos))
+    cfg = replace(CFG, algos=results.online_algos(CFG.algos))
 
     def action():
+        from pipeline.study import online  # torch: imported where the stage runs
+
         quiet_worker_failures(CFG.scheduler_address)
         online.run(cfg)
 
@@ -441,7 +443,7 @@ def task_online():
         + _targets("tune_rl")
         + _site_files()
         + depends.as_strings(depends.files(*depends.ENV, *depends.CONTROL, "pipeline/study/online.py")),
-        "targets": [str(p) for p in online.outputs(cfg)],
+        "targets": [str(p) for p in results.online_outputs(cfg)],
         "clean": True,
         "verbosity": 2,
     }

@@ -142,3 +142,12 @@ def test_the_online_planner_acts_on_the_past_alone(tmp_path):
     toml = write_site(site, tmp_path / "site")
     run = tasks.train_rl_planner(str(toml), 1, str(tmp_path / "run"), 14)
     _acts_on_the_past_alone(tmp_path, "mpc_rl", run, site, 600, 14, ["week003", "week004"])
+
+
+def test_every_online_form_has_its_fine_tuning_budget():
+    """The study's list of online forms (which names the ``online`` task's files) and the online module's budgets
+    name the same controllers."""
+    from pipeline.study import online, results
+
+    assert tuple(online.FINE_TUNE_STEPS) == results.ONLINE_FORMS
+    assert results.online_algos(("ppo", "sac", "a2c", "dqn", "mpc_rl")) == ("ppo", "dqn")

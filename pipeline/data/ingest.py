@@ -170,12 +170,11 @@ def _pv_lines(src: Sources, info: dict) -> list[str]:
         " incidence-angle modifier.",
         f"Cell temperature: `pvlib.temperature.sapm_cell`, SAPM `{p.temperature_model}`, TEMPERATURE.",
         f"DC: `pvlib.pvsystem.pvwatts_dc`, pdc0 = 1 kW, gamma_pdc = {p.gamma_pdc}/K; DC losses"
-        f" {p.system_losses_pct:.2f}% (`pvlib.pvsystem.pvwatts_losses()` defaults: soiling, shading, mismatch,"
+        f" {p.losses_pct:.2f}% (`pvlib.pvsystem.pvwatts_losses()` defaults: soiling, shading, mismatch,"
         " wiring, connections, LID, nameplate, availability)."
-        if abs(p.system_losses_pct - _default_losses()) < 1e-12
+        if p.system_losses_pct is None
         else (
-            f"DC: `pvlib.pvsystem.pvwatts_dc`, pdc0 = 1 kW, gamma_pdc = {p.gamma_pdc}/K; DC losses "
-            f"{p.system_losses_pct:.2f}%."
+            f"DC: `pvlib.pvsystem.pvwatts_dc`, pdc0 = 1 kW, gamma_pdc = {p.gamma_pdc}/K; DC losses {p.losses_pct:.2f}%."
         ),
         f"AC: `pvlib.inverter.pvwatts`, eta_inv_nom = {p.eta_inv_nom}, DC/AC ratio {p.dc_ac_ratio:g} (inverter pdc0 ="
         f" {1 / p.dc_ac_ratio:.4f} kW per kWp, so AC output is capped at {p.eta_inv_nom / p.dc_ac_ratio:.3f}"
@@ -209,7 +208,7 @@ def _pv_lines(src: Sources, info: dict) -> list[str]:
         tail = [
             f"Annual yield of the typical year: **{info['annual_kwh_per_kwp']:.0f} kWh AC per kWp** (plane-of-array"
             f" irradiation {info['annual_poa_kwh_per_m2']:.0f} kWh/m2, GHI {info['annual_ghi_kwh_per_m2']:.0f} kWh/m2;"
-            f" DC before the {p.system_losses_pct:.2f}% losses {info['annual_dc_before_losses_kwh_per_kwp']:.0f}"
+            f" DC before the {p.losses_pct:.2f}% losses {info['annual_dc_before_losses_kwh_per_kwp']:.0f}"
             " kWh/kWp)."
         ]
     elif w.format == "clear-sky":
@@ -251,12 +250,6 @@ def _pv_lines(src: Sources, info: dict) -> list[str]:
             f" {info['annual_kwh_per_kwp']:,.0f} kWh/kWp; peak {info['peak_kw_per_kwp']:.3f} kW/kWp."
         ]
     return head + [""] + [f"{i}. {s}" for i, s in enumerate(steps, 1)] + [""] + tail
-
-
-def _default_losses() -> float:
-    import pvlib
-
-    return float(pvlib.pvsystem.pvwatts_losses())
 
 
 def _carbon_lines(src: Sources, info: dict) -> tuple[list[str], list[str]]:

@@ -33,7 +33,7 @@ from pipeline.data.sources import (
 def pvwatts_chain(params, solpos, dni, ghi, dhi, dni_extra, albedo, temp_air, wind_speed):
     """PV output of 1 kWp DC from irradiance and weather, per time step: plane-of-array irradiance (pvlib
     ``get_total_irradiance`` with ``params.transposition``), SAPM cell temperature, PVWatts DC with
-    ``params.gamma_pdc`` less ``params.system_losses_pct`` of losses, then the PVWatts inverter at
+    ``params.gamma_pdc`` less ``params.losses_pct`` of losses, then the PVWatts inverter at
     ``params.dc_ac_ratio`` and ``params.eta_inv_nom`` (pvlib's PVWatts model, NREL/TP-6A20-62641).
 
     Args:
@@ -65,7 +65,7 @@ def pvwatts_chain(params, solpos, dni, ghi, dhi, dni_extra, albedo, temp_air, wi
     tparams = pvlib.temperature.TEMPERATURE_MODEL_PARAMETERS["sapm"][params.temperature_model]
     temp_cell = pvlib.temperature.sapm_cell(poa_global, temp_air, wind_speed, **tparams)
     pdc = pvlib.pvsystem.pvwatts_dc(poa_global, temp_cell, pdc0=1.0, gamma_pdc=params.gamma_pdc)
-    pdc = pdc * (1.0 - params.system_losses_pct / 100.0)
+    pdc = pdc * (1.0 - params.losses_pct / 100.0)
     pac = pvlib.inverter.pvwatts(pdc, pdc0=1.0 / params.dc_ac_ratio, eta_inv_nom=params.eta_inv_nom)
     return poa_global, pdc, np.clip(np.nan_to_num(np.asarray(pac, dtype=np.float64)), 0.0, None)
 
@@ -84,7 +84,7 @@ def tmy_pv_kw_per_kwp(
     ``dni/ghi/dhi`` and ``albedo`` (0.2 where missing or outside (0, 1)), extraterrestrial DNI from
     ``pvlib.irradiance.get_extra_radiation``; no incidence-angle modifier), cell temperature with
     ``pvlib.temperature.sapm_cell`` (EPW air temperature and wind speed), DC power with
-    ``pvlib.pvsystem.pvwatts_dc`` (pdc0 = 1 kW, ``gamma_pdc``), DC losses ``system_losses_pct``, AC power with
+    ``pvlib.pvsystem.pvwatts_dc`` (pdc0 = 1 kW, ``gamma_pdc``), DC losses ``losses_pct``, AC power with
     ``pvlib.inverter.pvwatts`` (inverter ``pdc0 = 1 / dc_ac_ratio`` kW, ``eta_inv_nom``), floored at 0.
 
     Args:
@@ -140,7 +140,7 @@ def tmy_pv_kw_per_kwp(
         "annual_kwh_per_kwp": float(pac.sum()),
         "annual_poa_kwh_per_m2": float(poa_global.sum() / 1000.0),
         "annual_ghi_kwh_per_m2": float(data["ghi"].sum() / 1000.0),
-        "annual_dc_before_losses_kwh_per_kwp": float(pdc.sum() / (1.0 - params.system_losses_pct / 100.0)),
+        "annual_dc_before_losses_kwh_per_kwp": float(pdc.sum() / (1.0 - params.losses_pct / 100.0)),
         "albedo_range": (float(albedo.min()), float(albedo.max())),
         "peak_kw_per_kwp": float(pac.max()),
     }

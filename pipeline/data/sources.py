@@ -127,8 +127,18 @@ class PVParams:
     """DC nameplate over inverter DC input rating; the inverter's ``pdc0`` is ``1 / dc_ac_ratio`` kW per kWp."""
     eta_inv_nom: float = 0.96
     """Nominal inverter efficiency (PVWatts)."""
-    system_losses_pct: float = field(default_factory=lambda: _pvwatts_losses())
-    """DC system losses, percent (default: ``pvlib.pvsystem.pvwatts_losses()`` defaults, 14.08%)."""
+    system_losses_pct: float | None = None
+    """DC system losses, percent; None: pvlib's PVWatts defaults (:attr:`losses_pct`)."""
+
+    @property
+    def losses_pct(self) -> float:
+        """The DC system losses used, percent: :attr:`system_losses_pct`, or where it is None the defaults of
+        ``pvlib.pvsystem.pvwatts_losses()`` (14.08%; pvlib is imported only here, when the PV is modelled)."""
+        if self.system_losses_pct is not None:
+            return self.system_losses_pct
+        import pvlib
+
+        return float(pvlib.pvsystem.pvwatts_losses())
 
     @classmethod
     def from_config(cls, pv) -> PVParams:
@@ -145,12 +155,6 @@ class PVParams:
         if pv.system_losses_pct is not None:
             kw["system_losses_pct"] = float(pv.system_losses_pct)
         return cls(**kw)
-
-
-def _pvwatts_losses() -> float:
-    import pvlib
-
-    return float(pvlib.pvsystem.pvwatts_losses())
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from pipeline.study.cluster import PRIORITY, get_client
 from pipeline.study.config import SPLITS
 
 FINE_TUNE_STEPS = {"dqn": 10_000, "ppo": 86_016, "mpc_rl": 28}
-"""Env steps of each weekly fine-tuning, by online form (PPO: four rollouts of its cpu preset, 128 envs x 168 steps
-each; ``mpc_rl``: days, two rollouts of its two week-long episodes; how each was chosen: docs/agents.md, "Online
-agents")."""
+"""Env steps of each weekly fine-tuning, by online form (:data:`pipeline.study.results.ONLINE_FORMS`; PPO: four
+rollouts of its cpu preset, 128 envs x 168 steps each; ``mpc_rl``: days, two rollouts of its two week-long episodes;
+how each was chosen: docs/agents.md, "Online agents")."""
 
 PLANNER_LOOKBACK_WEEKS = 4
 """``mpc_rl_online``'s fine-tuning episodes start within the acting split's last this many weeks (and end before the
@@ -213,28 +213,6 @@ def evaluate_online(
     return tasks.write_run(kpis, traces, out_dir, f"{algo}_online", split, seed)
 
 
-def outputs(cfg) -> list[Path]:
-    """The KPI and traces files :func:`run` writes into ``<root>/online/``."""
-    return [
-        Path(p)
-        for a in online_forms(cfg)
-        for s in cfg.seeds
-        for split in SPLITS
-        for p in results.files(Path(cfg.root) / "online", f"{a}_online", split, s)
-    ]
-
-
-def online_algos(algos) -> tuple[str, ...]:
-    """The study's agents that have an online form (:data:`FINE_TUNE_STEPS`)."""
-    return tuple(a for a in algos if a in FINE_TUNE_STEPS and a != "mpc_rl")
-
-
-def online_forms(cfg) -> tuple[str, ...]:
-    """What ``doit run online`` runs an online form of: :func:`online_algos` of ``cfg.algos``, and ``mpc_rl`` where
-    the site runs it (:func:`pipeline.study.results.planners`)."""
-    return online_algos(cfg.algos) + (("mpc_rl",) if "mpc_rl" in results.planners(cfg) else ())
-
-
 def start_run(cfg, name: str, seed: int) -> Path:
     """The train-split run the online form of ``name`` starts from: the agent's ``<root>/runs/`` run, or ``mpc_rl``'s
     beside the tuning."""
@@ -245,10 +223,10 @@ def start_run(cfg, name: str, seed: int) -> Path:
 
 
 def run(cfg, client=None, log=print) -> list[Path]:
-    """``doit run online``: :func:`evaluate_online` for each of :func:`online_forms`, seed and split, one Dask task
-    each (the study's trained runs are their starts, :func:`start_run`), into ``<root>/online/`` (the report shows the
-    rows once they are there; their weekly runs go to ``<root>/online/runs/``). Prints each row's CO2 and the mean wall
-    time of a weekly fine-tuning.
+    """``doit run online``: :func:`evaluate_online` for each of :func:`~pipeline.study.results.online_forms`, seed and
+    split, one Dask task each (the study's trained runs are their starts, :func:`start_run`), into ``<root>/online/``
+    (the report shows the rows once they are there; their weekly runs go to ``<root>/online/runs/``). Prints each row's
+    CO2 and the mean wall time of a weekly fine-tuning.
 
     Raises:
         FileNotFoundError: a run has no checkpoint or policy (run the pipeline's training first).
@@ -258,7 +236,7 @@ def run(cfg, client=None, log=print) -> list[Path]:
 
     out = Path(cfg.root) / "online"
     jobs = []
-    for algo in online_forms(cfg):
+    for algo in results.online_forms(cfg):
         for seed in cfg.seeds:
             run_dir = start_run(cfg, algo, seed)
             if not (run_dir / "checkpoint.pt").is_file():

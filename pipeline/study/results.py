@@ -11,6 +11,7 @@ Under ``<output_dir>/<experiment>/``::
     tuned/                                                 the learned planners' tuning (:mod:`pipeline.control.tuned`)
     planners/<controller>_seed<seed>_<split>[_traces].parquet   a learned planner tuned with a seed, on a split
     report/                                                the report (:mod:`pipeline.study.report`)
+    online/<controller>_online_seed<seed>_<split>[_traces].parquet   an online form (``doit run online``)
 
 Controller names may hold underscores (``rule_based``, ``mpc_perfect``); a split name is the last part and
 never holds one. :func:`outputs` names every file each stage writes, importing no controller (doit names its targets
@@ -30,6 +31,10 @@ from pipeline.study.config import SPLITS, PipelineConfig
 
 INPUTS = ("config", "hourly", "sessions")
 """The site's inputs, each validated by one task into ``validate/<input>.json``."""
+
+ONLINE_FORMS = ("dqn", "ppo", "mpc_rl")
+"""The controllers with an online form (``doit run online``, :mod:`pipeline.study.online`; its
+``FINE_TUNE_STEPS`` has one entry each)."""
 
 TRACES_SUFFIX = "_traces"
 _SEED = re.compile(r"^(?P<controller>.+)_seed(?P<seed>\d+)$")
@@ -113,3 +118,20 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
         "evaluate": [f for a, seed in runs for s in SPLITS for f in files(root / "eval", a, s, seed)],
         "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
     }
+
+
+def online_algos(algos) -> tuple[str, ...]:
+    """The agents of ``algos`` that have an online form (:data:`ONLINE_FORMS`, ``mpc_rl`` apart: a planner)."""
+    return tuple(a for a in algos if a in ONLINE_FORMS and a != "mpc_rl")
+
+
+def online_forms(cfg: PipelineConfig) -> tuple[str, ...]:
+    """What ``doit run online`` runs an online form of: :func:`online_algos` of ``cfg.algos``, and ``mpc_rl`` where
+    the site runs it (:func:`planners`)."""
+    return online_algos(cfg.algos) + (("mpc_rl",) if "mpc_rl" in planners(cfg) else ())
+
+
+def online_outputs(cfg: PipelineConfig) -> list[Path]:
+    """The KPI and traces files ``doit run online`` writes into ``<root>/online/``."""
+    out = Path(cfg.root) / "online"
+    return [p for a in online_forms(cfg) for s in cfg.seeds for sp in SPLITS for p in files(out, f"{a}_online", sp, s)]

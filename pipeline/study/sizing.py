@@ -56,7 +56,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 
 from envs.config import ConfigError, load_config
 from envs.files import write_parquet, write_text
@@ -564,6 +563,8 @@ def plot_co2_saved(table: pd.DataFrame, path: Path) -> Path:
     controllers, splits = _controllers_in(table), _splits_in(table)
     kwp, kwh = sorted(table.kwp.unique()), sorted(table.bess_kwh.unique())
     size = (1.2 + (0.75 * len(kwp) + 1.2) * len(splits), 0.6 + (0.55 * len(kwh) + 0.9) * len(controllers))
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=size, layout="constrained")
     axes = fig.subplots(len(controllers), len(splits), squeeze=False)
     vals = table.co2_avoided_pct.to_numpy(np.float64)
@@ -601,6 +602,8 @@ def plot_pareto(table: pd.DataFrame, path: Path, currency: str = "USD") -> Path:
     controller with the lowest CO2 labelled ``kWp/kWh``. Without costs, x is PV kWp + BESS kWh instead."""
 
     controllers, splits = _controllers_in(table), _splits_in(table)
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6.2 * len(splits), 5.0), layout="constrained")
     axes = fig.subplots(1, len(splits), squeeze=False)[0]
     costs = table.annualised_cost.notna().any()
