@@ -185,14 +185,15 @@ def test_reading_the_settings_and_the_controller_table_imports_no_controller():
 
 
 def test_doit_loads_every_task_without_torch_matplotlib_or_pvlib():
-    """``doit list`` (every task of ``dodo.py`` created, its targets named) imports none of the heavy libraries: each
-    is imported where a stage runs, so doit answers in about a second."""
+    """``doit list`` (every task of ``dodo.py`` created, its targets named) and the study's graph, which doit's process
+    imports to submit a stage's tasks, import none of the heavy libraries: each task imports them where it runs (a Dask
+    worker, or the stage that needs them), so doit answers in about a second."""
     import subprocess
     import sys
 
     code = (
         "import sys; from doit.cmd_base import ModuleTaskLoader; from doit.doit_cmd import DoitMain; import dodo; "
-        "rc = DoitMain(ModuleTaskLoader(dodo)).run(['list', '--all', '-q']); "
+        "rc = DoitMain(ModuleTaskLoader(dodo)).run(['list', '--all', '-q']); import pipeline.study.graph; "
         "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib', 'pvlib', 'highspy')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout

@@ -25,8 +25,7 @@ import functools
 from pathlib import Path
 
 from envs.config import load_config
-from pipeline.control import learned, registry, tuning
-from pipeline.control.backtest import run_window
+from pipeline.control import registry, tuning
 from pipeline.study import results, tasks
 from pipeline.study.cluster import PRIORITY, get_client, training_placement
 from pipeline.study.config import SPLITS, PipelineConfig
@@ -194,6 +193,9 @@ class _Graph:
     def week_tables(self) -> dict[int, object]:
         """``mpc_adaptive``'s week tables by seed (none when the site runs no ``mpc_adaptive``): every (candidate,
         week) backtest one task, then a task that writes the seed's table."""
+        from pipeline.control import learned
+        from pipeline.control.backtest import run_window
+
         tables = {}
         if "mpc_adaptive" in results.planners(self.cfg):
             for seed in self.cfg.seeds:

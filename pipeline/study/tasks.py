@@ -1,4 +1,6 @@
 """The study's tasks: plain functions from file paths to file paths, run as Dask tasks by ``pipeline.study.graph``.
+Each imports the heavy libraries it needs (torch, the planners, matplotlib) where it runs, so the process that only
+orchestrates (doit's, submitting them) imports none.
 
 Every task writes its outputs atomically (temporary name, then rename), so a killed task leaves the
 previous file or none. Under ``<output_dir>/<experiment>/``: ``validate/<input>.json`` (what was checked, written
@@ -19,16 +21,13 @@ import pandas as pd
 
 from envs.config import load_config
 from envs.files import write_parquet, write_text
-from envs.kpis import evaluate_policy, load_policy, read_policy_spec
 from envs.site import load_site
 from pipeline import depends
-from pipeline.control import registry, rl_planner, tuning
+from pipeline.control import registry, tuning
 from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
 from pipeline.study import results
 from pipeline.study.cluster import PRIORITY
 from pipeline.study.config import AGENT_BUDGETS, AGENT_INPUTS, PROJECT_ROOT, SPLITS, shown_path
-from pipeline.study.report import site_data_sources, write_report
-from pipeline.study.sizing import report_summary
 
 
 def validate_input(site_toml: str, kind: str) -> dict:
@@ -187,12 +186,16 @@ def rl_planner_trained(site_toml: str, seed: int, tuned_dir: str | Path, budget:
 
 def _rl_args(days: int) -> tuple[int, tuple[str, ...]]:
     """``(total_timesteps, extra_args)`` of ``mpc_rl``'s training for ``days`` days."""
+    from pipeline.control import rl_planner
+
     return days, rl_planner.ppo_args(days)
 
 
 def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
     """Train ``mpc_rl``'s policy (``algos/ppo.py`` on :data:`pipeline.control.rl_planner.ENV_ID`) for ``days`` days
     into ``run_dir`` (:func:`train_agent`, which keeps a finished run of the same fingerprint); returns the folder."""
+    from pipeline.control import rl_planner
+
     t0 = time.perf_counter()
     run = train_agent(
         "ppo",
@@ -424,6 +427,8 @@ def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: st
     Training figures (``train_wall_s``, ``env_steps``, ``steps_per_s``) come from the run's
     ``metrics.parquet``. Returns ``[kpi_path, traces_path]``.
     """
+    from envs.kpis import evaluate_policy, load_policy, read_policy_spec
+
     site = load_site(site_toml)
     extra = {"seed": float(seed)}
     metrics_path = Path(run_dir) / "metrics.parquet"
@@ -455,6 +460,8 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
     (:func:`pipeline.study.sizing.report_summary`); likewise the value-of-information table
     (``report/value_of_information.parquet``, ``doit run value_of_information``).
     """
+    from pipeline.study.report import site_data_sources, write_report
+    from pipeline.study.sizing import report_summary
 
     c, toml = load_config(cfg_dict["site_toml"])
     budget, inputs = cfg_dict.get("agent_budget", "preset"), cfg_dict.get("agent_inputs", "plain")
