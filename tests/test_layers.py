@@ -184,17 +184,21 @@ def test_reading_the_settings_and_the_controller_table_imports_no_controller():
     assert out.strip() == "[]", out
 
 
-def test_doit_loads_every_task_without_torch_matplotlib_or_pvlib():
+def test_doit_loads_every_task_without_torch_matplotlib_or_pvlib(tmp_path):
     """``doit list`` (every task of ``dodo.py`` created, its targets named) and the study's graph, which doit's process
     imports to submit a stage's tasks, import none of the heavy libraries: each task imports them where it runs (a Dask
-    worker, or the stage that needs them), so doit answers in about a second."""
+    worker, or the stage that needs them), so doit answers in about a second. doit loads ``dodo.py`` as its command
+    line does (so the experiment folder, here a fresh one, is created for its state database)."""
+    import os
     import subprocess
     import sys
 
     code = (
-        "import sys; from doit.cmd_base import ModuleTaskLoader; from doit.doit_cmd import DoitMain; import dodo; "
-        "rc = DoitMain(ModuleTaskLoader(dodo)).run(['list', '--all', '-q']); import pipeline.study.graph; "
+        "import sys; from doit.doit_cmd import DoitMain; "
+        "rc = DoitMain().run(['list', '--all', '-q']); import pipeline.study.graph; "
         "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib', 'pvlib', 'highspy')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "EVHUB_OUTPUT_DIR": str(tmp_path / "fresh" / "experiment")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    out = out.stdout
     assert out.strip().splitlines()[-1] == "0 []", out
