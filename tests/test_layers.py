@@ -188,17 +188,22 @@ def test_doit_loads_every_task_without_torch_matplotlib_or_pvlib(tmp_path):
     """``doit list`` (every task of ``dodo.py`` created, its targets named) and the study's graph, which doit's process
     imports to submit a stage's tasks, import none of the heavy libraries: each task imports them where it runs (a Dask
     worker, or the stage that needs them), so doit answers in about a second. doit loads ``dodo.py`` as its command
-    line does (so the experiment folder, here a fresh one, is created for its state database)."""
+    line does (so the experiment folder, here a fresh one, is created for its state database); ``--status`` runs every
+    up-to-date check, ``mpc_rl``'s own (its run's fingerprint from its training command) included."""
     import os
     import subprocess
     import sys
 
+    run = tmp_path / "outputs" / "caltech" / "tuned" / "mpc_rl_seed1"  # a finished run, made by other code
+    run.mkdir(parents=True)
+    (run / "run.json").write_text('{"fingerprint": "other"}')
+    (run / "policy.pt2").write_bytes(b"")
     code = (
         "import sys; from doit.doit_cmd import DoitMain; "
-        "rc = DoitMain().run(['list', '--all', '-q']); import pipeline.study.graph; "
+        "rc = DoitMain().run(['list', '--status', '--all', '-q']); import pipeline.study.graph; "
         "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'matplotlib', 'pvlib', 'highspy')))"
     )
-    env = {**os.environ, "EVHUB_OUTPUT_DIR": str(tmp_path / "fresh" / "experiment")}
+    env = {**os.environ, "EVHUB_OUTPUT_DIR": str(tmp_path / "outputs")}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     out = out.stdout
     assert out.strip().splitlines()[-1] == "0 []", out

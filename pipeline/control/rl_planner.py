@@ -51,12 +51,10 @@ from envs.site import Site, SplitData, load_site
 from pipeline.control.backtest import UNSERVED_COST, evaluation_site
 from pipeline.control.learned import run_planner
 from pipeline.control.mpc import MPCController, PlannerParams
-from pipeline.control.tuned import rl_policy_file, rl_run_dir
+from pipeline.control.tuned import ENV_ID, EPISODE_DAYS, rl_policy_file, rl_run_dir
 
-ENV_ID = "EVHubPlanner-v0"
 REWARD_SCALE_KG = 50.0
 """A day's CO2 on the shipped caltech site is of this order (kg); rewards are divided by it."""
-EPISODE_DAYS = 7
 OBS_NAMES = (
     "dow_sin",
     "dow_cos",
@@ -333,43 +331,6 @@ class DailyPolicyPlanner:
             self.mpc.set_params(p)
             self.params.append((t, p))
         return self.mpc(obs, env)
-
-
-def ppo_args(days: int) -> tuple[str, ...]:
-    """``algos/ppo.py``'s flags for ``mpc_rl`` (besides seed, output folder and ``--total-timesteps days``): two async
-    workers (each day is 24 LP solves), rollouts of one week per worker, a small net, gamma 0.9 (a day's parameters
-    matter mostly that day and the next); the ``cpu`` preset on the CPU on every machine (the LPs bound it, and the
-    policy is then the same with or without a GPU)."""
-    steps = EPISODE_DAYS
-    return (
-        "--preset",
-        "cpu",
-        "--no-cuda",
-        "--env-id",
-        f"pipeline.control.rl_planner:{ENV_ID}",
-        "--vector-mode",
-        "async",
-        "--num-envs",
-        "2",
-        "--num-steps",
-        str(steps),
-        "--num-minibatches",
-        "1",
-        "--update-epochs",
-        "8",
-        "--hidden-size",
-        "32",
-        "--gamma",
-        "0.9",
-        "--learning-rate",
-        "0.0003",
-        "--num-threads",
-        "1",
-        "--checkpoint-every",
-        "5",
-        "--eval-split",
-        "none",
-    )
 
 
 def training_environ(site_toml: str | Path, split: str = "train", window: tuple[int, int] | None = None) -> dict:

@@ -15,7 +15,7 @@ data after a step, ``tests/test_online.py``). A fine-tuning repeats the run's ne
 
 ``mpc_rl_online`` (:class:`OnlinePlanner`) is the same for ``mpc_rl``'s day-level policy: from its train-split run
 (``<experiment>/tuned/mpc_rl_seed<seed>/``, its start), at each week's start it keeps training (``algos/ppo.py
---init-from`` with :func:`pipeline.control.rl_planner.ppo_args`) for ``FINE_TUNE_STEPS["mpc_rl"]`` days on week-long
+--init-from`` with :func:`pipeline.control.tuned.ppo_args`) for ``FINE_TUNE_STEPS["mpc_rl"]`` days on week-long
 backtests (:class:`pipeline.control.rl_planner.PlannerEnv`) that start in the acting split's last
 :data:`PLANNER_LOOKBACK_WEEKS` weeks and end before the week it acts in, then sets each day's planner parameters with
 the result.
@@ -34,7 +34,7 @@ from envs.site import load_site
 from pipeline import depends
 from pipeline.control import rl_planner
 from pipeline.control.backtest import evaluation_site, week_steps
-from pipeline.control.tuned import rl_policy_file, rl_run_dir
+from pipeline.control.tuned import ppo_args, rl_policy_file, rl_run_dir
 from pipeline.study import results, tasks
 from pipeline.study.cluster import PRIORITY, get_client
 from pipeline.study.config import SPLITS
@@ -183,7 +183,7 @@ class OnlinePlanner(_WeeklyFineTuning, rl_planner.DailyPolicyPlanner):
             window = (max(0, t - PLANNER_LOOKBACK_WEEKS * self.week), t)
             if len(rl_planner.episode_starts(self.site, self.split, *window)):
                 environ = rl_planner.training_environ(self.site_toml, self.split, window)
-                self.policy = self._train_week("ppo", t, rl_planner.ppo_args(self.steps), env_vars=environ,
+                self.policy = self._train_week("ppo", t, ppo_args(self.steps), env_vars=environ,
                                                code=depends.CONTROL)  # fmt: skip
         return rl_planner.DailyPolicyPlanner.__call__(self, obs, env)
 

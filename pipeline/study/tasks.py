@@ -24,7 +24,7 @@ from envs.files import write_parquet, write_text
 from envs.site import load_site
 from pipeline import depends
 from pipeline.control import registry, tuning
-from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
+from pipeline.control.tuned import ppo_args, rl_policy_file, rl_run_dir, tuning_files
 from pipeline.study import results
 from pipeline.study.cluster import PRIORITY
 from pipeline.study.config import AGENT_BUDGETS, AGENT_INPUTS, PROJECT_ROOT, SPLITS, shown_path
@@ -186,13 +186,11 @@ def rl_planner_trained(site_toml: str, seed: int, tuned_dir: str | Path, budget:
 
 def _rl_args(days: int) -> tuple[int, tuple[str, ...]]:
     """``(total_timesteps, extra_args)`` of ``mpc_rl``'s training for ``days`` days."""
-    from pipeline.control import rl_planner
-
-    return days, rl_planner.ppo_args(days)
+    return days, ppo_args(days)
 
 
 def train_rl_planner(site_toml: str, seed: int, run_dir: str, days: int) -> str:
-    """Train ``mpc_rl``'s policy (``algos/ppo.py`` on :data:`pipeline.control.rl_planner.ENV_ID`) for ``days`` days
+    """Train ``mpc_rl``'s policy (``algos/ppo.py`` on :data:`pipeline.control.tuned.ENV_ID`) for ``days`` days
     into ``run_dir`` (:func:`train_agent`, which keeps a finished run of the same fingerprint); returns the folder."""
     from pipeline.control import rl_planner
 
