@@ -1,5 +1,7 @@
 """Faults caused for real: a training run killed with SIGKILL resumes from its last checkpoint to the uninterrupted
-run's networks, bit for bit (every algorithm; the replay buffers rebuilt from their logs), a pipeline killed
+run's networks, training curve and exported policy, bit for bit (every algorithm; the replay buffers rebuilt from
+their logs; the uninterrupted run, another process with PyTorch's deterministic algorithms on, is also the test that
+the same seed gives the same run), a pipeline killed
 mid-training resumes the run when started again, and a process killed while writing a Parquet file never leaves a
 truncated one. The replay buffer and its log alone are in ``tests/test_harness.py``.
 
@@ -181,6 +183,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_run(name, site_toml, tmp_pat
             "--total-timesteps",
             str(case.total),
         ]
+    # the uninterrupted run also switches PyTorch to its deterministic algorithms: on the CPU that changes nothing
+    runs["uninterrupted"].append("--deterministic-algorithms")
     out = tmp_path / "killed"
     ckpt = out / "checkpoint.pt"
     killed = start_and_sigkill(name, runs["killed"], ckpt, case.kill_after)
@@ -210,7 +214,8 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_run(name, site_toml, tmp_pat
     resumes = json.loads((out / "resumes.json").read_text())
     assert [(r["from_global_step"], r["exact"]) for r in resumes] == [(killed_at, True)]
 
-    # the same run uninterrupted ends with the same networks, bit for bit, and logs the same losses and episodes
+    # the same run uninterrupted, in another process, ends with the same networks and exported policy, bit for bit,
+    # and logs the same losses and episodes
     whole = run_algo(name, *runs["uninterrupted"], timeout=300)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     assert not (tmp_path / "uninterrupted" / "resumes.json").exists()
@@ -219,6 +224,10 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_run(name, site_toml, tmp_pat
     for net in a:
         for key in a[net]:
             assert torch.equal(a[net][key], b[net][key]), (net, key)
+    policies = [torch.export.load(str(d / "policy.pt2")).state_dict for d in (out, tmp_path / "uninterrupted")]
+    assert policies[0].keys() == policies[1].keys() and policies[0]
+    for key, weights in policies[0].items():
+        assert torch.equal(weights, policies[1][key]), key
     clocks = [c for c in metrics.columns if c in ("wall_s", "sps") or c.startswith("gpu_")]
     reference = pd.read_parquet(tmp_path / "uninterrupted" / "metrics.parquet")
     pd.testing.assert_frame_equal(metrics.drop(columns=clocks), reference.drop(columns=clocks))
