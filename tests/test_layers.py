@@ -194,10 +194,12 @@ def test_doit_loads_every_task_without_torch_matplotlib_or_pvlib(tmp_path):
     import subprocess
     import sys
 
-    run = tmp_path / "outputs" / "caltech" / "tuned" / "mpc_rl_seed1"  # a finished run, made by other code
+    from pipeline.control.tuned import rl_policy_file, rl_run_dir
+
+    run = rl_run_dir(tmp_path / "outputs" / "caltech" / "tuned", 1)  # a finished run, made by other code
     run.mkdir(parents=True)
     (run / "run.json").write_text('{"fingerprint": "other"}')
-    (run / "policy.pt2").write_bytes(b"")
+    rl_policy_file(run).write_bytes(b"")
     code = (
         "import sys; from doit.doit_cmd import DoitMain; "
         "rc = DoitMain().run(['list', '--status', '--all', '-q']); import pipeline.study.graph; "
