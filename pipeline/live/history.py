@@ -19,6 +19,7 @@ from pipeline.live.state import (
     LiveError,
     LiveState,
     as_timestamp,
+    blank_unrealised,
 )
 
 
@@ -108,9 +109,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     grid = pd.date_range(origin, end, freq=dt, inclusive="left")
     hh = h.assign(time=times).drop_duplicates("time", keep="last").set_index("time").reindex(grid)
     hh = hh.astype({c: np.float32 for c in hh.columns if hh[c].dtype.kind in "fiu"})  # the ingested data's dtype
-    hh.loc[hh.index >= now, "moer_kg_per_kwh"] = np.nan  # nothing after the state's time is read
-    later = [c for c in (*FORECAST_COLUMNS, *MOER_5MIN_COLUMNS) if c in hh]
-    hh.loc[hh.index > now, later] = np.nan
+    hh = blank_unrealised(hh, hh.index, now)  # nothing after the state's time is read
     _check_known(hh, t, horizon_steps, state, dt)
     hourly = hh.rename_axis("time").reset_index()
 

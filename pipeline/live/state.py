@@ -187,11 +187,33 @@ def realised_history(site: Site, split: str, t: int) -> tuple[pd.DataFrame, pd.D
     s = site.sessions
     s = s[(s.arrival >= start) & (s.arrival < end)]
     s = s[np.rint((s.arrival - start) / dt).to_numpy() <= t].reset_index(drop=True)
-    h = h.copy()
-    h.loc[h.time >= now, "moer_kg_per_kwh"] = np.nan
-    later = [c for c in (*FORECAST_COLUMNS, *MOER_5MIN_COLUMNS) if c in h]
-    h.loc[h.time > now, later] = np.nan
-    return h, s
+    return blank_unrealised(h, h.time, now), s
+
+
+def blank_unrealised(hourly: pd.DataFrame, times, now: pd.Timestamp) -> pd.DataFrame:
+    """``hourly`` as known at ``now``: the realised MOER (``moer_kg_per_kwh``) blanked (NaN) at ``now`` and after, the
+    forecasts (:data:`FORECAST_COLUMNS`) and 5-minute values (:data:`~envs.schemas.MOER_5MIN_COLUMNS`) after ``now``;
+    every other column kept (the PV is a typical year's modelled series, known ahead). A new frame with ``hourly``'s
+    index and columns; ``hourly`` is left as it is.
+
+    Args:
+        times: each row's time (UTC), ``len(hourly)`` of them (a column or the index).
+    """
+    times = pd.DatetimeIndex(times)
+    masks = {"moer_kg_per_kwh": times >= now}
+    later = times > now
+    masks.update((c, later) for c in (*FORECAST_COLUMNS, *MOER_5MIN_COLUMNS))
+    columns = {}
+    for c in hourly.columns:
+        if c not in masks:
+            columns[c] = hourly[c]
+            continue
+        v = hourly[c].to_numpy(copy=True)
+        if v.dtype.kind != "f":  # NaN needs a float column
+            v = v.astype(np.float64)
+        v[masks[c]] = np.nan
+        columns[c] = v
+    return pd.DataFrame(columns, index=hourly.index)
 
 
 # ------------------------------------------------------------------------------------------------ the state file
