@@ -21,6 +21,7 @@ from pipeline import live
 from pipeline.control import registry, rl_planner
 from pipeline.control.mpc import PlannerParams
 from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
+from pipeline.live.state import FORECAST_COLUMNS
 
 AT = "2021-08-23T08:00:00-07:00"
 """The hour of the issue's example on the shipped caltech site (its test split)."""
@@ -166,6 +167,26 @@ def test_every_supported_controller_has_one_entry_of_the_dispatch_table():
     :data:`pipeline.live.LIVE_CONTROLLERS`; a refused one has none."""
     assert set(live.LIVE_CONTROLLERS) == set(live.supported())
     assert not set(live.LIVE_CONTROLLERS) & set(live.REFUSED)
+
+
+def test_the_realised_history_blanks_what_was_not_yet_known_and_keeps_the_rest():
+    """At step t the realised MOER is blank from t on, the forecasts and 5-minute values after t; every other value is
+    the site's own, and the site's data are left as they were."""
+    site = _site(days=10)
+    before = site.hourly.copy()
+    t = 8 * 24 + 9
+    hourly, _ = live.realised_history(site, "test", t)
+    start, end = site.config.split_bounds("test")
+    rows = site.hourly[(site.hourly.time >= start) & (site.hourly.time < end)].reset_index(drop=True)
+    assert list(hourly.columns) == list(rows.columns) and len(hourly) == len(rows)
+    step = np.arange(len(rows))
+    later = [c for c in (*FORECAST_COLUMNS, *MOER_5MIN_COLUMNS) if c in rows]
+    assert len(later) == len(FORECAST_COLUMNS) + len(MOER_5MIN_COLUMNS)
+    for c in rows.columns:
+        blank = step >= t if c == "moer_kg_per_kwh" else step > t if c in later else np.zeros(len(rows), bool)
+        np.testing.assert_array_equal(hourly[c].isna().to_numpy(), blank, err_msg=c)
+        pd.testing.assert_series_equal(hourly[c][~blank], rows[c][~blank], obj=c)
+    pd.testing.assert_frame_equal(site.hourly, before)
 
 
 def test_the_plan_reads_nothing_after_the_states_time():
