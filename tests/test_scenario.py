@@ -11,7 +11,7 @@ import scipy.sparse as sp
 from conftest import changed_future, make_site
 
 from envs.kpis import balance_residual, evaluate_policy
-from envs.site import Site
+from envs.site import Site, load_site
 from pipeline.control import registry, scenario
 from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
 from pipeline.control.mpc import STEP_KINDS, KeyKind, MPCController, PlannerParams, lp_key, plugged_evs
@@ -82,6 +82,46 @@ def test_a_warm_start_reaches_each_hours_optimum_in_fewer_iterations(monkeypatch
     # planned cost), so only what every run must do is checked
     for kpi in runs.values():
         assert float(kpi.unserved_kwh.iloc[0]) < 1e-6
+
+
+def test_the_basis_kept_for_the_next_hour_is_the_one_highs_reports(monkeypatch):
+    """``warm_start`` keeps each solve's basis as statuses read off the solution (``mpc._basis_status``); they are
+    exactly the statuses ``Highs.getBasis`` reports, column by column and row by row, in every hour of a split."""
+    site = make_site(days=9, n_sockets=4, grid={"export_allowed": True, "export_credit": "moer"}, pv={"kwp": 25.0})
+    data = site.split("train")
+    solve, checked = MPCController.solve, []
+
+    def compare(self, c, A_eq, b_eq, bounds, t, strict=True, keys=None):
+        z = solve(self, c, A_eq, b_eq, bounds, t, strict, keys)
+        if keys is not None:
+            basis = self._highs.getBasis()
+            np.testing.assert_array_equal(self._basis[1], [int(s) for s in basis.col_status], err_msg=f"step {t}")
+            np.testing.assert_array_equal(self._basis[3], [int(s) for s in basis.row_status], err_msg=f"step {t}")
+            checked.append(t)
+        return z
+
+    monkeypatch.setattr(MPCController, "solve", compare)
+    _run(site, "train", ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=5))
+    assert len(checked) == data.num_steps
+    # a day of the shipped site, whose LPs hold fixed columns at a zero dual (which HiGHS reports at their lower bound)
+    scenario.run_window(load_site("caltech"), "train", 5000, 24)
+    assert len(checked) == data.num_steps + 24
+
+
+def test_appended_rows_are_scipys_stacked_csc_bit_for_bit():
+    """``two_stage`` appends its non-anticipativity rows to the assembled CSC directly; the arrays are those of
+    ``scipy.sparse.vstack`` then ``tocsc`` (so HiGHS gets the same LP as before the shortcut)."""
+    rng = np.random.default_rng(3)
+    for m, n, n_new in ((7, 11, 4), (30, 50, 12), (1, 3, 1)):
+        A = sp.random(m, n, density=0.3, format="csc", random_state=rng)
+        pairs = rng.choice(n_new * n, size=min(2 * n_new, n_new * n), replace=False)
+        rows, cols = pairs // n, pairs % n
+        vals = rng.normal(size=len(rows))
+        got = scenario._append_rows(A, rows, cols, vals, n_new)
+        want = sp.vstack([A, sp.csr_matrix((vals, (rows, cols)), shape=(n_new, n))], format="csr").tocsc()
+        for name in ("indptr", "indices", "data"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        assert got.shape == want.shape
 
 
 def test_the_scenarios_lp_is_their_window_lps_stacked():

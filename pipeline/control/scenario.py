@@ -309,13 +309,13 @@ class ScenarioMPC(MPCController):
         non-anticipativity rows ``z0[j] - zk[j] = 0`` after the blocks' rows for each step-0 column ``j`` of scenario
         0 (``ch, dis, g, u, x`` and the plugged EVs' first columns; the plugged EVs come first in every block, in the
         same order), and with ``shared_bess_steps`` > 1 for the battery's ``ch`` and ``dis`` columns of the window's
-        steps 1 to ``shared_bess_steps - 1`` too. Returns ``w.lp`` with that ``c``, ``A_eq`` (CSR when there are such
-        rows), ``b_eq`` and ``nonanticipativity_rows`` (its ``bounds`` shared)."""
+        steps 1 to ``shared_bess_steps - 1`` too. Returns ``w.lp`` with that ``c``, ``A_eq`` (canonical CSC, as
+        assembled), ``b_eq`` and ``nonanticipativity_rows`` (its ``bounds`` shared)."""
         lp, blocks = w.lp, w.blocks
-        later = np.arange(1, min(shared_bess_steps, blocks[0].H))  # the battery's later shared steps
+        later = np.arange(1, min(shared_bess_steps, blocks[0].H), dtype=np.int64)  # the battery's later shared steps
         shared = [
-            np.r_[[b.off.ch, b.off.dis, b.off.g, b.off.u, b.off.x], b.col0, b.off.ch + later, b.off.dis + later].astype(
-                np.int64
+            np.concatenate(
+                [[b.off.ch, b.off.dis, b.off.g, b.off.u, b.off.x], b.col0, b.off.ch + later, b.off.dis + later]
             )
             for b in blocks
         ]
@@ -323,10 +323,9 @@ class ScenarioMPC(MPCController):
         n_rows = len(shared[0]) * (len(blocks) - 1)
         if n_rows:
             r = np.arange(n_rows)
-            cols = np.r_[np.tile(shared[0], len(blocks) - 1), np.concatenate(shared[1:])]
-            vals = np.r_[np.ones(n_rows), -np.ones(n_rows)]
-            nonanticipativity = sp.csr_matrix((vals, (np.r_[r, r], cols)), shape=(n_rows, A.shape[1]))
-            A = sp.vstack([A, nonanticipativity], format="csr")
+            cols = np.concatenate([np.tile(shared[0], len(blocks) - 1), np.concatenate(shared[1:])])
+            vals = np.concatenate([np.ones(n_rows), -np.ones(n_rows)])
+            A = _append_rows(A.tocsc(), np.concatenate([r, r]), cols, vals, n_rows)
         return replace(
             lp,
             c=prob[lp.col_block] * lp.c,
@@ -334,6 +333,27 @@ class ScenarioMPC(MPCController):
             b_eq=np.concatenate([lp.b_eq, np.zeros(n_rows)]),
             nonanticipativity_rows=n_rows,
         )
+
+
+def _append_rows(A: sp.csc_matrix, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, n_rows: int) -> sp.csc_matrix:
+    """``A`` (canonical CSC, ``(m, n)``) with ``n_rows`` rows appended whose entries are the COO triplets ``rows``
+    (``0..n_rows-1``), ``cols``, ``vals`` (no duplicates): canonical CSC ``(m + n_rows, n)``, the arrays
+    ``sp.vstack([A, B]).tocsc()`` gives, without the round trip through CSR (this runs once per MPC step)."""
+    m, n = A.shape
+    order = np.lexsort((rows, cols))
+    new_rows, new_vals = rows[order] + m, vals[order]
+    per_col = np.bincount(cols, minlength=n)  # (n,) appended entries per column
+    below = np.zeros(n + 1, np.int64)
+    np.cumsum(per_col, out=below[1:])
+    indptr = A.indptr + below  # each column: A's entries, then its appended ones (larger row indices)
+    old_cols = np.repeat(np.arange(n), np.diff(A.indptr))
+    at_a = np.arange(A.nnz) + below[old_cols]
+    at_new = np.arange(len(order)) + A.indptr[1:][cols[order]]
+    indices = np.empty(A.nnz + len(order), np.int32)
+    data = np.empty(A.nnz + len(order), np.float64)
+    indices[at_a], data[at_a] = A.indices, A.data
+    indices[at_new], data[at_new] = new_rows, new_vals
+    return sp.csc_matrix((data, indices, indptr.astype(np.int32)), shape=(m + n_rows, n))
 
 
 def controller(data: SplitData, params: PlannerParams | None = None, **settings) -> ScenarioMPC:
