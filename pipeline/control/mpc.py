@@ -437,7 +437,9 @@ class MPCController:
             s = np.arange(max(shift + 1, 0), min(shift + H, t + 1 if shift < t else d.num_steps))
             if isinstance(share, tuple):  # (share, the steps k of the window this past day stands for)
                 share, ks = share
-                s = s[np.isin(s - shift, ks)]
+                stands = np.zeros(H, bool)
+                stands[ks] = True
+                s = s[stands[s - shift]]  # s - shift lies in 1..H-1
             steps.append(s)
             shifts.append(np.full(len(s), shift))
             shares.append(np.full(len(s), float(share)))
