@@ -314,15 +314,38 @@ def test_moer_scenarios_are_the_forecasts_past_errors():
     np.testing.assert_array_equal(off.scenario_moer(t, H, outlook), np.tile(outlook, (3, 1)))
 
 
+def test_moer_revisions_are_the_outlooks_past_hourly_revisions_centred():
+    """With ``moer_revisions = s``, scenario k's MOER at leads from 1 is the outlook plus ``s`` times the revision
+    the outlook issued k + 1 days earlier underwent an hour later, less those revisions' mean over the scenarios
+    (clipped at 0); lead 0 and the scenarios' mean are the outlook's (no clipping here); off, every scenario is it."""
+    site = make_site(days=10, n_sockets=4)
+    data = site.split("train")
+    t, H, s = 8 * 24 + 5, 24, 0.7
+    m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=3, moer_revisions=s)
+    b = site.config.bess
+    for u in range(t):  # the outlooks issued before t (what is issued depends on u alone)
+        m.plan(u, b.soc_min * b.capacity_kwh, np.zeros(4), np.zeros(4, dtype=np.int64))
+    outlook = m.moer_outlook(t, H)
+    got = m.scenario_moer(t, H, outlook)
+    rev = np.stack([m._issued[t - (k + 1) * 24 + 1][: H - 1] - m._issued[t - (k + 1) * 24][1:] for k in range(3)])
+    want = np.maximum(outlook[1:] + s * (rev - rev.mean(0)), 0.0)
+    np.testing.assert_allclose(got[:, 1:], want, rtol=1e-12)
+    np.testing.assert_array_equal(got[:, 0], outlook[0])
+    assert (want > 0).all() and np.abs(rev).max() > 1e-3
+    np.testing.assert_allclose(got.mean(0), outlook, atol=1e-12)
+    with pytest.raises(ValueError, match="moer_revisions"):
+        ScenarioMPC(data, scenario.base_params(data.config), moer_revisions=1.0, moer_scenarios=True)
+
+
 @pytest.mark.parametrize(
-    "today_bandwidth, near, shared",
-    [(0.0, 1.0, 1), (1.0, 1.0, 1), (0.0, 1.6, 1), (0.0, 1.0, 3)],
-    ids=["equal_weights", "weights_by_today", "near", "shared_battery"],
+    "today_bandwidth, near, shared, revisions",
+    [(0.0, 1.0, 1, 0.0), (1.0, 1.0, 1, 0.0), (0.0, 1.6, 1, 0.0), (0.0, 1.0, 3, 0.0), (0.0, 1.0, 1, 1.0)],
+    ids=["equal_weights", "weights_by_today", "near", "shared_battery", "moer_revisions"],
 )
-def test_never_reads_data_after_the_hour(today_bandwidth, near, shared):
+def test_never_reads_data_after_the_hour(today_bandwidth, near, shared, revisions):
     """Changing the MOER and the sessions from step ``last + 1`` on leaves every action up to ``last`` unchanged (MOER
-    scenarios on; with the weights by today, the outlook's contrast at leads 1-5 h, or the battery's first hours
-    shared, too), and the change matters afterwards."""
+    scenarios on, or the outlook's revisions in their place; with the weights by today, the outlook's contrast at
+    leads 1-5 h, or the battery's first hours shared, too), and the change matters afterwards."""
     site = make_site(days=10, n_sockets=4)
     last = (REGRESSION_WARMUP_DAYS + 1) * 24 + 5
     runs = []
@@ -339,7 +362,8 @@ def test_never_reads_data_after_the_hour(today_bandwidth, near, shared):
             params,
             n_scenarios=3,
             recency_half_life=2.0,
-            moer_scenarios=True,
+            moer_scenarios=revisions == 0,
+            moer_revisions=revisions,
             today_bandwidth=today_bandwidth,
             shared_bess_steps=shared,
             keep_plans=True,

@@ -12,7 +12,12 @@ own recourse after it (EV charging of its own arrivals, battery, grid). What the
   forecast by default); with ``moer_scenarios`` scenario ``k`` adds to it the errors the same forecast made at the
   same leads when it was issued ``k + 1`` days before (realised MOER minus that forecast; known by ``t`` for leads
   within a day, 0 beyond), clipped at 0; only outlooks the controller issued itself are read, so a run that starts
-  mid-split plans on the forecast alone for its first days;
+  mid-split plans on the forecast alone for its first days; with ``moer_revisions = s > 0`` scenario ``k`` instead
+  adds, at leads 1 and beyond, ``s`` times how the outlook issued ``k + 1`` days before at the same hour was revised
+  one hour later (the outlook issued at ``u + 1`` for step ``u + j`` minus the one issued at ``u`` for it), less the
+  mean of those revisions over the scenarios that have one (so the scenarios' mean outlook stays the outlook), clipped
+  at 0: what the next hour's outlook may say, which the plan after step 0 learns before it acts, and not the MOER's
+  later surprises (``docs/agents.md``, "MOER scenarios from the outlook's hourly revisions");
 - arrivals: scenario ``k`` is the ``k``-th most recent past day of the same day type (weekday or weekend, local time;
   any day without ``demand_day_type``) whose arrivals are realised by ``t``, chosen for each step of the window by
   :meth:`~pipeline.control.mpc.MPCController.past_days` (which also chooses ``mpc``'s expected demand by day type):
@@ -70,6 +75,9 @@ RECENCY_HALF_LIFE = 0.0
 split."""
 MOER_SCENARIOS = False
 """Whether each scenario adds the forecast's past errors to the MOER outlook, chosen on the train split."""
+MOER_REVISIONS = 0.0
+"""The scale of the outlook's past one-hour revisions each scenario adds to it (0: none), chosen on the train split
+(``docs/agents.md``)."""
 TODAY_BANDWIDTH = 0.0
 """``h``, the bandwidth of the scenarios' weights by today's arrivals (:meth:`ScenarioMPC.today_distance`; 0: not
 weighted by today), chosen on the train split (``docs/agents.md``)."""
@@ -113,6 +121,8 @@ class ScenarioMPC(MPCController):
         recency_half_life: half-life of the scenarios' probabilities, in same-type days (0: uniform).
         today_bandwidth: ``h`` of the weights by today's arrivals (module docstring; 0: none).
         moer_scenarios: add the forecast's past errors at each lead to each scenario's MOER outlook.
+        moer_revisions: the scale of the outlook's past one-hour revisions, centred, added to each scenario's MOER
+            outlook at leads from 1 (module docstring; 0: none).
         scenario_source: ``"past_days"`` or ``"session_model"`` (:data:`SCENARIO_SOURCE`).
         seed: the session model's draws' generator (``"session_model"`` only).
         warm_start: start each hour's HiGHS from the last hour's basis (:class:`~pipeline.control.mpc.MPCController`).
@@ -127,14 +137,15 @@ class ScenarioMPC(MPCController):
 
     Raises:
         ValueError: ``n_scenarios < 1``, ``shared_bess_steps < 1``, a negative half-life or bandwidth, a ``perfect``
-            flag, an unknown scenario source, or weights by today with the session model's scenarios (they have no past
-            day).
+            flag, an unknown scenario source, weights by today with the session model's scenarios (they have no past
+            day), or a negative ``moer_revisions`` or one with ``moer_scenarios``.
     """
 
     n_scenarios: int = N_SCENARIOS
     recency_half_life: float = RECENCY_HALF_LIFE
     today_bandwidth: float = TODAY_BANDWIDTH
     moer_scenarios: bool = MOER_SCENARIOS
+    moer_revisions: float = MOER_REVISIONS
     scenario_source: str = SCENARIO_SOURCE
     seed: int = 1
     warm_start: bool = True
@@ -157,6 +168,11 @@ class ScenarioMPC(MPCController):
             raise ValueError(
                 f"ScenarioMPC: today_bandwidth >= 0, and 0 unless scenario_source is 'past_days', got "
                 f"{self.today_bandwidth} with {self.scenario_source!r}"
+            )
+        if not self.moer_revisions >= 0 or (self.moer_revisions > 0 and self.moer_scenarios):
+            raise ValueError(
+                f"ScenarioMPC: moer_revisions >= 0, and 0 with moer_scenarios, got {self.moer_revisions} with "
+                f"moer_scenarios={self.moer_scenarios}"
             )
         super().__post_init__()
         self._model = SessionModel(self.data, **SESSION_MODEL) if self.scenario_source == "session_model" else None
@@ -249,9 +265,22 @@ class ScenarioMPC(MPCController):
 
     def scenario_moer(self, t: int, H: int, moer: np.ndarray) -> np.ndarray:
         """Each scenario's MOER over the window, ``(K, H)`` kg/kWh: the outlook ``moer`` (``(H,)``), plus, with
-        ``moer_scenarios``, scenario ``k``'s past error at each lead (module docstring). Only outlooks this
-        controller issued itself and MOER realised before ``t`` are read."""
+        ``moer_scenarios``, scenario ``k``'s past error at each lead, or with ``moer_revisions``, its past one-hour
+        revision (module docstring). Only outlooks this controller issued itself and MOER realised before ``t`` are
+        read."""
         out = np.repeat(moer[None], self.n_scenarios, 0)
+        if self.moer_revisions > 0:
+            rev = np.zeros((self.n_scenarios, H - 1))
+            have = np.zeros(self.n_scenarios, bool)
+            for m in range(self.n_scenarios):
+                u = t - (m + 1) * self.day_steps
+                a, b = self._issued.get(u), self._issued.get(u + 1)
+                if a is not None and b is not None:  # issued with this H: leads 1..H-1, step u + j for j = 1..H-1
+                    rev[m], have[m] = b[: H - 1] - a[1:H], True
+            if have.any():
+                rev[have] -= rev[have].mean(0)
+                out[:, 1:] = np.maximum(out[:, 1:] + self.moer_revisions * rev, 0.0)
+            return out
         if not self.moer_scenarios:
             return out
         for m in range(self.n_scenarios):
@@ -272,11 +301,11 @@ class ScenarioMPC(MPCController):
         from each socket's remaining energy and steps, ``(N,)`` each), as ``(moers, sessions, block)``: ``(K, H)``
         kg/kWh, the scenarios' sessions one after another (:meth:`~pipeline.control.mpc.MPCController.sessions`'
         tuple) and each one's scenario, ``(S,)``. Sets :attr:`prob` (:meth:`probabilities` at ``t``). With
-        ``moer_scenarios`` the outlook is kept for later hours' scenarios."""
+        ``moer_scenarios`` or ``moer_revisions`` the outlook is kept for later hours' scenarios."""
         self.prob = self.probabilities(t)
-        if self.moer_scenarios:
+        if self.moer_scenarios or self.moer_revisions > 0:
             self._issued[t] = moer
-            self._issued.pop(t - (self.n_scenarios + 1) * self.day_steps, None)
+            self._issued.pop(t - (self.n_scenarios + 1) * self.day_steps - 1, None)
         moers = self.scenario_moer(t, H, moer)
         sessions = self.scenario_sessions(t, H, need_all, left_all)
         block = np.repeat(np.arange(len(sessions)), [len(x[0]) for x in sessions])
@@ -406,8 +435,9 @@ def simulate(site: Site | str, split: str, **settings) -> tuple[pd.DataFrame, pd
     rows, cols, nnz = mpc.lp_total / max(mpc.solves, 1)
     print(
         f"mpc_scenario {split}: K {mpc.n_scenarios}, recency half-life {mpc.recency_half_life:g}, MOER scenarios "
-        f"{'on' if mpc.moer_scenarios else 'off'}; {1e3 * mpc.solve_s / max(mpc.solves, 1):.1f} ms per solve (build "
-        f"and HiGHS); the mean LP {rows:.0f} rows x {cols:.0f} columns, {nnz:.0f} nonzeros",
+        f"{'on' if mpc.moer_scenarios else 'off'}, MOER revisions x{mpc.moer_revisions:g}; "
+        f"{1e3 * mpc.solve_s / max(mpc.solves, 1):.1f} ms per solve (build and HiGHS); the mean LP {rows:.0f} rows x "
+        f"{cols:.0f} columns, {nnz:.0f} nonzeros",
         flush=True,
     )
     return out
