@@ -317,7 +317,8 @@ def test_moer_scenarios_are_the_forecasts_past_errors():
 def test_moer_revisions_are_the_outlooks_past_hourly_revisions_centred():
     """With ``moer_revisions = s``, scenario k's MOER at leads from 1 is the outlook plus ``s`` times the revision
     the outlook issued k + 1 days earlier underwent an hour later, less those revisions' mean over the scenarios
-    (clipped at 0); lead 0 and the scenarios' mean are the outlook's (no clipping here); off, every scenario is it."""
+    (clipped at 0); lead 0 and the scenarios' mean are the outlook's (no clipping here); revisions together with
+    the past errors are refused."""
     site = make_site(days=10, n_sockets=4)
     data = site.split("train")
     t, H, s = 8 * 24 + 5, 24, 0.7
