@@ -18,6 +18,8 @@ Settings, as doit variables after the command or as environment variables::
     doit run pipeline experiment=trial            # EVHUB_EXPERIMENT    (default: the site's name)
     doit run pipeline total_timesteps=20000       # EVHUB_TOTAL_TIMESTEPS (default: each script's own)
     doit run pipeline seeds=1,2,3                 # EVHUB_SEEDS
+    doit run pipeline dt_h=1                      # EVHUB_DT_H: the study's step in hours (default: the site TOML's,
+                                                  # 0.25 for the shipped sites); experiment <site>_60min
     doit run pipeline scheduler=tcp://host:8786   # DASK_SCHEDULER_ADDRESS (default: a LocalCluster)
     doit run pipeline algo_args="--compile --cudagraphs"   # EVHUB_ALGO_ARGS (extra flags of every agent script)
     doit run pipeline agent_budget=large                   # EVHUB_AGENT_BUDGET: the agents at their gpu presets
@@ -141,14 +143,14 @@ def task_ingest():
 
     from pipeline.data.ingest import ingest, task_plan
 
-    plan = task_plan(SITE_TOML)
+    plan = task_plan(CFG.base_toml)  # the site TOML as given (a study at another step reads a copy of it)
     if plan["state"] in ("none", "shipped"):
         return {"actions": None, "uptodate": [True], "title": lambda task: plan["line"]}
     if plan["state"] == "error":
         return {"actions": [lambda: TaskFailed(plan["line"])], "uptodate": [False], "verbosity": 2}
 
     def action():
-        ingest(SITE_TOML)
+        ingest(CFG.base_toml)
 
     return {
         "actions": [timed("ingest", doit_action(action))],
@@ -301,6 +303,39 @@ def task_evaluate():
     )
 
 
+def task_physics_baselines():
+    """Score the simulated controllers that read no tuning also on the site simulated at 5 minutes (physics/)."""
+    return {
+        "actions": [_stage("physics_baselines")],
+        "file_dep": _targets("validate") + _site_files() + CONTROLLER_CODE,
+        "targets": _targets("physics_baselines"),
+        "uptodate": [_config_changed()],
+        "clean": True,
+    }
+
+
+def task_physics_planners():
+    """Score the learned planners (each seed) also on the site simulated at 5 minutes (physics/)."""
+    return {
+        "actions": [_stage("physics_planners")],
+        "file_dep": _targets("planners") + _site_files() + CONTROLLER_CODE,
+        "targets": _targets("physics_planners"),
+        "uptodate": [_config_changed()],
+        "clean": True,
+    }
+
+
+def task_physics_agents():
+    """Score each agent's policies also on the site simulated at 5 minutes (physics/), one task per agent."""
+    yield from _per_agent(
+        "physics_agents",
+        "score {algo}'s policies (seeds {seeds}) on the 5-minute site, train and test split",
+        lambda algo, cfg: (
+            [str(p) for p in outputs(cfg)["train"]] + _site_files() + depends.as_strings(depends.files(*depends.ENV))
+        ),
+    )
+
+
 def task_report():
     """Write the CO2 comparison report: report.md, co2_comparison.parquet and figures."""
     return {
@@ -308,6 +343,9 @@ def task_report():
         "file_dep": _targets("baselines")
         + _targets("planners")
         + _targets("evaluate")
+        + _targets("physics_baselines")
+        + _targets("physics_planners")
+        + _targets("physics_agents")
         + depends.as_strings(depends.files(*depends.REPORT)),
         "targets": _targets("report"),
         "uptodate": [_shown_results_changed()],  # a sizing study, value-of-information table or online rows made since

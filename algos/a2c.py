@@ -121,9 +121,11 @@ class Args(harness.RunArgs):
     optimizer_eps: float = 1e-5
     """the epsilon of the optimizer (RMSprop and Adam)"""
     gamma: float = 0.98
-    """the discount factor gamma (0.98: a horizon of about two days of hourly steps)"""
+    """the discount factor gamma, per hour of site time on EVHub-v0 (0.98: a horizon of about two days), per step on
+    other envs"""
     gae_lambda: float = 1.0
-    """the lambda of the generalised advantage estimation (1.0: plain n-step returns, as SB3's A2C)"""
+    """the lambda of the generalised advantage estimation (1.0: plain n-step returns, as SB3's A2C), per hour of site
+    time on EVHub-v0 as gamma"""
     norm_adv: bool = False
     """toggles advantage normalisation over the batch (off in SB3's A2C)"""
     ent_coef: float = 0.0
@@ -504,7 +506,7 @@ def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Opt
         policy,
         env,
         storage=storage,
-        gamma=args.gamma,
+        gamma=harness.per_step(args, args.gamma),
         bootstrap_truncation=args.bootstrap_truncation,
         value_fn=functools.partial(state_value, agent, amp=args.amp) if env.has_final_obs else None,
         step=step,
@@ -515,8 +517,8 @@ def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Opt
         update,
         agent,
         optimizer,
-        gamma=args.gamma,
-        gae_lambda=args.gae_lambda,
+        gamma=harness.per_step(args, args.gamma),
+        gae_lambda=harness.per_step(args, args.gae_lambda),
         vf_coef=args.vf_coef,
         ent_coef=args.ent_coef,
         max_grad_norm=args.max_grad_norm,
@@ -535,7 +537,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     try:
         check_spaces(args.env_id, env.single_observation_space, env.single_action_space)
         if args.norm_reward:  # the discounted return restarts at every episode end, as A2C's returns do
-            env = NormalizeReward(env, args.gamma, reset_on_truncation=True)
+            env = NormalizeReward(env, harness.per_step(args, args.gamma), reset_on_truncation=True)
         obs_shape, discrete, space = tuple(env.obs_shape), env.discrete, env.single_action_space
         act_dim = int(space.n) if discrete else int(np.prod(space.shape))
         storage = make_storage(args.num_steps, sizes.num_envs, obs_shape, act_dim, device, discrete)

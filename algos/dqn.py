@@ -111,7 +111,8 @@ class Args(harness.RunArgs):
     buffer_size: int = 200_000
     """the replay memory buffer size, transitions (preset: 200,000 on cpu, 2,000,000 on gpu)"""
     gamma: float = 0.95
-    """the discount factor gamma (0.95 on EVHub-v0, a horizon of about a day of hourly steps; 0.99 on other envs)"""
+    """the discount factor gamma, per hour of site time on EVHub-v0 (0.95, a horizon of about a day), per step on other
+    envs (0.99)"""
     tau: float = 1.0
     """the target network update rate (1.0: hard copy; below 1: Polyak blend at each target update)"""
     target_network_frequency: int = 5_000
@@ -461,7 +462,7 @@ def bind_hot_functions(
             optimizer,
             rb,
             batch_size,
-            args.gamma,
+            harness.per_step(args, args.gamma),
             args.double_q,
             args.max_grad_norm,
             args.amp,

@@ -96,9 +96,10 @@ class Args(harness.RunArgs):
     anneal_lr: bool = True
     """toggle learning rate annealing (linear to zero over the run)"""
     gamma: float = 0.98
-    """the discount factor gamma (0.98: a horizon of about two days of hourly steps)"""
+    """the discount factor gamma, per hour of site time on EVHub-v0 (0.98: a horizon of about two days), per step on
+    other envs"""
     gae_lambda: float = 0.95
-    """the lambda for the general advantage estimation"""
+    """the lambda for the general advantage estimation, per hour of site time on EVHub-v0 as gamma"""
     num_minibatches: int = 8
     """the number of mini-batches per epoch"""
     update_epochs: int = 5
@@ -488,7 +489,7 @@ def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Opt
         policy,
         env,
         storage=storage,
-        gamma=args.gamma,
+        gamma=harness.per_step(args, args.gamma),
         bootstrap_truncation=args.bootstrap_truncation,
         final_value=final_value,
         step=step,
@@ -501,7 +502,11 @@ def bind_hot_functions(args: Args, env, agent: Agent, optimizer: torch.optim.Opt
         args,
         compile=False,
         estimate_advantages=functools.partial(
-            estimate_advantages, agent, gamma=args.gamma, gae_lambda=args.gae_lambda, amp=args.amp
+            estimate_advantages,
+            agent,
+            gamma=harness.per_step(args, args.gamma),
+            gae_lambda=harness.per_step(args, args.gae_lambda),
+            amp=args.amp,
         ),
     )
     (minibatch_step,) = harness.bind(
@@ -530,7 +535,11 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     env = harness.make_env(args, sizes.num_envs, device, action_mode=args.action_mode)
     check_spaces(args.env_id, env.single_observation_space, env.single_action_space)
     if args.norm_reward:
-        env = NormalizeReward(env, args.gamma, reset_on_truncation=env.has_final_obs or not args.bootstrap_truncation)
+        env = NormalizeReward(
+            env,
+            harness.per_step(args, args.gamma),
+            reset_on_truncation=env.has_final_obs or not args.bootstrap_truncation,
+        )
     obs_shape, discrete = tuple(env.obs_shape), env.discrete
     act_dim = int(env.single_action_space.n) if discrete else int(np.prod(env.single_action_space.shape))
     storage = make_storage(sizes, obs_shape, act_dim, discrete, device)

@@ -104,9 +104,9 @@ class Args(harness.RunArgs):
     """the replay memory buffer size, in transitions; one that does not fit in CUDA memory at setup is halved, down
     to max(num_envs, batch_size) rows"""
     gamma: float = 0.99
-    """the discount factor gamma (on caltech's train split, cpu preset: 0.99 evaluated best of 0.9, 0.95, 0.98 and
-    0.99; at 0.9 the policy defers EV charging towards the deadline floor, whose cost lies beyond its horizon, and
-    ends above uncontrolled; docs/agents.md)"""
+    """the discount factor gamma, per hour of site time on EVHub-v0, per step on other envs (on caltech's train split,
+    hourly steps, cpu preset: 0.99 evaluated best of 0.9, 0.95, 0.98 and 0.99; at 0.9 the policy defers EV charging
+    towards the deadline floor, whose cost lies beyond its horizon, and ends above uncontrolled; docs/agents.md)"""
     tau: float = 0.005
     """target smoothing coefficient (Polyak averaging: target <- (1 - tau) * target + tau * online)"""
     batch_size: int = 256
@@ -491,7 +491,7 @@ def bind_hot_functions(
         qf_target=qf_target,
         log_alpha=log_alpha,
         q_optimizer=optimizers["q_optimizer"],
-        gamma=args.gamma,
+        gamma=harness.per_step(args, args.gamma),
         amp=args.amp,
     )
     actor_step = functools.partial(

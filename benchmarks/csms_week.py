@@ -4,7 +4,8 @@ What is run: the central system (site clock, the site's data as its MOER feed, i
 the simulated site (:mod:`pipeline.live.simsite`: the site's charge points as OCPP 1.6J clients on localhost) over the
 first ``days`` days of the split, in one event loop. The reference is the study's own run of the controller
 (:meth:`pipeline.control.registry.Controller.simulate`) over a copy of the site whose split ends two days after the
-week (the plans of the week never reach that end, so they are the full split's), its first ``days * 24`` hours of CO2.
+week (the plans of the week never reach that end, so they are the full split's), the CO2 of its steps in the first
+``days * 24`` hours. Both run at the site's step (its TOML's ``dt_h``).
 
 Run ``python -m benchmarks.csms_week --help``; the table goes to ``outputs/bench/csms_week.parquet``.
 """
@@ -26,12 +27,14 @@ COLUMNS = (
     "transactions", "plans", "plan_p50_s", "plan_p99_s", "wall_s",
 )  # fmt: skip
 """Columns: the site, controller and hours run; the week's CO2 (kg) and unserved energy (kWh) through the central
-system and in the study's run; the transactions the central system saw, its plans, their latency (s) and the run's
-wall time (s)."""
+system and in the study's run; the transactions the central system saw, its plans (new plans: between them the last
+one holds), their latency (s) and the run's wall time (s)."""
 
 
-def study_week(site, controller: str, split: str, hours: int) -> tuple[float, float]:
-    """The study's run of ``controller`` over the first ``hours`` of ``split``: ``(co2_kg, unserved_kwh)``."""
+def study_week(site, controller: str, split: str, hours: float) -> tuple[float, float]:
+    """The study's run of ``controller`` over the first ``hours`` of ``split`` (its steps of the site's ``dt_h``):
+    ``(co2_kg, unserved_kwh)``."""
+    from envs import timestep
     from envs.site import Site
     from pipeline.control import registry
 
@@ -40,9 +43,9 @@ def study_week(site, controller: str, split: str, hours: int) -> tuple[float, fl
     last = (start + pd.Timedelta(hours=hours) + pd.Timedelta(days=1)).date().isoformat()
     splits = {s: getattr(cfg.splits, s) for s in ("train", "test")}
     splits[split] = (start.date().isoformat(), last)
-    short = Site(cfg.replace(splits=splits), site.hourly, site.sessions, dict(site.source))
+    short = Site(cfg.replace(splits=splits), site.series, site.sessions, dict(site.source))
     _, traces = registry.get(controller).simulate(short, split)
-    week = traces.iloc[:hours]
+    week = traces.iloc[: timestep.steps(hours, cfg.dt_h)]
     return float(week.co2_kg.sum()), float(week.unserved_kwh.sum())
 
 
@@ -79,8 +82,8 @@ def run(
         "wall_s": res.wall_s,
     }
     print(
-        f"{controller} on {s.config.name}, first {res.hours} h of {split}: CO2 {res.co2_kg:.3f} kg through the central "
-        f"system, {co2:.3f} kg in the study's run (difference {res.co2_kg - co2:+.4f} kg); unserved "
+        f"{controller} on {s.config.name}, first {res.hours:g} h of {split}: CO2 {res.co2_kg:.3f} kg through the "
+        f"central system, {co2:.3f} kg in the study's run (difference {res.co2_kg - co2:+.4f} kg); unserved "
         f"{res.unserved_kwh:.4f} / {unserved:.4f} kWh; {transactions} transactions, {len(lat)} plans (p50 "
         f"{row['plan_p50_s']:.3f} s, p99 {row['plan_p99_s']:.3f} s), {res.wall_s:.1f} s",
         flush=True,

@@ -22,7 +22,7 @@ and its single env :class:`envs.snake.SnakeEnv`, with random discrete actions in
 
 What is timed: only ``step`` calls of the vector env, with random actions in [-1, 1] drawn beforehand (a pool
 of :data:`ACTION_POOL` batches, on ``device`` for ``ours`` and as NumPy arrays for the baselines, cycled).
-Episode ends (every ``episode.train_steps`` steps) and the automatic resets they trigger fall inside the timed
+Episode ends (every ``episode.train_h`` hours) and the automatic resets they trigger fall inside the timed
 steps, as they would in training. Not timed: loading the site, building the envs (including starting the
 worker subprocesses), the first ``reset``, drawing the actions, a short warm-up and a calibration run that sizes
 the timed calls. Each (impl, N) is timed ``repeats`` times with :func:`benchmarks.common.median_rate` (which

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.errors import InputError
 from envs.toml_table import REQUIRED, Range, TomlTable
 
@@ -186,8 +187,8 @@ class SplitsConfig:
 class EpisodeConfig:
     """Training episodes (``[episode]``): their length and the demand augmentation of training windows."""
 
-    train_steps: int = 168
-    """Length of a training episode, steps."""
+    train_h: float = 168.0
+    """Length of a training episode, hours (a week; :func:`envs.timestep.steps` turns it into steps)."""
     session_keep_min: float = 1.0
     """Demand augmentation for training windows: each window keeps every arriving EV session with a
     probability drawn uniformly from ``[session_keep_min, 1]`` (1.0: keep all). Full-split runs (evaluation,
@@ -236,6 +237,8 @@ class SiteConfig:
     timezone: str = "UTC"
     data_dir: str = "."
     dt_h: float = 1.0
+    """The step, hours: a whole-minute divisor of the hour (:data:`envs.timestep.STEP_MINUTES`; 0.25 is 15 minutes, 1
+    the hourly study), read to any precision and kept as ``minutes / 60`` exactly (``0.0833333`` is 5 minutes)."""
     synthetic_sessions: bool = False
     """Whether the site's EV sessions are generated rather than measured (the report then says so)."""
     data_note: str = ""
@@ -254,6 +257,11 @@ class SiteConfig:
     sizing: dict[str, Any] = field(default_factory=dict)
     """The ``[sizing]`` table as written (grid and unit costs of ``doit run sizing``); read and checked by
     ``pipeline.study.sizing``, not by the env."""
+
+    @property
+    def episode_steps(self) -> int:
+        """Steps of a training episode: ``episode.train_h`` hours at the site's step (:func:`envs.timestep.steps`)."""
+        return timestep.steps(self.episode.train_h, self.dt_h)
 
     def split_bounds(self, split: str) -> tuple[pd.Timestamp, pd.Timestamp]:
         """UTC ``[start, end)`` of a split: local midnight of its first date to local midnight after its last, in
@@ -332,7 +340,7 @@ RULES: dict[str, Range | tuple[str, ...]] = {
     "grid.import_limit_kw": Range(gt=0, unit="kW"),
     "grid.export_credit": EXPORT_CREDITS,
     "grid.base_load_kw": Range(ge=0, unit="kW"),
-    "episode.train_steps": Range(ge=1),
+    "episode.train_h": Range(gt=0, unit="hours"),
     "episode.session_keep_min": Range(gt=0, le=1, what="a probability"),
     "reward.w_co2": _WEIGHT,
     "reward.w_unserved": _WEIGHT,
@@ -386,12 +394,19 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> SiteConfig:
             kwargs[key] = _read_value(top, key, str(fields[key].type))
     cfg = SiteConfig(**kwargs)
     check_config(cfg, source)
-    return cfg
+    return dataclasses.replace(cfg, dt_h=timestep.exact_dt_h(cfg.dt_h))
+
+
+RENAMED = {"episode.train_steps": "episode.train_h (the episode's length in hours: 168 is a week at every step)"}
+"""Keys of earlier versions of the site TOML and what replaced them: an error names the new key."""
 
 
 def _read_section(t: TomlTable, cls: type) -> Any:
     """One table of the config as its dataclass ``cls`` (keys left out keep their defaults)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in t.raw:
+        if t.dotted(k) in RENAMED:
+            raise t.err(k, f"was replaced by {RENAMED[t.dotted(k)]}")
     t.check_keys(fields)
     kwargs = {k: _read_value(t, k, str(fields[k].type)) for k in t.raw}
     if cls is EVConfig and kwargs.get("sockets"):  # with groups, the one-kind keys are derived
@@ -443,17 +458,22 @@ def check_config(cfg: SiteConfig, source: str = "<config>") -> None:
     :func:`config_from_dict`: check a config built by hand with ``config_from_dict(dataclasses.asdict(cfg))``).
 
     Raises:
-        ConfigError: naming ``source`` and the offending key: ``dt_h`` other than 1 (the data is hourly),
-            ``bess.soc_min >= bess.soc_max``, ``bess.soc_initial`` outside them, ``ev.n_sockets`` or
-            ``ev.socket_kw`` contradicting the ``[[ev.sockets]]`` groups, a ``grid.export_credit`` without
-            export, a base load above the import limit, unparsable or empty or overlapping split dates.
+        ConfigError: naming ``source`` and the offending key: ``dt_h`` that is not a whole-minute divisor of the hour
+            (:func:`envs.timestep.step_minutes`), a training episode shorter than one step, ``bess.soc_min >=
+            bess.soc_max``, ``bess.soc_initial`` outside them, ``ev.n_sockets`` or ``ev.socket_kw`` contradicting the
+            ``[[ev.sockets]]`` groups, a ``grid.export_credit`` without export, a base load above the import limit,
+            unparsable or empty or overlapping split dates.
     """
 
     def bad(key: str, msg: str) -> ConfigError:
         return ConfigError(f"{source}: key '{key}' {msg}")
 
-    if cfg.dt_h != 1.0:
-        raise bad("dt_h", f"must be 1.0: the processed data is hourly, got {cfg.dt_h}")
+    try:
+        timestep.step_minutes(cfg.dt_h)
+    except timestep.StepError as exc:
+        raise bad("dt_h", f"= {cfg.dt_h!r}: {exc}") from None
+    if cfg.episode.train_h < cfg.dt_h:
+        raise bad("episode.train_h", f"({cfg.episode.train_h:g} h) is shorter than one step (dt_h = {cfg.dt_h:g} h)")
     b = cfg.bess
     if b.soc_min >= b.soc_max:
         raise bad("bess.soc_min", f"({b.soc_min}) must be below bess.soc_max ({b.soc_max})")

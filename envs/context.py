@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from envs import timestep
 from envs.site import SplitData
 
 CONTEXT_WINDOWS_H = ((1, 6), (7, 24))
@@ -66,7 +67,7 @@ def n_context(n_groups: int) -> int:
 
 
 def _day_steps(data: SplitData) -> int:
-    return max(1, round(24.0 / data.config.dt_h))
+    return timestep.steps_per_day(data.config.dt_h)
 
 
 def _group_kw(data: SplitData) -> np.ndarray:

@@ -30,20 +30,31 @@ shared earliest-deadline-first. EV actions are clipped to [0, 1] (negative means
 ``"discrete"``: one integer per env choosing a hub action from a grid of BESS levels x EV levels
 (:func:`discrete_action_table`), for value-based agents such as DQN.
 
-Observation (float, about [-1, 1]): local hour and weekday (sin/cos, 4), PV per kWp now and 3 steps ahead (4), MOER of
-the last step (at the split's first step: the data's forecast for it) and its forecasts for this and the next two steps
-(4), SOC (1), aggregates (occupied fraction, energy needed, floor and cap power; 4), outlook (PV energy of the next 24 h
-per kWp, and the EV energy requested per day over the past 7 days; 2), then per socket (occupied, energy needed, steps
-to departure; 3 * n_sockets), then the context (:mod:`envs.context`: the EV energy expected per socket group over the
-next 1-6 and 7-24 hours from the split's last same-type days, and the MOER at 3-5 h from the last week's same hours;
-``2 * n_groups + 3``). Energy needed is scaled per socket by its own power, ``e_i / (8 h * Pmax_i)`` (hours of
-full-power charging left / 8: the same range for a 3.3 kW and a 50 kW socket); the floor and cap aggregates by the
-site's total socket power ``sum_i Pmax_i``, the demand outlook by ``24 h * sum_i Pmax_i / 8`` (with one kind of socket,
-``sum_i Pmax_i = n_sockets * socket_kw`` exactly). The PV look-ahead reads the modelled PV series itself (a perfect
-forecast, as the PV comes from a typical year); the demand feature is causal (sessions that already arrived; since the
-split start when that is less than 7 days back).
+Observation (float, about [-1, 1]), read per hour of site time so that it means the same at every step: local hour and
+weekday (sin/cos, 4), PV per kWp now and 1, 2 and 3 hours ahead (4), the MOER realised over the last hour
+(:func:`last_hour_moer`; before the split's first step: the data's forecast for it) and its forecasts for the hour from
+the step, the next and the one after (4), SOC (1), aggregates (occupied fraction, energy needed, floor and cap power;
+4), outlook (PV energy of the next 24 h per kWp, and the EV energy requested per day over the past 7 days; 2), then per
+socket (occupied, energy needed, hours to departure / 24; 3 * n_sockets), then the context (:mod:`envs.context`: the EV
+energy expected per socket group over the next 1-6 and 7-24 hours from the split's last same-type days, and the MOER at
+3-5 h from the last week's same hours; ``2 * n_groups + 3``). Energy needed is scaled per socket by its own power, ``e_i
+/ (8 h * Pmax_i)`` (hours of full-power charging left / 8: the same range for a 3.3 kW and a 50 kW socket); the floor
+and cap aggregates by the site's total socket power ``sum_i Pmax_i``, the demand outlook by ``24 h * sum_i Pmax_i / 8``
+(with one kind of socket, ``sum_i Pmax_i = n_sockets * socket_kw`` exactly). The PV look-ahead reads the modelled PV
+series itself (a perfect forecast, as the PV comes from a typical year); the demand feature is causal (sessions that
+already arrived; since the split start when that is less than 7 days back).
 
-Episodes: training draws a random window of ``episode.train_steps`` steps of the split per env;
+Physics at a finer step (``physics_dt_h``, evaluation runs): the controller acts every ``dt_h`` on the observation of
+its step (each car's steps to departure rounded up to whole steps, :meth:`EVHubVectorEnv.steps_left`), and the step is
+simulated as sub-steps of ``physics_dt_h`` with the decision held, as a charging profile and a battery set-point hold
+for their period: the EV power the action gives each socket (kW, from the step's floor and cap) stays asked for, within
+each sub-step's own floor and cap, and a car given its cap (all it can take in the step) charges at full power; a car
+that arrives within the step charges at full power until the next decision (a charger without a profile for its session
+does so); the battery keeps its kW set-point (clipped to its SOC limits and, for discharge, the sub-step's deficit).
+Cars arrive and leave at their own sub-steps (:meth:`envs.site.Site.physics_split`); PV and MOER are the sub-steps' own.
+At ``physics_dt_h = dt_h`` the env is exactly the plain one.
+
+Episodes: training draws a random window of ``episode.train_h`` hours of the split per env;
 ``full_split=True`` runs the whole split once from its first step (evaluation). With
 ``episode.session_keep_min < 1`` each training window keeps each arriving session with a probability
 drawn per window from ``[session_keep_min, 1]`` (demand augmentation: a later year may see far fewer
@@ -66,7 +77,7 @@ import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from envs import context, rng
+from envs import context, rng, timestep
 from envs.rng import seeds_tensor, stream_keys
 from envs.site import Site, SplitData, load_site
 
@@ -145,6 +156,56 @@ def obs_dim(n_sockets: int, n_groups: int = 1) -> int:
     return N_SITE_FEATURES + 3 * n_sockets + context.n_context(n_groups)
 
 
+def last_hour_moer(data: SplitData) -> np.ndarray:
+    """The MOER realised over the hour before each step's start, kg/kWh, ``(T,)``: the mean of the last hour's steps
+    (at hourly steps the last step); a step of that hour before the split's first stands for the data's forecast
+    issued at the split's first step (its own realised MOER is not known yet)."""
+    n = timestep.steps_per_hour(data.dt_h)
+    past = np.concatenate([np.full(n, data.moer_fc[0, 0]), data.moer[:-1]])
+    if n == 1:
+        return past
+    c = np.concatenate([[0.0], np.cumsum(past)])
+    return (c[n:] - c[:-n]) / n
+
+
+def observation_tables(d: SplitData) -> dict[str, np.ndarray]:
+    """The per-step tables the observation reads (module docstring), float64, each ``(T, ...)`` for the split's ``T``
+    steps: ``pv_kw`` and ``load_kw`` (kW, padded at the end by 3 hours and a step so that look-ahead indices never run
+    out), ``exo`` (``(T, 12)``: time features, PV per kWp now and 1-3 hours ahead, the last hour's MOER and the
+    forecasts for the next three hours, centred and scaled), ``pv_day`` (PV energy of the next 24 hours per kWp / 8,
+    the series continuing periodically past the split's end) and ``demand`` (EV energy requested per day over the
+    past 7 days, causal, scaled by the sockets' power over a day / 8)."""
+    cfg, T = d.config, d.num_steps
+    kwp = max(cfg.pv.kwp, 1e-9)
+    hour = timestep.steps_per_hour(cfg.dt_h)  # the observation reads the site per hour at every step
+    pad = 3 * hour + 1
+    pv = np.concatenate([d.pv_kw, np.repeat(d.pv_kw[-1:], pad)])
+    exo = np.concatenate(
+        [
+            d.time_features,
+            np.stack([pv[i * hour : i * hour + T] / kwp for i in range(4)], axis=1),
+            (np.concatenate([last_hour_moer(d)[:, None], d.moer_fc], axis=1) - MOER_CENTER) / MOER_SCALE,
+        ],
+        axis=1,
+    )
+    H = timestep.steps_per_day(cfg.dt_h)
+    pv_day = np.concatenate([d.pv_kw, np.resize(d.pv_kw[-H:], H)])
+    c = np.concatenate([[0.0], np.cumsum(pv_day)])
+    pv_next_day_kwh = (c[H : H + T] - c[:T]) * cfg.dt_h  # kWh over steps t .. t+H-1
+    c = np.concatenate([[0.0], np.cumsum(d.arrival_need_kwh.sum(1))])
+    steps = np.arange(T)
+    first = np.maximum(steps - 7 * H, 0)
+    demand_per_day = (c[steps] - c[first]) / np.maximum(steps - first, H) * H  # kWh/day, causal
+    total_kw = math.fsum(d.socket_kw)  # kW, all sockets at full power (one kind: exactly n_sockets * socket_kw)
+    return {
+        "pv_kw": pv,
+        "load_kw": np.concatenate([d.load_kw, np.repeat(d.load_kw[-1:], pad)]),
+        "exo": exo,
+        "pv_day": pv_next_day_kwh / kwp / 8.0,  # ~8 kWh/kWp on a clear summer day
+        "demand": demand_per_day / (total_kw * 24.0) * 8.0,
+    }
+
+
 N_SITE_FEATURES = 19
 """Number of site-level observation features before the ``3 * n_sockets`` per-socket ones."""
 
@@ -175,13 +236,17 @@ class EVHubVectorEnv(VectorEnv):
             integer per env indexing :func:`discrete_action_table`: BESS levels x EV levels of the hub mode).
         device: torch device of all state and returned tensors.
         full_split: run the whole split once from step 0 (evaluation) instead of random windows.
-        episode_steps: training window length in steps (default: the site's ``episode.train_steps``).
+        episode_steps: training window length in steps (default: the site's ``episode.train_h`` hours in steps).
         window_end: training windows lie within the split's steps ``[0, window_end)`` (default: the whole split);
             the online learners train on an acting split's realised past this way.
         dc_prior: training windows (not ``full_split``) add sessions at the DC sockets drawn from
             :mod:`envs.context`'s prior (a site without a socket above :data:`envs.context.LEVEL2_MAX_KW` is unchanged).
         exo_prior: training windows (not ``full_split``) see the MOER and PV changed by per-window factors drawn within
             the month-to-month spread of the steps before ``window_end`` (:mod:`envs.context`, exogenous prior).
+        physics_dt_h: simulate the site at this finer step, hours, a divisor of the site's ``dt_h`` (only with
+            ``full_split``; None: at ``dt_h``). The controller still acts every ``dt_h`` on the observation of its
+            step (module docstring, "Physics at a finer step"); :data:`envs.timestep.PHYSICS_DT_H` is the 5-minute
+            simulation every controller is also scored on.
         dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
         bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
             ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always stored;
@@ -224,6 +289,7 @@ class EVHubVectorEnv(VectorEnv):
         window_end: int | None = None,
         dc_prior: bool = False,
         exo_prior: bool = False,
+        physics_dt_h: float | None = None,
     ):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
@@ -241,7 +307,7 @@ class EVHubVectorEnv(VectorEnv):
         self.dtype = dtype
         self.full_split = full_split
         T = self.data.num_steps
-        self.episode_steps = T if full_split else int(episode_steps or cfg.episode.train_steps)
+        self.episode_steps = T if full_split else int(episode_steps or cfg.episode_steps)
         if self.episode_steps > T:
             raise ValueError(f"episode_steps={self.episode_steps} exceeds the {T} steps of split '{split}'")
         self.window_end = T if window_end is None or full_split else int(window_end)
@@ -268,42 +334,15 @@ class EVHubVectorEnv(VectorEnv):
             return torch.as_tensor(np.asarray(x), dtype=dt, device=self.device)
 
         d = self.data
-        kwp = max(cfg.pv.kwp, 1e-9)
-        # exogenous per-step tables, padded at the end so that look-ahead indices never run out
-        pad = 4
-        pv = np.concatenate([d.pv_kw, np.repeat(d.pv_kw[-1:], pad)])
-        self._pv_kw = t(pv)
-        self._load_kw = t(np.concatenate([d.load_kw, np.repeat(d.load_kw[-1:], pad)]))
+        tables = observation_tables(d)
+        self._pv_kw = t(tables["pv_kw"])
+        self._load_kw = t(tables["load_kw"])
         self._moer = t(d.moer)
-        # the last hour's realised MOER; at the split's first step, the data's forecast for that step (its own
-        # realised MOER is not known yet)
-        moer_prev = np.concatenate([d.moer_fc[:1, 0], d.moer[:-1]])
-        exo = np.concatenate(
-            [
-                d.time_features,
-                np.stack([pv[i : i + T] / kwp for i in range(4)], axis=1),
-                (np.concatenate([moer_prev[:, None], d.moer_fc], axis=1) - MOER_CENTER) / MOER_SCALE,
-            ],
-            axis=1,
-        )
-        self._exo_obs = t(exo)
-        # outlook: PV energy of the next day (the series continues periodically past the split's end) and
-        # the EV energy requested per day over the past week of the split
-        H = max(1, round(24.0 / cfg.dt_h))
-        pv_day = np.concatenate([d.pv_kw, np.resize(d.pv_kw[-H:], H)])
-        c = np.concatenate([[0.0], np.cumsum(pv_day)])
-        pv_next_day_kwh = (c[H : H + T] - c[:T]) * cfg.dt_h  # kWh over steps t .. t+H-1
-        arrived = d.arrival_need_kwh.sum(1)
-        c = np.concatenate([[0.0], np.cumsum(arrived)])
-        steps = np.arange(T)
-        first = np.maximum(steps - 7 * H, 0)
-        demand_per_day = (c[steps] - c[first]) / np.maximum(steps - first, H) * H  # kWh/day, causal
-        self._pv_day_obs = t(pv_next_day_kwh / kwp / 8.0)  # ~8 kWh/kWp on a clear summer day
-        socket_kw = d.socket_kw  # (n_sockets,) kW, each socket's own power
-        self._socket_kw = t(socket_kw)
-        total_kw = math.fsum(socket_kw)  # kW, all sockets at full power (one kind: exactly n_sockets * socket_kw)
-        self._total_socket_kw = total_kw
-        self._demand_obs = t(demand_per_day / (total_kw * 24.0 * cfg.dt_h) * 8.0)
+        self._exo_obs = t(tables["exo"])
+        self._pv_day_obs = t(tables["pv_day"])
+        self._demand_obs = t(tables["demand"])
+        self._socket_kw = t(d.socket_kw)  # (n_sockets,) kW, each socket's own power
+        self._total_socket_kw = math.fsum(d.socket_kw)  # kW, all sockets at full power (one kind: n_sockets * kW)
         self._keep_min = 1.0 if full_split else float(cfg.episode.session_keep_min)
         self._thinning = self._keep_min < 1.0
         self._arrival_need = t(d.arrival_need_kwh)
@@ -330,8 +369,31 @@ class EVHubVectorEnv(VectorEnv):
         self._e_min = b.soc_min * b.capacity_kwh
         self._e_max = b.soc_max * b.capacity_kwh
         self._e_init = b.soc_initial * b.capacity_kwh
-        self._need_scale = self._socket_kw * (cfg.dt_h * 8.0)  # (n_sockets,) kWh; an 8-hour full-power charge
+        self._need_scale = self._socket_kw * 8.0  # (n_sockets,) kWh; an 8-hour full-power charge
         self._num_steps_total = T
+        # the physics: at the site's step, or k sub-steps of a finer one per step (evaluation runs only)
+        self.substeps = 1 if physics_dt_h is None else timestep.substeps(cfg.dt_h, physics_dt_h)
+        if self.substeps > 1 and timestep.step_minutes(physics_dt_h) != timestep.step_minutes(timestep.PHYSICS_DT_H):
+            raise ValueError(
+                f"physics_dt_h={physics_dt_h:.6g}: a finer physics runs at {timestep.PHYSICS_DT_H:.6g} h (5 "
+                "minutes), the step of the site's physics series"
+            )
+        self.physics = self.data
+        if self.substeps > 1:
+            if not full_split:
+                raise ValueError("physics_dt_h: a finer physics runs whole splits only (full_split=True)")
+            self.physics = self.site.physics_split(split)
+            if self.physics.num_steps != T * self.substeps:
+                raise ValueError(
+                    f"physics_dt_h: the physics split has {self.physics.num_steps} steps, not {T} x {self.substeps}"
+                )
+            ph = self.physics
+            self._pv_sub = t(ph.pv_kw)
+            self._load_sub = t(ph.load_kw)
+            self._moer_sub = t(ph.moer)
+            self._arrival_need = t(ph.arrival_need_kwh)
+            self._arrival_stay = t(ph.arrival_stay_steps, torch.int64)
+        self._left_h = self.physics.dt_h  # hours per unit of ev_steps_left
         self._export_credit = 1.0 if cfg.grid.export_credit == "moer" else 0.0  # exported kWh credited at MOER
 
         B, N = num_envs, self.n_sockets
@@ -362,14 +424,23 @@ class EVHubVectorEnv(VectorEnv):
         """State of charge of the BESS, fraction of capacity, shape ``(num_envs,)``."""
         return self.energy_kwh / max(self.cfg.bess.capacity_kwh, 1e-9)
 
-    def _ev_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-socket (floor, cap) charging power, kW, shape ``(num_envs, n_sockets)`` each."""
-        dt = self.cfg.dt_h
+    def steps_left(self) -> torch.Tensor:
+        """Steps of ``dt_h`` until each plugged car leaves (0: the socket is free), ``(num_envs, n_sockets)`` int64:
+        what a controller acting every step plans with. With a finer physics, the physics' sub-steps rounded up to whole
+        steps (a car leaving within the step counts the step); else :attr:`ev_steps_left` itself."""
+        if self.substeps == 1:
+            return self.ev_steps_left
+        return (self.ev_steps_left + (self.substeps - 1)) // self.substeps
+
+    def _ev_bounds(self, sub: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-socket (floor, cap) charging power, kW, shape ``(num_envs, n_sockets)`` each: over a step of the site
+        (the controller's view, :meth:`steps_left`), or with ``sub`` over a sub-step of the finer physics."""
+        dt, left = (self.physics.dt_h, self.ev_steps_left) if sub else (self.cfg.dt_h, self.steps_left())
         pmax = self._socket_kw  # (n_sockets,) kW
-        occupied = self.ev_steps_left > 0
+        occupied = left > 0
         cap = torch.where(occupied, torch.minimum(self.ev_need_kwh / dt, pmax), 0.0)
         if self.cfg.ev.deadline_floor:
-            later = pmax * dt * (self.ev_steps_left - 1).clamp(min=0).to(self.dtype)
+            later = pmax * dt * (left - 1).clamp(min=0).to(self.dtype)
             floor = torch.minimum(((self.ev_need_kwh - later) / dt).clamp(min=0.0), cap)
         else:
             floor = torch.zeros_like(cap)
@@ -395,18 +466,22 @@ class EVHubVectorEnv(VectorEnv):
             "bess_discharge_max_kw": ((self.energy_kwh - self._e_min) * b.eta_discharge / dt).clamp(0, b.power_kw),
         }
 
-    def _plug_in(self) -> None:
-        """Connect the sessions arriving at each env's current step into their sockets."""
-        need = self._arrival_need.index_select(0, self.t)
-        stay = self._arrival_stay.index_select(0, self.t)
+    def _plug_in(self, u: torch.Tensor | None = None) -> torch.Tensor:
+        """Connect the sessions arriving at each env's current step (or at physics sub-step ``u``, ``(num_envs,)``) into
+        their sockets; returns which sockets took a car, ``(num_envs, n_sockets)`` bool."""
+        if u is None:
+            u = self.t * self.substeps if self.substeps > 1 else self.t
+        need = self._arrival_need.index_select(0, u)
+        stay = self._arrival_stay.index_select(0, u)
         arrive = stay > 0
         if self._thinning:  # fixed at construction: no branching on tensor values
-            u = rng.unit(rng.draw(self.rng, self.n_sockets), self.dtype)
-            arrive = arrive & (u < self.session_keep[:, None])
+            keep = rng.unit(rng.draw(self.rng, self.n_sockets), self.dtype)
+            arrive = arrive & (keep < self.session_keep[:, None])
         self.ev_need_kwh.copy_(torch.where(arrive, need, self.ev_need_kwh))
         self.ev_steps_left.copy_(torch.where(arrive, stay, self.ev_steps_left))
         if self._dc_prior:  # fixed at construction
             self._plug_in_dc_prior()
+        return arrive
 
     def _plug_in_dc_prior(self) -> None:
         """The DC prior's sessions (:mod:`envs.context`): each free DC socket gets a car at the current step with
@@ -431,7 +506,7 @@ class EVHubVectorEnv(VectorEnv):
         occupied = (self.ev_steps_left > 0).to(self.dtype)
         floor, cap = self._ev_bounds()
         need = self.ev_need_kwh / self._need_scale
-        steps = self.ev_steps_left.to(self.dtype) / 24.0
+        steps = self.ev_steps_left.to(self.dtype) * self._left_h / 24.0  # hours to departure / 24
         agg = torch.stack(
             [occupied.mean(1), need.sum(1) / N * 4.0, floor.sum(1) / total_kw * 4.0, cap.sum(1) / total_kw],
             dim=1,
@@ -569,7 +644,6 @@ class EVHubVectorEnv(VectorEnv):
     def step(self, actions):
         """Advance every env by one step; see the class docstring for shapes and the module's for physics."""
         cfg = self.cfg
-        dt = cfg.dt_h
         b = cfg.bess
         if self.action_mode == "discrete":
             index = torch.as_tensor(actions, device=self.device).reshape(self.num_envs).long()
@@ -594,6 +668,42 @@ class EVHubVectorEnv(VectorEnv):
             p_bess = torch.where(a_bess >= 0, s_pos + a_bess * (b.power_kw - s_pos), s_pos + a_bess * s_neg)
         else:
             p_bess = a_bess * b.power_kw
+
+        if self.substeps > 1:  # a constructor setting, not a tensor value
+            flows, unserved = self._substeps(ev, p_bess, (ev >= cap * (1.0 - 1e-9)) & (cap > 0))
+        else:
+            flows = self._dispatch(ev, p_bess, floor, cap, pv, load, moer, cfg.dt_h)
+            # time passes: departures, then the end of episodes, then arrivals
+            self.ev_steps_left.sub_(1).clamp_(min=0)
+            departed = self.ev_steps_left == 0
+            unserved = torch.where(departed, self.ev_need_kwh, 0.0).sum(1)
+            self.ev_need_kwh.masked_fill_(departed, 0.0)
+        self.t.add_(1)
+        self.elapsed.add_(1)
+        truncated = self.elapsed >= self.episode_steps
+        # EVs still plugged in when a training window ends are not counted as unserved (their
+        # departure lies beyond the window); in full-split runs every departure lies within the split.
+        # The final step of the split has no successor: clamp before reading, then reset those envs.
+        self.t.clamp_(max=self._num_steps_total - 1)
+        self._reset_envs(truncated)
+        self._plug_in()
+
+        r = cfg.reward
+        peak = flows.pop("peak_excess_kw")
+        cost = r.w_co2 * flows["co2_kg"] + r.w_unserved * unserved + r.w_peak * peak
+        reward = -r.scale * cost
+        terminated = torch.zeros_like(truncated)
+        info = {**flows, "unserved_kwh": unserved}
+        return self._observe(), reward, terminated, truncated, info
+
+    def _dispatch(self, ev, p_bess, floor, cap, pv, load, moer, dt: float) -> dict[str, torch.Tensor]:
+        """One step (or sub-step) of ``dt`` hours of the site's physics (module docstring) from the EV power and the
+        battery set-point asked for, ``(num_envs, n_sockets)`` and ``(num_envs,)`` kW, within the EVs' ``floor`` and
+        ``cap`` of this step and its ``pv``, ``load`` (kW) and ``moer`` (kg/kWh), ``(num_envs,)`` each. Updates the
+        battery's energy and each car's need in place; returns the step's flows (:data:`INFO_KEYS` but
+        ``unserved_kwh``, each ``(num_envs,)``) and ``peak_excess_kw``, the import above the reward's threshold."""
+        cfg, b = self.cfg, self.cfg.bess
+        ev_total = ev.sum(1)
         charge_max = ((self._e_max - self.energy_kwh) / (b.eta_charge * dt)).clamp(min=0.0)
         discharge_max = ((self.energy_kwh - self._e_min) * b.eta_discharge / dt).clamp(min=0.0)
         deficit = (load + ev_total - pv).clamp(min=0.0)
@@ -636,27 +746,7 @@ class EVHubVectorEnv(VectorEnv):
         )
         co2 = (grid_import - grid_export * self._export_credit) * moer * dt  # credit: 0 or 1, a config value
         self.ev_need_kwh.copy_((self.ev_need_kwh - ev * dt).clamp(min=0.0))
-
-        # time passes: departures, then the end of episodes, then arrivals
-        self.t.add_(1)
-        self.elapsed.add_(1)
-        self.ev_steps_left.sub_(1).clamp_(min=0)
-        departed = self.ev_steps_left == 0
-        unserved = torch.where(departed, self.ev_need_kwh, 0.0).sum(1)
-        self.ev_need_kwh.masked_fill_(departed, 0.0)
-        truncated = self.elapsed >= self.episode_steps
-        # EVs still plugged in when a training window ends are not counted as unserved (their
-        # departure lies beyond the window); in full-split runs every departure lies within the split.
-        # The final step of the split has no successor: clamp before reading, then reset those envs.
-        self.t.clamp_(max=self._num_steps_total - 1)
-        self._reset_envs(truncated)
-        self._plug_in()
-
-        r = cfg.reward
-        cost = r.w_co2 * co2 + r.w_unserved * unserved + r.w_peak * (grid_import - r.peak_threshold_kw).clamp(min=0.0)
-        reward = -r.scale * cost
-        terminated = torch.zeros_like(truncated)
-        info = {
+        return {
             "pv_kw": pv,
             "pv_curtailed_kw": curtailed,
             "grid_import_kw": grid_import,
@@ -666,9 +756,38 @@ class EVHubVectorEnv(VectorEnv):
             "ev_charge_kw": ev_total,
             "load_kw": load,
             "co2_kg": co2,
-            "unserved_kwh": unserved,
+            "peak_excess_kw": (grid_import - cfg.reward.peak_threshold_kw).clamp(min=0.0),
         }
-        return self._observe(), reward, terminated, truncated, info
+
+    def _substeps(
+        self, ev_set: torch.Tensor, bess_set: torch.Tensor, full: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The step as :attr:`substeps` sub-steps of the finer physics, the controller's decision held (module
+        docstring, "Physics at a finer step"): each car keeps the power set for its socket, ``ev_set`` (kW, ``(num_envs,
+        n_sockets)``), within its floor and cap of the sub-step, or charges at full power where the decision gave it
+        its cap (``full``, bool, the same shape) and where it arrived since the decision; the battery keeps its
+        set-point ``bess_set`` (kW, + = charge, ``(num_envs,)``). Returns the step's flows (kW means over the
+        sub-steps; ``co2_kg`` summed) and the unserved energy of the cars that left in it, kWh."""
+        k, dt = self.substeps, self.physics.dt_h
+        fresh = torch.zeros_like(self.ev_need_kwh, dtype=torch.bool)  # arrived since the decision
+        total: dict[str, torch.Tensor] = {}
+        unserved = torch.zeros_like(self.energy_kwh)
+        for j in range(k):
+            u = self.t * k + j
+            floor, cap = self._ev_bounds(sub=True)
+            ev = torch.where(fresh | full, cap, torch.minimum(torch.maximum(ev_set, floor), cap))
+            pv, load = self._pv_sub.index_select(0, u), self._load_sub.index_select(0, u)
+            flows = self._dispatch(ev, bess_set, floor, cap, pv, load, self._moer_sub.index_select(0, u), dt)
+            for key, v in flows.items():
+                total[key] = total[key] + v if key in total else v
+            self.ev_steps_left.sub_(1).clamp_(min=0)
+            departed = self.ev_steps_left == 0
+            unserved = unserved + torch.where(departed, self.ev_need_kwh, 0.0).sum(1)
+            self.ev_need_kwh.masked_fill_(departed, 0.0)
+            if j < k - 1:  # the cars of the step's later sub-steps (the next step's first: after the episode's end)
+                fresh = fresh | self._plug_in(u + 1)
+        mean = {key: v if key == "co2_kg" else v / k for key, v in total.items()}
+        return mean, unserved
 
 
 class EVHubEnv(gym.Env):

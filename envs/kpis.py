@@ -81,11 +81,14 @@ def rollout_traces(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float64,
     bess_action: str = "setpoint",
+    physics_dt_h: float | None = None,
 ) -> tuple[pd.DataFrame, float]:
-    """Run ``policy`` once over the whole split, deterministically, and record hourly traces.
+    """Run ``policy`` once over the whole split, deterministically, and record its traces, one row per step.
 
     ``action_mode`` and ``bess_action`` are passed to :class:`~envs.evhub.EVHubVectorEnv`: they must be
-    the ones the policy was trained with.
+    the ones the policy was trained with. With ``physics_dt_h`` the site is simulated at that finer step, the policy
+    acting every step of the site (:class:`~envs.evhub.EVHubVectorEnv`'s ``physics_dt_h``); the traces stay one row per
+    step (flows the sub-steps' means, CO2 and unserved energy their sums).
 
     Returns:
         ``(traces, wall_s)``: a DataFrame with :data:`TRACE_COLUMNS`, one row per step, and the
@@ -104,6 +107,7 @@ def rollout_traces(
         full_split=True,
         dtype=dtype,
         bess_action=bess_action,
+        physics_dt_h=physics_dt_h,
     )
     obs, _ = env.reset(seed=0)
     T = env.data.num_steps
@@ -135,12 +139,14 @@ def check_balance(traces: pd.DataFrame, what: str) -> None:
         raise RuntimeError(f"{what}: energy balance off by {res[i]:.2e} (relative) at {traces.time.iloc[i]}")
 
 
-def kpis_from_traces(traces: pd.DataFrame, data: SplitData) -> dict[str, float]:
+def kpis_from_traces(traces: pd.DataFrame, data: SplitData, sessions: SplitData | None = None) -> dict[str, float]:
     """KPIs of one run (see :data:`KPI_COLUMNS`), except the relative ones and the training columns.
 
     Args:
-        traces: hourly traces of the run (:data:`TRACE_COLUMNS`).
-        data: the split the run covered (for the EV energy asked and the rejected sessions).
+        traces: the run's traces, one row per step of ``data`` (:data:`TRACE_COLUMNS`).
+        data: the split the run covered (its step; the EV energy asked and the rejected sessions).
+        sessions: the split whose sessions the run served, where not ``data``'s (a run at a finer physics:
+            :meth:`envs.site.Site.physics_split`).
 
     Returns:
         dict of floats: energies in kWh, CO2 in kg (``co2_kg`` as the traces count it, net of the export
@@ -148,7 +154,8 @@ def kpis_from_traces(traces: pd.DataFrame, data: SplitData) -> dict[str, float]:
         percentages in %, peak in kW.
     """
     dt = data.config.dt_h
-    accepted = data.sessions[~data.sessions.rejected]
+    sessions = data if sessions is None else sessions
+    accepted = sessions.sessions[~sessions.sessions.rejected]
     requested = float(accepted.need_kwh.sum())
     unserved = float(traces.unserved_kwh.sum())
     delivered = float(traces.ev_charge_kw.sum() * dt)
@@ -169,7 +176,7 @@ def kpis_from_traces(traces: pd.DataFrame, data: SplitData) -> dict[str, float]:
         "ev_energy_delivered_kwh": delivered,
         "ev_energy_served_pct": 100.0 * delivered / requested if requested > 0 else math.nan,
         "unserved_kwh": unserved,
-        "sessions_rejected": float(data.sessions.rejected.sum()),
+        "sessions_rejected": float(sessions.sessions.rejected.sum()),
         "peak_import_kw": float(traces.grid_import_kw.max()),
         "co2_per_kwh_delivered": co2 / delivered if delivered > 0 else math.nan,
     }
@@ -205,10 +212,18 @@ def add_relative_kpis(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def kpi_row(controller: str, split: str, traces: pd.DataFrame, data: SplitData, **extra: float) -> pd.DataFrame:
-    """One-row KPI table for a run, with all :data:`KPI_COLUMNS` (missing ones NaN) plus ``extra``."""
+def kpi_row(
+    controller: str,
+    split: str,
+    traces: pd.DataFrame,
+    data: SplitData,
+    sessions: SplitData | None = None,
+    **extra: float,
+) -> pd.DataFrame:
+    """One-row KPI table for a run, with all :data:`KPI_COLUMNS` (missing ones NaN) plus ``extra``
+    (``sessions``: as :func:`kpis_from_traces`)."""
     row = {"controller": controller, "split": split, **{k: math.nan for k in KPI_COLUMNS}}
-    row.update(kpis_from_traces(traces, data))
+    row.update(kpis_from_traces(traces, data, sessions))
     row.update(extra)
     return pd.DataFrame([row])
 
@@ -221,18 +236,23 @@ def evaluate_policy(
     action_mode: str = "hub",
     device: str | torch.device = "cpu",
     bess_action: str = "setpoint",
+    physics_dt_h: float | None = None,
     **extra: float,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Run a policy over a whole split and return ``(kpi_row, traces)``; see :func:`rollout_traces`.
+    """Run a policy over a whole split and return ``(kpi_row, traces)``; see :func:`rollout_traces` (``physics_dt_h``:
+    the site simulated at that finer step; the row then counts the sessions as that physics discretises them).
 
     ``env_steps`` defaults to the split's step count; ``train_wall_s`` and ``steps_per_s`` stay NaN unless
     given in ``extra`` (a trained agent's figures): no wall-clock measurement goes into the row, so the same
     policy and data give the same row, byte for byte.
     """
-    traces, _ = rollout_traces(policy, site, split, action_mode, device, bess_action=bess_action)
+    traces, _ = rollout_traces(
+        policy, site, split, action_mode, device, bess_action=bess_action, physics_dt_h=physics_dt_h
+    )
     data = site.split(split)
+    physics = site.physics_split(split) if physics_dt_h is not None and physics_dt_h != data.dt_h else None
     extra = {"env_steps": float(data.num_steps), **extra}
-    return kpi_row(controller, split, traces, data, **extra), traces
+    return kpi_row(controller, split, traces, data, physics, **extra), traces
 
 
 POLICY_SPEC = "policy.json"

@@ -1,18 +1,23 @@
 """Pandera schemas of a site's processed data, their validation, and the table reader.
 
-A site's processed data are two tables (written by ``python -m pipeline.data.ingest``; columns, units and
-provenance in ``envs/sites/<site>/README.md``):
+A site's processed data are a time series at each step the site runs at and its sessions (written by ``python -m
+pipeline.data.ingest``; columns, units and provenance in ``envs/sites/<site>/README.md``):
 
-``hourly`` (:data:`HOURLY_SCHEMA`), one row per UTC hour, strictly hourly without gaps:
-    ``time``             datetime64[ns, UTC]  hour start
-    ``pv_kw_per_kwp``    float32  AC PV output per kWp DC, mean over the hour, kW/kWp, in [0, 1.1]
-    ``moer_kg_per_kwh``  float32  marginal operating emissions rate, mean over the hour, kg CO2/kWh, in [0, 2]
-    ``moer_fc_h0..h2``   float32  MOER forecast issued at the hour start for this hour / the next / the one
-                                  after, kg CO2/kWh, in [0, 2]
+``series`` (:func:`series_schema`), ``series_<m>min.parquet``: one row per UTC step of ``m`` minutes, strictly every
+``m`` minutes without gaps:
+    ``time``             datetime64[ns, UTC]  step start
+    ``pv_kw_per_kwp``    float32  AC PV output per kWp DC, mean over the step, kW/kWp, in [0, 1.1]
+    ``moer_kg_per_kwh``  float32  marginal operating emissions rate, mean over the step, kg CO2/kWh, in [0, 2]
+    ``moer_fc_h0..h2``   float32  MOER forecast issued at the step start for the hour from it / the next hour / the
+                                  one after, kg CO2/kWh, in [0, 2] (leads in hours at every step)
     optional (:data:`MOER_5MIN_COLUMNS`, all or none; written where the carbon source is 5-minute with forecasts):
-    ``moer_last_5min``   float32  realised MOER of the last 5-minute interval before the hour start, kg CO2/kWh
-    ``moer_last_15min``  float32  mean realised MOER of the last three 5-minute intervals before the hour start
-    ``moer_fc_5min_01..12``  float32  the 5-minute forecasts for the hour's twelve intervals, issued at its start
+    ``moer_last_5min``   float32  realised MOER of the last 5-minute interval before the step start, kg CO2/kWh
+    ``moer_last_15min``  float32  mean realised MOER of the last three 5-minute intervals before the step start
+    ``moer_fc_5min_01..12``  float32  the 5-minute forecasts for the twelve intervals of the hour from the step
+                                  start, issued at it
+
+``physics`` (:func:`series_schema` with ``physics_only``): the same file at the step the site is also simulated at
+(5 minutes), holding at least ``time``, ``pv_kw_per_kwp`` and ``moer_kg_per_kwh`` (what the physics reads).
 
 ``sessions`` (:data:`SESSIONS_SCHEMA`), one row per EV charging session, sorted by arrival:
     ``session_id``, ``station_id``  str  (session ids unique)
@@ -31,6 +36,7 @@ This module imports nothing from the rest of the project.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +50,10 @@ from envs.toml_table import closest
 
 __all__ = [
     "DataValidationError",
-    "HOURLY_SCHEMA",
+    "series_schema",
     "SESSIONS_SCHEMA",
-    "HOURLY_COLUMNS",
+    "SERIES_COLUMNS",
+    "PHYSICS_COLUMNS",
     "MOER_5MIN_COLUMNS",
     "SESSIONS_COLUMNS",
     "validate_site_data",
@@ -60,9 +67,11 @@ UTC_NS = pd.DatetimeTZDtype("ns", "UTC")
 
 MOER_COLUMNS = ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2")
 MOER_5MIN_COLUMNS = ("moer_last_5min", "moer_last_15min", *(f"moer_fc_5min_{i:02d}" for i in range(1, 13)))
-"""Optional hourly columns: what a 5-minute carbon source says at each hour start beyond the hour means (module
+"""Optional series columns: what a 5-minute carbon source says at each step start beyond the hour means (module
 docstring); a site has all of them or none."""
-HOURLY_COLUMNS = ("time", "pv_kw_per_kwp", *MOER_COLUMNS)
+SERIES_COLUMNS = ("time", "pv_kw_per_kwp", *MOER_COLUMNS)
+PHYSICS_COLUMNS = ("time", "pv_kw_per_kwp", "moer_kg_per_kwh")
+"""The columns a site's simulation at a finer step reads (its PV and MOER; no forecast)."""
 SESSIONS_COLUMNS = ("session_id", "station_id", "arrival", "departure", "energy_kwh", "requested_energy_kwh")
 _TIME_COLUMNS = ("time", "arrival", "departure")
 _FLOAT32_COLUMNS = ("pv_kw_per_kwp", *MOER_COLUMNS, *MOER_5MIN_COLUMNS, "energy_kwh", "requested_energy_kwh")
@@ -87,12 +96,21 @@ class DataValidationError(InputError):
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def _strictly_hourly(s: pd.Series) -> pd.Series:
-    """Element-wise: each timestamp is exactly one hour after the previous row's (first row passes)."""
-    if not pd.api.types.is_datetime64_any_dtype(s):
-        return pd.Series(True, index=s.index)
-    d = s.diff()
-    return d.isna() | (d == pd.Timedelta(hours=1))
+def _regular(minutes: int):
+    """Element-wise check: each timestamp is exactly ``minutes`` after the previous row's (first row passes)."""
+
+    def check(s: pd.Series) -> pd.Series:
+        if not pd.api.types.is_datetime64_any_dtype(s):
+            return pd.Series(True, index=s.index)
+        d = s.diff()
+        return d.isna() | (d == pd.Timedelta(minutes=minutes))
+
+    return check
+
+
+def step_words(minutes: int) -> str:
+    """How a step is said in messages: ``hourly`` for 60 minutes, else ``every 15 minutes``."""
+    return "hourly" if minutes == 60 else f"every {minutes} minutes"
 
 
 def _non_decreasing(s: pd.Series) -> pd.Series:
@@ -119,22 +137,29 @@ def _float_column(lo: float, hi: float | None = None, required: bool = True) -> 
     return pa.Column(np.float32, checks=checks, nullable=False, required=required)
 
 
-HOURLY_SCHEMA = pa.DataFrameSchema(
-    {
-        "time": pa.Column(
-            UTC_NS,
-            checks=[pa.Check(_strictly_hourly, name="strictly_hourly")],
-            nullable=False,
-            unique=True,
-        ),
-        "pv_kw_per_kwp": _float_column(0, PV_MAX_KW_PER_KWP),
-        **{c: _float_column(0, MOER_MAX_KG_PER_KWH) for c in MOER_COLUMNS},
-        **{c: _float_column(0, MOER_MAX_KG_PER_KWH, required=False) for c in MOER_5MIN_COLUMNS},
-    },
-    strict=False,
-    name="hourly",
-)
-"""Schema of ``hourly.parquet`` (see module docstring). Validate with ``lazy=True`` to get all failures."""
+@functools.cache
+def series_schema(minutes: int = 60, physics_only: bool = False) -> pa.DataFrameSchema:
+    """Schema of ``series_<minutes>min.parquet`` (see module docstring); with ``physics_only`` the forecast columns are
+    optional (the series a finer simulation reads). Validate with ``lazy=True`` to get all failures."""
+    return pa.DataFrameSchema(
+        {
+            "time": pa.Column(
+                UTC_NS,
+                checks=[pa.Check(_regular(int(minutes)), name=f"strictly_every_{int(minutes)}_minutes")],
+                nullable=False,
+                unique=True,
+            ),
+            "pv_kw_per_kwp": _float_column(0, PV_MAX_KW_PER_KWP),
+            **{
+                c: _float_column(0, MOER_MAX_KG_PER_KWH, required=c not in MOER_COLUMNS[1:] or not physics_only)
+                for c in MOER_COLUMNS
+            },
+            **{c: _float_column(0, MOER_MAX_KG_PER_KWH, required=False) for c in MOER_5MIN_COLUMNS},
+        },
+        strict=False,
+        name="physics" if physics_only else "series",
+    )
+
 
 SESSIONS_SCHEMA = pa.DataFrameSchema(
     {
@@ -177,13 +202,13 @@ def _fmt_value(v: Any) -> str:
 
 
 def _row_label(kind: str, df: pd.DataFrame, row: int) -> str:
-    """'(time ...)' for hourly rows, '(session ...)' for session rows, '' when unknown."""
+    """'(time ...)' for series rows, '(session ...)' for session rows, '' when unknown."""
     if not 0 <= row < len(df):
         return ""
-    col = "time" if kind == "hourly" else "session_id"
+    col = "session_id" if kind == "sessions" else "time"
     if col not in df:
         return ""
-    return f" ({'time' if kind == 'hourly' else 'session'} {df[col].iloc[row]})"
+    return f" ({'session' if kind == 'sessions' else 'time'} {df[col].iloc[row]})"
 
 
 def _value_has_type(v: Any, expected: str) -> bool:
@@ -260,20 +285,23 @@ def _format_failures(
         if check == "departure_after_arrival":
             value = f"departure {df['departure'].iloc[row]} <= arrival {df['arrival'].iloc[row]}"
             check_txt = "departure > arrival"
-        elif check == "strictly_hourly":
+        elif str(check).startswith("strictly_every_"):
+            minutes = int(str(check).split("_")[2])
+            step = pd.Timedelta(minutes=minutes)
+            unit = "hour(s)" if minutes == 60 else f"step(s) of {minutes} minutes"
             prev = df["time"].iloc[row - 1] if row >= 1 else None
             gap = df["time"].iloc[row] - prev if prev is not None else None
-            if gap is not None and gap > pd.Timedelta(hours=1):
-                hours = gap / pd.Timedelta(hours=1)
-                missing = f"{int(hours) - 1} hour(s)" if hours == int(hours) else f"{hours - 1:g} h"
-                detail = f": {missing} missing after {prev} (first missing {prev + pd.Timedelta(hours=1)})"
+            if gap is not None and gap > step:
+                n = gap / step
+                missing = f"{int(n) - 1} {unit}" if n == int(n) else f"{(gap - step) / pd.Timedelta(hours=1):g} h"
+                detail = f": {missing} missing after {prev} (first missing {prev + step})"
             elif gap is not None and gap == pd.Timedelta(0):
                 detail = ": same as the previous row (duplicate timestamp)"
             elif gap is not None and gap < pd.Timedelta(0):
                 detail = f": before the previous row's {prev} (out of order)"
             else:
-                detail = f": {gap} after the previous row's {prev}, not 1 h"
-            check_txt = "strictly hourly"
+                detail = f": {gap} after the previous row's {prev}, not {'1 h' if minutes == 60 else f'{minutes} min'}"
+            check_txt = f"strictly {step_words(minutes)}"
         elif check == "field_uniqueness":
             check_txt = "unique (duplicate value)"
         elif check == "not_nullable":
@@ -315,17 +343,28 @@ def _validate_one(kind: str, schema: pa.DataFrameSchema, df: pd.DataFrame, file:
     return []
 
 
-def validate_table(kind: str, df: pd.DataFrame, file: str) -> None:
-    """Validate one processed table (``kind`` is ``"hourly"`` or ``"sessions"``); see :func:`validate_site_data`.
+def _schema(kind: str, minutes: int) -> pa.DataFrameSchema:
+    """The schema of a table ``kind``: ``"series"``, ``"physics"`` (both at a step of ``minutes``) or ``"sessions"``.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind == "sessions":
+        return SESSIONS_SCHEMA
+    if kind in ("series", "physics"):
+        return series_schema(int(minutes), kind == "physics")
+    raise ValueError(f"unknown table kind {kind!r}: expected 'series', 'physics' or 'sessions'")
+
+
+def validate_table(kind: str, df: pd.DataFrame, file: str, minutes: int = 60) -> None:
+    """Validate one processed table (``kind`` ``"series"``, ``"physics"`` or ``"sessions"``; a series at a step of
+    ``minutes``); see :func:`validate_site_data`.
 
     Raises:
         ValueError: unknown ``kind``.
         DataValidationError: one line per failed check, naming ``file``, the column and the row.
     """
-    schemas = {"hourly": HOURLY_SCHEMA, "sessions": SESSIONS_SCHEMA}
-    if kind not in schemas:
-        raise ValueError(f"unknown table kind {kind!r}: expected 'hourly' or 'sessions'")
-    problems = _validate_one(kind, schemas[kind], df, str(file))
+    problems = _validate_one(kind, _schema(kind, minutes), df, str(file))
     if problems:
         raise DataValidationError("\n".join(problems))
 
@@ -336,11 +375,8 @@ def _columns_only(schema: pa.DataFrameSchema) -> pa.DataFrameSchema:
     return pa.DataFrameSchema(columns, strict=False, name=schema.name)
 
 
-_COLUMN_SCHEMAS = {"hourly": _columns_only(HOURLY_SCHEMA), "sessions": _columns_only(SESSIONS_SCHEMA)}
-
-
-def validate_columns(kind: str, df: pd.DataFrame, file: str) -> None:
-    """Check only that a table (``kind`` ``"hourly"`` or ``"sessions"``) has its columns with their dtypes.
+def validate_columns(kind: str, df: pd.DataFrame, file: str, minutes: int = 60) -> None:
+    """Check only that a table (``kind`` as :func:`validate_table`'s) has its columns with their dtypes.
 
     This is the part of :func:`validate_table` that code reading the columns relies on (no value checks);
     the messages are the same as :func:`validate_table`'s for these failures.
@@ -351,37 +387,39 @@ def validate_columns(kind: str, df: pd.DataFrame, file: str) -> None:
             columns present) or a column of another dtype (naming its first cell of another type: row and
             timestamp or session id), or a table without rows.
     """
-    if kind not in _COLUMN_SCHEMAS:
-        raise ValueError(f"unknown table kind {kind!r}: expected 'hourly' or 'sessions'")
-    problems = _validate_one(kind, _COLUMN_SCHEMAS[kind], df, str(file))
+    problems = _validate_one(kind, _columns_only(_schema(kind, minutes)), df, str(file))
     if problems:
         raise DataValidationError("\n".join(problems))
 
 
-def validate_site_data(hourly: pd.DataFrame, sessions: pd.DataFrame, source: dict[str, str]) -> None:
-    """Validate a site's two processed tables against :data:`HOURLY_SCHEMA` and :data:`SESSIONS_SCHEMA`.
+def validate_site_data(
+    series: pd.DataFrame, sessions: pd.DataFrame, source: dict[str, str], minutes: int = 60, kind: str = "series"
+) -> None:
+    """Validate a site's series and sessions against :func:`series_schema` and :data:`SESSIONS_SCHEMA`.
 
     Args:
-        hourly: the hourly table, shape ``(T, >=6)``, columns as in the module docstring
+        series: the series at a step of ``minutes``, shape ``(T, >=6)`` (``kind="physics"``: ``(T, >=3)``), columns
+            as in the module docstring
             (``time`` datetime64[ns, UTC], float32 ``pv_kw_per_kwp`` kW/kWp and ``moer_*`` kg CO2/kWh).
             Timestamp columns in another unit (e.g. ``us``) of UTC are accepted.
         sessions: the session table, shape ``(S, >=6)``, columns as in the module docstring
             (str ids, datetime64[ns, UTC] ``arrival``/``departure``, float32 ``energy_kwh``,
             ``requested_energy_kwh`` in kWh).
-        source: file paths used in messages, keys ``"hourly"`` and ``"sessions"`` (others are ignored;
-            missing keys fall back to ``"hourly data"`` / ``"sessions data"``).
+        source: file paths used in messages, keys ``"series"`` and ``"sessions"`` (others are ignored;
+            missing keys fall back to ``"series data"`` / ``"sessions data"``).
+        minutes: the series' step. kind: ``"series"`` or ``"physics"`` (only the physics columns required).
 
-    Checks: required columns present with their dtypes; no NaN/NaT; hourly ``time`` unique, UTC and
-    strictly hourly (no gap); ``pv_kw_per_kwp`` in [0, 1.1]; ``moer_*`` in [0, 2] kg/kWh (a column whose
+    Checks: required columns present with their dtypes; no NaN/NaT; the series' ``time`` unique, UTC and
+    strictly one step apart (no gap); ``pv_kw_per_kwp`` in [0, 1.1]; ``moer_*`` in [0, 2] kg/kWh (a column whose
     median exceeds 2 is reported as "looks like g/kWh"); ``energy_kwh`` in [0, 200]; ``requested_energy_kwh``
     >= 0; ``session_id`` unique; sessions sorted by arrival; ``departure > arrival``. Neither frame is modified.
 
     Raises:
         DataValidationError: one line per failed check (both tables are checked before raising), each
             naming the file, the column and the first offending row (0-based position) with its timestamp
-            (hourly) or session id (sessions), the value, the check and the count of offending rows.
+            (series) or session id (sessions), the value, the check and the count of offending rows.
     """
-    problems = _validate_one("hourly", HOURLY_SCHEMA, hourly, str(source.get("hourly", "hourly data")))
+    problems = _validate_one(kind, _schema(kind, minutes), series, str(source.get("series", "series data")))
     problems += _validate_one("sessions", SESSIONS_SCHEMA, sessions, str(source.get("sessions", "sessions data")))
     if problems:
         raise DataValidationError("\n".join(problems))

@@ -1,10 +1,19 @@
 """The site model: a site config plus its processed data, turned into per-split arrays.
 
 A *site* is a config file such as ``envs/sites/caltech.toml`` (its schema, reading and checks: :mod:`envs.config`)
-and a data folder beside it holding ``hourly.parquet`` (one row per UTC hour) and ``sessions.parquet`` (one row
-per EV session); see ``envs/sites/caltech/README.md`` for the columns and their sources. :func:`load_site` reads
-both; :meth:`Site.split` cuts one split out of it and precomputes everything the environment, the KPIs and the
-oracle need, as NumPy arrays, so that they all see exactly the same hourly discretisation.
+and a data folder beside it holding ``series_<m>min.parquet`` (one row per UTC step of ``m`` minutes, the site's
+``dt_h``; :func:`series_file`) and ``sessions.parquet`` (one row per EV session at its minute timestamps); see
+``envs/sites/caltech/README.md`` for the columns and their sources. :func:`load_site` reads both; :meth:`Site.split`
+cuts one split out of it and precomputes everything the environment, the KPIs and the oracle need, as NumPy arrays, so
+that they all see exactly the same discretisation. :meth:`Site.physics_split` cuts the same split at the finer step of
+the site simulation every controller is also scored on (:data:`envs.timestep.PHYSICS_DT_H`, 5 minutes) from the
+series at that step (``series_5min.parquet``, its physics columns at least).
+
+Sessions at a step of ``dt`` hours: arrival and departure each go to the nearest step boundary (``rint`` of the time
+since the split's start over ``dt``; half-way rounds to the even step), the departure at least one step after the
+arrival; a session arriving in the split's last step keeps that step, a departure past the split's end moves to it.
+Each session's need is its delivered energy capped at what its socket delivers at full power over its stay in steps
+(``kw * dt * (departure_step - arrival_step)``).
 
 Units: power kW, energy kWh, carbon intensity kg CO2/kWh, time steps of ``dt_h`` hours.
 """
@@ -18,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.config import ConfigError, SiteConfig, load_config
 
 
@@ -27,11 +37,13 @@ class SplitData:
 
     Exogenous series, shape ``(T,)`` float64 unless noted:
         time: ``pd.DatetimeIndex`` (UTC) of step starts.
-        pv_kw: available AC PV power, kW (``pv_kw_per_kwp * pv.kwp``).
+        pv_kw: available AC PV power, kW (``pv_kw_per_kwp * pv.kwp``), mean over the step.
         load_kw: non-EV site load, kW.
-        moer: carbon intensity of grid import during the step, kg CO2/kWh (hourly mean MOER).
-        moer_fc: ``(T, 3)`` MOER forecasts issued at the step start for steps t, t+1, t+2, kg/kWh.
-        moer_5min: ``(T, 14)`` what a 5-minute carbon source says at the step start (the hourly columns
+        moer: carbon intensity of grid import during the step, kg CO2/kWh (the MOER's mean over the step).
+        moer_fc: ``(T, 3)`` MOER forecasts issued at the step start for the hour from it, the next hour and the one
+            after (leads in hours at every step; at hourly steps: steps t, t+1, t+2), kg/kWh; None in a physics split
+            (:meth:`Site.physics_split`), which carries no forecast.
+        moer_5min: ``(T, 14)`` what a 5-minute carbon source says at the step start (the series columns
             :data:`envs.schemas.MOER_5MIN_COLUMNS`, in order), kg/kWh; None where the site's data lack them.
         time_features: ``(T, 4)`` sin/cos of local hour of day and of local day of week.
 
@@ -57,7 +69,7 @@ class SplitData:
     pv_kw: np.ndarray
     load_kw: np.ndarray
     moer: np.ndarray
-    moer_fc: np.ndarray
+    moer_fc: np.ndarray | None
     time_features: np.ndarray
     sessions: pd.DataFrame
     arrival_need_kwh: np.ndarray
@@ -69,6 +81,11 @@ class SplitData:
     def num_steps(self) -> int:
         """Number of steps ``T`` in the split."""
         return len(self.time)
+
+    @property
+    def dt_h(self) -> float:
+        """The step, hours (the config's ``dt_h``)."""
+        return self.config.dt_h
 
     @property
     def capped_kwh(self) -> float:
@@ -93,7 +110,7 @@ class SplitData:
         bool; ``n`` defaults to the split's ``T`` and may run past its end (the clock continues in steps of
         ``dt_h``)."""
         n = self.num_steps if n is None else int(n)
-        step = pd.Timedelta(hours=self.config.dt_h)
+        step = pd.Timedelta(timestep.step_timedelta(self.config.dt_h))
         extra = self.time[-1] + step * np.arange(1, max(n - self.num_steps, 0) + 1)
         local = self.time.append(pd.DatetimeIndex(extra))[:n].tz_convert(self.config.timezone)
         return np.asarray(local.day_of_week >= 5)
@@ -105,11 +122,13 @@ class Site:
 
     Attributes:
         config: the checked :class:`SiteConfig`.
-        hourly: DataFrame, one row per UTC hour: ``time`` (UTC), ``pv_kw_per_kwp``,
-            ``moer_kg_per_kwh``, ``moer_fc_h0``, ``moer_fc_h1``, ``moer_fc_h2``.
+        series: DataFrame, one row per UTC step of ``config.dt_h``: ``time`` (UTC), ``pv_kw_per_kwp``,
+            ``moer_kg_per_kwh``, ``moer_fc_h0``, ``moer_fc_h1``, ``moer_fc_h2``
+            [, :data:`envs.schemas.MOER_5MIN_COLUMNS`].
         sessions: DataFrame, one row per EV session: ``session_id``, ``station_id``, ``arrival`` and
             ``departure`` (UTC), ``energy_kwh``.
-        source: where each piece came from (``{"config": path, "hourly": path, "sessions": path}``).
+        source: where each piece came from (``{"config": path, "series": path, "sessions": path}``, and
+            ``"physics"``: the series at :data:`envs.timestep.PHYSICS_DT_H` where :func:`load_site` found one).
 
     Raises:
         ConfigError: on construction, a session's station matches no ``[[ev.sockets]]`` group (see
@@ -117,9 +136,12 @@ class Site:
     """
 
     config: SiteConfig
-    hourly: pd.DataFrame
+    series: pd.DataFrame
     sessions: pd.DataFrame
     source: dict[str, str] = field(default_factory=dict)
+    physics_series: pd.DataFrame | None = field(default=None, repr=False)
+    """The series at :data:`envs.timestep.PHYSICS_DT_H` (its physics columns at least), read on first use from
+    ``source["physics"]`` when not given; the series itself when the site steps at that step."""
     _splits: dict[str, SplitData] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,40 +176,83 @@ class Site:
         return out
 
     def split(self, split: str) -> SplitData:
-        """Cut and discretise one split (cached).
+        """Cut and discretise one split at the site's step (cached).
 
         Raises:
             KeyError: unknown split name.
-            ValueError: the split holds no hourly data (an empty split: message names the data file, the
-                column ``time``, the split's key in the config file and its UTC range), or the hourly data
-                does not cover it completely (message names the data file and the first missing hour).
+            ValueError: the split holds no data (an empty split: message names the data file, the column ``time``,
+                the split's key in the config file and its UTC range), or the series does not cover it completely
+                (message names the data file and the first missing step).
         """
         if split not in self._splits:
-            self._splits[split] = self._make_split(split)
+            self._splits[split] = self._make_split(split, self.config, self.series, self.source.get("series"))
         return self._splits[split]
 
-    def _make_split(self, split: str) -> SplitData:
-        cfg = self.config
+    def physics_split(self, split: str) -> SplitData:
+        """The split at :data:`envs.timestep.PHYSICS_DT_H` (5 minutes), the site simulation every controller is also
+        scored on (:class:`envs.evhub.EVHubVectorEnv`'s ``physics_dt_h``): PV, base load, MOER and the sessions
+        discretised at that step, no forecast (``moer_fc`` None). Cached.
+
+        Raises:
+            KeyError: unknown split name.
+            FileNotFoundError: the site has no series at that step (the message names the file and how to make it).
+            ValueError: as :meth:`split`.
+        """
+        key = f"physics:{split}"
+        if key not in self._splits:
+            cfg = self.config.replace(dt_h=timestep.PHYSICS_DT_H)
+            if self.physics_series is None:
+                self.physics_series = self._read_physics(cfg)
+            file = self.source.get("physics", "physics series")
+            self._splits[key] = self._make_split(split, cfg, self.physics_series, file, physics=True)
+        return self._splits[key]
+
+    def _read_physics(self, cfg: SiteConfig) -> pd.DataFrame:
+        if cfg.dt_h == self.config.dt_h:
+            return self.series
+        from envs.schemas import validate_columns
+
+        path = self.source.get("physics") or (
+            str(_data_files(cfg, Path(self.source["config"]))["series"]) if "config" in self.source else None
+        )
+        if path is None or not Path(path).is_file():
+            raise FileNotFoundError(
+                f"{self.source.get('config', 'the site')}: no series at the physics step of "
+                f"{timestep.step_minutes(cfg.dt_h)} minutes ({path or 'series_5min.parquet'} is missing): run "
+                "`python -m pipeline.data.ingest --site ...` with the raw sources at hand"
+            )
+        from envs.schemas import read_table
+
+        self.source["physics"] = str(path)
+        series = read_table(path)
+        validate_columns("physics", series, str(path), timestep.step_minutes(cfg.dt_h))
+        return series
+
+    def _make_split(
+        self, split: str, cfg: SiteConfig, series: pd.DataFrame, src: str | None, physics: bool = False
+    ) -> SplitData:
         start, end = cfg.split_bounds(split)
-        expected = pd.date_range(start, end, freq="h", inclusive="left")
-        hourly = self.hourly.set_index("time")
-        hourly = hourly[(hourly.index >= start) & (hourly.index < end)]
-        src = self.source.get("hourly", "hourly data")
+        step = pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
+        expected = pd.date_range(start, end, freq=step, inclusive="left")
+        table = series.set_index("time")
+        table = table[(table.index >= start) & (table.index < end)]
+        src = src or "series data"
         key = f"key 'splits.{split}' of {self.source.get('config', 'the site config')}"
-        if len(hourly) == 0:
-            times = self.hourly["time"]
+        if len(table) == 0:
+            times = series["time"]
             cover = f"{times.min()}..{times.max()}" if len(times) else "nothing"
             raise ValueError(
                 f"{src}: column 'time' has no row in split '{split}' ({start}..{end} UTC, {key}); "
                 f"the data cover {cover}"
             )
-        missing = expected.difference(hourly.index)
+        missing = expected.difference(table.index)
         if len(missing):
+            what = "hour(s)" if cfg.dt_h == 1 else f"step(s) of {timestep.step_minutes(cfg.dt_h)} minutes"
             raise ValueError(
-                f"{src}: column 'time' misses {len(missing)} hour(s) of split '{split}' ({key}), "
+                f"{src}: column 'time' misses {len(missing)} {what} of split '{split}' ({key}), "
                 f"first missing {missing[0]}"
             )
-        hourly = hourly.loc[expected]
+        table = table.loc[expected]
         T = len(expected)
         local = expected.tz_convert(cfg.timezone)
         hour = local.hour.to_numpy() + local.minute.to_numpy() / 60.0
@@ -201,27 +266,27 @@ class Site:
             ],
             axis=1,
         )
-        sessions = self._discretise_sessions(split, start, end, T)
+        sessions = self._discretise_sessions(cfg, start, end, T)
         need, stay = _arrival_tables(sessions, T, cfg.ev.n_sockets)
-        socket_kw = cfg.ev.socket_kw_array()
+        fc = ["moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]
         return SplitData(
             config=cfg,
             split=split,
             time=expected,
-            pv_kw=hourly["pv_kw_per_kwp"].to_numpy(np.float64) * cfg.pv.kwp,
+            pv_kw=table["pv_kw_per_kwp"].to_numpy(np.float64) * cfg.pv.kwp,
             load_kw=np.full(T, cfg.grid.base_load_kw, dtype=np.float64),
-            moer=hourly["moer_kg_per_kwh"].to_numpy(np.float64),
-            moer_fc=hourly[["moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]].to_numpy(np.float64),
+            moer=table["moer_kg_per_kwh"].to_numpy(np.float64),
+            moer_fc=None if physics else table[fc].to_numpy(np.float64),
             time_features=time_features,
             sessions=sessions,
             arrival_need_kwh=need,
             arrival_stay_steps=stay,
-            socket_kw=socket_kw,
-            moer_5min=self._moer_5min(hourly, src),
+            socket_kw=cfg.ev.socket_kw_array(),
+            moer_5min=None if physics else self._moer_5min(table, src),
         )
 
     @staticmethod
-    def _moer_5min(hourly: pd.DataFrame, src: str) -> np.ndarray | None:
+    def _moer_5min(table: pd.DataFrame, src: str) -> np.ndarray | None:
         """The split's :data:`~envs.schemas.MOER_5MIN_COLUMNS` as ``(T, 14)`` float64, or None without them.
 
         Raises:
@@ -229,17 +294,18 @@ class Site:
         """
         from envs.schemas import MOER_5MIN_COLUMNS
 
-        present = [c for c in MOER_5MIN_COLUMNS if c in hourly.columns]
+        present = [c for c in MOER_5MIN_COLUMNS if c in table.columns]
         if not present:
             return None
         if len(present) < len(MOER_5MIN_COLUMNS):
-            lack = [c for c in MOER_5MIN_COLUMNS if c not in hourly.columns]
+            lack = [c for c in MOER_5MIN_COLUMNS if c not in table.columns]
             raise ValueError(f"{src}: column(s) {', '.join(lack)} missing beside {present[0]}: give all or none")
-        return hourly[list(MOER_5MIN_COLUMNS)].to_numpy(np.float64)
+        return table[list(MOER_5MIN_COLUMNS)].to_numpy(np.float64)
 
-    def _discretise_sessions(self, split: str, start: pd.Timestamp, end: pd.Timestamp, T: int) -> pd.DataFrame:
-        cfg = self.config
-        dt = pd.Timedelta(hours=cfg.dt_h)
+    def _discretise_sessions(self, cfg: SiteConfig, start: pd.Timestamp, end: pd.Timestamp, T: int) -> pd.DataFrame:
+        """The sessions arriving in ``[start, end)`` at the step of ``cfg`` (the module docstring's rounding and cap),
+        each on its socket or rejected."""
+        dt = pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
         s = self.sessions
         s = s[(s.arrival >= start) & (s.arrival < end)].sort_values(["arrival", "session_id"])
         arr = np.rint((s.arrival - start) / dt).to_numpy().astype(np.int64)
@@ -276,6 +342,21 @@ class Site:
                 "rejected": socket < 0,
             }
         )
+
+    def at_step(self, dt_h: float) -> Site:
+        """This site at another step: its config with ``dt_h`` replaced and the series at that step read from the
+        site's data folder (:func:`series_file`); ``self`` when the step is the same.
+
+        Raises:
+            ConfigError: a step that is not a whole-minute divisor of the hour.
+            FileNotFoundError: no series at that step in the data folder (the message says how to make one).
+        """
+        cfg = self.config.replace(dt_h=dt_h)
+        if cfg.dt_h == self.config.dt_h:
+            return self
+        if "config" not in self.source:
+            raise FileNotFoundError("Site.at_step: a site built in memory has no data folder to read another step from")
+        return load_site(Path(self.source["config"]), dt_h=cfg.dt_h)
 
 
 def _group_starts(config: SiteConfig) -> np.ndarray:
@@ -338,8 +419,13 @@ def _arrival_tables(sessions: pd.DataFrame, T: int, n_sockets: int) -> tuple[np.
     return need, stay
 
 
+def series_file(data_dir: str | Path, dt_h: float) -> Path:
+    """The file of a site's series at a step of ``dt_h`` hours in its data folder: ``series_<minutes>min.parquet``."""
+    return Path(data_dir) / f"series_{timestep.step_minutes(dt_h)}min.parquet"
+
+
 def site_files(site: str | Path) -> dict[str, Path]:
-    """The files a site is loaded from: ``{"config": its TOML, "hourly": ..., "sessions": ...}`` (the processed
+    """The files a site is loaded from: ``{"config": its TOML, "series": ..., "sessions": ...}`` (the processed
     Parquet data in the TOML's ``data_dir``, which need not exist yet).
 
     Args:
@@ -353,45 +439,66 @@ def site_files(site: str | Path) -> dict[str, Path]:
 
 
 def _data_files(cfg: SiteConfig, toml: Path) -> dict[str, Path]:
-    """``{"hourly": ..., "sessions": ...}``: the processed Parquet files of the config ``cfg`` read from ``toml``."""
-    return {name: toml.parent / cfg.data_dir / f"{name}.parquet" for name in ("hourly", "sessions")}
+    """``{"series": ..., "sessions": ...}``: the processed Parquet files of the config ``cfg`` read from ``toml``."""
+    data_dir = toml.parent / cfg.data_dir
+    return {"series": series_file(data_dir, cfg.dt_h), "sessions": data_dir / "sessions.parquet"}
 
 
-def load_site(site: str | Path | Site, validate: bool = True) -> Site:
+def physics_file(site: str | Path) -> Path:
+    """The series a site's simulation at :data:`envs.timestep.PHYSICS_DT_H` reads (:meth:`Site.physics_split`)."""
+    cfg, path = load_config(site)
+    return series_file(path.parent / cfg.data_dir, timestep.PHYSICS_DT_H)
+
+
+def load_site(site: str | Path | Site, validate: bool = True, dt_h: float | None = None) -> Site:
     """Load a site: its config and the processed Parquet data beside it.
 
     Args:
         site: a shipped site name (``"caltech"``), a path to a site TOML, or an already loaded
-            :class:`Site` (returned as is).
+            :class:`Site` (returned as is, or :meth:`Site.at_step` with ``dt_h``).
         validate: run the pandera schemas of :mod:`envs.schemas` over the data; when False, only the
             columns and their dtypes are checked (what cutting splits relies on).
+        dt_h: the step to load the site at, hours, in place of its TOML's ``dt_h`` (None: the TOML's).
 
     Raises:
         FileNotFoundError: missing config or data file (the message names it, and a file of the same
-            name in another format where there is one).
+            name in another format, or the series at the steps the folder holds, where there are some).
         ConfigError: invalid config (message names file and key).
         envs.schemas.DataValidationError: a data file that is not Parquet, or data breaking a schema
             (message names file, column, row); with ``validate=False`` only a missing column, a column of
             another dtype or an empty table.
     """
     if isinstance(site, Site):
-        return site
+        return site if dt_h is None else site.at_step(dt_h)
     from envs.schemas import read_table, validate_columns, validate_site_data
 
     cfg, path = load_config(site)
+    if dt_h is not None:
+        cfg = cfg.replace(dt_h=dt_h)
     data_dir = path.parent / cfg.data_dir
     files = _data_files(cfg, path)
     for f in files.values():
         if not f.is_file():
             others = sorted(p.name for p in data_dir.glob(f"{f.stem}.*")) if data_dir.is_dir() else []
             found = f" (found {', '.join(others)}: the data must be Parquet)" if others else ""
-            raise FileNotFoundError(f"{path}: data file {f} is missing{found} (run `python -m pipeline.data.ingest`)")
-    hourly = read_table(files["hourly"])
+            if not others and f.name.startswith("series_") and data_dir.is_dir():
+                steps = sorted(p.name for p in data_dir.glob("series_*min.parquet"))
+                found = f" (the folder holds {', '.join(steps)})" if steps else ""
+            raise FileNotFoundError(
+                f"{path}: data file {f} is missing{found} (run `python -m pipeline.data.ingest --site {path}`"
+                + (f" for dt_h = {cfg.dt_h:.6g}" if dt_h is not None else "")
+                + ")"
+            )
+    minutes = timestep.step_minutes(cfg.dt_h)
+    series = read_table(files["series"])
     sessions = read_table(files["sessions"])
     source = {"config": str(path), **{k: str(v) for k, v in files.items()}}
+    physics = series_file(data_dir, timestep.PHYSICS_DT_H)
+    if physics.is_file():
+        source["physics"] = str(physics)
     if validate:
-        validate_site_data(hourly, sessions, source)
+        validate_site_data(series, sessions, source, minutes)
     else:
-        for kind, df in (("hourly", hourly), ("sessions", sessions)):
-            validate_columns(kind, df, source[kind])
-    return Site(cfg, hourly, sessions, source)
+        validate_columns("series", series, source["series"], minutes)
+        validate_columns("sessions", sessions, source["sessions"])
+    return Site(cfg, series, sessions, source)

@@ -23,8 +23,9 @@ ENV = ("envs/**/*.py",)
 """The environments and what they stand on (site model, schemas, KPIs, vector envs, seeding, file writing)."""
 HARNESS = ("algos/harness.py", "algos/harness/**/*.py")
 """The agents' shared harness (a module or a package)."""
-DATA = ("pipeline/data/**/*.py", "envs/schemas.py", "envs/site.py")
-"""Ingestion: raw sources, readers, PV models, synthetic fleets, and the site config and schemas it checks with."""
+DATA = ("pipeline/data/**/*.py", "envs/schemas.py", "envs/site.py", "envs/timestep.py")
+"""Ingestion: raw sources, readers, PV models, synthetic fleets, the site config and schemas it checks with, and the
+steps it writes the series at."""
 CONTROL = ("pipeline/control/**/*.py",)
 """The simulated controllers: registry, baselines, planners, the oracle, the learned planners' tuning."""
 REPORT = (
@@ -62,7 +63,7 @@ def controllers(root: Path = PROJECT_ROOT) -> list[Path]:
 
 
 def site_files(site_toml: str | Path) -> list[Path]:
-    """A site's files: its TOML and its processed ``hourly.parquet`` and ``sessions.parquet``
+    """A site's files: its TOML and its processed series at its step and ``sessions.parquet``
     (:func:`envs.site.site_files`; the data files need not exist yet)."""
     return list(_site_files(site_toml).values())
 

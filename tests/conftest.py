@@ -29,11 +29,12 @@ def pytest_configure(config):
         threadpool_limits(1)
 
 
-def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) -> Site:
+def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, dt_h: float = 1.0, **overrides) -> Site:
     """A synthetic site: ``days`` of train and of test data, sunny days, a daily MOER cycle, random sessions.
 
     The train split is the first ``days`` local days from 2019-05-01, the test split the next ``days``.
-    ``overrides`` are config tables, e.g. ``bess={"capacity_kwh": 0.0}``.
+    ``overrides`` are config tables, e.g. ``bess={"capacity_kwh": 0.0}``. With ``dt_h`` below 1 the site steps at
+    that step and carries its 5-minute physics series (:func:`_finer_series`): the same hourly means, the same sessions.
     """
     rng = np.random.default_rng(seed)
     tz = "America/Los_Angeles"
@@ -83,11 +84,69 @@ def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, **overrides) ->
         "ev": {"n_sockets": n_sockets, "socket_kw": 6.6},
         "grid": {"import_limit_kw": 100.0},
         "splits": {"train": ["2019-05-01", last], "test": [first_test, last_test]},
-        "episode": {"train_steps": 48},
+        "episode": {"train_h": 48},
     }
     for key, value in overrides.items():
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
-    return Site(config_from_dict(raw, "synthetic"), hourly, sessions, {"hourly": "synthetic/hourly.parquet"})
+    cfg = config_from_dict({**raw, "dt_h": dt_h}, "synthetic")
+    five = _finer_series(hourly, seed)
+    minutes = round(cfg.dt_h * 60)
+    series = hourly if minutes == 60 else _coarser(five, minutes)
+    source = {"series": f"synthetic/series_{minutes}min.parquet", "physics": "synthetic/series_5min.parquet"}
+    return Site(cfg, series, sessions, source, physics_series=five[["time", "pv_kw_per_kwp", "moer_kg_per_kwh"]])
+
+
+def _finer_series(hourly: pd.DataFrame, seed: int) -> pd.DataFrame:
+    """The 5-minute series of a synthetic hourly one: each hour's PV and MOER spread over its twelve 5-minute steps
+    around the hour's value (a ramp of PV within the hour, MOER noise), with the hour's mean kept; the forecasts as
+    :func:`_coarser` issues them."""
+    rng = np.random.default_rng(seed + 1000)
+    n = len(hourly)
+    start = pd.DatetimeIndex(hourly.time)[0]
+    time = pd.date_range(start, periods=12 * n, freq="5min")
+    shape = 1.0 + 0.3 * np.linspace(-1, 1, 12)[None, :] * np.sign(rng.normal(size=(n, 1)))
+    pv = hourly.pv_kw_per_kwp.to_numpy(np.float64)[:, None] * shape
+    noise = rng.normal(0, 0.03, (n, 12))
+    moer = hourly.moer_kg_per_kwh.to_numpy(np.float64)[:, None] + noise - noise.mean(1, keepdims=True)
+    five = pd.DataFrame(
+        {
+            "time": pd.DatetimeIndex(time).astype("datetime64[ns, UTC]"),
+            "pv_kw_per_kwp": np.clip(pv, 0, None).ravel().astype(np.float32),
+            "moer_kg_per_kwh": np.clip(moer, 0.01, None).ravel().astype(np.float32),
+        }
+    )
+    return _with_forecasts(five, 5)
+
+
+def _with_forecasts(series: pd.DataFrame, minutes: int) -> pd.DataFrame:
+    """``series`` with ``moer_fc_h0..h2``: the true mean MOER of the hour from each step's start, the next hour and the
+    one after (the series wraps at its end, as the hourly site's forecasts do)."""
+    per_hour = 60 // minutes
+    m = series.moer_kg_per_kwh.to_numpy(np.float64)
+    c = np.concatenate([[0.0], np.cumsum(np.concatenate([m, m[: 3 * per_hour]]))])
+    t = np.arange(len(m))
+    out = series.copy()
+    for h in range(3):
+        lo = t + h * per_hour
+        out[f"moer_fc_h{h}"] = ((c[lo + per_hour] - c[lo]) / per_hour).astype(np.float32)
+    return out
+
+
+def _coarser(five: pd.DataFrame, minutes: int) -> pd.DataFrame:
+    """The series at a step of ``minutes`` from the 5-minute one: PV and MOER the steps' means, forecasts re-issued."""
+    k = minutes // 5
+    n = len(five) // k
+    coarse = pd.DataFrame(
+        {
+            "time": pd.DatetimeIndex(five.time)[::k][:n],
+            "pv_kw_per_kwp": five.pv_kw_per_kwp.to_numpy(np.float64)[: n * k].reshape(n, k).mean(1).astype(np.float32),
+            "moer_kg_per_kwh": five.moer_kg_per_kwh.to_numpy(np.float64)[: n * k]
+            .reshape(n, k)
+            .mean(1)
+            .astype(np.float32),
+        }
+    )
+    return _with_forecasts(coarse, minutes)
 
 
 DC_SOCKETS = {
@@ -120,7 +179,8 @@ def _toml_value(v) -> str:
 
 
 def write_site(site: Site, folder):
-    """Write a site to ``folder/<name>.toml`` + ``folder/<name>/{hourly,sessions}.parquet``; returns the TOML path."""
+    """Write a site to ``folder/<name>.toml`` + ``folder/<name>/{series_<m>min,sessions}.parquet`` (and its 5-minute
+    physics series where it has one); returns the TOML path."""
     import dataclasses
     from pathlib import Path
 
@@ -133,7 +193,9 @@ def write_site(site: Site, folder):
             lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items() if vv is not None]
     data = folder / raw["name"]
     data.mkdir(parents=True, exist_ok=True)
-    site.hourly.to_parquet(data / "hourly.parquet", index=False)
+    site.series.to_parquet(data / f"series_{round(site.config.dt_h * 60)}min.parquet", index=False)
+    if site.physics_series is not None and site.config.dt_h != 5 / 60:
+        site.physics_series.to_parquet(data / "series_5min.parquet", index=False)
     site.sessions.to_parquet(data / "sessions.parquet", index=False)
     toml = folder / f"{raw['name']}.toml"
     toml.write_text("\n".join(lines) + "\n")
@@ -413,7 +475,7 @@ def changed_future(site, split: str, cut: int):
 
     start, _ = site.config.split_bounds(split)
     t_cut = start + pd.Timedelta(hours=cut)
-    hourly = site.hourly.copy()
+    hourly = site.series.copy()
     later = hourly.time >= t_cut
     rng = np.random.default_rng(7)
     for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2", *MOER_5MIN_COLUMNS):
@@ -427,3 +489,60 @@ def changed_future(site, split: str, cut: int):
     moved["energy_kwh"] = (moved.energy_kwh * 0.5).astype(np.float32)
     sessions = pd.concat([keep, moved], ignore_index=True)
     return Site(site.config, hourly, sessions, dict(site.source))
+
+
+def perturbed_future(site: Site, split: str, cut: int, seed: int = 1) -> Site:
+    """``site`` with its future changed from step ``cut`` of ``split`` on: the realised MOER of hours >= cut and
+    the forecast rows issued after it (the row issued at ``cut`` is known at ``cut``), sessions arriving after
+    ``cut`` dropped, and new sessions arriving after it."""
+    rng = np.random.default_rng(seed)
+    start, _ = site.config.split_bounds(split)
+    t_cut = start + cut * pd.Timedelta(site.config.dt_h, "h").round("min")
+    hourly = site.series.copy()
+    realised = hourly.time >= t_cut
+    issued_later = hourly.time > t_cut
+    hourly.loc[realised, "moer_kg_per_kwh"] = rng.uniform(0.0, 1.0, realised.sum()).astype(np.float32)
+    for c in ("moer_fc_h0", "moer_fc_h1", "moer_fc_h2"):
+        hourly.loc[issued_later, c] = rng.uniform(0.0, 1.0, issued_later.sum()).astype(np.float32)
+    physics = None if site.physics_series is None else site.physics_series.copy()
+    if physics is not None:
+        later = physics.time >= t_cut
+        physics.loc[later, "moer_kg_per_kwh"] = rng.uniform(0.0, 1.0, later.sum()).astype(np.float32)
+    sessions = site.sessions[site.sessions.arrival <= t_cut]
+    stations = sorted(site.sessions.station_id.unique())
+    new = pd.DataFrame(
+        {
+            "session_id": [f"new{i}" for i in range(20)],
+            "station_id": [stations[i % len(stations)] for i in range(20)],
+            "arrival": [t_cut + pd.Timedelta(hours=1.5 + 3 * i) for i in range(20)],
+            "departure": [t_cut + pd.Timedelta(hours=6.5 + 3 * i) for i in range(20)],
+            "energy_kwh": np.full(20, 25.0, np.float32),
+            "requested_energy_kwh": np.full(20, 30.0, np.float32),
+        }
+    )
+    for c in ("arrival", "departure"):
+        new[c] = new[c].astype(sessions[c].dtype)
+    sessions = (
+        pd.concat([sessions, new], ignore_index=True).sort_values("arrival", kind="mergesort").reset_index(drop=True)
+    )
+    return Site(site.config, hourly, sessions, dict(site.source), physics_series=physics)
+
+
+def observations(site: Site, split: str, steps: int, **env_kwargs):
+    """Observations of ``steps`` steps under a fixed, seeded action sequence, shape ``(steps + 1, B, obs_dim)``."""
+    import torch
+
+    from envs.evhub import EVHubVectorEnv
+
+    env = EVHubVectorEnv(site=site, split=split, dtype=torch.float64, **env_kwargs)
+    g = torch.Generator().manual_seed(0)
+    obs, _ = env.reset(seed=3, options={"start_steps": [0] * env.num_envs} if not env.full_split else None)
+    out = [obs]
+    for _ in range(steps):
+        if env.action_mode == "discrete":
+            a = torch.randint(0, env.single_action_space.n, (env.num_envs,), generator=g)
+        else:
+            a = torch.rand((env.num_envs, env.single_action_space.shape[0]), generator=g, dtype=torch.float64) * 2 - 1
+        obs, *_ = env.step(a)
+        out.append(obs)
+    return torch.stack(out)

@@ -43,7 +43,7 @@ class Bad:
 
 
 def _hourly(toml: Path) -> str:
-    return str(toml.parent / "synthetic" / "hourly.parquet")
+    return str(toml.parent / "synthetic" / "series_60min.parquet")
 
 
 def _sessions(toml: Path) -> str:
@@ -79,7 +79,7 @@ KINDS = {
     ),
     "nan-in-series": Bad(
         hourly=lambda h: h.assign(pv_kw_per_kwp=h.pv_kw_per_kwp.where(h.index != 17, np.nan)),
-        needles=lambda s, t: [_hourly(t), "column 'pv_kw_per_kwp' row 17", f"(time {s.hourly.time[17]})", "NaN"],
+        needles=lambda s, t: [_hourly(t), "column 'pv_kw_per_kwp' row 17", f"(time {s.series.time[17]})", "NaN"],
     ),
     "negative-energy": Bad(
         sessions=lambda s: s.assign(energy_kwh=s.energy_kwh.where(s.index != 3, np.float32(-5.0))),
@@ -92,11 +92,11 @@ KINDS = {
     ),
     "duplicate-timestamps": Bad(
         hourly=lambda h: pd.concat([h.iloc[:11], h.iloc[10:]]),  # row 10 twice
-        needles=lambda s, t: [_hourly(t), "column 'time' row 10", f"(time {s.hourly.time[10]})", "duplicate"],
+        needles=lambda s, t: [_hourly(t), "column 'time' row 10", f"(time {s.series.time[10]})", "duplicate"],
     ),
     "gap-in-hourly-index": Bad(
         hourly=lambda h: h.drop(index=10),
-        needles=lambda s, t: [_hourly(t), "column 'time'", f"first missing {s.hourly.time[10]}"],
+        needles=lambda s, t: [_hourly(t), "column 'time'", f"first missing {s.series.time[10]}"],
     ),
     "departure-not-after-arrival": Bad(
         sessions=lambda s: s.assign(departure=s.departure.where(s.index != 5, s.arrival)),
@@ -109,7 +109,7 @@ KINDS = {
     ),
     "carbon-in-g-per-kwh": Bad(
         hourly=lambda h: h.assign(moer_kg_per_kwh=h.moer_kg_per_kwh * np.float32(1000)),
-        needles=lambda s, t: [_hourly(t), "column 'moer_kg_per_kwh' row 0", f"(time {s.hourly.time[0]})", "g/kWh"],
+        needles=lambda s, t: [_hourly(t), "column 'moer_kg_per_kwh' row 0", f"(time {s.series.time[0]})", "g/kWh"],
     ),
     "empty-split": Bad(  # the test split's dates lie a year after the data
         toml=_replace('test = ["2019-05-08", "2019-05-14"]', 'test = ["2020-05-08", "2020-05-14"]'),
@@ -160,7 +160,7 @@ tasks in the test's process (every data defect takes one path: the Dask task ``v
 def _bad_site(tmp_path, bad: Bad) -> Path:
     site = make_site(days=7)
     if bad.hourly:
-        site.hourly = bad.hourly(site.hourly.copy()).reset_index(drop=True)
+        site.series = bad.hourly(site.series.copy()).reset_index(drop=True)
     if bad.sessions:
         site.sessions = bad.sessions(site.sessions.copy()).reset_index(drop=True)
     site_toml = write_site(site, tmp_path / "site")

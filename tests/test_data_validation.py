@@ -13,21 +13,21 @@ import pandas as pd
 import pytest
 
 from envs.schemas import (
-    HOURLY_COLUMNS,
-    HOURLY_SCHEMA,
     MOER_5MIN_COLUMNS,
+    SERIES_COLUMNS,
     SESSIONS_COLUMNS,
     SESSIONS_SCHEMA,
     DataValidationError,
     read_table,
+    series_schema,
     validate_site_data,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "envs" / "sites" / "caltech"
-HOURLY = DATA / "hourly.parquet"
+HOURLY = DATA / "series_60min.parquet"
 SESSIONS = DATA / "sessions.parquet"
-SOURCE = {"hourly": str(HOURLY), "sessions": str(SESSIONS)}
+SOURCE = {"series": str(HOURLY), "sessions": str(SESSIONS)}
 TZ = "America/Los_Angeles"
 
 
@@ -62,13 +62,13 @@ def _line(msg: str, column: str) -> str:
 def test_committed_data_pass(full):
     hourly, sessions = full
     validate_site_data(hourly, sessions, SOURCE)  # raises on any failure
-    HOURLY_SCHEMA.validate(hourly)
+    series_schema(60).validate(hourly)
     SESSIONS_SCHEMA.validate(sessions)
-    assert list(hourly.columns) == list(HOURLY_COLUMNS) + list(MOER_5MIN_COLUMNS)  # caltech's source is 5-minute
+    assert list(hourly.columns) == list(SERIES_COLUMNS) + list(MOER_5MIN_COLUMNS)  # caltech's source is 5-minute
     assert list(sessions.columns) == list(SESSIONS_COLUMNS)
     assert str(hourly.time.dtype) == "datetime64[ns, UTC]"
     assert str(sessions.arrival.dtype) == str(sessions.departure.dtype) == "datetime64[ns, UTC]"
-    for c in HOURLY_COLUMNS[1:] + MOER_5MIN_COLUMNS + ("energy_kwh", "requested_energy_kwh"):
+    for c in SERIES_COLUMNS[1:] + MOER_5MIN_COLUMNS + ("energy_kwh", "requested_energy_kwh"):
         frame = hourly if c in hourly else sessions
         assert frame[c].dtype == np.float32, c
     # 2019-05-01 00:00 local inclusive .. 2021-09-01 00:00 local exclusive
@@ -258,7 +258,7 @@ def test_csv_round_trip(tmp_path, small):
     hourly.to_csv(tmp_path / "hourly.csv", index=False)
     sessions.to_csv(tmp_path / "sessions.csv", index=False)
     h, s = read_table(tmp_path / "hourly.csv"), read_table(tmp_path / "sessions.csv")
-    validate_site_data(h, s, {"hourly": str(tmp_path / "hourly.csv"), "sessions": str(tmp_path / "sessions.csv")})
+    validate_site_data(h, s, {"series": str(tmp_path / "hourly.csv"), "sessions": str(tmp_path / "sessions.csv")})
     pd.testing.assert_series_equal(h.time, hourly.time)
     pd.testing.assert_series_equal(s.arrival, sessions.arrival)
 
@@ -271,14 +271,14 @@ def test_five_minute_columns_come_all_or_none():
     from envs.site import Site
 
     site = make_site(days=3)
-    hourly = site.hourly.copy()
+    hourly = site.series.copy()
     for i, c in enumerate(MOER_5MIN_COLUMNS):
         hourly[c] = np.float32(0.1 + 0.01 * i)
-    full = Site(site.config, hourly, site.sessions, {"hourly": "site/hourly.parquet"})
+    full = Site(site.config, hourly, site.sessions, {"series": "site/series_60min.parquet"})
     np.testing.assert_allclose(full.split("train").moer_5min[0], 0.1 + 0.01 * np.arange(len(MOER_5MIN_COLUMNS)))
     partial = Site(
-        site.config, hourly.drop(columns=["moer_fc_5min_12"]), site.sessions, {"hourly": "site/hourly.parquet"}
+        site.config, hourly.drop(columns=["moer_fc_5min_12"]), site.sessions, {"series": "site/series_60min.parquet"}
     )
-    with pytest.raises(ValueError, match=r"site/hourly\.parquet: column\(s\) moer_fc_5min_12 missing"):
+    with pytest.raises(ValueError, match=r"site/series_60min\.parquet: column\(s\) moer_fc_5min_12 missing"):
         partial.split("train")
     assert site.split("train").moer_5min is None

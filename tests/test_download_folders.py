@@ -67,7 +67,7 @@ def test_a_folder_with_files_outside_the_period_ingests_and_says_which_it_skippe
     pd.testing.assert_frame_equal(read_sessions(folder)[0], read_sessions(clean)[0])
     index = period_index(clean.config)
     pd.testing.assert_frame_equal(read_carbon(folder, index)[0], read_carbon(clean, index)[0])
-    hourly = pd.read_parquet(tmp_path / "folder" / "garage" / "hourly.parquet")
+    hourly = pd.read_parquet(tmp_path / "folder" / "garage" / "series_60min.parquet")
     pd.testing.assert_series_equal(
         hourly.moer_kg_per_kwh,
         read_carbon(clean, index)[0].moer_kg_per_kwh.astype("float32").reset_index(drop=True),

@@ -204,7 +204,7 @@ def test_check_env_discrete(site):
 def test_session_thinning_keeps_the_drawn_share_of_arrivals_in_training_only():
     """``episode.session_keep_min`` thins training arrivals by the per-window keep probability; full-split
     runs (evaluation) keep every session."""
-    site = make_site(days=28, n_sockets=8, episode={"train_steps": 24 * 7, "session_keep_min": 0.2})
+    site = make_site(days=28, n_sockets=8, episode={"train_h": 24 * 7, "session_keep_min": 0.2})
     num_envs = 256
     env = EVHubVectorEnv(num_envs, site=site, dtype=torch.float64)
     env.reset(seed=0)

@@ -15,7 +15,7 @@ from conftest import DC_SOCKETS, make_site
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import balance_residual
 
-THINNED = {"episode": {"train_steps": 48, "session_keep_min": 0.5}}
+THINNED = {"episode": {"train_h": 48, "session_keep_min": 0.5}}
 """Training windows of 48 steps whose sessions are thinned at random: both random draws of the env are in play."""
 
 

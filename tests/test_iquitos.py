@@ -62,8 +62,8 @@ def test_config_states_the_study_sizes():
 
 
 def test_shipped_data_pass_schemas_with_constant_grid_factor(site):
-    h, s = site.hourly, site.sessions
-    validate_site_data(h, s, {"hourly": "hourly.parquet", "sessions": "sessions.parquet"})
+    h, s = site.series, site.sessions
+    validate_site_data(h, s, {"series": "series_60min.parquet", "sessions": "sessions.parquet"})
     assert len(h) == 8760
     assert h.time.iloc[0] == pd.Timestamp("2023-01-01", tz=TZ).tz_convert("UTC")
     for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"):
@@ -139,7 +139,7 @@ def test_most_requests_fit_dwell_at_socket_power(sessions):
 
 
 def test_pv_zero_at_night_peaks_near_solar_noon(site):
-    h = site.hourly.set_index("time")["pv_kw_per_kwp"].astype(np.float64)
+    h = site.series.set_index("time")["pv_kw_per_kwp"].astype(np.float64)
     local = h.index.tz_convert(TZ)
     night = (local.hour >= 19) | (local.hour < 5)
     assert (h[night] == 0.0).all()
@@ -166,7 +166,7 @@ def test_pv_is_the_pvlib_clear_sky_model(site):
         albedo=w.albedo,
         substeps_per_hour=w.substeps_per_hour,
     )
-    stored = site.hourly.set_index("time").loc[week, "pv_kw_per_kwp"].to_numpy()
+    stored = site.series.set_index("time").loc[week, "pv_kw_per_kwp"].to_numpy()
     np.testing.assert_allclose(pv.to_numpy(np.float32), stored, rtol=0, atol=1e-7)
     lo, hi = info["linke_turbidity_range"]
     assert 2.0 < lo <= hi < 7.0  # pvlib's climatology, not a default constant
@@ -179,7 +179,7 @@ def test_pv_is_the_pvlib_clear_sky_model(site):
 def short_site(site) -> Site:
     """The shipped site with the test split cut to its first week."""
     cfg = site.config.replace(splits={"test": ("2023-10-02", "2023-10-08")})
-    return Site(cfg, site.hourly, site.sessions, dict(site.source))
+    return Site(cfg, site.series, site.sessions, dict(site.source))
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def _periodic_site(days: int = 21, **overrides) -> Site:
         c["session_id"] = [f"{i}_{d}" for i in c.session_id]
         copies.append(c)
     sessions = pd.concat(copies, ignore_index=True).sort_values("arrival").reset_index(drop=True)
-    return Site(site.config, site.hourly, sessions, dict(site.source))
+    return Site(site.config, site.series, sessions, dict(site.source))
 
 
 def test_a_backtest_is_the_env_run_of_the_window():
@@ -63,7 +63,7 @@ def test_a_site_path_is_loaded_again_when_its_files_change(tmp_path):
     params = PlannerParams(horizon_h=6)
     before = run_window(toml, "train", start, steps, params)
     assert run_window(toml, "train", start, steps, params).co2_kg == before.co2_kg
-    hourly = site.hourly.copy()
+    hourly = site.series.copy()
     hourly["moer_kg_per_kwh"] = (hourly["moer_kg_per_kwh"] * 2).astype(np.float32)
     write_site(Site(site.config, hourly, site.sessions, dict(site.source)), tmp_path)  # the same paths, new data
     after = run_window(toml, "train", start, steps, params)
@@ -224,7 +224,7 @@ def _changed_after(site: Site, split: str, k: int) -> Site:
     step ``k``."""
     data = site.split(split)
     cut = data.time[k + 1]
-    hourly = site.hourly.copy()
+    hourly = site.series.copy()
     late = hourly.time >= cut
     for c in ("moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2", *MOER_5MIN_COLUMNS):
         hourly.loc[late, c] = (hourly.loc[late, c].to_numpy()[::-1] * 1.7).astype(np.float32)
@@ -245,7 +245,7 @@ def test_learned_planners_are_causal(tmp_path):
         return torch.tanh(x.to(torch.float32) @ weights)
 
     site = make_site(days=22, n_sockets=4, mpc={"horizon_h": 6})
-    hourly = site.hourly.copy()  # the 5-minute columns of a WattTime source: here the hour's MOER, slightly off
+    hourly = site.series.copy()  # the 5-minute columns of a WattTime source: here the hour's MOER, slightly off
     for i, c in enumerate(MOER_5MIN_COLUMNS):
         hourly[c] = (hourly["moer_kg_per_kwh"] * (0.98 + 0.003 * i)).astype(np.float32)
     site = Site(site.config, hourly, site.sessions, dict(site.source))

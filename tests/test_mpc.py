@@ -118,7 +118,7 @@ def _ar_moer_site(days: int = 14, seed: int = 3) -> Site:
     """A site whose MOER is a daily cycle plus AR(1) noise (persistence 0.9 per hour) and whose data forecasts
     carry the cycle only: what the last hours' MOER says about the next ones is left for the regression."""
     site = make_site(days=days, n_sockets=4)
-    hourly = site.hourly.copy()
+    hourly = site.series.copy()
     hour = hourly.time.dt.tz_convert(site.config.timezone).dt.hour.to_numpy()
     cycle = 0.25 + 0.1 * np.cos((hour - 19) / 24 * 2 * np.pi)
     rng = np.random.default_rng(seed)
@@ -204,7 +204,7 @@ def _five_minute_site(days: int = 16) -> Site:
     are its realised MOER plus noise (they know the hour much better than the hour-mean forecasts), the last
     realised 5 minutes are the previous hour's."""
     site = _ar_moer_site(days=days)
-    hourly = site.hourly.copy()
+    hourly = site.series.copy()
     moer = hourly["moer_kg_per_kwh"].to_numpy(np.float64)
     rng = np.random.default_rng(11)
     prev = np.r_[moer[0], moer[:-1]]

@@ -66,7 +66,7 @@ def test_init_from_starts_from_the_runs_networks(tmp_path):
 def _changed_after(site: Site, split: str, k: int) -> Site:
     """``site`` with the MOER and the sessions of ``split`` from step ``k + 1`` on changed."""
     start = site.split(split).time[k + 1]  # UTC
-    hourly = site.hourly.copy()
+    hourly = site.series.copy()
     later = hourly.time >= start
     hourly.loc[later, ["moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]] *= 3.0
     sessions = site.sessions.copy()

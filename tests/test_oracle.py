@@ -135,7 +135,7 @@ def test_objective_bound_with_binding_import_limit():
 def test_zero_moer_hours_do_not_import_while_curtailing():
     """Hours with MOER = 0 make importing free; the traces must not import and curtail at once."""
     site = make_site(days=4)
-    site.hourly.loc[site.hourly.index % 4 == 0, "moer_kg_per_kwh"] = 0.0
+    site.series.loc[site.series.index % 4 == 0, "moer_kg_per_kwh"] = 0.0
     kpi, traces = solve_oracle(site, "train")
     assert not ((traces.grid_import_kw > 1e-9) & (traces.pv_curtailed_kw > 1e-9)).any()
     assert balance_residual(traces).max() < 1e-6

@@ -42,7 +42,7 @@ def group_site(days: int = 10, seed: int = 0) -> Site:
     s = pd.DataFrame(rows).sort_values(["arrival", "session_id"]).reset_index(drop=True)
     for c in ("arrival", "departure"):
         s[c] = pd.to_datetime(s[c], utc=True).astype("datetime64[ns, UTC]")
-    return Site(base.config.replace(ev={"sockets": GROUPS}), base.hourly, s, dict(base.source))
+    return Site(base.config.replace(ev={"sockets": GROUPS}), base.series, s, dict(base.source))
 
 
 def test_the_fit_and_the_draws_at_t_do_not_read_what_comes_after_t():

@@ -66,10 +66,10 @@ def group_site(days: int = 3, seed: int = 0, **overrides) -> Site:
     cfg = base.config.replace(ev={"sockets": GROUPS})
     source = {
         "config": "synthetic.toml",
-        "hourly": "synthetic/hourly.parquet",
+        "series": "synthetic/series_60min.parquet",
         "sessions": "synthetic/sessions.parquet",
     }
-    return Site(cfg, base.hourly, _sessions(days, seed), source)
+    return Site(cfg, base.series, _sessions(days, seed), source)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_bad_groups_name_the_dotted_key(ev, needles):
 def test_a_station_matching_no_group_is_an_error_before_anything_runs(site, tmp_path):
     sessions = site.sessions.copy()
     sessions.loc[[5, 9], "station_id"] = "XX-7"
-    toml = write_site(Site(site.config, site.hourly, site.sessions, {}), tmp_path)
+    toml = write_site(Site(site.config, site.series, site.sessions, {}), tmp_path)
     sessions.to_parquet(toml.parent / "synthetic" / "sessions.parquet", index=False)
     for validate in (True, False):
         with pytest.raises(ConfigError) as err:
@@ -194,7 +194,7 @@ def test_balance_holds_every_step_with_groups(site, mode):
 
 def test_one_kind_equals_one_group_of_the_same_power():
     a = make_site(days=3, n_sockets=4)
-    b = Site(a.config.replace(ev={"sockets": [{"count": 4, "kw": 6.6}]}), a.hourly, a.sessions, a.source)
+    b = Site(a.config.replace(ev={"sockets": [{"count": 4, "kw": 6.6}]}), a.series, a.sessions, a.source)
     assert b.config.ev.sockets and not a.config.ev.sockets
     for split in ("train", "test"):
         da, db = a.split(split), b.split(split)
@@ -314,7 +314,7 @@ def test_oracle_with_credit_is_below_without_and_below_every_controller():
 @pytest.mark.slow
 def test_the_step_with_groups_and_credit_compiles_as_one_graph(action_mode="hub", edf="pairwise"):
     """Per-socket powers and the export credit keep the step one graph (no host sync), equal to the eager step."""
-    site = group_site(grid={**EXPORT["grid"], "export_credit": "moer"}, pv=EXPORT["pv"], episode={"train_steps": 24})
+    site = group_site(grid={**EXPORT["grid"], "export_credit": "moer"}, pv=EXPORT["pv"], episode={"train_h": 24})
     eager, graphed = (
         EVHubVectorEnv(4, site=site, action_mode=action_mode, edf=edf, dtype=torch.float64) for _ in range(2)
     )

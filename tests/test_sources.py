@@ -75,7 +75,7 @@ train = ["2023-10-23", "2023-10-31"]
 test = ["2023-11-01", "2023-11-06"]
 
 [episode]
-train_steps = 48
+train_h = 48
 
 [sources]
 root = "raw"
@@ -212,7 +212,7 @@ def garage(tmp_path_factory, template) -> Path:
     """The garage site, ingested once (its TOML path)."""
     toml = write_garage(tmp_path_factory.mktemp("garage"), template)
     summary = ingest(toml)
-    assert not summary["skipped"] and len(summary["written"]) == 3
+    assert not summary["skipped"] and len(summary["written"]) == 4  # series at 60 and 5 min, sessions, README
     return toml
 
 
@@ -221,7 +221,7 @@ def garage(tmp_path_factory, template) -> Path:
 
 def test_garage_ingests_validates_and_runs_baselines_and_oracle(garage):
     site = load_site(garage)  # pandera schemas over both tables
-    h, s = site.hourly, site.sessions
+    h, s = site.series, site.sessions
     assert period(site.config) == (FIRST, "2023-11-07")
     assert h.time.iloc[0] == pd.Timestamp(FIRST, tz=TZ) and len(h) == 15 * 24 + 1  # 25 h on 2023-10-29
     assert len(s) == 15 * 5 and s.session_id.is_unique
@@ -314,7 +314,7 @@ def test_pv_of_an_epw_in_another_utc_offset_peaks_at_local_solar_noon(garage):
     the PV-weighted mean time of each day lies within 10 minutes of solar noon computed from the longitude."""
     import pvlib
 
-    h = load_site(garage).hourly.set_index("time")["pv_kw_per_kwp"].astype(np.float64)
+    h = load_site(garage).series.set_index("time")["pv_kw_per_kwp"].astype(np.float64)
     mid = h.index + pd.Timedelta(minutes=30)
     utc_h = (mid.hour + mid.minute / 60.0).to_numpy()
     for day, pv in h.groupby(h.index.date):

@@ -17,6 +17,7 @@ import torch
 import tyro
 
 import envs
+from envs import timestep
 from envs.evhub import DEFAULT_BESS_ACTION
 from envs.vector import EVHUB_ID, RecordEpisodeStatistics, env_name, is_evhub, make_vec
 
@@ -271,6 +272,15 @@ def make_env(args, num_envs: int, device: torch.device, action_mode: str | None 
             exo_prior=args.exo_prior,
         )
     return RecordEpisodeStatistics(make_vec(args.env_id, num_envs, device, args.vector_mode, **kwargs))
+
+
+def per_step(args, rate_per_hour: float) -> float:
+    """A discount (``gamma``, GAE's ``lambda``) given per hour of site time, as the factor per env step: on EVHub-v0
+    ``rate ** dt_h`` at the site's step (:func:`envs.timestep.per_step`), so that a setting means the same at 60, 15 or
+    5-minute steps; on any other env the rate is per step already, returned as given."""
+    if not is_evhub(args.env_id):
+        return float(rate_per_hour)
+    return timestep.per_step(rate_per_hour, envs.load_config(args.site)[0].dt_h)
 
 
 def network_inputs(env, args) -> list[int] | None:

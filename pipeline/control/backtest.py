@@ -6,7 +6,7 @@ the parameters under test. Its CO2 and unserved energy are the env's. Windows ar
 tuner can run them in any order and in parallel (one Dask task each), and the outcome of window ``[s, s + n)``
 is known once step ``s + n`` is realised: a causal tuner may use it from then on.
 
-Weeks: the split's steps cut into consecutive windows of :data:`WEEK_STEPS` from its first step (the last one
+Weeks: the split's steps cut into consecutive windows of a week (:func:`week_steps`) from its first step (the last one
 shorter when the split does not end on a week boundary).
 """
 
@@ -20,13 +20,11 @@ from pathlib import Path
 
 import torch
 
+from envs import timestep
 from envs.evhub import EVHubVectorEnv
 from envs.site import Site, SplitData, load_site
 from pipeline import depends
 from pipeline.control.mpc import MPCController, PlannerParams
-
-WEEK_STEPS = 168
-"""Steps of a week at the hourly step the shipped sites use (``dt_h = 1``); :func:`weeks` scales it by ``dt_h``."""
 
 UNSERVED_COST = 10.0
 """Cost of a kWh of EV energy unserved in a backtest, kg-CO2-equivalent: far above any MOER (below ~1 kg/kWh), so a
@@ -34,8 +32,8 @@ parameter that cuts CO2 by leaving cars short never wins a tuning."""
 
 
 def week_steps(dt_h: float) -> int:
-    """Env steps of a week at a step of ``dt_h`` hours (:data:`WEEK_STEPS` at one hour)."""
-    return max(1, int(round(WEEK_STEPS / dt_h)))
+    """Env steps of a week at a step of ``dt_h`` hours (:func:`envs.timestep.steps_per_week`)."""
+    return timestep.steps_per_week(dt_h)
 
 
 def weeks(data: SplitData) -> list[tuple[int, int]]:
@@ -50,7 +48,7 @@ def evaluation_site(site: Site) -> Site:
     """``site`` as an evaluation runs it: every session kept (``episode.session_keep_min = 1``)."""
     if site.config.episode.session_keep_min >= 1.0:
         return site
-    return Site(site.config.replace(episode={"session_keep_min": 1.0}), site.hourly, site.sessions, dict(site.source))
+    return Site(site.config.replace(episode={"session_keep_min": 1.0}), site.series, site.sessions, dict(site.source))
 
 
 _SITES: OrderedDict[str, Site] = OrderedDict()

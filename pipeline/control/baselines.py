@@ -38,11 +38,11 @@ POLICIES = {"uncontrolled": uncontrolled, "rule_based": rule_based}
 """Baseline policies by name: ``policy(obs, env) -> hub action``."""
 
 
-def simulate(site: Site, split: str, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+def simulate(site: Site, split: str, name: str, physics_dt_h: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Run the baseline ``name`` over a whole split through the env (hub actions); ``(kpi_row, traces)`` of
-    :func:`envs.kpis.evaluate_policy`, ``train_wall_s = 0``.
+    :func:`envs.kpis.evaluate_policy` (``physics_dt_h``: the site simulated at that finer step), ``train_wall_s = 0``.
 
     Raises:
         KeyError: unknown baseline or split. RuntimeError: an energy-balance violation.
     """
-    return evaluate_policy(POLICIES[name], site, split, name, train_wall_s=0.0)
+    return evaluate_policy(POLICIES[name], site, split, name, train_wall_s=0.0, physics_dt_h=physics_dt_h)

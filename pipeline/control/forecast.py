@@ -11,19 +11,27 @@ refit at the start of a day at most on pairs whose target was realised before th
 - :func:`profile_outlook`: the warm-up forecast, while the regression has too few days of pairs: the data's own
   forecasts, then the same-hour profile of the last days.
 
+Leads are in hours at every step: at steps below the hour the regression runs on the split's hourly view
+(:func:`hourly_view`: each hour's mean MOER, the data's forecasts and 5-minute values as issued at the hour's start) and
+forecasts hourly means, issued at each hour's start; the planner spreads them over its steps
+(:meth:`pipeline.control.mpc.MPCController.moer_outlook`).
+
 How well each forecasts, and what it does to the plan, is measured in ``docs/agents.md``.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 from threadpoolctl import ThreadpoolController
 
+from envs import timestep
+from envs.config import SiteConfig
 from envs.site import SplitData
 
-DAY = 24
 PROFILE_DAYS = 7
 """Days of realised MOER averaged per hour of day in the causal forecast beyond the data's forecasts."""
 LEVEL_DECAY_H = 6.0
@@ -37,6 +45,41 @@ added; ``docs/agents.md``, "How every value was chosen")."""
 RIDGE = 1e-6
 """Ridge penalty of the MOER regression per pair (features are of order 0.1-1): only keeps the normal equations
 well posed (e.g. a constant feature column on a synthetic site); no shrinkage worth the name on real data."""
+
+
+@dataclass(frozen=True)
+class HourlyView:
+    """A split's hourly series, what the MOER forecasts read (:func:`hourly_view`): ``config`` (the split's, at
+    ``dt_h = 1``), ``time`` (UTC hour starts, ``(T_h,)``), ``moer`` (each hour's mean, kg/kWh, ``(T_h,)``), ``moer_fc``
+    (``(T_h, 3)``) and ``moer_5min`` (``(T_h, 14)`` or None), as issued at each hour's start."""
+
+    config: SiteConfig
+    time: pd.DatetimeIndex
+    moer: np.ndarray
+    moer_fc: np.ndarray
+    moer_5min: np.ndarray | None
+
+    @property
+    def num_steps(self) -> int:
+        """Hours ``T_h``."""
+        return len(self.time)
+
+
+def hourly_view(data: SplitData) -> SplitData | HourlyView:
+    """The split as the forecasts read it, one row per hour: ``data`` itself at hourly steps; at steps below the hour
+    (``n`` a hour) each hour's mean MOER over its ``n`` steps and the forecast columns of its first step (issued at the
+    hour's start). The split starts on a local midnight (a whole hour in UTC); a last incomplete hour is left out."""
+    n = timestep.steps_per_hour(data.dt_h)
+    if n == 1:
+        return data
+    T = data.num_steps // n
+    return HourlyView(
+        config=data.config.replace(dt_h=1.0),
+        time=data.time[: T * n : n],
+        moer=np.asarray(data.moer[: T * n], np.float64).reshape(T, n).mean(1),
+        moer_fc=np.asarray(data.moer_fc[: T * n : n], np.float64),
+        moer_5min=None if data.moer_5min is None else np.asarray(data.moer_5min[: T * n : n], np.float64),
+    )
 
 
 @functools.cache
@@ -56,7 +99,7 @@ def profile_outlook(data: SplitData, t: int, H: int) -> np.ndarray:
     Returns:
         ``(H,)`` float64.
     """
-    day = max(1, int(round(DAY / data.config.dt_h)))
+    day = timestep.steps_per_day(data.config.dt_h)
     n_fc = min(H, data.moer_fc.shape[1])
     out = np.empty(H)
     out[:n_fc] = data.moer_fc[t, :n_fc]
@@ -119,10 +162,12 @@ class MOERRegression:
         ValueError: a negative half-life.
     """
 
-    def __init__(self, data: SplitData, horizon: int, half_life_days: float = 0.0, five_minute: bool = False):
+    def __init__(
+        self, data: SplitData | HourlyView, horizon: int, half_life_days: float = 0.0, five_minute: bool = False
+    ):
         if not half_life_days >= 0:
             raise ValueError(f"MOERRegression: half_life_days must be >= 0 (0: no forgetting), got {half_life_days}")
-        self.day = max(1, int(round(DAY / data.config.dt_h)))
+        self.day = timestep.steps_per_day(data.config.dt_h)
         self.H = horizon
         self.half_life_days = float(half_life_days)
         T = data.num_steps

@@ -140,13 +140,14 @@ class AdaptivePlanner:
 
 
 def run_planner(
-    site: Site, split: str, name: str, policy, seed: int | None = None
+    site: Site, split: str, name: str, policy, seed: int | None = None, physics_dt_h: float | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """A learned planner's run over a whole split (socket actions, set-point BESS): ``(kpi_row, traces)`` as
     :func:`envs.kpis.evaluate_policy` returns them, the seed in the row when it has one; prints its solves and CO2.
 
     Args:
         policy: an :class:`~pipeline.control.mpc.MPCController` or a policy holding one as ``mpc``.
+        physics_dt_h: simulate the site at that finer step (:func:`envs.kpis.evaluate_policy`).
     """
     t0 = time.perf_counter()
     kpis, traces = evaluate_policy(
@@ -156,6 +157,7 @@ def run_planner(
         name,
         action_mode="socket",
         bess_action="setpoint",
+        physics_dt_h=physics_dt_h,
         train_wall_s=0.0,
         **({} if seed is None else {"seed": float(seed)}),
     )
@@ -170,21 +172,28 @@ def run_planner(
     return kpis, traces
 
 
-def simulate_tuned(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``mpc_tuned`` of ``seed`` over a whole split: ``(kpi_row, traces)``.
+def simulate_tuned(
+    site: Site, split: str, seed: int, tuned_dir: str | Path, physics_dt_h: float | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_tuned`` of ``seed`` over a whole split: ``(kpi_row, traces)`` (``physics_dt_h``: as :func:`run_planner`).
 
     Raises:
         FileNotFoundError: no tuning of that seed in ``tuned_dir``.
     """
     params = tuning.load_params(tuned_dir, seed)
-    return run_planner(site, split, "mpc_tuned", MPCController(site.split(split), params, presolve=False), seed)
+    mpc = MPCController(site.split(split), params, presolve=False)
+    return run_planner(site, split, "mpc_tuned", mpc, seed, physics_dt_h)
 
 
-def simulate_tuned_start(site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+def simulate_tuned_start(
+    site: Site, split: str, physics_dt_h: float | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``mpc_tuned_start``, ``mpc_tuned``'s untrained start, over a whole split: the planner with the parameters the
-    tuning starts from (:meth:`~pipeline.control.mpc.PlannerParams.learned_start`); ``(kpi_row, traces)``."""
+    tuning starts from (:meth:`~pipeline.control.mpc.PlannerParams.learned_start`); ``(kpi_row, traces)``
+    (``physics_dt_h``: as :func:`run_planner`)."""
     start = PlannerParams.learned_start(site.config)
-    return run_planner(site, split, "mpc_tuned_start", MPCController(site.split(split), start, presolve=False))
+    mpc = MPCController(site.split(split), start, presolve=False)
+    return run_planner(site, split, "mpc_tuned_start", mpc, physics_dt_h=physics_dt_h)
 
 
 def table_file(tuned_dir: str | Path, split: str, seed: int) -> Path:
@@ -214,8 +223,11 @@ def write_week_tables(results: list, windows: list, tuned_dir: str | Path, seed:
     return [str(write_parquet(pd.DataFrame(v), table_file(tuned_dir, sp, seed))) for sp, v in rows.items()]
 
 
-def simulate_adaptive(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``mpc_adaptive`` of ``seed`` over a whole split: ``(kpi_row, traces)`` (module docstring).
+def simulate_adaptive(
+    site: Site, split: str, seed: int, tuned_dir: str | Path, physics_dt_h: float | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``mpc_adaptive`` of ``seed`` over a whole split: ``(kpi_row, traces)`` (module docstring; ``physics_dt_h``: as
+    :func:`run_planner`).
 
     It reads the week tables of the train split (for the lookback) and of ``split`` kept beside the tuning
     (:func:`table_file`, written by the study's ``planners`` stage from backtests fanned out over the cluster); a
@@ -246,4 +258,5 @@ def simulate_adaptive(site: Site, split: str, seed: int, tuned_dir: str | Path) 
         f"{weights}",
         flush=True,
     )
-    return run_planner(site, split, "mpc_adaptive", AdaptivePlanner(site.split(split), cands, chosen), seed)
+    policy = AdaptivePlanner(site.split(split), cands, chosen)
+    return run_planner(site, split, "mpc_adaptive", policy, seed, physics_dt_h)

@@ -78,11 +78,12 @@ import numpy as np
 import pandas as pd
 import torch
 
+from envs import timestep
 from envs.config import SiteConfig
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
-from pipeline.control.forecast import DAY, LEARNED_HALF_LIFE_DAYS, MOERRegression, profile_outlook
+from pipeline.control.forecast import LEARNED_HALF_LIFE_DAYS, MOERRegression, hourly_view, profile_outlook
 from pipeline.control.oracle import LP, Offsets, assemble_lp
 
 PERFECT = {"mpc": False, "mpc_perfect": True}
@@ -200,8 +201,8 @@ class Plan:
     co2_planned_kg: float
     """LP objective's CO2 part over the window (forecast MOER; net of the export credit where there is one)."""
     bess_kw_steps: np.ndarray | None = None
-    """Battery power over the whole window, kW, ``(H,)``, + = charge: ``ch - dis`` of each step (step 0 as applied,
-    ``bess_charge_kw - bess_discharge_kw``)."""
+    """Battery power over the whole window, kW, ``(H,)`` steps, + = charge: ``ch - dis`` of each step (step 0 as
+    applied, ``bess_charge_kw - bess_discharge_kw``; a period of several steps gives each of its steps its power)."""
     ev_kw_steps: np.ndarray | None = None
     """Per-socket power of the plugged EVs over the whole window, kW, ``(N, H)``: each one's LP columns until its
     departure, 0 after it and for a free socket (expected arrivals have no socket yet); step 0 is :attr:`ev_kw`."""
@@ -275,8 +276,9 @@ class WindowBlock:
         off: the block's first column of each variable, in the LP's numbering (ints).
         col0: the step-0 column of each plugged EV, ``(P,)`` int64.
         s0: its socket, ``(P,)`` int64.
-        dep0: its last step + 1 in the window, ``(P,)`` int64.
-        H: the window's steps.
+        dep0: its last period + 1 in the window, ``(P,)`` int64.
+        H: the window's periods (its steps where each period is one step).
+        period_steps: each period's steps, ``(H,)`` int64 (:meth:`MPCController.periods`); None: one step each.
     """
 
     off: Offsets
@@ -284,6 +286,7 @@ class WindowBlock:
     s0: np.ndarray
     dep0: np.ndarray
     H: int
+    period_steps: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +323,13 @@ class MPCController:
             each column and row stands for (:meth:`lp_keys`); HiGHS completes it to a basis of the new LP. Fewer
             iterations (about a quarter on ``mpc_scenario``'s LPs); the optimum is the same, the vertex chosen among
             equal-cost plans may differ.
+        replan: when a new plan is made at steps below the hour (:meth:`act`): ``"hour"`` at each hour's start (and
+            on arrivals, below), holding the last plan in between; ``"step"`` at every step. At hourly steps both plan
+            every step.
+        replan_on_arrival: with ``replan = "hour"``, also plan when a car has come since the last plan (as the
+            central system plans on each transaction's start).
+        fine_h: move blocking (:meth:`periods`): the window's first ``fine_h`` hours, up to the next whole hour, at
+            the site's step, the rest in one-hour periods; None: every step at the site's step.
 
     Attributes:
         H: the horizon in steps.
@@ -344,6 +354,9 @@ class MPCController:
     presolve: bool = True
     keep_plans: bool = False
     warm_start: bool = False
+    replan: str = "hour"
+    replan_on_arrival: bool = True
+    fine_h: float | None = 1.0
     solves: int = 0
     solve_s: float = 0.0
     plans: list = field(default_factory=list)
@@ -362,13 +375,22 @@ class MPCController:
         if self.params is None:
             self.params = PlannerParams.of_site(cfg)
         p = self.params
-        self.H = max(1, int(round(p.horizon_h / cfg.dt_h)))
-        self.day_steps = max(1, int(round(DAY / cfg.dt_h)))
+        self.H = timestep.steps(p.horizon_h, cfg.dt_h)
+        self.day_steps = timestep.steps_per_day(cfg.dt_h)
+        self.hour_steps = timestep.steps_per_hour(cfg.dt_h)
         self.weekend = self.data.weekend()  # (T,) bool
+        if self.replan not in ("hour", "step"):
+            raise ValueError(f"MPCController: replan must be 'hour' or 'step', got {self.replan!r}")
+        self._hourly = hourly_view(self.data)  # what the MOER forecast reads: leads in hours at every step
+        self._hourly_forecast = self.forecaster is None and self.hour_steps > 1
         if self.forecaster is None and not self.perfect_moer:
             self.forecaster = MOERRegression(
-                self.data, self.H, half_life_days=p.moer_half_life_days, five_minute=p.moer_five_minute
+                self._hourly,
+                -(-self.H // self.hour_steps) + (self.hour_steps > 1),  # hours from the last hour start
+                half_life_days=p.moer_half_life_days,
+                five_minute=p.moer_five_minute,
             )
+        self._held: tuple | None = None  # (t, plan, sockets plugged then) of the last solve, held between solves
 
     def set_params(self, params: PlannerParams) -> None:
         """Plan with ``params`` from the next step on (the learned planners change the weight, the terminal value,
@@ -393,8 +415,11 @@ class MPCController:
         d, p = self.data, self.params
         if self.perfect_moer:
             return d.moer[t : t + H].copy()
-        fc = self.forecaster(t, H)
-        fc = profile_outlook(d, t, H) if fc is None else fc
+        if self._hourly_forecast:
+            fc = self._hourly_outlook(t, H)
+        else:
+            fc = self.forecaster(t, H)
+            fc = profile_outlook(d, t, H) if fc is None else fc
         if p.moer_contrast != 1.0 or p.moer_bias != 0.0:
             m = float(fc.mean())
             fc = np.maximum(m + p.moer_contrast * (fc - m) + p.moer_bias * m, 0.0)
@@ -406,6 +431,27 @@ class MPCController:
                 k = slice(max(1, round(lo_h / dt)), round(hi_h / dt))
                 fc[k] = np.maximum(fc[0] + a * (fc[k] - fc[0]), 0.0)
         return fc
+
+    def _hourly_outlook(self, t: int, H: int) -> np.ndarray:
+        """The MOER outlook over steps ``t .. t+H-1`` at steps below the hour, kg/kWh, ``(H,)``: the hourly forecast
+        issued at the start of ``t``'s hour (:meth:`forecaster` on the split's hourly view, or
+        :func:`~pipeline.control.forecast.profile_outlook` while it warms up), each step taking its hour's value; over
+        the hour from ``t``, the shape of the data's 5-minute forecasts issued at ``t`` (their mean over each step less
+        their mean over the hour, where the data have them) added to it, clipped at 0."""
+        n = self.hour_steps
+        h0, into = divmod(t, n)
+        hours = (into + H - 1) // n + 1
+        fc = self.forecaster(h0, hours)
+        fc = profile_outlook(self._hourly, h0, hours) if fc is None else fc
+        out = fc[(into + np.arange(H)) // n].astype(np.float64)
+        five = self.data.moer_5min
+        if five is not None:
+            f = five[t, 2:]  # the twelve 5-minute forecasts for the hour from t
+            per = len(f) // n
+            shape = f[: per * n].reshape(n, per).mean(1) - f.mean()
+            k = min(n, H)
+            out[:k] = np.maximum(out[:k] + shape[:k], 0.0)
+        return out
 
     def sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray):
         """The window's sessions: the plugged EVs (one per socket) and those expected to arrive in ``(t, t+H)``.
@@ -487,6 +533,21 @@ class MPCController:
         return [(t - j * self.day_steps, (share, np.array(ks))) for j, ks in sorted(chosen.items())]
 
     # ---------------------------------------------------------------- one solve
+    def periods(self, H: int, t: int = 0) -> np.ndarray:
+        """The periods of the window from step ``t``, the LP's time steps, as each one's number of steps, ``(P,)`` int64
+        summing to ``H``: one step each over the first :attr:`fine_h` hours and up to the next whole hour of the
+        split (all of them where :attr:`fine_h` is None, and at hourly steps), then blocks of one hour, on the split's
+        hours (move blocking: the plan's later hours are decided again before they come; a plan made within an hour
+        has the same blocks as the one made at its start, so the warm start finds them)."""
+        n = self.hour_steps
+        if self.fine_h is None or n == 1:
+            fine = H
+        else:
+            fine = min(H, timestep.steps(self.fine_h, self.data.config.dt_h) + (-t) % n)
+        rest = H - fine
+        tail = np.full(int(rest % n > 0), rest % n, np.int64)
+        return np.concatenate([np.ones(fine, np.int64), np.full(rest // n, n, np.int64), tail])
+
     def plan(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> Plan:
         """Solve the window LP at step ``t`` from the given state; returns its first step and the env action.
 
@@ -512,7 +573,7 @@ class MPCController:
         moers, sessions, block = self.window_futures(t, H, moer, need_all, left_all)
         w = self.window_lp(t, H, moers, energy_kwh, sessions, cap_all, floor_all, block)
         lp = self.decision_lp(w)
-        keys = self.lp_keys(t, lp, sessions, block) if self.warm_start else None
+        keys = self.lp_keys(t, lp, sessions, block, w.blocks[0].period_steps) if self.warm_start else None
         z = self.solve(lp.c, lp.A_eq, lp.b_eq, lp.bounds, t, keys=keys)
         if self.data.config.grid.export_credit == "moer":
             z = self.apply_env_rules_at_step0(lp, w.blocks[0], z, t, cap_all[w.blocks[0].s0])
@@ -571,7 +632,6 @@ class MPCController:
         d = self.data
         cfg = d.config
         b, dt, pmax = cfg.bess, cfg.dt_h, d.socket_kw  # pmax: (N,) kW, each socket's own power
-        pv, load = d.pv_kw[t : t + H], d.load_kw[t : t + H]
         arr, end, need, sock, weight = sessions
         moer_k = np.atleast_2d(moer)  # (K, H)
         K = moer_k.shape[0]
@@ -579,31 +639,61 @@ class MPCController:
         dep = np.minimum(end, H)
         p_max = pmax[np.where(sock >= 0, sock, -1 - sock)] * weight  # (S,) kW, its socket's power (its share of it)
         defer = np.minimum(need, p_max * dt * np.maximum(end - H, 0))
+        lens = self.periods(H, t)  # (P,) steps of each period
+        P = len(lens)
+        pv, load = d.pv_kw[t : t + H], d.load_kw[t : t + H]
+        step_h, arr_p, dep_p = None, arr, dep
+        if P < H:  # move blocking: each period's mean power and MOER, each session in the periods it touches
+            starts = np.cumsum(lens) - lens
+            period_of = np.repeat(np.arange(P), lens)  # (H,) the period of each step
+
+            def mean(x: np.ndarray) -> np.ndarray:
+                return np.add.reduceat(x, starts, axis=-1) / lens
+
+            pv, load, moer_k, step_h = mean(pv), mean(load), mean(moer_k), lens * dt
+            arr_p, dep_p = period_of[arr], period_of[dep - 1] + 1
         lp = assemble_lp(
-            cfg, pv, load, moer_k, energy_kwh, arr, dep, need, p_max=p_max, defer_kwh=defer, block=blk, n_blocks=K
+            cfg,
+            pv,
+            load,
+            moer_k,
+            energy_kwh,
+            arr_p,
+            dep_p,
+            need,
+            p_max=p_max,
+            defer_kwh=defer,
+            block=blk,
+            n_blocks=K,
+            step_h=step_h,
         )
         off, c, bounds = lp.off, lp.c, lp.bounds
-        steps = np.arange(H)
-        ramp = steps / H
+        if P < H:  # a session present for part of a period draws at most that part of its power over the period
+            ps, pp = lp.p_sess, lp.p_step
+            present = np.minimum(dep[ps], starts[pp] + lens[pp]) - np.maximum(arr[ps], starts[pp])
+            bounds[lp.p_col, 1] *= present / lens[pp]
+        steps = np.arange(P)
+        ramp = steps / P
+        dt_p = dt if step_h is None else step_h  # each period's hours
 
-        def at(first: np.ndarray) -> np.ndarray:  # (K, H) columns of a per-step variable
+        def at(first: np.ndarray) -> np.ndarray:  # (K, P) columns of a per-period variable
             return first[:, None] + steps
 
         c[at(off.g)] *= 1.0 - IMPORT_DISCOUNT * ramp
-        c[at(off.ch)] += EPS_CYCLE * dt
-        c[at(off.dis)] += EPS_CYCLE * dt
-        c[at(off.u)] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)
-        c[at(off.x)] += EPS_CURTAIL * dt * (1.0 - 0.5 * ramp)  # export: a surplus, like curtailment
+        c[at(off.ch)] += EPS_CYCLE * dt_p
+        c[at(off.dis)] += EPS_CYCLE * dt_p
+        c[at(off.u)] += EPS_CURTAIL * dt_p * (1.0 - 0.5 * ramp)
+        c[at(off.x)] += EPS_CURTAIL * dt_p * (1.0 - 0.5 * ramp)  # export: a surplus, like curtailment
         # (the export credit, -MOER per kWh with grid.export_credit = "moer", is already in assemble_lp's cost)
-        mean = np.array([float(m.mean()) for m in moer_k])  # (K,) each block's mean MOER over the window
-        c[off.defer[blk] + lp.s_local] = mean[blk]
+        mean_moer = np.array([float(m.mean()) for m in np.atleast_2d(moer)])  # (K,) each block's mean over the window
+        c[off.defer[blk] + lp.s_local] = mean_moer[blk]
         if t + H < d.num_steps:  # energy left in the battery when the window ends is worth what it displaces later
-            c[off.E + H - 1] -= self.params.terminal_value * b.eta_discharge * mean
+            c[off.E + P - 1] -= self.params.terminal_value * b.eta_discharge * mean_moer
         # step 0 of each plugged EV (its first EV column) between the env's floor and cap
-        stay = dep - arr
+        stay = dep_p - arr_p
         first = lp.p_col[np.cumsum(stay) - stay] if len(stay) else np.zeros(0, np.int64)
         is_plugged = sock >= 0
-        col0, s0, b0, dep0 = first[is_plugged], sock[is_plugged], blk[is_plugged], dep[is_plugged]
+        col0, s0, b0, dep0 = first[is_plugged], sock[is_plugged], blk[is_plugged], dep_p[is_plugged]
         floor = floor_all[s0]
         room = (
             cfg.grid.import_limit_kw
@@ -618,7 +708,10 @@ class MPCController:
                 floor[sel] = f * max(room, 0.0) / f.sum()
         bounds[col0, 0] = floor
         bounds[col0, 1] = cap_all[s0]
-        blocks = [WindowBlock(off.block(m), col0[b0 == m], s0[b0 == m], dep0[b0 == m], H) for m in range(K)]
+        lens_or_none = None if P == H else lens
+        blocks = [
+            WindowBlock(off.block(m), col0[b0 == m], s0[b0 == m], dep0[b0 == m], P, lens_or_none) for m in range(K)
+        ]
         return WindowLP(lp, blocks)
 
     def plan_of(self, t: int, z: np.ndarray, lp: LP, block: WindowBlock, moer: np.ndarray, cap_all, floor_all) -> Plan:
@@ -642,9 +735,15 @@ class MPCController:
         bess_steps = np.maximum(z[off.ch : off.ch + H], 0.0) - np.maximum(z[off.dis : off.dis + H], 0.0)
         bess_steps[0] = ch - dis
         ev_steps = np.zeros((N, H))
-        for i, c0, n in zip(s0, col0, block.dep0):  # a plugged EV's columns: steps 0 .. its departure
+        for i, c0, n in zip(s0, col0, block.dep0):  # a plugged EV's columns: periods 0 .. its departure
             ev_steps[i, :n] = np.clip(z[c0 : c0 + n], 0.0, pmax[i])
         ev_steps[:, 0] = ev
+        lens = block.period_steps
+        if lens is None:
+            co2 = float((g * moer).sum() * dt)
+        else:  # periods of several steps: their CO2 at their mean MOER; the schedules per step
+            co2 = float((g * np.add.reduceat(moer, np.cumsum(lens) - lens)).sum() * dt)
+            bess_steps, ev_steps = np.repeat(bess_steps, lens), np.repeat(ev_steps, lens, axis=1)
         return Plan(
             t=t,
             action=action,
@@ -654,7 +753,7 @@ class MPCController:
             bess_charge_kw=ch,
             bess_discharge_kw=dis,
             ev_kw=ev,
-            co2_planned_kg=float((g * moer).sum() * dt),
+            co2_planned_kg=co2,
             bess_kw_steps=bess_steps,
             ev_kw_steps=ev_steps,
         )
@@ -707,7 +806,7 @@ class MPCController:
         return best
 
     def lp_keys(
-        self, t: int, lp: LP, sessions: tuple, block: np.ndarray | None = None
+        self, t: int, lp: LP, sessions: tuple, block: np.ndarray | None = None, period_steps: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """What each column and row of the LP ``lp`` (:meth:`window_lp`'s, or :meth:`decision_lp`'s with
         non-anticipativity rows after the blocks') at step ``t`` stands for, as :func:`lp_key` keys that are the same in
@@ -718,6 +817,8 @@ class MPCController:
 
         Args:
             sessions, block: the LP's sessions and each one's block, as given to :meth:`window_lp`.
+            period_steps: the steps of each of the LP's periods (:attr:`WindowBlock.period_steps`; None: one each):
+                a period is keyed by its first step.
 
         Returns:
             ``(column keys, row keys)``, ``(n,)`` and ``(rows,)`` int64.
@@ -727,24 +828,27 @@ class MPCController:
         blk = np.zeros(len(arr), np.int64) if block is None else np.asarray(block, dtype=np.int64)
         code = np.where(sock >= 0, sock, _KEY_SOCKETS - 1 - sock)  # (S,) plugged EVs and expected arrivals apart
         when = np.where(sock >= 0, 0, t + arr)  # an expected arrival's absolute step (0: plugged)
-        ps, step, p_col = lp.p_sess, t + lp.p_step, lp.p_col
         steps = np.arange(H, dtype=np.int64)
+        at = t + steps  # the absolute step of each period (its first step)
+        if period_steps is not None:
+            at = t + np.cumsum(period_steps) - period_steps
+        ps, step, p_col = lp.p_sess, at[lp.p_step], lp.p_col
         m = np.arange(lp.K, dtype=np.int64)[:, None]
         cols = np.empty(len(lp.c), np.int64)
         pb, plugged = blk[ps], sock[ps] >= 0
-        arriving = when[ps] << 10 | step - t - arr[ps]
+        arriving = when[ps] << 10 | np.maximum(step - t - arr[ps], 0)
         cols[p_col] = np.where(
             plugged, lp_key(KeyKind.PLUGGED_EV, pb, code[ps], step), lp_key(KeyKind.ARRIVING_EV, pb, code[ps], arriving)
         )
         for kind, first in zip(STEP_KINDS, off.per_step()):
-            cols[first[:, None] + steps] = lp_key(kind, m, 0, t + steps)
+            cols[first[:, None] + steps] = lp_key(kind, m, 0, at)
         s_col = lp.s_local
         cols[off.slack[blk] + s_col] = lp_key(KeyKind.SLACK, blk, code, when)
         if off.defer is not None:
             cols[off.defer[blk] + s_col] = lp_key(KeyKind.DEFER, blk, code, when)
         rows = np.empty(len(lp.b_eq), np.int64)
-        rows[row_off[:, None] + steps] = lp_key(KeyKind.BALANCE, m, 0, t + steps)
-        rows[row_off[:, None] + H + steps] = lp_key(KeyKind.STORAGE, m, 0, t + steps)
+        rows[row_off[:, None] + steps] = lp_key(KeyKind.BALANCE, m, 0, at)
+        rows[row_off[:, None] + H + steps] = lp_key(KeyKind.STORAGE, m, 0, at)
         rows[row_off[blk] + 2 * H + s_col] = lp_key(KeyKind.EV_ENERGY, blk, code, when)
         n = lp.nonanticipativity_rows
         rows[len(rows) - n :] = lp_key(KeyKind.NONANTICIPATIVITY, 0, 0, np.arange(n, dtype=np.int64))
@@ -812,18 +916,58 @@ class MPCController:
 
     # ---------------------------------------------------------------- as a policy
     def __call__(self, obs: torch.Tensor, env: EVHubVectorEnv) -> torch.Tensor:
-        """Socket action ``(1, 1 + n_sockets)`` for env 0's current step, from its state."""
-        plan = self.plan(
+        """Socket action ``(1, 1 + n_sockets)`` for env 0's current step, from its state (:meth:`act`)."""
+        action = self.act(
             int(env.t[0]),
             float(env.energy_kwh[0]),
             env.ev_need_kwh[0].detach().cpu().numpy().astype(np.float64),
-            env.ev_steps_left[0].detach().cpu().numpy(),
+            env.steps_left()[0].detach().cpu().numpy(),
         )
-        return torch.as_tensor(plan.action, dtype=obs.dtype, device=obs.device)[None]
+        return torch.as_tensor(action, dtype=obs.dtype, device=obs.device)[None]
+
+    def _arrived(self, left: np.ndarray, left_then: np.ndarray, j: int) -> bool:
+        """Whether a car has come since the plan made ``j`` steps ago (a socket whose car is not the one the plan saw,
+        from each socket's steps to departure now and then, ``(N,)`` each) and :attr:`replan_on_arrival` is set."""
+        return self.replan_on_arrival and bool((left != np.maximum(left_then - j, 0)).any())
+
+    def act(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> np.ndarray:
+        """The socket action ``[a_bess, a_1..a_N]`` at step ``t`` from the state (as :meth:`plan` takes it).
+
+        A new plan's first step (:meth:`plan`) when one is due: at every step with ``replan = "step"`` or at hourly
+        steps; else at each hour's start and whenever a car has come since the last plan (a socket whose car is not the
+        one the plan saw). Between plans the last plan is held: its battery set-point and each plugged car's power for
+        this step of its window, mapped to the env's action at this step's floors and caps (:meth:`step0_bounds`).
+        """
+        left = np.asarray(ev_steps_left, dtype=np.int64)
+        held = self._held
+        j = 0 if held is None else t - held[0]
+        due = (
+            held is None
+            or self.replan == "step"
+            or t % self.hour_steps == 0
+            or not 0 < j < len(held[1].bess_kw_steps)
+            or self._arrived(left, held[2], j)
+        )
+        if due:
+            plan = self.plan(t, energy_kwh, ev_need_kwh, left)
+            self._held = (t, plan, left.copy())
+            return plan.action
+        plan, b = held[1], self.data.config.bess
+        cap, floor = self.step0_bounds(np.asarray(ev_need_kwh, dtype=np.float64), left)
+        action = np.zeros(1 + len(left))
+        action[0] = min(max(plan.bess_kw_steps[j] / b.power_kw, -1.0), 1.0) if b.power_kw > 0 else 0.0
+        span = cap - floor
+        ok = span > 1e-12
+        action[1:][ok] = np.clip((plan.ev_kw_steps[ok, j] - floor[ok]) / span[ok], 0.0, 1.0)
+        return action
 
 
 def run_mpc(
-    site: Site | str, split: str, controller: str = "mpc", horizon_h: int | None = None
+    site: Site | str,
+    split: str,
+    controller: str = "mpc",
+    horizon_h: int | None = None,
+    physics_dt_h: float | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame, MPCController]:
     """Run an MPC controller over a whole split through the env (socket actions, set-point BESS).
 
@@ -832,6 +976,7 @@ def run_mpc(
         split: ``"train"`` or ``"test"``.
         controller: ``"mpc"`` or ``"mpc_perfect"``.
         horizon_h: look-ahead (default: the site's ``mpc.horizon_h``).
+        physics_dt_h: simulate the site at that finer step (:func:`envs.kpis.evaluate_policy`).
 
     Returns:
         ``(kpi_row, traces, controller)`` like :func:`envs.kpis.evaluate_policy` (``train_wall_s = 0``, no
@@ -851,7 +996,14 @@ def run_mpc(
     mpc = MPCController(site.split(split), params, perfect=PERFECT[controller])
     t0 = time.perf_counter()
     kpis, traces = evaluate_policy(
-        mpc, site, split, controller, action_mode="socket", bess_action="setpoint", train_wall_s=0.0
+        mpc,
+        site,
+        split,
+        controller,
+        action_mode="socket",
+        bess_action="setpoint",
+        physics_dt_h=physics_dt_h,
+        train_wall_s=0.0,
     )
     wall = time.perf_counter() - t0
     print(
@@ -863,9 +1015,11 @@ def run_mpc(
     return kpis, traces, mpc
 
 
-def simulate(site: Site, split: str, controller: str = "mpc") -> tuple[pd.DataFrame, pd.DataFrame]:
+def simulate(
+    site: Site, split: str, controller: str = "mpc", physics_dt_h: float | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`run_mpc` at the site's horizon: ``(kpi_row, traces)`` (the registry's runner)."""
-    return run_mpc(site, split, controller)[:2]
+    return run_mpc(site, split, controller, physics_dt_h=physics_dt_h)[:2]
 
 
 _COLWISE = int(highspy.MatrixFormat.kColwise)

@@ -187,6 +187,7 @@ def assemble_lp(
     defer_kwh: np.ndarray | None = None,
     block: np.ndarray | None = None,
     n_blocks: int = 1,
+    step_h: np.ndarray | None = None,
 ) -> LP:
     """The LP of the module docstring over ``T = len(pv_kw)`` steps from explicit arrays (shared by the
     oracle, over a whole split, and by :mod:`pipeline.control.mpc`, over a receding window); or ``K`` such LPs at
@@ -206,6 +207,9 @@ def assemble_lp(
             None: no such variable (the oracle; ``off.defer`` is None).
         block: each session's block, ``(S,)`` int in ``[0, n_blocks)``, non-decreasing; None: one block.
         n_blocks: ``K``, the number of blocks.
+        step_h: each step's length, hours, ``(T,)`` (default: ``cfg.dt_h`` for all): the periods of a window whose
+            later hours are planned as blocks of several steps (:mod:`pipeline.control.mpc`, move blocking); power
+            stays in kW, each period's energy is its power times its length.
 
     Returns:
         the :class:`LP`: the ``K`` blocks' LPs one after another (columns and rows, each block laid out as one LP
@@ -225,9 +229,10 @@ def assemble_lp(
         raise ValueError(f"assemble_lp: moer must be ({T},) or ({K}, {T}), got {np.shape(moer)}")
     p_max = np.full(S, cfg.ev.socket_kw) if p_max is None else np.asarray(p_max, dtype=np.float64)
     lay = _layout(T, arr, dep, blk, K, defer_kwh is not None)
-    A_eq, b_eq = _equalities(cfg, lay, pv_kw, load_kw, energy_init_kwh, need)
+    dt = np.full(T, cfg.dt_h) if step_h is None else np.asarray(step_h, dtype=np.float64)
+    A_eq, b_eq = _equalities(cfg, lay, pv_kw, load_kw, energy_init_kwh, need, dt)
     return LP(
-        c=_objective(cfg, lay, moer_k),
+        c=_objective(cfg, lay, moer_k, dt),
         A_eq=A_eq,
         b_eq=b_eq,
         bounds=_bounds(cfg, lay, pv_kw, load_kw, p_max, defer_kwh),
@@ -315,11 +320,19 @@ def _layout(T: int, arr: np.ndarray, dep: np.ndarray, blk: np.ndarray, K: int, w
 
 
 def _equalities(
-    cfg: SiteConfig, lay: _Layout, pv_kw: np.ndarray, load_kw: np.ndarray, energy_init_kwh: float, need: np.ndarray
+    cfg: SiteConfig,
+    lay: _Layout,
+    pv_kw: np.ndarray,
+    load_kw: np.ndarray,
+    energy_init_kwh: float,
+    need: np.ndarray,
+    dt: np.ndarray,
 ) -> tuple[sp.csc_matrix, np.ndarray]:
     """:func:`assemble_lp`'s equality rows, balance (``0..T-1``), storage (``T..2T-1``) and EV energy
-    (``2T..2T+S_k-1``) of each block: ``(A_eq, b_eq)``, CSC ``(n_row, n)`` and ``(n_row,)``."""
-    b, dt, T, off = cfg.bess, cfg.dt_h, lay.T, lay.off
+    (``2T..2T+S_k-1``) of each block, for steps of ``dt`` hours (``(T,)``): ``(A_eq, b_eq)``, CSC ``(n_row, n)`` and
+    ``(n_row,)``."""
+    b, T, off = cfg.bess, lay.T, lay.off
+    dt_k = np.tile(dt, lay.K)  # (K * T,) each block's steps
     steps = np.arange(T, dtype=np.int64)
     balance, ev_row = lay.balance, lay.ev_row
     storage = balance + T
@@ -340,10 +353,10 @@ def _equalities(
     # storage: E[t] - E[t-1] - eta_c*dt*ch[t] + dt/eta_d*dis[t] = (E_init if t == 0 else 0)
     add(storage, lay.cols(off.E), 1.0)
     add((lay.row_off[:, None] + T + steps[1:]).ravel(), lay.cols(off.E, steps[:-1]), -1.0)
-    add(storage, lay.cols(off.ch), -b.eta_charge * dt)
-    add(storage, lay.cols(off.dis), dt / b.eta_discharge)
+    add(storage, lay.cols(off.ch), -b.eta_charge * dt_k)
+    add(storage, lay.cols(off.dis), dt_k / b.eta_discharge)
     # EV energy: sum_t p*dt + slack (+ defer) = need
-    add(ev_row[lay.p_sess], lay.p_col, dt)
+    add(ev_row[lay.p_sess], lay.p_col, dt[lay.p_step])
     add(ev_row, off.slack[lay.blk] + lay.s_local, 1.0)
     if off.defer is not None:
         add(ev_row, off.defer[lay.blk] + lay.s_local, 1.0)
@@ -382,10 +395,10 @@ def _bounds(
     return np.stack([lo, hi], axis=1)
 
 
-def _objective(cfg: SiteConfig, lay: _Layout, moer_k: np.ndarray) -> np.ndarray:
+def _objective(cfg: SiteConfig, lay: _Layout, moer_k: np.ndarray, dt: np.ndarray) -> np.ndarray:
     """:func:`assemble_lp`'s costs, ``(n,)``: kg CO2 of import (minus the export credit) and the penalty on unserved
-    EV energy; ``moer_k`` ``(K, T)`` kg/kWh."""
-    dt, off = cfg.dt_h, lay.off
+    EV energy; ``moer_k`` ``(K, T)`` kg/kWh, ``dt`` ``(T,)`` hours."""
+    off = lay.off
     c = np.zeros(lay.n)
     c[lay.cols(off.g)] = (moer_k * dt).ravel()
     if cfg.grid.export_credit == "moer":
@@ -409,13 +422,17 @@ def _csc(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, shape: tuple[int,
     return sp.csc_matrix((v, r.astype(np.int32), indptr), shape=shape)
 
 
-def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Solve the perfect-foresight LP over one split and return its KPIs and hourly traces.
+def solve_oracle(
+    site: Site | str, split: str, time_limit_s: float = 300.0, physics_dt_h: float | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Solve the perfect-foresight LP over one split and return its KPIs and traces, one row per step.
 
     Args:
         site: a loaded :class:`~envs.site.Site` (or anything :func:`envs.site.load_site` accepts).
         split: ``"train"`` or ``"test"``.
         time_limit_s: HiGHS wall-clock limit, seconds.
+        physics_dt_h: solve it at that finer step instead (:meth:`envs.site.Site.physics_split`, the 5-minute site
+            every controller is also scored on): the bound of what any controller reaches there.
 
     Returns:
         ``(kpi_row, traces)`` like :func:`envs.kpis.evaluate_policy`: a one-row DataFrame with
@@ -435,6 +452,8 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
     """
     site = load_site(site)
     data = site.split(split)
+    if physics_dt_h is not None and physics_dt_h != data.dt_h:
+        data = site.physics_split(split)
     cfg = data.config
     b, dt = cfg.bess, cfg.dt_h
     t0 = time.perf_counter()
@@ -506,6 +525,6 @@ def solve_oracle(site: Site | str, split: str, time_limit_s: float = 300.0) -> t
     return row, traces
 
 
-def simulate(site: Site, split: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+def simulate(site: Site, split: str, physics_dt_h: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`solve_oracle` with its default time limit: ``(kpi_row, traces)`` (the registry's runner)."""
-    return solve_oracle(site, split)
+    return solve_oracle(site, split, physics_dt_h=physics_dt_h)

@@ -104,13 +104,15 @@ class Controller:
         return self.runner is not None
 
     def simulate(
-        self, site: Site, split: str, seed: int | None = None, tuned_dir=None
+        self, site: Site, split: str, seed: int | None = None, tuned_dir=None, physics_dt_h: float | None = None
     ) -> tuple[pd.DataFrame, pd.DataFrame]:
         """Run it over one whole split; returns ``(kpi_row, traces)`` (:func:`envs.kpis.evaluate_policy`'s).
 
         Args:
             seed: the study's seed (a ``seeded`` controller needs one). tuned_dir: the tuning folder (a ``tuned``
                 controller needs it).
+            physics_dt_h: score it on the site simulated at that finer step (its decisions every step of the site,
+                held over the physics' sub-steps; the oracle solved at that step).
 
         Raises:
             TypeError: an agent (it is trained, not simulated here), or a missing seed or tuning folder.
@@ -130,6 +132,8 @@ class Controller:
             if tuned_dir is None:
                 raise TypeError(f"controller {self.name!r} reads tuned parameters: give the tuning folder")
             kwargs["tuned_dir"] = tuned_dir
+        if physics_dt_h is not None:
+            kwargs["physics_dt_h"] = physics_dt_h
         return self.run_function(site, split, *self.runner_args, **kwargs)
 
     @property

@@ -45,6 +45,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from envs import timestep
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
@@ -131,7 +132,7 @@ def day_observation(
         ``(len(OBS_NAMES),)`` float32, about ``[-1, 1]``.
     """
     cfg = data.config
-    day = max(1, int(round(24 / cfg.dt_h)))
+    day = timestep.steps_per_day(cfg.dt_h)
     arrivals = data.arrival_need_kwh.sum(1).astype(np.float64)  # (T,) kWh arriving per step
     # the normaliser: a typical day's arrivals, kWh, of the train split (known before any split is acted on)
     scale = max(float(train.arrival_need_kwh.sum(1).mean()) * day, 1.0)
@@ -186,7 +187,7 @@ class _Day:
     def __init__(self, site: Site, split: str, base: PlannerParams, env: EVHubVectorEnv):
         self.site, self.data, self.base, self.env = site, site.split(split), base, env
         self.mpc = MPCController(self.data, base, presolve=False)
-        self.day = max(1, int(round(24 / site.config.dt_h)))
+        self.day = timestep.steps_per_day(site.config.dt_h)
         self.last_co2 = self.last_kwh = 0.0
 
     def observe(self, obs: torch.Tensor) -> np.ndarray:
@@ -216,7 +217,7 @@ def episode_starts(site: Site, split: str, first: int = 0, end: int | None = Non
     """The steps of ``split`` an episode may start at: local midnights from the split's second week on (the planner's
     forecasts warm up in its first) and from step ``first`` on, whose week (and the one step the env reads after it)
     ends by step ``end`` (default: the split's end). Empty when none fits."""
-    day = max(1, int(round(24 / site.config.dt_h)))
+    day = timestep.steps_per_day(site.config.dt_h)
     end = site.split(split).num_steps if end is None else int(end)
     s = site.split(split).local_midnights()
     return s[(s >= max(7 * day, int(first))) & (s + EPISODE_DAYS * day + 1 <= end)]
@@ -260,7 +261,7 @@ class PlannerEnv(gym.Env):
         self.site = evaluation_site(load_site(site or os.environ.get("EVHUB_SITE", "caltech")))
         self.split = split or os.environ.get("EVHUB_PLANNER_SPLIT") or "train"
         self.base, self.width = centre(self.site)
-        self.steps = EPISODE_DAYS * max(1, int(round(24 / self.site.config.dt_h)))
+        self.steps = EPISODE_DAYS * timestep.steps_per_day(self.site.config.dt_h)
         first, end = window if window is not None else _window_from_env()
         # the env's window is one step longer than the episode, so it does not start a new window at the episode's end
         self.starts = episode_starts(self.site, self.split, first, end)
@@ -354,19 +355,23 @@ def start_params(site: Site) -> PlannerParams:
 
 
 def simulate_start(
-    site: Site, split: str, controller: str = "mpc_rl_start", **truth: bool
+    site: Site, split: str, controller: str = "mpc_rl_start", physics_dt_h: float | None = None, **truth: bool
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``mpc_rl_start``, ``mpc_rl``'s untrained start, over a whole split: its planner with the zero action every day
     (:func:`start_params`); ``(kpi_row, traces)``. ``truth``: :class:`~pipeline.control.mpc.MPCController`'s
-    ``perfect_moer`` / ``perfect_arrivals``, for the value-of-information table's runs (named ``controller``)."""
+    ``perfect_moer`` / ``perfect_arrivals``, for the value-of-information table's runs (named ``controller``);
+    ``physics_dt_h``: as :func:`~pipeline.control.learned.run_planner`."""
     site = evaluation_site(site)
     mpc = MPCController(site.split(split), start_params(site), presolve=False, **truth)
-    return run_planner(site, split, controller, mpc)
+    return run_planner(site, split, controller, mpc, physics_dt_h=physics_dt_h)
 
 
-def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+def simulate_rl(
+    site: Site, split: str, seed: int, tuned_dir: str | Path, physics_dt_h: float | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``mpc_rl`` of ``seed`` over a whole split: ``(kpi_row, traces)``, from the policy trained into
-    :func:`run_dir` (its day-level CO2 tracked per day in the planner).
+    :func:`run_dir` (its day-level CO2 tracked per day in the planner; ``physics_dt_h``: the site simulated at that
+    finer step).
 
     Raises:
         FileNotFoundError: no trained policy there (the message says how to train one).
@@ -382,7 +387,15 @@ def simulate_rl(site: Site, split: str, seed: int, tuned_dir: str | Path) -> tup
     site = evaluation_site(site)
     p = DailyPolicyPlanner(site, split, policy, base_params(site))
     kpis, traces = evaluate_policy(
-        p, site, split, "mpc_rl", action_mode="socket", bess_action="setpoint", train_wall_s=0.0, seed=float(seed)
+        p,
+        site,
+        split,
+        "mpc_rl",
+        action_mode="socket",
+        bess_action="setpoint",
+        physics_dt_h=physics_dt_h,
+        train_wall_s=0.0,
+        seed=float(seed),
     )
     weights = np.array([q.expected_demand_weight for _, q in p.params])
     print(

@@ -420,9 +420,12 @@ def tune(site: Site | str, seeds=(1,), budget: str = "small", evaluate=None, spa
     return tuning.tune(site, seeds, budget, evaluate, space=space, start=base_params(site.config), **kwargs)
 
 
-def simulate(site: Site | str, split: str, **settings) -> tuple[pd.DataFrame, pd.DataFrame]:
+def simulate(
+    site: Site | str, split: str, physics_dt_h: float | None = None, **settings
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``mpc_scenario`` over a whole split (socket actions, set-point BESS): ``(kpi_row, traces)``; prints its solves,
-    their seconds and the LP's size.
+    their seconds and the LP's size. ``physics_dt_h``: the site simulated at that finer step
+    (:func:`envs.kpis.evaluate_policy`).
 
     Raises:
         KeyError: unknown split. RuntimeError: an LP not solved, or the balance violated.
@@ -431,7 +434,7 @@ def simulate(site: Site | str, split: str, **settings) -> tuple[pd.DataFrame, pd
 
     site = load_site(site)
     mpc = controller(site.split(split), **settings)
-    out = run_planner(site, split, "mpc_scenario", mpc)
+    out = run_planner(site, split, "mpc_scenario", mpc, physics_dt_h=physics_dt_h)
     rows, cols, nnz = mpc.lp_total / max(mpc.solves, 1)
     print(
         f"mpc_scenario {split}: K {mpc.n_scenarios}, recency half-life {mpc.recency_half_life:g}, MOER scenarios "

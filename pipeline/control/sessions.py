@@ -50,10 +50,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special, stats
 
+from envs import timestep
 from envs.site import SplitData
 
-DAY_H = 24.0
-"""Hours in a day."""
 MAX_DISPERSION = 4.0
 """Upper clip of the day factor's variance ``phi``."""
 MIN_BANDWIDTH = 0.05
@@ -119,8 +118,8 @@ class SessionModel:
         self.recent_days = int(recent_days)
         self.prior_steps = float(prior_steps)
         self.dt = cfg.dt_h
-        self.steps_per_day = max(1, int(round(DAY_H / cfg.dt_h)))  # B, steps of the day
-        self.band = max(0, int(round(band_h / cfg.dt_h)) // 2)  # steps each side
+        self.steps_per_day = timestep.steps_per_day(cfg.dt_h)  # B, steps of the day
+        self.band = timestep.steps(band_h, cfg.dt_h, at_least=0) // 2  # steps each side
         local = data.time.tz_convert(cfg.timezone)
         minutes = np.asarray(local.hour * 60 + local.minute)
         self.step_of_day = (minutes // max(1, int(round(cfg.dt_h * 60)))) % self.steps_per_day  # (T,)

@@ -5,8 +5,10 @@ Each returns a table plus an ``info`` dict for the data README:
 
 - :func:`read_sessions`: columns ``session_id, station_id`` (str), ``arrival, departure`` (datetime64[ns, UTC]),
   ``energy_kwh``, ``requested_energy_kwh`` (float32, kWh) [, ``kind`` (str) for generated sessions].
-- :func:`read_carbon`: ``moer_kg_per_kwh``, ``moer_fc_h0..h2`` (float64, kg CO2/kWh) on the period's hours, and
-  from 5-minute files with forecasts :data:`envs.schemas.MOER_5MIN_COLUMNS`.
+- :func:`read_carbon`: ``moer_kg_per_kwh``, ``moer_fc_h0..h2`` (float64, kg CO2/kWh) on the period's steps, and
+  from 5-minute files with forecasts :data:`envs.schemas.MOER_5MIN_COLUMNS`. The raw rows are read once
+  (:func:`load_carbon`) and laid onto the steps of any index (:func:`carbon_at`): ingestion writes the site's step,
+  the hour and 5 minutes from one reading.
 
 Every check raises :class:`pipeline.data.sources.SourceError` naming the raw file, the column and the row. A raw
 file that cannot be decoded (a compressed file cut short by a download broken off, a file that is not what the
@@ -25,6 +27,7 @@ import lzma
 import zipfile
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,12 +45,18 @@ from pipeline.data.sources import (
     check_range,
     column,
     files_of,
+    index_minutes,
     numbers,
     parse_times,
     period,
-    period_index,
+    period_bounds,
     rel_path,
+    resolution_minutes,
     row_label,
+    step_bins,
+    step_error,
+    step_phrase,
+    step_refusal,
 )
 from pipeline.data.synthetic import generate_sessions
 
@@ -89,8 +98,7 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
     if s.format == "fleet":
         sessions, stats = generate_sessions(s.fleets, s.seed, first, end, cfg.timezone, s.session_id_prefix)
         return sessions, {"stats": stats}
-    index = period_index(cfg)
-    t0, t1 = index[0], index[-1] + pd.Timedelta(hours=1)
+    t0, t1 = period_bounds(cfg)
     frames, report, outside, skipped, cover = [], [], [], [], []
     seen: set[str] = set()
     for f in files_of(src, "sessions"):
@@ -342,78 +350,151 @@ def _in_any_split(arrival: pd.Series, cfg: SiteConfig) -> np.ndarray:
 
 
 def read_carbon(src: Sources, index: pd.DatetimeIndex, log: Log = None) -> tuple[pd.DataFrame, dict]:
-    """Carbon intensity of every hour of ``index`` (the site's period) and its forecasts, kg CO2/kWh.
+    """Carbon intensity of every step of ``index`` (the site's period at a step of 5 to 60 minutes that divides the
+    hour) and its forecasts, kg CO2/kWh: :func:`carbon_at` on the rows of :func:`load_carbon`.
 
-    - ``constant``: ``kg_per_kwh`` in every hour and every forecast (a constant is its own perfect forecast).
+    - ``constant``: ``kg_per_kwh`` in every step and every forecast (a constant is its own perfect forecast); any
+      step.
     - ``watttime-moer`` (5-minute rows: ``time`` in UTC, ``moer``, optionally ``f1..f36``; files may overlap,
-      repeated rows must agree and are kept once): ``moer_kg_per_kwh`` is the mean of the rows whose ``time``
-      falls in the hour. With forecast columns, ``moer_fc_h0/h1/h2`` come from the row issued at the hour start
-      (if missing, the nearest earlier row): the means of ``f1..f12``, ``f13..f24``, ``f25..f36``; from the same
-      row ``moer_fc_5min_01..12`` are ``f1..f12`` themselves, and ``moer_last_5min`` / ``moer_last_15min`` the
-      last one / the mean of the last three rows' ``moer`` strictly before the hour start (``moer_fc_h0`` where
-      the files hold no earlier row).
+      repeated rows must agree and are kept once; steps of multiples of 5 minutes): ``moer_kg_per_kwh`` is the mean
+      of the rows whose ``time`` falls in the step. With forecast columns, the forecasts are issued at the step start,
+      with leads in hours whatever the step: from the row at the step start (if missing, the nearest earlier row),
+      ``moer_fc_h0/h1/h2`` are the means of ``f1..f12``, ``f13..f24``, ``f25..f36`` (the hour from the step start,
+      the next hour, the one after); from the same row ``moer_fc_5min_01..12`` are ``f1..f12`` themselves, and
+      ``moer_last_5min`` / ``moer_last_15min`` the last one / the mean of the last three rows' ``moer`` strictly
+      before the step start (``moer_fc_h0`` where the files hold no earlier row).
     - ``csv`` (any resolution, e.g. hourly average intensity): ``moer_kg_per_kwh`` is the mean of the values
-      whose time falls in the hour.
+      whose time falls in the step; no step finer than the file's resolution (the typical spacing of its
+      timestamps).
     - Without forecast columns (``csv``, or MOER files without ``f1..f36``) the forecasts are persistence, a
-      causal rule: at each hour start the three forecasts are the mean of the previous hour (the latest hour
-      known then); the first hour of the period takes the hour before it when the file has it, else its own
-      value.
+      causal rule: at each step start the three forecasts are the mean of the raw values in the hour before it
+      (the latest hour known then; at hourly steps the previous hour's mean); the first step of the period takes
+      the hour before it when the files have it, else its own value.
     - A file none of whose rows lies in the period or the hour before it (read for the first hour's persistence
       forecast) is skipped: one line through ``log``, listed in ``info["skipped"]``.
+
+    At hourly steps every value is the one of the hourly study.
 
     Returns:
         ``(frame, info)``: DataFrame indexed like ``index``, columns ``moer_kg_per_kwh, moer_fc_h0..h2`` (and
         :data:`envs.schemas.MOER_5MIN_COLUMNS` from ``watttime-moer`` files with forecasts)
         (float64, kg CO2/kWh); ``info`` with ``format``, counts, ``forecast`` ("file", "persistence",
-        "constant") and, for files, ``skipped`` (one dict per skipped file: ``file``, ``rows``, ``first``,
-        ``last`` (local dates of its rows), ``why``).
+        "constant") and, for files, ``resolution_min``, ``skipped`` (one dict per skipped file: ``file``, ``rows``,
+        ``first``, ``last`` (local dates of its rows), ``why``).
 
     Raises:
         SourceError: a file that cannot be decoded (cut short, or not what ``format`` says), a missing column
             (closest name suggested), an unparsable timestamp (row named), values out of [0, 2] kg/kWh after the
             declared unit (e.g. g/kWh declared as kg/kWh: "looks like g/kWh"), files that disagree on a repeated
             row, some forecast columns without the others, a split that no file covers (naming the source, the
-            split and what each file covers) or an hour of the period without any value (the first missing hour
-            named, and what each file covers).
+            split and what each file covers), a step of ``index`` finer than the source's resolution (naming the
+            TOML, the key ``dt_h``, the source and its resolution) or a step of the period without any value (the
+            first one named, and what each file covers).
     """
-    c = src.carbon
-    cols = ["moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]
-    if c.format == "constant":
-        out = pd.DataFrame({k: np.full(len(index), c.kg_per_kwh) for k in cols}, index=index)
-        return out, {"format": "constant", "forecast": "constant", "kg_per_kwh": c.kg_per_kwh}
-    read, skipped, cover = _read_carbon_files(src, index, log)
+    raw = load_carbon(src, log)
+    refusal = carbon_step_refusal(src, raw, index_minutes(index))
+    if refusal:
+        raise step_error(src, index_minutes(index), refusal)
+    return carbon_at(src, raw, index)
+
+
+@dataclass(frozen=True)
+class CarbonRows:
+    """The raw rows of a carbon source read from its files (:func:`load_carbon`), to be laid onto steps
+    (:func:`carbon_at`).
+
+    Attributes:
+        rows: the distinct rows by ``time`` (UTC, sorted): ``moer`` and, with forecasts, ``f1..f36``, kg CO2/kWh.
+        forecasts: whether the files carry ``f1..f36``.
+        resolution_min: the typical spacing of the rows' timestamps, minutes (None with fewer than two rows).
+        skipped: one dict per file skipped (none of its rows in the period). cover: what each file covers.
+        label: the files, for messages.
+    """
+
+    rows: pd.DataFrame
+    forecasts: bool
+    resolution_min: float | None
+    skipped: list
+    cover: list
+    label: str
+
+
+def load_carbon(src: Sources, log: Log = None) -> CarbonRows | None:
+    """Read the raw rows of the site's carbon files once (None for a ``constant`` source).
+
+    Raises:
+        SourceError: as :func:`read_carbon`, but the steps' checks (:func:`carbon_at`).
+    """
+    if src.carbon.format == "constant":
+        return None
+    read, skipped, cover = _read_carbon_files(src, log)
     if not read:
         _carbon_split_uncovered(src, "train", cover)
     files = [f for f, _, _ in read]
     m, fc = _merge_carbon(src, read)
-    grp = m["moer"].groupby(m.index.floor("h"))
-    mean = grp.mean().reindex(index)
-    count = grp.size().reindex(index).fillna(0)
     label = ", ".join(rel_path(f, src.root) for f in files[:3]) + (
         f" and {len(files) - 3} more" if len(files) > 3 else ""
     )
-    _check_carbon_coverage(src, index, mean, cover, label)
+    return CarbonRows(m, fc, resolution_minutes(m.index), skipped, cover, label)
+
+
+MOER_MINUTES = 5
+"""The resolution of a ``watttime-moer`` source, minutes: a step must be a multiple of it."""
+
+
+def carbon_step_refusal(src: Sources, raw: CarbonRows | None, minutes: int) -> str | None:
+    """Why the carbon source cannot give a step of ``minutes`` (:func:`pipeline.data.sources.step_refusal`), or None:
+    a constant gives any step, a ``watttime-moer`` source multiples of 5 minutes no finer than its rows, a ``csv``
+    source no step finer than its rows."""
+    if raw is None:
+        return None
+    multiple = MOER_MINUTES if src.carbon.format == "watttime-moer" else None
+    return step_refusal(src, "carbon", minutes, raw.resolution_min, multiple_of=multiple)
+
+
+def carbon_at(src: Sources, raw: CarbonRows | None, index: pd.DatetimeIndex) -> tuple[pd.DataFrame, dict]:
+    """The carbon columns of :func:`read_carbon` at the steps of ``index`` from the rows ``raw`` (None: the constant of
+    ``src``). The step (``index``'s spacing) is not checked against the source's resolution
+    (:func:`carbon_step_refusal` does).
+
+    Raises:
+        SourceError: a split without any value, or a step of ``index`` without one (the first named).
+    """
+    c = src.carbon
+    cols = ["moer_kg_per_kwh", "moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]
+    if raw is None:
+        out = pd.DataFrame({k: np.full(len(index), c.kg_per_kwh) for k in cols}, index=index)
+        return out, {"format": "constant", "forecast": "constant", "kg_per_kwh": c.kg_per_kwh}
+    m, minutes = raw.rows, index_minutes(index)
+    bins = step_bins(m.index, index[0], minutes)
+    grp = m["moer"].groupby(bins)
+    steps = np.arange(len(index))
+    mean = pd.Series(grp.mean().reindex(steps).to_numpy(), index=index)
+    count = grp.size().reindex(steps).fillna(0).to_numpy()
+    _check_carbon_coverage(src, index, mean, raw.cover, raw.label)
     out = pd.DataFrame(index=index)
     out["moer_kg_per_kwh"] = mean.to_numpy()
+    expected = max(1, int(round(minutes / raw.resolution_min))) if raw.resolution_min else 1
     info = {
         "format": c.format,
         "rows": len(m),
-        "hours_below_12_samples": int((count < 12).sum()),
-        "samples_per_hour_max": int(count.max()),
+        "resolution_min": raw.resolution_min,
+        "step_min": minutes,
+        "samples_per_step": expected,
+        "steps_below_samples": int((count < expected).sum()),
+        "samples_per_step_max": int(count.max()),
         "unit": c.unit,
-        "skipped": skipped,
+        "skipped": raw.skipped,
     }
-    if fc:
-        info.update(_file_forecasts(out, m, index, label))
+    if raw.forecasts:
+        info.update(_file_forecasts(out, m, index, raw.label))
     else:
-        info.update(_persistence_forecasts(out, grp, mean, index))
+        info.update(_persistence_forecasts(out, m["moer"], mean, index))
     return out, info
 
 
-def _read_carbon_files(
-    src: Sources, index: pd.DatetimeIndex, log: Log
-) -> tuple[list[tuple[Path, pd.DataFrame, bool]], list[dict], list]:
-    """Read every carbon file of ``src`` that has a row in the period ``index`` or the hour before it.
+def _read_carbon_files(src: Sources, log: Log) -> tuple[list[tuple[Path, pd.DataFrame, bool]], list[dict], list]:
+    """Read every carbon file of ``src`` that has a row in the site's period or the hour before it.
 
     Returns:
         ``(read, skipped, cover)``: ``read`` one ``(file, rows, has_forecasts)`` per file kept (rows as
@@ -422,7 +503,8 @@ def _read_carbon_files(
     """
     c, cfg = src.carbon, src.config
     first, end = period(cfg)
-    lo, hi = index[0] - pd.Timedelta(hours=1), index[-1] + pd.Timedelta(hours=1)
+    lo, hi = period_bounds(cfg)
+    lo = lo - pd.Timedelta(hours=1)
     factor = CARBON_UNITS[c.unit]
     read, skipped, cover = [], [], []
     for f in files_of(src, "carbon"):
@@ -521,10 +603,10 @@ def _merge_carbon(src: Sources, read: list[tuple[Path, pd.DataFrame, bool]]) -> 
 
 
 def _check_carbon_coverage(src: Sources, index: pd.DatetimeIndex, mean: pd.Series, cover: list, label: str) -> None:
-    """Check that the hourly means ``mean`` cover every split and every hour of ``index``.
+    """Check that the step means ``mean`` cover every split and every step of ``index``.
 
     Raises:
-        SourceError: a split without any value, or the first hour of the period without one (naming what each file
+        SourceError: a split without any value, or the first step of the period without one (naming what each file
             covers).
     """
     cfg = src.config
@@ -538,16 +620,17 @@ def _check_carbon_coverage(src: Sources, index: pd.DatetimeIndex, mean: pd.Serie
     except SourceError as exc:
         raise SourceError(
             f"{exc}. The files of [sources.carbon] cover ({cfg.timezone} dates): {_cover_text(cover)}; point key"
-            " 'sources.carbon.files' at files that cover every hour of the period"
+            f" 'sources.carbon.files' at files that cover every {step_phrase(index_minutes(index))} of the period"
         ) from None
 
 
 def _file_forecasts(out: pd.DataFrame, m: pd.DataFrame, index: pd.DatetimeIndex, label: str) -> dict:
-    """Add to ``out`` the forecasts of the 5-minute rows ``m`` (``moer_fc_h0..h2`` and
-    :data:`envs.schemas.MOER_5MIN_COLUMNS`, :func:`read_carbon`); returns what ``info`` says of them.
+    """Add to ``out`` the forecasts of the 5-minute rows ``m`` issued at each step start of ``index``
+    (``moer_fc_h0..h2`` and :data:`envs.schemas.MOER_5MIN_COLUMNS`, :func:`read_carbon`); returns what ``info`` says
+    of them.
 
     Raises:
-        SourceError: an hour of ``index`` with no row at or before its start (``label`` names the files).
+        SourceError: a step of ``index`` with no row at or before its start (``label`` names the files).
     """
     exact = index.isin(m.index)
     fc_rows = m.reindex(index, method="ffill")
@@ -555,8 +638,8 @@ def _file_forecasts(out: pd.DataFrame, m: pd.DataFrame, index: pd.DatetimeIndex,
         raise SourceError(f"{label}: no forecast row at or before {index[fc_rows['f1'].isna()][0]}")
     for h in range(3):
         out[f"moer_fc_h{h}"] = fc_rows[[f"f{i}" for i in range(12 * h + 1, 12 * h + 13)]].mean(axis=1).to_numpy()
-    # what the 5-minute rows say at the hour start beyond the hour means: the last realised intervals before it
-    # (the hour's own forecast where the files hold none earlier) and the forecasts for its twelve intervals
+    # what the 5-minute rows say at the step start beyond the hour means: the last realised intervals before it
+    # (the hour's own forecast where the files hold none earlier) and the forecasts for the next twelve intervals
     before = np.searchsorted(m.index.to_numpy(), index.to_numpy(), side="left") - 1  # last row strictly before
     at, fallback = np.maximum(before, 0), out["moer_fc_h0"].to_numpy()
     last3 = m["moer"].rolling(3, min_periods=1).mean().to_numpy()
@@ -567,15 +650,27 @@ def _file_forecasts(out: pd.DataFrame, m: pd.DataFrame, index: pd.DatetimeIndex,
     return {"forecast": "file", "forecast_rows_from_earlier": int((~exact).sum())}
 
 
-def _persistence_forecasts(out: pd.DataFrame, grp, mean: pd.Series, index: pd.DatetimeIndex) -> dict:
-    """Add to ``out`` the persistence forecasts ``moer_fc_h0..h2`` (each hour: the previous hour's mean; the first
-    hour: the hour before it in ``grp``, the rows grouped by hour, else its own mean ``mean``); returns what ``info``
-    says of them."""
-    hourly_all = grp.mean()
-    before = index[0] - pd.Timedelta(hours=1)
-    prev = pd.Series(np.r_[hourly_all.get(before, np.nan), mean.to_numpy()[:-1]], index=index)
-    first_own = bool(np.isnan(prev.iloc[0]))
-    prev.iloc[0] = mean.iloc[0] if first_own else prev.iloc[0]
+def _persistence_forecasts(out: pd.DataFrame, moer: pd.Series, mean: pd.Series, index: pd.DatetimeIndex) -> dict:
+    """Add to ``out`` the persistence forecasts ``moer_fc_h0..h2``: at each step start of ``index``, the mean of the
+    raw values ``moer`` (indexed by time) in the hour before it; where that hour holds none (the first step, when the
+    files start with the period), the step's own mean ``mean``. Returns what ``info`` says of them.
+
+    Each hour-long window ``[s - 1 h, s)`` is a group of a groupby on hours counted from ``s``'s offset in the hour,
+    so at hourly steps the forecasts are exactly the previous hour's mean of :func:`carbon_at`.
+    """
+    minutes = index_minutes(index)
+    n = 60 // minutes  # steps per hour
+    prev = np.full(len(index), np.nan)
+    steps = np.arange(len(index))
+    for j in range(n):  # the steps i = j (mod n): their windows start at index[0] + (i - n) steps, hours apart
+        start = index[0] + pd.Timedelta(minutes=j * minutes)
+        hour_means = moer.groupby(step_bins(moer.index, start, 60)).mean()
+        mine = steps[j::n]
+        prev[mine] = hour_means.reindex((mine - j) // n - 1).to_numpy()
+    prev = pd.Series(prev, index=index)
+    own = prev.isna().to_numpy()
+    first_own = bool(own[0])
+    prev[own] = mean[own]
     for h in range(3):
         out[f"moer_fc_h{h}"] = prev.to_numpy()
     return {"forecast": "persistence", "first_hour_own_value": first_own}

@@ -39,7 +39,11 @@ itself relative to the TOML (default: the TOML's folder), and may be globs::
 The PV array itself (tilt, azimuth, PVWatts parameters) is the ``[pv]`` table (:class:`envs.config.PVConfig`).
 
 The processed data cover the *period* of the site: from local midnight of the first split's first date to
-local midnight after the last split's last date, in the site ``timezone`` (:func:`period`).
+local midnight after the last split's last date, in the site ``timezone`` (:func:`period`), one row per step of the
+site's ``dt_h`` (:func:`period_index`), and per hour and per 5 minutes besides (:mod:`pipeline.data.ingest`). A source
+gives data at a step only where its own resolution allows (:func:`step_refusal`): a WattTime MOER is 5-minute (steps
+of multiples of 5 minutes), a ``csv`` carbon or ``pv-csv`` file has the typical spacing of its timestamps
+(:func:`resolution_minutes`; no finer step), a constant, a clear-sky model and an hourly EPW year any step.
 
 Every check raises :class:`SourceError` naming the TOML and the dotted key, or the raw file, the column and the
 row (0-based data row, and its line in a CSV file), before anything is written.
@@ -58,6 +62,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.config import SiteConfig
 from envs.errors import InputError
 from envs.schemas import MOER_MAX_KG_PER_KWH
@@ -277,7 +282,7 @@ class Sources:
         return ("absent" if len(missing) == len(m) else "partial"), why
 
     def settings(self) -> dict[str, Any]:
-        """What ingestion reads from the TOML (for doit's ``config_changed``): name, time zone, data folder,
+        """What ingestion reads from the TOML (for doit's ``config_changed``): name, time zone, data folder, step,
         splits, ``[pv]`` and ``[sources]`` (the env's other settings do not change the processed data)."""
         c = self.config
         pv = {f.name: getattr(c.pv, f.name) for f in fields(c.pv) if f.name != "kwp"}
@@ -285,6 +290,7 @@ class Sources:
             "name": c.name,
             "timezone": c.timezone,
             "data_dir": c.data_dir,
+            "dt_h": c.dt_h,
             "splits": [list(c.splits.train), list(c.splits.test)],
             "pv": pv,
             "sources": c.sources,
@@ -472,16 +478,26 @@ def _parse_weather(t: TomlTable, cfg: SiteConfig) -> WeatherSource:
     )
 
 
-def load_sources(site: str | Path) -> Sources:
+def load_sources(site: str | Path, dt_h: float | None = None) -> Sources:
     """Load a site config (a shipped name or a TOML path) and parse its ``[sources]``.
+
+    Args:
+        site: a shipped site name or the path of a site TOML.
+        dt_h: the step to ingest at, hours, in place of the TOML's ``dt_h`` (None: the TOML's).
 
     Raises:
         FileNotFoundError / envs.config.ConfigError: the config cannot be loaded.
-        SourceError: see :func:`parse_sources`.
+        SourceError: see :func:`parse_sources`; a ``dt_h`` that is not a whole-minute divisor of the hour.
     """
     from envs.config import load_config
 
     cfg, path = load_config(site)
+    if dt_h is not None:
+        try:
+            timestep.step_minutes(dt_h)
+        except timestep.StepError as exc:
+            raise SourceError(f"{path}: dt_h = {dt_h!r} (given in place of the TOML's key 'dt_h'): {exc}") from None
+        cfg = cfg.replace(dt_h=dt_h)
     return parse_sources(cfg, path)
 
 
@@ -495,17 +511,100 @@ def period(cfg: SiteConfig) -> tuple[str, str]:
     return min(dates).date().isoformat(), (max(dates) + pd.Timedelta(days=1)).date().isoformat()
 
 
-def hourly_index(start_local: str, end_local: str, tz: str) -> pd.DatetimeIndex:
-    """UTC hour starts from local midnight ``start_local`` (inclusive) to local midnight ``end_local``
-    (exclusive), as datetime64[ns, UTC], named ``time`` (DST days give 23 or 25 hours)."""
+def period_bounds(cfg: SiteConfig) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """UTC ``[start, end)`` of the site's :func:`period`: local midnight of its first date to local midnight of the
+    day after its last, in the site ``timezone``."""
+    first, end = period(cfg)
+    return tuple(pd.Timestamp(d).tz_localize(cfg.timezone).tz_convert("UTC") for d in (first, end))
+
+
+def step_index(start_local: str, end_local: str, tz: str, dt_h: float = 1.0) -> pd.DatetimeIndex:
+    """UTC step starts every ``dt_h`` hours (:func:`envs.timestep.step_timedelta`) from local midnight
+    ``start_local`` (inclusive) to local midnight ``end_local`` (exclusive), as datetime64[ns, UTC], named ``time``
+    (DST days hold 23 or 25 hours of steps).
+
+    Raises:
+        envs.timestep.StepError: ``dt_h`` is not a whole-minute divisor of the hour.
+    """
     start = pd.Timestamp(start_local).tz_localize(tz).tz_convert("UTC")
     end = pd.Timestamp(end_local).tz_localize(tz).tz_convert("UTC")
-    return pd.date_range(start, end, freq="h", inclusive="left", name="time").astype("datetime64[ns, UTC]")
+    freq = pd.Timedelta(timestep.step_timedelta(dt_h))
+    return pd.date_range(start, end, freq=freq, inclusive="left", name="time").astype("datetime64[ns, UTC]")
+
+
+def hourly_index(start_local: str, end_local: str, tz: str) -> pd.DatetimeIndex:
+    """UTC hour starts from local midnight ``start_local`` (inclusive) to local midnight ``end_local``
+    (exclusive), as datetime64[ns, UTC], named ``time`` (DST days give 23 or 25 hours): :func:`step_index` at 1 h."""
+    return step_index(start_local, end_local, tz, 1.0)
 
 
 def period_index(cfg: SiteConfig) -> pd.DatetimeIndex:
-    """The hours of the site's processed data (:func:`period` in the site ``timezone``, :func:`hourly_index`)."""
-    return hourly_index(*period(cfg), cfg.timezone)
+    """The step starts of the site's processed data: :func:`period` in the site ``timezone``, every ``cfg.dt_h``
+    hours (:func:`step_index`; at ``dt_h = 1`` the period's hours)."""
+    return step_index(*period(cfg), cfg.timezone, cfg.dt_h)
+
+
+def index_minutes(index: pd.DatetimeIndex) -> int:
+    """The step of a regular index of step starts, whole minutes (60 for an index of fewer than two steps)."""
+    if len(index) < 2:
+        return 60
+    return int(round((index[1] - index[0]) / pd.Timedelta(minutes=1)))
+
+
+def step_bins(times: pd.DatetimeIndex | pd.Series, start: pd.Timestamp, minutes: int) -> np.ndarray:
+    """The step of each of ``times``: ``floor((time - start) / step)`` (int64; negative before ``start``), steps of
+    ``minutes`` counted from ``start``. A time on a step boundary belongs to the step it starts."""
+    ns = pd.DatetimeIndex(times).as_unit("ns").asi8
+    return (ns - pd.Timestamp(start).as_unit("ns").value) // (int(minutes) * 60 * 10**9)
+
+
+def step_phrase(minutes: int) -> str:
+    """``hour`` at 60 minutes, else ``15-minute step``: how a step is named in messages and the data README."""
+    return "hour" if minutes == 60 else f"{minutes}-minute step"
+
+
+def resolution_minutes(times: pd.DatetimeIndex | pd.Series) -> float | None:
+    """The resolution of a raw time series: the typical (median) spacing of its distinct timestamps, minutes (None
+    with fewer than two). Robust to gaps and to a few irregular rows."""
+    t = np.unique(pd.DatetimeIndex(times).as_unit("ns").asi8)
+    if len(t) < 2:
+        return None
+    return float(np.median(np.diff(t))) / 60e9
+
+
+def step_refusal(
+    src: Sources, name: str, minutes: int, resolution: float | None, *, multiple_of: int | None = None
+) -> str | None:
+    """Why the source ``name`` (``carbon`` or ``weather``) of ``src`` cannot give data at a step of ``minutes``, or None
+    when it can: a step finer than its ``resolution`` (minutes: the typical spacing of its timestamps,
+    :func:`resolution_minutes`), or, with ``multiple_of``, a step that is not a multiple of it (a 5-minute MOER). The
+    text names the source's table, its format and resolution, and the steps it supports (:func:`step_error` makes it
+    an error naming the TOML and the key ``dt_h``)."""
+    fmt = getattr(src, name).format
+    coarse = resolution is not None and minutes < resolution - 1e-6
+    if not coarse and (multiple_of is None or minutes % multiple_of == 0):
+        return None
+    ok = [
+        m
+        for m in timestep.STEP_MINUTES
+        if (multiple_of is None or m % multiple_of == 0) and (resolution is None or m >= resolution - 1e-6)
+    ]
+    allowed = ", ".join(f"{m / 60:.6g} ({m} min)" for m in ok) or "none: the source is coarser than an hour"
+    res = "unknown (fewer than two rows)" if resolution is None else f"{resolution:g} minutes"
+    if multiple_of is not None and minutes % multiple_of:
+        how = f"{multiple_of}-minute rows: a step must be a multiple of {multiple_of} minutes"
+    else:
+        how = "the typical spacing of its timestamps: no step finer than that"
+    return f"[sources.{name}] (format '{fmt}') has a resolution of {res} ({how}); steps it supports: dt_h = {allowed}"
+
+
+def step_error(src: Sources, minutes: int, refusal: str) -> SourceError:
+    """The :class:`SourceError` of a step of ``minutes`` that a source cannot give (``refusal``: :func:`step_refusal`),
+    naming the TOML and the key ``dt_h``."""
+    return SourceError(
+        f"{src.toml}: key 'dt_h' = {minutes / 60:.6g} h (a step of {minutes} minutes) is finer than a source gives:"
+        f" {refusal}. Choose one of those steps (key 'dt_h', or --dt-h), or a finer source"
+    )
 
 
 # ------------------------------------------------------------------------------------ raw-file helpers
@@ -619,8 +718,10 @@ def read_csv(path: Path, dtype: dict | None = None) -> pd.DataFrame:
 
 
 def check_coverage(series: pd.Series, index: pd.DatetimeIndex, cfg: SiteConfig, what: str, files: str) -> None:
-    """Every hour of ``index`` has a value in ``series`` (reindexed on it), else a :class:`SourceError` naming
-    the first missing hour (UTC and local, and the split it belongs to) and how many are missing."""
+    """Every step of ``index`` (an hour at hourly steps) has a value in ``series`` (reindexed on it), else a
+    :class:`SourceError` naming the first missing step (UTC and local, and the split it belongs to) and how many are
+    missing."""
+    step = step_phrase(index_minutes(index))
     missing = series.isna().to_numpy()
     if not missing.any():
         return
@@ -638,8 +739,8 @@ def check_coverage(series: pd.Series, index: pd.DatetimeIndex, cfg: SiteConfig, 
     first, end = period(cfg)
     raise SourceError(
         f"{files}: {what} does not cover the site's period {first}..{end} ({cfg.timezone}, from the splits): no value "
-        f"for the hour starting {t} ({local.strftime('%Y-%m-%d %H:%M %Z')}, {inside}), the first of "
-        f"{int(missing.sum()):,} missing hour(s)"
+        f"for the {step} starting {t} ({local.strftime('%Y-%m-%d %H:%M %Z')}, {inside}), the first of "
+        f"{int(missing.sum()):,} missing {step}(s)"
     )
 
 

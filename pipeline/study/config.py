@@ -10,11 +10,14 @@ name are errors naming the variable and its value.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from envs import timestep
 from envs.config import load_config
 from envs.toml_table import did_you_mean
 from pipeline.control import registry
@@ -95,6 +98,9 @@ class PipelineConfig:
             variable ``agent_budget`` / ``EVHUB_AGENT_BUDGET``.
         agent_inputs: what the agents read and train on, a name of :data:`AGENT_INPUTS` (``plain`` or ``context``);
             doit variable ``agent_inputs`` / ``EVHUB_AGENT_INPUTS``.
+        dt_h: the study's step, hours, in place of the site TOML's ``dt_h`` (None: the TOML's; ``1`` runs the hourly
+            study): the study then reads a copy of the site TOML with that step (:attr:`site_toml`), and the
+            experiment defaults to ``<site>_<minutes>min``; doit variable ``dt_h`` / ``EVHUB_DT_H``.
     """
 
     site: str = "caltech"
@@ -108,6 +114,7 @@ class PipelineConfig:
     tune_budget: str = "small"
     agent_budget: str = "preset"
     agent_inputs: str = "plain"
+    dt_h: float | None = None
 
     def __post_init__(self):
         """Check the agents and default ``experiment`` to the site's name.
@@ -126,13 +133,29 @@ class PipelineConfig:
         if self.agent_inputs not in AGENT_INPUTS:
             known = ", ".join(AGENT_INPUTS)
             raise ValueError(f"agent_inputs={self.agent_inputs!r}: unknown inputs (known: {known})")
+        base = load_config(self.site)[0]
+        if self.dt_h is not None:
+            try:
+                dt_h = timestep.exact_dt_h(float(self.dt_h))
+            except (timestep.StepError, ValueError) as exc:
+                raise ValueError(f"dt_h={self.dt_h!r}: {exc}") from None
+            object.__setattr__(self, "dt_h", None if dt_h == base.dt_h else dt_h)
         if not self.experiment:
-            object.__setattr__(self, "experiment", load_config(self.site)[0].name)
+            suffix = "" if self.dt_h is None else f"_{timestep.step_minutes(self.dt_h)}min"
+            object.__setattr__(self, "experiment", base.name + suffix)
+
+    @property
+    def base_toml(self) -> Path:
+        """Resolved path of the site config as given (what ingestion reads)."""
+        return load_config(self.site)[1]
 
     @property
     def site_toml(self) -> Path:
-        """Resolved path of the site config."""
-        return load_config(self.site)[1]
+        """The site config the study reads: :attr:`base_toml`, or with :attr:`dt_h` given, its copy at that step in
+        the experiment folder (:func:`site_at_step`, written when it is not there or differs)."""
+        if self.dt_h is None:
+            return self.base_toml
+        return site_at_step(self.base_toml, self.dt_h, self.root / "site")
 
     @property
     def root(self) -> Path:
@@ -155,6 +178,25 @@ class PipelineConfig:
         return d
 
 
+def site_at_step(toml: Path, dt_h: float, folder: Path) -> Path:
+    """A copy of the site TOML ``toml`` at the step ``dt_h`` (hours) in ``folder``, its data read from the original's
+    data folder (``data_dir`` made absolute); the rest of the file as it is. Written atomically when absent or
+    different; returns its path (``folder/<toml's name>``)."""
+    from envs.files import write_text
+
+    text = Path(toml).read_text()
+    cfg = load_config(toml)[0]
+    data_dir = (Path(toml).parent / cfg.data_dir).resolve()
+    head, sep, tables = text.partition("\n[")  # the top-level keys come before the first table
+    lines = [ln for ln in head.splitlines() if not re.match(r"\s*(dt_h|data_dir)\s*=", ln)]
+    lines += [f"data_dir = {json.dumps(str(data_dir))}", f"dt_h = {dt_h!r}"]
+    out = Path(folder) / Path(toml).name
+    new = "\n".join(lines) + ("\n" + sep + tables if sep else "\n")
+    if not out.is_file() or out.read_text() != new:
+        write_text(out, new)
+    return out
+
+
 VARIABLES = {
     "site": "EVHUB_SITE",
     "experiment": "EVHUB_EXPERIMENT",
@@ -174,6 +216,7 @@ VARIABLES = {
     "tune_budget": "EVHUB_TUNE_BUDGET",
     "agent_budget": "EVHUB_AGENT_BUDGET",
     "agent_inputs": "EVHUB_AGENT_INPUTS",
+    "dt_h": "EVHUB_DT_H",
     "python": "EVHUB_WHEEL_PYTHON",
     "platform": "EVHUB_WHEEL_PLATFORM",
     "exclude": "EVHUB_WHEEL_EXCLUDE",
@@ -272,5 +315,10 @@ def from_environment(**overrides) -> PipelineConfig:
         kw["agent_budget"] = v
     if (v := var("agent_inputs")) is not None:
         kw["agent_inputs"] = v
+    if (v := var("dt_h")) is not None:
+        try:
+            kw["dt_h"] = float(v)
+        except ValueError as exc:
+            raise ValueError(f"{origin['dt_h']}: dt_h must be a number of hours (1, 0.5, 0.25, ...)") from exc
     kw.update(overrides)
     return PipelineConfig(**kw)

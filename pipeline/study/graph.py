@@ -30,7 +30,9 @@ from pipeline.study import results, tasks
 from pipeline.study.cluster import PRIORITY, get_client, training_placement
 from pipeline.study.config import SPLITS, PipelineConfig
 
-STAGES = ("validate", "baselines", "tune", "tune_rl", "planners", "train", "evaluate", "report")
+PHYSICS_STAGES = ("physics_baselines", "physics_planners", "physics_agents")
+"""The ``physics`` part of the study in three stages, so that each starts as soon as what it scores is there."""
+STAGES = ("validate", "baselines", "tune", "tune_rl", "planners", "train", "evaluate", *PHYSICS_STAGES, "report")
 
 
 def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
@@ -59,9 +61,10 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     planner_files = g.planners()
     runs = g.train(validated)
     eval_files = g.evaluate(runs)
+    physics_files = g.physics(runs, validated)
     if "report" in stages:
         g.futures["report"] = g.submit(
-            _report, cfg.as_dict(), baseline_files, planner_files, eval_files, str(g.root), pure=False
+            _report, cfg.as_dict(), baseline_files, planner_files, eval_files, str(g.root), physics_files, pure=False
         )
     return g.client.gather(g.futures)
 
@@ -239,7 +242,7 @@ class _Graph:
                         key=f"train-{algo}-seed{seed}-{cfg.experiment}",
                     )
             self.futures["train"] = self.collect(list, list(runs.values()))
-        elif self.stages & {"evaluate", "report"}:
+        elif self.stages & {"evaluate", "report", "physics_agents"}:
             if "evaluate" in self.stages:
                 self.on_disk("train")
             runs = {(a, s): str(self.root / "runs" / results.run_name(a, s)) for a in cfg.algos for s in cfg.seeds}
@@ -258,15 +261,75 @@ class _Graph:
         self.futures["evaluate"] = self.collect(_flatten, jobs)
         return self.futures["evaluate"]
 
+    def physics(self, runs: dict[tuple[str, int], object], validated) -> list:
+        """Every controller of the study also scored on the site simulated at 5 minutes
+        (:data:`envs.timestep.PHYSICS_DT_H`; its decisions every step of the site, held over the sub-steps; the oracle
+        solved at that step), into ``physics/``, one task per controller (x seed) x split, in three stages
+        (:data:`PHYSICS_STAGES`): the baselines' after validation, the learned planners' after the tuning and the
+        week tables, the agents' after their training (read from disk). Nothing where the site steps at 5 minutes
+        itself or has no series at 5 minutes (:func:`pipeline.study.results.physics_scored`).
+
+        Returns:
+            the three stages' results for the report (their files on disk for a stage that does not run here).
+        """
+        cfg, out = self.cfg, str(self.root / "physics")
+        scored = results.physics_scored(cfg)
+        options = {"priority": PRIORITY["simulate"], "pure": False}
+        parts = []
+        for stage in PHYSICS_STAGES:
+            if stage not in self.stages:
+                parts.append(self.on_disk(stage) if "report" in self.stages else [])
+                continue
+            jobs = []
+            if scored and stage == "physics_baselines":
+                for c in results.simulated(cfg):
+                    for s in SPLITS:
+                        jobs.append(self.submit(tasks.run_controller, self.site, c, s, out, validated, physics=True,
+                                                retries=registry.get(c).retries, **options))  # fmt: skip
+            if scored and stage == "physics_planners":
+                for dep in {"tune", "tune_rl", "planners"} - self.stages:
+                    self.on_disk(dep)
+                tables = self.week_tables_on_disk()
+                for c in results.planners(cfg):
+                    for seed in cfg.seeds:
+                        for s in SPLITS:
+                            jobs.append(self.submit(tasks.run_controller, self.site, c, s, out, tables.get(seed),
+                                                    seed=seed, tuned_dir=self.tuned_dir, physics=True, retries=1,
+                                                    **options))  # fmt: skip
+            if scored and stage == "physics_agents":
+                if "train" not in self.stages:
+                    self.on_disk("train")
+                for (a, seed), run_dir in runs.items():
+                    for s in SPLITS:
+                        jobs.append(self.submit(tasks.evaluate_agent, a, seed, run_dir, self.site, s, out,
+                                                physics=True, retries=1, pure=False))  # fmt: skip
+            self.futures[stage] = self.collect(_flatten, jobs)
+            parts.append(self.futures[stage])
+        return self.collect(_flatten, parts) if any(not isinstance(p, list) for p in parts) else _flatten(parts)
+
+    def week_tables_on_disk(self) -> dict[int, str]:
+        """``mpc_adaptive``'s week tables by seed as the planners stage wrote them (its runs read them from disk)."""
+        from pipeline.control import learned
+
+        if "mpc_adaptive" not in results.planners(self.cfg):
+            return {}
+        return {sd: str(learned.table_file(self.tuned_dir, "train", sd)) for sd in self.cfg.seeds}
+
 
 def _flatten(lists: list[list[str]]) -> list[str]:
     return [p for sub in lists for p in sub]
 
 
 def _report(
-    cfg_dict: dict, baseline_files: list[str], planner_files: list[str], eval_files: list[str], root: str
+    cfg_dict: dict,
+    baseline_files: list[str],
+    planner_files: list[str],
+    eval_files: list[str],
+    root: str,
+    physics_files: list[str] | None = None,
 ) -> str:
     files = [*baseline_files, *planner_files, *eval_files]
+    physics = [p for p in physics_files or () if not results.parse(p).traces]
     files += sorted(str(p) for p in (Path(root) / "online").glob("*.parquet"))  # doit run online's rows, when made
     kpis, traces = [], {}
     for p in files:
@@ -281,4 +344,4 @@ def _report(
             m = Path(root) / "runs" / results.run_name(algo, seed) / "metrics.parquet"
             if m.is_file():
                 metrics.setdefault(algo, str(m))
-    return tasks.make_report(cfg_dict, kpis, traces, metrics, str(Path(root) / "report"))
+    return tasks.make_report(cfg_dict, kpis, traces, metrics, str(Path(root) / "report"), physics)

@@ -132,7 +132,7 @@ class OnlineAgent(_WeeklyFineTuning):
         self.policy = load_policy(tasks.find_policy(run_dir))
         config = load_site(site_toml).config
         self.week = week_steps(config.dt_h)
-        self.first = max(self.week, config.episode.train_steps)  # the first step a training window fits before
+        self.first = max(self.week, config.episode_steps)  # the first step a training window fits before
         self.update_s: list[float] = []  # wall seconds of each weekly fine-tuning
 
     def __call__(self, obs: torch.Tensor, env) -> torch.Tensor:

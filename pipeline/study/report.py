@@ -165,6 +165,76 @@ def controller_legend(names: Iterable[str]) -> Bullets:
     return Bullets(tuple(items))
 
 
+PHYSICS_FILE = "co2_physics_5min.parquet"
+"""The report's table of every controller scored on the site simulated at 5 minutes (:func:`physics_blocks`)."""
+
+
+def physics_table(table: pd.DataFrame, physics: pd.DataFrame) -> pd.DataFrame:
+    """Each controller's CO2 at the site's step (``table``, :func:`~pipeline.study.comparison.read_kpi_files`'s) beside
+    its CO2 on the 5-minute site (``physics``, the same from the ``physics/`` files): ``controller``, ``split``,
+    ``co2_kg``, ``co2_5min_kg``, ``change_pct`` (``100 * (co2_5min - co2) / co2``), ``gap_closed_vs_rule_pct`` (at the
+    step), ``gap_closed_5min_pct`` (against ``rule_based`` and ``oracle`` on the 5-minute site), ``unserved_5min_kwh``,
+    ``sessions_rejected_5min``; one row per controller x split of both, in ``table``'s order."""
+    both = table[["controller", "split", "co2_kg", "gap_closed_vs_rule_pct"]].merge(
+        physics[["controller", "split", "co2_kg", "gap_closed_vs_rule_pct", "unserved_kwh", "sessions_rejected"]],
+        on=["controller", "split"],
+        suffixes=("", "_5min"),
+    )
+    return pd.DataFrame(
+        {
+            "controller": both.controller,
+            "split": both.split,
+            "co2_kg": both.co2_kg,
+            "co2_5min_kg": both.co2_kg_5min,
+            "change_pct": 100.0 * (both.co2_kg_5min - both.co2_kg) / both.co2_kg,
+            "gap_closed_vs_rule_pct": both.gap_closed_vs_rule_pct,
+            "gap_closed_5min_pct": both.gap_closed_vs_rule_pct_5min,
+            "unserved_5min_kwh": both.unserved_kwh,
+            "sessions_rejected_5min": both.sessions_rejected,
+        }
+    )
+
+
+def physics_blocks(physics: pd.DataFrame, step_minutes: int) -> list[Block]:
+    """The report's section on the 5-minute site (:func:`physics_table`'s rows): what it is, then one table per
+    split."""
+    blocks: list[Block] = [
+        Heading(2, "At 5-minute physics"),
+        Paragraph(
+            f"Every controller also runs on the site simulated at 5 minutes: it still decides every {step_minutes} "
+            "minutes on what it observes then, and each decision holds over the step's 5-minute sub-steps as a "
+            "charging profile and a battery set-point would (a car that arrives within a step charges at full power "
+            "until the next decision); cars arrive and leave at their own 5 minutes and the MOER is the 5-minute "
+            "one. The `oracle` here is the perfect-foresight LP at 5 minutes, and the gap closed is measured "
+            "between `rule_based` and it on the 5-minute site. The difference is what a controller's step costs it."
+        ),
+    ]
+    columns = (
+        ("co2_kg", f"CO2 at {step_minutes} min (kg)", 1),
+        ("co2_5min_kg", "CO2 at 5-min physics (kg)", 1),
+        ("change_pct", "change", 1),
+        ("gap_closed_vs_rule_pct", f"gap closed at {step_minutes} min", 1),
+        ("gap_closed_5min_pct", "gap closed at 5-min physics", 1),
+        ("unserved_5min_kwh", "unserved at 5 min (kWh)", 3),
+        ("sessions_rejected_5min", "sessions rejected at 5 min", 0),
+    )
+    for split in sorted(physics.split.unique(), key=split_sort_key):
+        rows = physics[physics.split == split]
+        body = tuple(
+            (str(r.controller), *(format_number(getattr(r, c), d) for c, _, d in columns)) for r in rows.itertuples()
+        )
+        blocks += [
+            Heading(3, f"{split} split at 5-minute physics"),
+            Table(
+                header=("Controller", *(h for _, h, _ in columns)),
+                align=("left", *("right" for _ in columns)),
+                rows=body,
+            ),
+        ]
+    blocks.append(Paragraph(f"The table is in `{PHYSICS_FILE}`."))
+    return blocks
+
+
 def kpi_markdown_table(rows: pd.DataFrame) -> str:
     """Markdown table of every KPI of one split's rows (:func:`kpi_table`)."""
     return markdown_table(kpi_table(rows))
@@ -351,6 +421,8 @@ def write_report(
     data_sources: Sequence[str] = (),
     sizing: pd.DataFrame | None = None,
     information: pd.DataFrame | None = None,
+    physics_files: Sequence[Path] = (),
+    step_minutes: int = 60,
 ) -> Path:
     """Write the CO2 comparison report (table, figures, Markdown and HTML pages) into ``out_dir``.
 
@@ -374,6 +446,9 @@ def write_report(
             when given (:func:`pipeline.study.document.frame_table`), left out when ``None``.
         information: the value-of-information table (:func:`pipeline.study.information.table`, ``doit run
             value_of_information``); shown as the section "What forecasting is worth" when given.
+        physics_files: KPI files of the controllers scored on the 5-minute site (the study's ``physics/``); when given,
+            the section "At 5-minute physics" (:func:`physics_blocks`) and :data:`PHYSICS_FILE`.
+        step_minutes: the site's step, minutes (named in that section).
 
     Returns:
         Path of ``report.md``. Beside it: ``report.html`` (the same content as one self-contained page, figures
@@ -390,6 +465,10 @@ def write_report(
 
     table = read_kpi_files(kpi_files)
     write_parquet(table, out_dir / "co2_comparison.parquet")
+    physics = None
+    if physics_files:
+        physics = physics_table(table, read_kpi_files(physics_files))
+        write_parquet(physics, out_dir / PHYSICS_FILE)
     figures = write_figures(table, trace_files, metrics_files, out_dir, timezone)
 
     blocks = report_blocks(
@@ -401,6 +480,7 @@ def write_report(
         data_sources=data_sources,
         sizing=sizing,
         information=information,
+        physics=None if physics is None else physics_blocks(physics, step_minutes),
     )
     write_text(out_dir / "report.html", render_html(blocks, title, out_dir))  # before report.md, the task's target
     return write_text(out_dir / "report.md", render_markdown(blocks))
@@ -415,8 +495,10 @@ def report_blocks(
     data_sources: Sequence[str] = (),
     sizing: pd.DataFrame | None = None,
     information: pd.DataFrame | None = None,
+    physics: Sequence[Block] | None = None,
 ) -> list[Block]:
-    """The report's content, once, for both report.md and report.html (see :func:`write_report`).
+    """The report's content, once, for both report.md and report.html (see :func:`write_report`; ``physics``: the
+    section on the 5-minute site, :func:`physics_blocks`, after the results).
 
     In order: the title and notes, the answer (:func:`answer_blocks`, with the ratios' :func:`definitions`), the
     results (the definitions here when there is no answer, the main figure
@@ -458,6 +540,8 @@ def report_blocks(
             "`mpc_perfect` and `oracle`) can be run."
         )
     )
+    if physics is not None:
+        blocks += physics
     if information is not None:
         blocks += information_blocks(information, defined=True)
     site = tuple(f"**{k}**: {v}" for k, v in site_summary.items()) or ("(no site summary given)",)

@@ -6,6 +6,7 @@ Under ``<output_dir>/<experiment>/``::
     baselines/<controller>_<split>_traces.parquet          its hourly traces
     runs/<agent>_seed<seed>/                               a training run (TensorBoard events, metrics, policy)
     eval/<agent>_seed<seed>_<split>[_traces].parquet       a trained agent evaluated on a split
+    physics/<controller>[_seed<seed>]_<split>[_traces].parquet   any of them scored on the 5-minute site
 
     validate/<input>.json                                  one input of the site checked (:data:`INPUTS`)
     tuned/                                                 the learned planners' tuning (:mod:`pipeline.control.tuned`)
@@ -29,7 +30,7 @@ from pipeline.control import registry
 from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
 from pipeline.study.config import SPLITS, PipelineConfig
 
-INPUTS = ("config", "hourly", "sessions")
+INPUTS = ("config", "series", "sessions")
 """The site's inputs, each validated by one task into ``validate/<input>.json``."""
 
 ONLINE_FORMS = ("dqn", "ppo", "mpc_rl")
@@ -103,11 +104,26 @@ def planners(cfg: PipelineConfig) -> tuple[str, ...]:
     return registry.simulated(load_config(cfg.site_toml)[0], tuned=True)
 
 
+def physics_scored(cfg: PipelineConfig) -> bool:
+    """Whether the study also scores its controllers on the site simulated at 5 minutes (the ``physics`` stage): when
+    the site steps above 5 minutes and its data hold a series at 5 minutes (:func:`envs.site.physics_file`)."""
+    from envs import timestep
+    from envs.site import physics_file
+
+    step = load_config(cfg.site_toml)[0].dt_h
+    return (
+        timestep.step_minutes(step) > timestep.step_minutes(timestep.PHYSICS_DT_H)
+        and physics_file(cfg.site_toml).is_file()
+    )
+
+
 def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
     """Every file each stage writes, by stage (doit's targets and the stand-ins for skipped stages)."""
     root = cfg.root
     runs = [(a, s) for a in cfg.algos for s in cfg.seeds]
     tuned = planners(cfg)  # the site config read once
+    scored = physics_scored(cfg)
+    physics = root / "physics"
     return {
         "validate": [root / "validate" / f"{i}.json" for i in INPUTS],
         "baselines": [f for c in simulated(cfg) for s in SPLITS for f in files(root / "baselines", c, s)],
@@ -116,6 +132,13 @@ def outputs(cfg: PipelineConfig) -> dict[str, list[Path]]:
         "planners": [f for c in tuned for sd in cfg.seeds for s in SPLITS for f in files(root / "planners", c, s, sd)],
         "train": [root / "runs" / run_name(a, s) / f for a, s in runs for f in ("metrics.parquet", "policy.pt2")],
         "evaluate": [f for a, seed in runs for s in SPLITS for f in files(root / "eval", a, s, seed)],
+        "physics_baselines": [f for c in simulated(cfg) for s in SPLITS for f in files(physics, c, s)]
+        if scored
+        else [],
+        "physics_planners": [f for c in tuned for sd in cfg.seeds for s in SPLITS for f in files(physics, c, s, sd)]
+        if scored
+        else [],
+        "physics_agents": [f for a, seed in runs for s in SPLITS for f in files(physics, a, s, seed)] if scored else [],
         "report": [root / "report" / f for f in ("report.md", "report.html", "co2_comparison.parquet")],
     }
 

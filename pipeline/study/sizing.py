@@ -59,7 +59,7 @@ import pandas as pd
 
 from envs.config import ConfigError, load_config
 from envs.files import write_parquet, write_text
-from envs.site import Site, load_site
+from envs.site import Site, load_site, site_files
 from envs.toml_table import Range, TomlTable
 from pipeline.control import registry
 from pipeline.study.cluster import get_client
@@ -344,12 +344,11 @@ _BASE_SITES: dict[tuple[str, float], Site] = {}
 
 def _base_site(site_toml: str) -> Site:
     """The site as loaded from ``site_toml`` (data not re-validated), cached per worker process and file mtime."""
-    cfg, path = load_config(site_toml)
-    data = path.parent / cfg.data_dir
-    key = (str(path), max(p.stat().st_mtime for p in (path, data / "hourly.parquet", data / "sessions.parquet")))
+    files = site_files(site_toml)
+    key = (str(files["config"]), max(p.stat().st_mtime for p in files.values()))
     if key not in _BASE_SITES:
         _BASE_SITES.clear()
-        _BASE_SITES[key] = load_site(path, validate=False)
+        _BASE_SITES[key] = load_site(files["config"], validate=False)
     return _BASE_SITES[key]
 
 
@@ -363,7 +362,7 @@ def site_at(site: Site, kwp: float, bess_kwh: float, bess_kw: float) -> Site:
     cfg = site.config.replace(
         pv={"kwp": float(kwp)}, bess={"capacity_kwh": float(bess_kwh), "power_kw": float(bess_kw)}
     )
-    return Site(cfg, site.hourly, site.sessions, dict(site.source))
+    return Site(cfg, site.series, site.sessions, dict(site.source))
 
 
 def run_controller(site: Site, controller: str, split: str) -> pd.DataFrame:

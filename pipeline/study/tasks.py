@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from envs import timestep
 from envs.config import load_config
 from envs.files import write_parquet, write_text
-from envs.site import load_site
+from envs.site import load_site, site_files
 from pipeline import depends
 from pipeline.control import registry, tuning
 from pipeline.control.tuned import ppo_args, rl_policy_file, rl_run_dir, tuning_files
@@ -35,8 +36,8 @@ def validate_input(site_toml: str, kind: str) -> dict:
 
     Args:
         site_toml: path of the site config.
-        kind: ``"config"`` (the TOML, and that both splits hold data and sessions), ``"hourly"`` or
-            ``"sessions"`` (the processed tables against their pandera schemas).
+        kind: ``"config"`` (the TOML, and that both splits hold data and sessions), ``"series"`` (the series at the
+            site's step) or ``"sessions"`` (the processed tables against their pandera schemas).
 
     Returns:
         dict with ``input``, ``file``, ``rows`` and, for the config, per-split step and session counts.
@@ -57,11 +58,11 @@ def validate_input(site_toml: str, kind: str) -> dict:
                 raise ValueError(f"{path}: key 'splits.{split}' selects no EV sessions in {site.source['sessions']}")
             summary[split] = {"steps": data.num_steps, "sessions": len(data.sessions)}
         return summary
-    if kind not in ("hourly", "sessions"):
+    if kind not in ("series", "sessions"):
         raise ValueError(f"unknown input kind {kind!r}: expected one of {results.INPUTS}")
-    file = path.parent / cfg.data_dir / f"{kind}.parquet"
+    file = site_files(path)[kind]
     df = read_table(file)
-    validate_table(kind, df, str(file))
+    validate_table(kind, df, str(file), timestep.step_minutes(cfg.dt_h))
     return {"input": kind, "file": str(file), "rows": len(df)}
 
 
@@ -79,6 +80,7 @@ def run_controller(
     seed: int | None = None,
     tuned_dir: str | None = None,
     inputs: str | None = None,
+    physics: bool = False,
 ) -> list[str]:
     """Simulate a controller of the registry over a whole split (:meth:`pipeline.control.registry.Controller.simulate`);
     returns ``[kpi_path, traces_path]`` (named by :func:`pipeline.study.results.files`, with the seed of a seeded
@@ -89,6 +91,7 @@ def run_controller(
         seed, tuned_dir: what a seeded controller that reads tuned parameters needs.
         inputs: a name of what the run was computed from, kept in the KPI file's metadata (``attrs["inputs"]``, read
             back by :func:`run_inputs`).
+        physics: score it on the site simulated at :data:`envs.timestep.PHYSICS_DT_H` (5 minutes) instead.
 
     Raises:
         KeyError: unknown controller (the message names the closest known one) or split.
@@ -96,7 +99,8 @@ def run_controller(
         RuntimeError: an LP not solved, or the energy balance violated in some step.
     """
     c = registry.get(controller)
-    kpis, traces = c.simulate(load_site(site_toml), split, seed=seed, tuned_dir=tuned_dir)
+    physics_dt_h = timestep.PHYSICS_DT_H if physics else None
+    kpis, traces = c.simulate(load_site(site_toml), split, seed=seed, tuned_dir=tuned_dir, physics_dt_h=physics_dt_h)
     if inputs is not None:
         kpis.attrs["inputs"] = inputs
     return write_run(kpis, traces, out_dir, controller, split, seed if c.seeded else None)
@@ -419,8 +423,11 @@ def find_policy(run_dir: str | Path) -> Path:
     raise FileNotFoundError(f"{run_dir}: no policy.pt2 or policy.pt (did training finish?)")
 
 
-def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: str, out_dir: str) -> list[str]:
-    """Evaluate a trained agent's exported policy over a whole split, deterministically.
+def evaluate_agent(
+    algo: str, seed: int, run_dir: str, site_toml: str, split: str, out_dir: str, physics: bool = False
+) -> list[str]:
+    """Evaluate a trained agent's exported policy over a whole split, deterministically (``physics``: on the site
+    simulated at :data:`envs.timestep.PHYSICS_DT_H`, its decisions every step of the site held over the sub-steps).
 
     Training figures (``train_wall_s``, ``env_steps``, ``steps_per_s``) come from the run's
     ``metrics.parquet``. Returns ``[kpi_path, traces_path]``.
@@ -441,15 +448,24 @@ def evaluate_agent(algo: str, seed: int, run_dir: str, site_toml: str, split: st
             }
     spec = read_policy_spec(run_dir)  # the env settings the policy was trained in
     kpis, traces = evaluate_policy(
-        load_policy(find_policy(run_dir)), site, split, algo, spec["action_mode"], bess_action=spec["bess_action"]
+        load_policy(find_policy(run_dir)),
+        site,
+        split,
+        algo,
+        spec["action_mode"],
+        bess_action=spec["bess_action"],
+        physics_dt_h=timestep.PHYSICS_DT_H if physics else None,
     )
     for k, v in extra.items():
         kpis[k] = v
     return write_run(kpis, traces, out_dir, algo, split, seed)
 
 
-def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics: dict, out_dir: str) -> str:
-    """Write the CO2 comparison report from the KPI and trace files; returns the report.md path.
+def make_report(
+    cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics: dict, out_dir: str, physics_paths=()
+) -> str:
+    """Write the CO2 comparison report from the KPI and trace files (and the KPI files of the controllers scored on the
+    5-minute site, ``physics_paths``); returns the report.md path.
 
     A site whose config sets ``synthetic_sessions`` gets "(synthetic EV sessions)" in the title and a note
     under it; a ``data_note`` is shown in the site section; a site whose hourly MOER is one constant gets a
@@ -492,7 +508,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         )
     if c.data_note:
         summary["data"] = c.data_note
-    moer = pd.read_parquet(toml.parent / c.data_dir / "hourly.parquet", columns=["moer_kg_per_kwh"])["moer_kg_per_kwh"]
+    moer = pd.read_parquet(site_files(toml)["series"], columns=["moer_kg_per_kwh"])["moer_kg_per_kwh"]
     if len(moer) and float(moer.max()) == float(moer.min()):
         notes.append(
             f"**Constant grid factor** ({float(moer.iloc[0]):.4g} kg CO2/kWh): CO2 is proportional to grid import, "
@@ -520,5 +536,7 @@ def make_report(cfg_dict: dict, kpi_paths: list[str], trace_paths: dict, metrics
         data_sources=site_data_sources(toml.parent / c.data_dir / "README.md"),
         sizing=sizing,
         information=information,
+        physics_files=[Path(p) for p in physics_paths],
+        step_minutes=timestep.step_minutes(c.dt_h),
     )
     return str(path)
