@@ -1,12 +1,13 @@
 """The central system under load, measured on its own process: ``evhub-csms`` runs as its own process (``python -m
 pipeline.live.csms --clock site``) and its clients in others, all on localhost: the simulated site (the site's charge
 points and its site controller, :mod:`pipeline.live.simsite`) replays the split's first ``hours`` in this process,
-each hour planned and sent as in :mod:`benchmarks.csms_week`, while ``charge_points`` more charge points each send one
-``Heartbeat`` a second from ``workers`` worker processes.
+each step of the site planned and sent (or the last plan held) as in :mod:`benchmarks.csms_week`, while
+``charge_points`` more charge points each send one ``Heartbeat`` a second from ``workers`` worker processes.
 
 What is measured, over the replay (the connections made before it): the plan's latency (its wall time inside the
-central system, from the store's ``plans`` table) and the hour's round trip (the site's ``Clock`` message to its
-answer: the state read from the store, the plan, every profile sent and acknowledged), their p50 and p99; the
+central system, from the store's ``plans`` table) and the step's round trip (the site's ``Clock`` message to its
+answer: the state read from the store, the plan or the last plan held, every profile sent and acknowledged), their
+p50 and p99; the
 heartbeats' round trip p50/p99 and the heartbeats answered a second; the central system's CPU time over the replay
 (as a share of one core) and its peak memory (``VmHWM`` of its process, MiB). The passwords are stored at the
 production scrypt cost; connecting the charge points (a hash check each) is timed apart (``connect_s``).
@@ -34,12 +35,12 @@ import pandas as pd
 from benchmarks.common import machine_info, save_table
 
 COLUMNS = (
-    "site", "charge_points", "hours", "workers", "connect_s", "replay_s", "plan_p50_s", "plan_p99_s", "hour_p50_s",
-    "hour_p99_s", "heartbeat_p50_s", "heartbeat_p99_s", "heartbeats", "heartbeats_per_s", "csms_cpu_share",
+    "site", "charge_points", "hours", "workers", "connect_s", "replay_s", "plan_p50_s", "plan_p99_s", "step_p50_s",
+    "step_p99_s", "heartbeat_p50_s", "heartbeat_p99_s", "heartbeats", "heartbeats_per_s", "csms_cpu_share",
     "csms_peak_rss_mb",
 )  # fmt: skip
 """Columns: the site, the heartbeat charge points, the hours replayed, the heartbeat worker processes; the time to
-connect them all and the replay's wall time (s); latency p50/p99 (s) of the plan, of the hour's round trip and of a
+connect them all and the replay's wall time (s); latency p50/p99 (s) of the plan, of the step's round trip and of a
 heartbeat; the heartbeats answered during the replay, a second; the central system's CPU time over the replay / its
 wall time (1.0: one core busy) and its peak memory (MiB)."""
 
@@ -129,7 +130,7 @@ def _start_csms(toml: str, db: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
     return proc, line.split("listening on ", 1)[1].split("/<", 1)[0]
 
 
-def _load(site, toml: str, charge_points: int, hours: int, workers: int, tmp: Path) -> dict:
+def _load(site, toml: str, charge_points: int, hours: float, workers: int, tmp: Path) -> dict:
     """One run (module docstring) in folder ``tmp``: its row of :data:`COLUMNS`."""
     from pipeline.live.simsite import SimSite, register, site_passwords
     from pipeline.live.store import Store
@@ -151,19 +152,19 @@ def _load(site, toml: str, charge_points: int, hours: int, workers: int, tmp: Pa
         procs.append(p)
         readies.append(ready)
     sim = SimSite(site, url, passwords, hours=hours)
-    hour_s: list[float] = []
-    original = sim.hour
+    step_s: list[float] = []
+    original = sim.tick
     window: dict[str, float] = {}
 
-    async def timed_hour(t: int) -> None:
+    async def timed_step(t: int) -> None:
         if t == 0:  # the site's charge points connected: the heartbeats start, the window opens
             go.set()
             window.update(cpu=_proc_cpu_s(proc.pid), wall=time.perf_counter())
         h0 = time.perf_counter()
         await original(t)
-        hour_s.append(time.perf_counter() - h0)
+        step_s.append(time.perf_counter() - h0)
 
-    sim.hour = timed_hour
+    sim.tick = timed_step
     try:
         for ready in readies:
             if not ready.wait(900):
@@ -191,8 +192,8 @@ def _load(site, toml: str, charge_points: int, hours: int, workers: int, tmp: Pa
         "replay_s": replay_s,
         "plan_p50_s": q(lat, 50),
         "plan_p99_s": q(lat, 99),
-        "hour_p50_s": q(hour_s, 50),
-        "hour_p99_s": q(hour_s, 99),
+        "step_p50_s": q(step_s, 50),
+        "step_p99_s": q(step_s, 99),
         "heartbeat_p50_s": q(beats, 50),
         "heartbeat_p99_s": q(beats, 99),
         "heartbeats": len(beats),
@@ -203,7 +204,7 @@ def _load(site, toml: str, charge_points: int, hours: int, workers: int, tmp: Pa
 
 
 def run(
-    site: str = "caltech", charge_points: int = 500, hours: int = 168, workers: int = 2, out_dir: str | None = None
+    site: str = "caltech", charge_points: int = 500, hours: float = 168, workers: int = 2, out_dir: str | None = None
 ) -> pd.DataFrame:
     """Run the load; print one line and write the table.
 
@@ -217,9 +218,9 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         row = _load(s, toml, charge_points, hours, workers, Path(tmp))
     print(
-        f"{row['charge_points']} heartbeat charge points ({workers} processes), {row['site']}'s replaying {hours} h in "
-        f"{row['replay_s']:.1f} s (connecting {row['connect_s']:.1f} s): plan p50 {row['plan_p50_s']:.3f} s, p99 "
-        f"{row['plan_p99_s']:.3f} s; hour round trip p50 {row['hour_p50_s']:.3f} s, p99 {row['hour_p99_s']:.3f} s; "
+        f"{row['charge_points']} heartbeat charge points ({workers} processes), {row['site']}'s replaying {hours:g} h "
+        f"in {row['replay_s']:.1f} s (connecting {row['connect_s']:.1f} s): plan p50 {row['plan_p50_s']:.3f} s, p99 "
+        f"{row['plan_p99_s']:.3f} s; step round trip p50 {row['step_p50_s']:.3f} s, p99 {row['step_p99_s']:.3f} s; "
         f"heartbeat p50 {1e3 * row['heartbeat_p50_s']:.1f} ms, p99 {1e3 * row['heartbeat_p99_s']:.1f} ms "
         f"({row['heartbeats_per_s']:.0f} a second); the central system: {100 * row['csms_cpu_share']:.0f} % of a "
         f"core, peak memory {row['csms_peak_rss_mb']:.0f} MiB",
@@ -240,8 +241,8 @@ class Args:
     """site: a shipped site name or a path to a site TOML file"""
     charge_points: int = 500
     """heartbeat charge points (one a second each), besides the site's own replaying its hours"""
-    hours: int = 168
-    """hours of the test split replayed (each planned and sent)"""
+    hours: float = 168
+    """hours of the test split replayed, whole steps of the site (each step planned and sent, or the last plan held)"""
     workers: int = 2
     """processes sending the heartbeats"""
     out_dir: str | None = None

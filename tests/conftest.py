@@ -474,7 +474,7 @@ def changed_future(site, split: str, cut: int):
     from envs.site import Site
 
     start, _ = site.config.split_bounds(split)
-    t_cut = start + pd.Timedelta(hours=cut)
+    t_cut = start + cut * pd.Timedelta(minutes=round(site.config.dt_h * 60))
     hourly = site.series.copy()
     later = hourly.time >= t_cut
     rng = np.random.default_rng(7)
@@ -488,7 +488,11 @@ def changed_future(site, split: str, cut: int):
     moved["departure"] += pd.Timedelta(hours=5)
     moved["energy_kwh"] = (moved.energy_kwh * 0.5).astype(np.float32)
     sessions = pd.concat([keep, moved], ignore_index=True)
-    return Site(site.config, hourly, sessions, dict(site.source))
+    physics = None if site.physics_series is None else site.physics_series.copy()
+    if physics is not None:
+        late = physics.time >= t_cut
+        physics.loc[late, "moer_kg_per_kwh"] = rng.uniform(0.0, 0.7, late.sum()).astype(np.float32)
+    return Site(site.config, hourly, sessions, dict(site.source), physics_series=physics)
 
 
 def perturbed_future(site: Site, split: str, cut: int, seed: int = 1) -> Site:
@@ -497,7 +501,7 @@ def perturbed_future(site: Site, split: str, cut: int, seed: int = 1) -> Site:
     ``cut`` dropped, and new sessions arriving after it."""
     rng = np.random.default_rng(seed)
     start, _ = site.config.split_bounds(split)
-    t_cut = start + cut * pd.Timedelta(site.config.dt_h, "h").round("min")
+    t_cut = start + cut * pd.Timedelta(minutes=round(site.config.dt_h * 60))
     hourly = site.series.copy()
     realised = hourly.time >= t_cut
     issued_later = hourly.time > t_cut

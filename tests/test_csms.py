@@ -15,11 +15,15 @@ import ssl
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import ROOT, make_site, write_site
 
+from envs import timestep
+from envs.kpis import rollout_traces
 from pipeline.control import registry
+from pipeline.control.mpc import MPCController, PlannerParams
 from pipeline.live import csms
 from pipeline.live.simsite import SimChargePoint, SimSite, basic_auth, register, run_local, site_passwords
 from pipeline.live.sources import LateFeed, SiteClock, SiteDataFeed, default_mapping, fill_late
@@ -38,10 +42,11 @@ def _store(path) -> Store:
     return Store(path, scrypt_n=FAST_HASH)
 
 
-def _study_co2(site, hours: int | None = None) -> tuple[float, float]:
-    """The study's mpc run over the test split: its CO2 (kg) and unserved energy (kWh), over its first ``hours``."""
+def _study_co2(site, hours: float | None = None) -> tuple[float, float]:
+    """The study's mpc run over the test split: its CO2 (kg) and unserved energy (kWh), over its steps in the first
+    ``hours``."""
     _, traces = registry.get("mpc").simulate(site, "test")
-    traces = traces.iloc[:hours]
+    traces = traces.iloc[: None if hours is None else timestep.steps(hours, site.config.dt_h)]
     return float(traces.co2_kg.sum()), float(traces.unserved_kwh.sum())
 
 
@@ -49,10 +54,11 @@ HOURS = 24
 """The fault runs: the first day of the small site's test split (every car has left by its end)."""
 
 
-def _served(site, res, central, hours: int | None = None) -> None:
+def _served(site, res, central, hours: float | None = None) -> None:
     """Every car served, every session a transaction, every transaction stopped."""
     ses = site.split("test").sessions
-    ses = ses[~ses.rejected & (ses.arrival_step < (hours or len(site.split("test").time)))]
+    steps = len(site.split("test").time) if hours is None else timestep.steps(hours, site.config.dt_h)
+    ses = ses[~ses.rejected & (ses.arrival_step < steps)]
     assert res.unserved_kwh < 1e-3
     assert res.fallbacks == 0
     txs = central.store.transactions()
@@ -75,14 +81,47 @@ def test_the_csms_loop_gives_the_study_rows_co2(tmp_path, small):
     site = small[0]
     co2, unserved = _study_co2(site)
     res, central = asyncio.run(run_local(site, _store(tmp_path / "csms.sqlite")))
-    assert res.hours == site.split("test").num_steps
+    assert res.steps == res.hours == site.split("test").num_steps
     assert abs(res.co2_kg - co2) < 0.1, (res.co2_kg, co2)
     assert abs(res.unserved_kwh - unserved) < 1e-3
     _served(site, res, central)
     profiles = central.store.profiles()
     assert profiles and {p["status"] for p in profiles} == {"accepted"}
-    assert len(central.plans) == len(central.store.plans()) == res.hours  # the events' plans fold into the hour's
+    assert len(central.plans) == len(central.store.plans()) == res.steps  # the events' plans fold into the hour's
+    assert central.held == 0  # at hourly steps every step is an hour's start: a new plan each
     print(f"\ncsms loop, mpc, synthetic 2 days: {res.co2_kg:.4f} kg vs study {co2:.4f} kg ({res.co2_kg - co2:+.5f})")
+
+
+def test_the_csms_loop_at_15_minutes_plans_at_each_hour_and_arrival_and_gives_the_study_co2(tmp_path):
+    """The small site at ``dt_h = 0.25``, its first day (96 steps) through the central system and the simulated site:
+    a plan at each hour's start and when a car comes, as the study's controller plans (its solves over the day), the
+    profiles it sent held between plans (a period every 900 s) and the battery at the last plan's set-point for each
+    step: the study's CO2 over the same day (to 1e-4 kg: the profiles' limits are rounded to 0.1 W), every car
+    served."""
+    site = make_site(days=2, n_sockets=6, mpc={"horizon_h": 6}, dt_h=0.25)
+    co2, unserved = _study_co2(site, HOURS)
+    mpc, solves = MPCController(site.split("test"), PlannerParams.of_site(site.config)), []
+
+    def policy(obs, env):  # the study's controller (as run_mpc builds it), its solves counted over the day
+        if int(env.t[0]) == 4 * HOURS:
+            solves.append(mpc.solves)
+        return mpc(obs, env)
+
+    rollout_traces(policy, site, "test", "socket", bess_action="setpoint")
+    res, central = asyncio.run(run_local(site, _store(tmp_path / "csms.sqlite"), hours=HOURS))
+    assert res.steps == 4 * HOURS and res.hours == HOURS
+    print(f"\ncsms loop at 15 minutes, mpc, synthetic day: {res.co2_kg:.5f} kg vs study {co2:.5f} kg "
+          f"({res.co2_kg - co2:+.6f}), {len(central.plans)} plans in {res.steps} steps")  # fmt: skip
+    assert abs(res.co2_kg - co2) < 1e-4 and abs(res.unserved_kwh - unserved) < 1e-3
+    _served(site, res, central, HOURS)
+    times = [pd.Timestamp(p["time"]) for p in central.store.plans()]
+    start = site.config.split_bounds("test")[0]
+    assert {start + pd.Timedelta(hours=h) for h in range(HOURS)} <= set(times)  # each hour's start
+    assert HOURS < len(times) == len(central.plans) == solves[0] < res.steps
+    assert central.held == res.steps - len(times)
+    for row in central.store.profiles():
+        periods = json.loads(row["payload"])["csChargingProfiles"]["chargingSchedule"]["chargingSchedulePeriod"]
+        assert [p["startPeriod"] for p in periods] == [900 * k for k in range(len(periods))]
 
 
 def test_the_store_keeps_hashes_and_writes_ahead(tmp_path):
@@ -161,7 +200,7 @@ def test_a_late_moer_feed_is_planned_on_the_last_forecast(tmp_path):
 
 def test_fill_late_moves_the_last_forecast_on():
     """The hour without a forecast gets the previous hour's, one hour on; the realised MOER of that hour, missing too,
-    is its forecast."""
+    is its forecast. At 15-minute steps the forecast of the step before is moved on by a step."""
     t = pd.date_range("2019-05-01", periods=3, freq="h", tz="UTC")
     h = pd.DataFrame(
         {
@@ -179,6 +218,10 @@ def test_fill_late_moves_the_last_forecast_on():
     assert out.loc[1, "moer_kg_per_kwh"] == 0.4
     same, issued, late = fill_late(h.iloc[:2], t[1], 1.0)
     assert not late and issued == t[1] and same is not None
+    quarter = h.assign(time=pd.date_range("2019-05-01", periods=3, freq="15min", tz="UTC"))
+    out, issued, late = fill_late(quarter, quarter.time[2], 0.25)  # a step on: a quarter of each next hour's value
+    assert late and issued == quarter.time[1]
+    np.testing.assert_allclose(out.loc[2, ["moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]].tolist(), [0.425, 0.525, 0.6])
 
 
 def _free_port() -> int:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -14,12 +16,14 @@ import pytest
 import torch
 from conftest import ROOT, make_site, write_site
 
+from envs import timestep
 from envs.evhub import EVHubVectorEnv
+from envs.kpis import rollout_traces
 from envs.schemas import MOER_5MIN_COLUMNS
-from envs.site import Site, load_site, station_sockets
+from envs.site import Site, load_site, site_files, station_sockets
 from pipeline import live
 from pipeline.control import registry, rl_planner
-from pipeline.control.mpc import PlannerParams
+from pipeline.control.mpc import MPCController, PlannerParams
 from pipeline.control.tuned import rl_policy_file, rl_run_dir, tuning_files
 from pipeline.live.state import FORECAST_COLUMNS
 
@@ -27,13 +31,14 @@ AT = "2021-08-23T08:00:00-07:00"
 """The hour of the issue's example on the shipped caltech site (its test split)."""
 
 
-def _site(days: int) -> Site:
-    """A synthetic site with a 6 h window and the 5-minute MOER columns the learned planners read."""
-    site = make_site(days=days, n_sockets=6, mpc={"horizon_h": 6})
-    hourly = site.hourly.copy()
+def _site(days: int, dt_h: float = 1.0) -> Site:
+    """A synthetic site with a 6 h window and the 5-minute MOER columns the learned planners read, at a step of
+    ``dt_h`` hours."""
+    site = make_site(days=days, n_sockets=6, mpc={"horizon_h": 6}, dt_h=dt_h)
+    series = site.series.copy()
     for i, c in enumerate(MOER_5MIN_COLUMNS):
-        hourly[c] = (hourly["moer_kg_per_kwh"] * (0.98 + 0.003 * i)).astype(np.float32)
-    return Site(site.config, hourly, site.sessions, dict(site.source))
+        series[c] = (series["moer_kg_per_kwh"] * (0.98 + 0.003 * i)).astype(np.float32)
+    return Site(site.config, series, site.sessions, dict(site.source), physics_series=site.physics_series)
 
 
 class _DayPolicy(torch.nn.Module):
@@ -62,36 +67,39 @@ def _study(out, name: str = "synthetic") -> None:
 
 
 def _replay(
-    site: Site, split: str, name: str, steps: int | None = None, **kw
+    site: Site, split: str, name: str, steps: int | None = None, co2_steps: list | None = None, **kw
 ) -> tuple[float, float, list[live.LivePlan]]:
-    """Step ``split`` hour by hour through :func:`pipeline.live.make_plan` (its first ``steps`` hours; all without):
-    the state read off the env (its time, SOC, plugged cars; the history realised by then; the SOC and need at the last
-    midnight), the plan's first step applied in the env. Returns the env's CO2 (kg), its unserved energy (kWh) and the
-    plans."""
+    """Step ``split`` step by step through :func:`pipeline.live.make_plan` (its first ``steps`` steps; all without),
+    each call given the last plan (held where the study's controller holds it): the state read off the env (its time,
+    SOC, plugged cars; the history realised by then; the SOC and need at the last midnight), the plan's step applied in
+    the env. Returns the env's CO2 (kg), its unserved energy (kWh) and the plans (each step's: new or held); with
+    ``co2_steps``, each step's CO2 is appended to it."""
     data, cfg = site.split(split), site.config
     env = EVHubVectorEnv(
         1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64, bess_action="setpoint"
     )
     env.reset(seed=0)
-    dt = pd.Timedelta(hours=cfg.dt_h)
+    dt = pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
     end = cfg.split_bounds(split)[1]
     local = data.time.tz_convert(cfg.timezone)
     co2 = unserved = 0.0
-    plans, day_start = [], None
+    plans, day_start, last = [], None, None
     for t in range(data.num_steps if steps is None else steps):
-        need, left = env.ev_need_kwh[0].numpy().copy(), env.ev_steps_left[0].numpy().copy()
+        need, left = env.ev_need_kwh[0].numpy().copy(), env.steps_left()[0].numpy().copy()
         soc = float(env.energy_kwh[0]) / cfg.bess.capacity_kwh
         if t == 0 or (local[t].hour == 0 and local[t].minute == 0):
             day_start = live.DayStart(soc, float(need.sum()))
-        hourly, sessions = live.realised_history(site, split, t)
+        series, sessions = live.realised_history(site, split, t)
         now = data.time[t]
         evs = [live.PluggedEV(int(i), float(need[i]), now + int(left[i]) * dt) for i in np.flatnonzero(left > 0)]
-        state = live.LiveState(local[t], soc, evs, hourly, sessions, day_start=day_start, window_end=end)
-        plan = live.make_plan(site, state, name, **kw)
-        plans.append(plan)
-        _, _, _, _, info = env.step(torch.as_tensor(plan.action)[None])
+        state = live.LiveState(local[t], soc, evs, series, sessions, day_start=day_start, window_end=end)
+        last = live.make_plan(site, state, name, last=last, **kw)
+        plans.append(last)
+        _, _, _, _, info = env.step(torch.as_tensor(last.action)[None])
         co2 += float(info["co2_kg"][0])
         unserved += float(info["unserved_kwh"][0])
+        if co2_steps is not None:
+            co2_steps.append(float(info["co2_kg"][0]))
     return co2, unserved, plans
 
 
@@ -103,8 +111,9 @@ def _run(site: Site, name: str, tuned_dir=None) -> tuple[pd.Series, pd.DataFrame
 
 
 def _assert_replays(site: Site, name: str, out=None, steps: int | None = None) -> list[live.LivePlan]:
-    """The live path over the test split (its first ``steps`` hours) emits the study's run's CO2 to 0.1 kg and its
-    unserved energy: the report row's over the whole split, the traces' sum over the first ``steps`` hours."""
+    """The live path over the test split (its first ``steps`` steps) emits the study's run's CO2 to 0.1 kg and its
+    unserved energy: the report row's over the whole split, the traces' sum over the first ``steps`` steps; at hourly
+    steps every step is a new plan."""
     row, traces = _run(site, name, out / "synthetic" / "tuned" if out else None)
     kw = {"output_dir": out, "experiment": "synthetic"} if out else {}
     co2, unserved, plans = _replay(site, "test", name, steps, **kw)
@@ -116,6 +125,7 @@ def _assert_replays(site: Site, name: str, out=None, steps: int | None = None) -
     assert abs(co2 - want_co2) < 0.1, (name, co2, want_co2)
     assert abs(unserved - want_unserved) < 1e-3
     assert len(plans) == (site.split("test").num_steps if steps is None else steps)
+    assert all(p.holds is None for p in plans) or site.config.dt_h < 1
     return plans
 
 
@@ -173,20 +183,20 @@ def test_the_realised_history_blanks_what_was_not_yet_known_and_keeps_the_rest()
     """At step t the realised MOER is blank from t on, the forecasts and 5-minute values after t; every other value is
     the site's own, and the site's data are left as they were."""
     site = _site(days=10)
-    before = site.hourly.copy()
+    before = site.series.copy()
     t = 8 * 24 + 9
-    hourly, _ = live.realised_history(site, "test", t)
+    series, _ = live.realised_history(site, "test", t)
     start, end = site.config.split_bounds("test")
-    rows = site.hourly[(site.hourly.time >= start) & (site.hourly.time < end)].reset_index(drop=True)
-    assert list(hourly.columns) == list(rows.columns) and len(hourly) == len(rows)
+    rows = site.series[(site.series.time >= start) & (site.series.time < end)].reset_index(drop=True)
+    assert list(series.columns) == list(rows.columns) and len(series) == len(rows)
     step = np.arange(len(rows))
     later = [c for c in (*FORECAST_COLUMNS, *MOER_5MIN_COLUMNS) if c in rows]
     assert len(later) == len(FORECAST_COLUMNS) + len(MOER_5MIN_COLUMNS)
     for c in rows.columns:
         blank = step >= t if c == "moer_kg_per_kwh" else step > t if c in later else np.zeros(len(rows), bool)
-        np.testing.assert_array_equal(hourly[c].isna().to_numpy(), blank, err_msg=c)
-        pd.testing.assert_series_equal(hourly[c][~blank], rows[c][~blank], obj=c)
-    pd.testing.assert_frame_equal(site.hourly, before)
+        np.testing.assert_array_equal(series[c].isna().to_numpy(), blank, err_msg=c)
+        pd.testing.assert_series_equal(series[c][~blank], rows[c][~blank], obj=c)
+    pd.testing.assert_frame_equal(site.series, before)
 
 
 def test_the_plan_reads_nothing_after_the_states_time():
@@ -197,7 +207,7 @@ def test_the_plan_reads_nothing_after_the_states_time():
     state = live.state_at(site, site.split("test").time[t])
     plan = live.make_plan(site, state, "mpc_tuned_start")
     start, end = site.config.split_bounds("test")
-    future = site.hourly[(site.hourly.time >= start) & (site.hourly.time < end)].reset_index(drop=True)
+    future = site.series[(site.series.time >= start) & (site.series.time < end)].reset_index(drop=True)
     future = future.astype({c: np.float64 for c in future.columns if c != "time"})
     told = live.LiveState(state.time, state.soc, state.evs, future, state.sessions, window_end=state.window_end)
     again = live.make_plan(site, told, "mpc_tuned_start")
@@ -296,7 +306,7 @@ def test_a_state_file_plans_as_its_hour_does(written, capsys, tmp_path):
     gives the plan ``--at`` gives at that hour: the file path and the rebuilt path are one."""
     toml, at, state = written
     doc = json.loads(state.read_text())
-    assert doc["time"] == at and doc["hourly"] == "state_hourly.parquet" and doc["evs"]
+    assert doc["time"] == at and doc["series"] == "state_series.parquet" and doc["evs"]
     code, out, err = _cli(capsys, "--site", str(toml), "--at", at, "--controller", "mpc")
     assert code == 0, err
     code, again, err = _cli(capsys, "--site", str(toml), "--state", str(state), "--controller", "mpc")
@@ -319,7 +329,7 @@ def _edited(state, folder, **changes):
         for p in path:
             d = d[int(p)] if isinstance(d, list) else d[p]
         d[int(last) if isinstance(d, list) else last] = value
-    for f in ("hourly", "sessions"):
+    for f in ("series", "sessions"):
         (folder / doc[f]).write_bytes((state.parent / doc[f]).read_bytes())
     path = folder / "state.json"
     path.write_text(json.dumps(doc))
@@ -357,6 +367,24 @@ def test_a_bad_state_gets_one_line_naming_the_field_and_writes_nothing(written, 
     assert err.startswith("error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out_file.exists() and not list(tmp_path.glob(".plan.json*"))
+
+
+def test_a_state_file_with_an_hourly_table_gets_one_line_naming_series(written, capsys, tmp_path):
+    """A state file whose history table is under ``hourly`` is refused in one line that names the field ``series``,
+    and nothing is written."""
+    toml, at, state = written
+    doc = json.loads(state.read_text())
+    doc["hourly"] = doc.pop("series")
+    for f in ("hourly", "sessions"):
+        (tmp_path / doc[f]).write_bytes((state.parent / doc[f]).read_bytes())
+    path, out_file = tmp_path / "state.json", tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    code, out, err = _cli(
+        capsys, "--site", str(toml), "--state", str(path), "--controller", "mpc", "--out", str(out_file)
+    )
+    assert code == 1 and out == "" and not out_file.exists()
+    assert err.startswith("error: hourly: not a field of a state file") and "the field series" in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 BAD_REQUESTS = {
@@ -468,7 +496,7 @@ def test_a_state_with_its_history_inline_and_cars_by_station_plans_the_same(writ
     assert code == 0, err
     by_station = station_sockets(load_site(toml).config, load_site(toml).sessions.station_id)
     inline = dict(doc)
-    for f in ("hourly", "sessions"):
+    for f in ("series", "sessions"):
         df = pd.read_parquet(state.parent / doc[f])
         for c in ("time", "arrival", "departure"):
             if c in df:
@@ -489,3 +517,115 @@ def test_a_state_with_its_history_inline_and_cars_by_station_plans_the_same(writ
     assert [p["payload"]["csChargingProfiles"]["chargingSchedule"] for p in a["charging_profiles"]] == [
         p["payload"]["csChargingProfiles"]["chargingSchedule"] for p in b["charging_profiles"]
     ]
+
+
+# ------------------------------------------------------------------------------------------------ 15-minute steps
+def _caltech_toml(folder: Path, dt_h: float, test: tuple[str, str]) -> Path:
+    """A copy of the shipped caltech TOML in ``folder``: its step ``dt_h``, its data the shipped folder's (an absolute
+    path), its test split the local days ``test``."""
+    toml = site_files("caltech")["config"]
+    data = (toml.parent / "caltech").resolve()
+    text = re.sub(r"(?m)^dt_h = .*$", f"dt_h = {dt_h}", toml.read_text())
+    text = re.sub(r"(?m)^data_dir = .*$", f'data_dir = "{data.as_posix()}"', text)
+    text = re.sub(r"(?m)^test = .*$", f'test = ["{test[0]}", "{test[1]}"]', text)
+    out = folder / "caltech_15min.toml"
+    out.write_text(text)
+    return out
+
+
+CALTECH_DAYS = ("2021-05-03", "2021-05-05")
+"""The days of caltech's 15-minute copy (its test split): a Monday to a Wednesday of the shipped test split."""
+
+
+@pytest.fixture(scope="module")
+def caltech_15min(tmp_path_factory) -> Path:
+    return _caltech_toml(tmp_path_factory.mktemp("caltech15"), 0.25, CALTECH_DAYS)
+
+
+def _periods(plan: dict | live.LivePlan) -> list[tuple[list[int], int]]:
+    """Each profile's ``startPeriod``s and ``duration``."""
+    entries = plan["charging_profiles"] if isinstance(plan, dict) else plan.charging_profiles
+    scheds = [e["payload"]["csChargingProfiles"]["chargingSchedule"] for e in entries]
+    return [([q["startPeriod"] for q in s["chargingSchedulePeriod"]], s["duration"]) for s in scheds]
+
+
+def test_evhub_plan_at_15_minutes_sends_a_period_every_900_s(caltech_15min, capsys, tmp_path):
+    """caltech at ``dt_h = 0.25``: evhub-plan at a quarter hour plans the window at the site's step (96 steps of 24 h),
+    each car's profile has one period per step of its stay within the window, 900 s apart, and ocpp accepts it; the
+    state it saves holds the series at 15 minutes and plans the same."""
+    at = "2021-05-04T10:45:00-07:00"
+    state = tmp_path / "state.json"
+    code, out, err = _cli(
+        capsys, "--site", str(caltech_15min), "--at", at, "--controller", "mpc", "--save-state", str(state)
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["issued_at"] == at and plan["step_h"] == 0.25 and plan["horizon_h"] == 24
+    assert len(plan["battery_kw"]) == 96 and plan["charging_profiles"]
+    evs = {e["socket"]: e for e in json.loads(state.read_text())["evs"]}
+    for entry, (starts, duration) in zip(plan["charging_profiles"], _periods(plan)):
+        _ocpp_accepts(entry["payload"])
+        stay = (pd.Timestamp(evs[entry["socket"]]["departure"]) - pd.Timestamp(at)) / pd.Timedelta(minutes=15)
+        n = min(int(stay), 96)
+        assert starts == [900 * k for k in range(n)] and duration == 900 * n
+    series = pd.read_parquet(tmp_path / "state_series.parquet")
+    assert set(np.diff(series.time.to_numpy()).astype("timedelta64[m]").astype(int)) == {15}
+    code, again, err = _cli(capsys, "--site", str(caltech_15min), "--state", str(state), "--controller", "mpc")
+    assert code == 0, err
+    assert json.loads(again) == plan
+
+
+def _study_actions(site: Site, split: str = "test") -> tuple[np.ndarray, pd.DataFrame, MPCController]:
+    """``mpc``'s run over ``split`` as the study builds it (:func:`pipeline.control.mpc.run_mpc`), its action at each
+    step recorded: ``(actions (T, 1 + N), traces, controller)``."""
+    mpc = MPCController(site.split(split), PlannerParams.of_site(site.config))
+    actions = []
+
+    def policy(obs, env):
+        a = mpc(obs, env)
+        actions.append(a[0].numpy().copy())
+        return a
+
+    traces, _ = rollout_traces(policy, site, split, "socket", bess_action="setpoint")
+    return np.array(actions), traces, mpc
+
+
+def _assert_replays_exactly(site: Site) -> list[live.LivePlan]:
+    """The live path (each call given the last plan) over the whole test split takes the study's ``mpc`` actions at
+    every step, plans where the study's controller plans and holds its plan between, and emits the study row's CO2 to
+    1e-9 kg, step by step and in all."""
+    actions, traces, mpc = _study_actions(site)
+    _, study = registry.get("mpc").simulate(site, "test")
+    np.testing.assert_array_equal(study.co2_kg.to_numpy(), traces.co2_kg.to_numpy())
+    co2_steps: list[float] = []
+    co2, unserved, plans = _replay(site, "test", "mpc", co2_steps=co2_steps)
+    np.testing.assert_allclose(np.array([p.action for p in plans]), actions, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(co2_steps, study.co2_kg.to_numpy(), rtol=0, atol=1e-9)
+    assert abs(co2 - study.co2_kg.sum()) < 1e-9 and abs(unserved - study.unserved_kwh.sum()) < 1e-9
+    new = [p for p in plans if p.holds is None]
+    assert len(new) == mpc.solves < len(plans)
+    hour = timestep.steps_per_hour(site.config.dt_h)
+    assert all(p.holds is None for p in plans[::hour])  # a plan at each hour's start
+    for p in plans:
+        assert all(starts == [900 * k for k in range(len(starts))] for starts, _ in _periods(p))
+        if p.holds is not None:
+            assert p.charging_profiles is p.holds.charging_profiles and p.holds.holds is None
+    print(f"\n{site.config.name} at 15 minutes, {len(plans)} steps: {len(new)} plans, CO2 {co2:.6f} kg")
+    return plans
+
+
+def test_the_live_path_reproduces_mpc_at_15_minutes(caltech_15min):
+    """caltech at ``dt_h = 0.25`` over three days: the live path stepped through make_plan, each call given the last
+    plan, takes the study's ``mpc`` actions at every step (a plan at each hour's start and when a car comes, the last
+    plan held between, as :meth:`pipeline.control.mpc.MPCController.act` holds it) and emits its CO2 to 1e-9 kg."""
+    _assert_replays_exactly(load_site(caltech_15min))
+
+
+@pytest.mark.slow
+def test_the_live_path_reproduces_mpcs_report_row_at_15_minutes():
+    """The synthetic site of the hourly replay at ``dt_h = 0.25``, its whole 10-day test split: past the MOER
+    regression's warm-up (refit day after day on the split's hours), the live path still takes the study's actions
+    at every step and emits its row's CO2 to 1e-9 kg."""
+    site = _site(days=10, dt_h=0.25)
+    plans = _assert_replays_exactly(site)
+    assert {len(p.battery_kw) for p in plans[: -4 * 6] if p.holds is None} == {24}

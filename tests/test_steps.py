@@ -161,3 +161,66 @@ def test_a_finer_physics_holds_the_decision_and_serves_the_cars():
         EVHubVectorEnv(2, site=site, physics_dt_h=5 / 60)
     with pytest.raises(ValueError, match="5 minutes"):
         EVHubVectorEnv(1, site=make_site(days=4), full_split=True, physics_dt_h=0.25)
+
+
+# ------------------------------------------------------------------------------------ the planners at 15 minutes
+
+
+def _actions(site, split: str, policy, **kw) -> np.ndarray:
+    """The socket actions ``policy`` takes over the whole split, ``(T, 1 + n_sockets)``."""
+    env = EVHubVectorEnv(1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64, **kw)
+    obs, _ = env.reset(seed=0)
+    out = []
+    for _ in range(env.data.num_steps):
+        a = policy(obs, env)
+        out.append(a[0].numpy().copy())
+        obs, *_ = env.step(a)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("perfect", [False, True], ids=["mpc", "mpc_perfect"])
+def test_the_planner_at_15_minutes_never_reads_the_future(perfect):
+    """Data after step k (MOER, its forecasts, sessions) change no action up to k: the hourly forecast issued at the
+    hour's start, the 5-minute forecasts issued at the step, the hold between plans and the plans on arrivals."""
+    from conftest import changed_future
+
+    from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
+    from pipeline.control.mpc import MPCController, PlannerParams
+
+    site = make_site(days=10, n_sockets=4, dt_h=0.25)
+    params = PlannerParams(horizon_h=6)
+    H = timestep.steps(params.horizon_h, 0.25)
+    last = (REGRESSION_WARMUP_DAYS + 1) * 96 + 6  # the regression in use, the step within an hour
+    cut = last + H if perfect else last + 1
+    a = _actions(site, "train", MPCController(site.split("train"), params, perfect=perfect))
+    changed = changed_future(site, "train", cut)
+    b = _actions(changed, "train", MPCController(changed.split("train"), params, perfect=perfect))
+    np.testing.assert_array_equal(a[: last + 1], b[: last + 1])
+    assert not np.array_equal(a[last + 1 :], b[last + 1 :])
+
+
+def test_no_controller_beats_the_oracle_at_15_minutes_or_at_5_minute_physics():
+    """At 15-minute steps and on the 5-minute site, every causal controller serves every car and emits no less than
+    the oracle of that resolution; planning every step at full resolution is the same planner without blocking."""
+    from pipeline.control import scenario
+    from pipeline.control.mpc import MPCController
+    from pipeline.control.oracle import solve_oracle
+
+    site = make_site(days=8, n_sockets=4, dt_h=0.25)
+    for physics in (None, 5 / 60):
+        oracle = solve_oracle(site, "test", physics_dt_h=physics)[0].co2_kg.iloc[0]
+        runs = {
+            "uncontrolled": (uncontrolled, {}),
+            "rule_based": (rule_based, {}),
+            "mpc": (MPCController(site.split("test")), {"action_mode": "socket", "bess_action": "setpoint"}),
+            "mpc_scenario": (scenario.controller(site.split("test")), {"action_mode": "socket"}),
+            "mpc_every_step": (
+                MPCController(site.split("test"), replan="step", fine_h=None),
+                {"action_mode": "socket", "bess_action": "setpoint"},
+            ),
+        }
+        for name, (policy, kw) in runs.items():
+            k, tr = evaluate_policy(policy, site, "test", name, physics_dt_h=physics, **kw)
+            assert k.unserved_kwh.iloc[0] == pytest.approx(0.0, abs=1e-6), name
+            assert k.co2_kg.iloc[0] >= oracle - 1e-6, (name, physics)
+            assert balance_residual(tr).max() < BALANCE_TOL

@@ -262,6 +262,52 @@ def lp_key(kind: KeyKind, block, a, b) -> np.ndarray:
     return ((np.int64(kind) << 9 | block & 511) << 20 | a) << 30 | b
 
 
+def step_bounds(
+    need_kwh: np.ndarray, steps_left: np.ndarray, socket_kw: np.ndarray, dt_h: float, deadline_floor: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """The env's per-socket power bounds of a step (``EVHubVectorEnv._ev_bounds``): ``(cap, floor)``, kW, ``(N,)``
+    each, from each socket's remaining energy (kWh), steps to departure and power (kW), for steps of ``dt_h`` hours:
+    ``cap = min(Pmax, need / dt)`` for a plugged car, the least-laxity floor below it (0 without ``deadline_floor``)."""
+    occupied = steps_left > 0
+    cap = np.where(occupied, np.minimum(need_kwh / dt_h, socket_kw), 0.0)
+    if not deadline_floor:
+        return cap, np.zeros(len(cap))
+    later = socket_kw * dt_h * np.maximum(steps_left - 1, 0)
+    return cap, np.minimum(np.maximum((need_kwh - later) / dt_h, 0.0), cap)
+
+
+def held_step(
+    t: int, steps_left: np.ndarray, planned_at: int, steps_left_then: np.ndarray, window: int, hour_steps: int,
+    replan: str = "hour", replan_on_arrival: bool = True,
+) -> int | None:  # fmt: skip
+    """The step of a plan's window that step ``t`` holds, or None when a new plan is due (:meth:`MPCController.act`'s
+    rule): a plan at every step with ``replan = "step"``, at each hour's start (``hour_steps`` steps an hour: every
+    step at hourly steps), at or past the end of the last plan's ``window`` (steps), and, with ``replan_on_arrival``,
+    when a socket's car is not one the plan saw (its steps to departure ``steps_left``, ``(N,)``, are not those of
+    when it was made at step ``planned_at``, ``steps_left_then``, counted down: a car came, left before its time, or
+    changed its departure)."""
+    j = t - planned_at
+    if replan == "step" or t % hour_steps == 0 or not 0 < j < window:
+        return None
+    if replan_on_arrival and bool((steps_left != np.maximum(steps_left_then - j, 0)).any()):
+        return None
+    return j
+
+
+def held_action(
+    bess_kw: float, ev_kw: np.ndarray, cap: np.ndarray, floor: np.ndarray, bess_power_kw: float
+) -> np.ndarray:
+    """The env's socket action ``[a_bess, a_1..a_N]`` that carries out a held plan's step: the battery's set-point
+    ``bess_kw`` (kW, + = charge) over its power limit, each car's planned power ``ev_kw`` (kW, ``(N,)``) between this
+    step's ``floor`` and ``cap`` (:func:`step_bounds`; 0 where they meet)."""
+    action = np.zeros(1 + len(ev_kw))
+    action[0] = min(max(bess_kw / bess_power_kw, -1.0), 1.0) if bess_power_kw > 0 else 0.0
+    span = cap - floor
+    ok = span > 1e-12
+    action[1:][ok] = np.clip((ev_kw[ok] - floor[ok]) / span[ok], 0.0, 1.0)
+    return action
+
+
 def plugged_evs(need_kwh: np.ndarray, steps_left: np.ndarray) -> np.ndarray:
     """The sockets whose car is plugged in and still needs energy (``steps_left > 0`` and ``need_kwh > 1e-9``),
     ascending, ``(P,)`` int64, from each socket's remaining energy (kWh) and steps to departure, ``(N,)`` each."""
@@ -605,15 +651,7 @@ class MPCController:
         """The env's per-socket power bounds of this step (``EVHubVectorEnv._ev_bounds``): ``(cap, floor)``, kW,
         ``(N,)`` each, from each socket's remaining energy (kWh) and steps to departure."""
         cfg = self.data.config
-        dt, pmax = cfg.dt_h, self.data.socket_kw
-        occupied = left_all > 0
-        cap_all = np.where(occupied, np.minimum(need_all / dt, pmax), 0.0)
-        if cfg.ev.deadline_floor:
-            later = pmax * dt * np.maximum(left_all - 1, 0)
-            floor_all = np.minimum(np.maximum((need_all - later) / dt, 0.0), cap_all)
-        else:
-            floor_all = np.zeros(cfg.ev.n_sockets)
-        return cap_all, floor_all
+        return step_bounds(need_all, left_all, self.data.socket_kw, cfg.dt_h, cfg.ev.deadline_floor)
 
     def window_lp(
         self, t: int, H: int, moer: np.ndarray, energy_kwh: float, sessions: tuple, cap_all, floor_all, block=None
@@ -925,11 +963,6 @@ class MPCController:
         )
         return torch.as_tensor(action, dtype=obs.dtype, device=obs.device)[None]
 
-    def _arrived(self, left: np.ndarray, left_then: np.ndarray, j: int) -> bool:
-        """Whether a car has come since the plan made ``j`` steps ago (a socket whose car is not the one the plan saw,
-        from each socket's steps to departure now and then, ``(N,)`` each) and :attr:`replan_on_arrival` is set."""
-        return self.replan_on_arrival and bool((left != np.maximum(left_then - j, 0)).any())
-
     def act(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> np.ndarray:
         """The socket action ``[a_bess, a_1..a_N]`` at step ``t`` from the state (as :meth:`plan` takes it).
 
@@ -940,26 +973,17 @@ class MPCController:
         """
         left = np.asarray(ev_steps_left, dtype=np.int64)
         held = self._held
-        j = 0 if held is None else t - held[0]
-        due = (
-            held is None
-            or self.replan == "step"
-            or t % self.hour_steps == 0
-            or not 0 < j < len(held[1].bess_kw_steps)
-            or self._arrived(left, held[2], j)
-        )
-        if due:
+        j = None
+        if held is not None:
+            rule = (self.hour_steps, self.replan, self.replan_on_arrival)
+            j = held_step(t, left, held[0], held[2], len(held[1].bess_kw_steps), *rule)
+        if j is None:
             plan = self.plan(t, energy_kwh, ev_need_kwh, left)
             self._held = (t, plan, left.copy())
             return plan.action
-        plan, b = held[1], self.data.config.bess
+        plan = held[1]
         cap, floor = self.step0_bounds(np.asarray(ev_need_kwh, dtype=np.float64), left)
-        action = np.zeros(1 + len(left))
-        action[0] = min(max(plan.bess_kw_steps[j] / b.power_kw, -1.0), 1.0) if b.power_kw > 0 else 0.0
-        span = cap - floor
-        ok = span > 1e-12
-        action[1:][ok] = np.clip((plan.ev_kw_steps[ok, j] - floor[ok]) / span[ok], 0.0, 1.0)
-        return action
+        return held_action(plan.bess_kw_steps[j], plan.ev_kw_steps[:, j], cap, floor, self.data.config.bess.power_kw)
 
 
 def run_mpc(

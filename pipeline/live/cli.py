@@ -19,9 +19,9 @@ from pipeline.live.state import LiveError, read_state, state_at, write_state
 # ------------------------------------------------------------------------------------------------ the command
 @dataclass
 class Args:
-    """evhub-plan: plan the next hours of a site with a controller of the study and write one OCPP 1.6J
-    SetChargingProfile.req per connector with a car (docs/live.md). Give the state with --state FILE, or rebuild it
-    from the site's own data with --at TIME."""
+    """evhub-plan: plan the next hours of a site at its step with a controller of the study and write one OCPP 1.6J
+    SetChargingProfile.req per connector with a car, a period per step (docs/live.md). Give the state with --state
+    FILE, or rebuild it from the site's own data with --at TIME."""
 
     site: str = "caltech"
     """the site: a shipped name (caltech, iquitos) or the path of a site TOML"""
@@ -30,11 +30,12 @@ class Args:
     mpc_scenario);
     default: the report's answer for the site, read from its results"""
     at: str | None = None
-    """rebuild the state from the site's data at this hour (ISO 8601 with a UTC offset, e.g.
+    """rebuild the state from the site's data at this time, on a step of the site (ISO 8601 with a UTC offset, e.g.
     2021-08-23T08:00:00-07:00): the cars plugged in then, each still needing its session's energy (capped at what its
     socket delivers before it leaves); the battery at its initial SOC (or --soc)"""
     state: Path | None = None
-    """a state file (JSON, docs/live-state.schema.json): the time, SOC, plugged cars, MOER forecast and the history"""
+    """a state file (JSON, docs/live-state.schema.json): the time, SOC, plugged cars, MOER forecast and the history
+    (its series at the site's step and its sessions)"""
     soc: float | None = None
     """with --at: the battery's SOC, [0, 1] (default: the site's initial SOC)"""
     seed: int | None = None
@@ -76,7 +77,7 @@ def run(args: Args) -> LivePlan:
         LiveError: a bad request or state (nothing is written).
     """
     if (args.at is None) == (args.state is None):
-        raise LiveError("--at / --state: give exactly one (the hour to rebuild the state at, or a state file)")
+        raise LiveError("--at / --state: give exactly one (the time to rebuild the state at, or a state file)")
     if args.state is not None and (args.soc is not None or args.save_state is not None):
         raise LiveError("--soc / --save-state: only with --at (a state file carries its own SOC)")
     site = load_site(args.site)

@@ -1,4 +1,4 @@
-"""The controllers of the registry rebuilt from a history, hour by hour as the study's runs build them, one entry of
+"""The controllers of the registry rebuilt from a history, step by step as the study's runs build them, one entry of
 :data:`LIVE_CONTROLLERS` each (how it finds its parameters and makes its plan step): the MOER regression caught up
 (:func:`_catch_up`), ``mpc_adaptive``'s weekly weight from backtests of the history's weeks (:class:`WeekCosts`),
 ``mpc_rl``'s parameters at the day's start; which controllers run at a site (:func:`supported`, :data:`REFUSED`)."""
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.config import SiteConfig
 from envs.files import write_parquet, write_text
 from envs.kpis import load_policy
@@ -49,11 +50,14 @@ AGENT_REASON = (
 def _catch_up(mpc: MPCController, t: int, since: int = 0) -> None:
     """Refit ``mpc``'s MOER regression day after day up to step ``t``'s day, as a run over the split does (one
     refit at each day start): the same sums in the same order, so the same forecast as the run's. ``since``: the
-    step whose day it is already fitted to (0: a new controller)."""
+    step whose day it is already fitted to (0: a new controller). At steps below the hour the regression counts the
+    split's hours (:func:`pipeline.control.forecast.hourly_view`): ``t`` and ``since`` are taken to their hours."""
     fc = mpc.forecaster
     day = getattr(fc, "day", None)
     if day is None:
         return
+    per = max(1, mpc.day_steps // day)  # the controller's steps per step of the forecast (1, or the steps an hour)
+    t, since = t // per, since // per
     for start in range(since - since % day + day, t - t % day + 1, day):
         fc(start, 1)
 
@@ -61,19 +65,21 @@ def _catch_up(mpc: MPCController, t: int, since: int = 0) -> None:
 @dataclass
 class StepPlan:
     """A controller's plan from the state: ``action`` the env's socket action of its first step (``[a_bess,
-    a_1..a_N]``, set-point battery), ``bess_kw`` ``(H,)`` kW (+ = charge) and ``ev_kw`` ``(N, H)`` kW."""
+    a_1..a_N]``, set-point battery), ``bess_kw`` ``(H,)`` kW (+ = charge) and ``ev_kw`` ``(N, H)`` kW, per step of the
+    site; ``replan``: when the controller plans again (:attr:`pipeline.control.mpc.MPCController.replan`)."""
 
     action: np.ndarray
     bess_kw: np.ndarray
     ev_kw: np.ndarray
     params: PlannerParams | None = None
+    replan: str = "hour"
 
 
 def _plan_step(hist: History, m: MPCController, since: int = 0) -> StepPlan:
     """``m``'s plan from the state (its forecast refit up to the state's day first, from ``since``'s day on)."""
     _catch_up(m, hist.t, since)
     p = m.plan(hist.t, hist.energy_kwh, hist.ev_need_kwh, hist.ev_steps_left)
-    return StepPlan(p.action, p.bess_kw_steps, p.ev_kw_steps, m.params)
+    return StepPlan(p.action, p.bess_kw_steps, p.ev_kw_steps, m.params, m.replan)
 
 
 class WeekCosts:
@@ -98,7 +104,7 @@ class WeekCosts:
         sockets' power, the history's start."""
         d = hist.data
         end = start + steps
-        horizon = max(1, int(round(horizon_h / d.config.dt_h)))
+        horizon = timestep.steps(horizon_h, d.config.dt_h)
         h = hashlib.sha256(str(d.time[0]).encode())
         arrays = [d.moer[:end], d.moer_fc[:end], d.pv_kw[: end + horizon], d.load_kw[: end + horizon]]
         arrays += [d.arrival_need_kwh[: end + 1], d.arrival_stay_steps[: end + 1], d.socket_kw]
@@ -374,4 +380,4 @@ def horizon_of(site: Site, name: str, tuned_dir: Path, seed: int | None) -> tupl
         NotImplementedError: a controller without an entry of :data:`LIVE_CONTROLLERS`.
     """
     params = live_controller(name).params(site, tuned_dir, seed)
-    return params, max(1, int(round(params.horizon_h / site.config.dt_h)))
+    return params, timestep.steps(params.horizon_h, site.config.dt_h)

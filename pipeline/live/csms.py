@@ -6,12 +6,16 @@ security profile 1: the user is the id of the path, the password's salted hash i
 ``max_frame_bytes`` close the connection (1009); a frame that is not OCPP, or an action not supported, gets a
 CALLERROR. Everything learnt is written to the store (:class:`pipeline.live.store.Store`) before it is acted on.
 
-At each hour of its clock, and after each StartTransaction, StopTransaction or driver's message, the central system
-plans (:meth:`CentralSystem.plan_once`): the live state from the store (open transactions, their energy so far from
-the meter values, the driver's departure and need from a ``DataTransfer`` (vendor ``evhub``, message ``DriverNeeds``)
-or the session model's expectation), the history from the MOER feed, :func:`pipeline.live.make_plan`; then it sends
-each connector with a car its ``SetChargingProfile`` (retried when rejected), clears the profiles of ended
-transactions, and publishes the battery's set-point (a JSON file written atomically, and ``GET /battery``).
+At each step of its clock (the site's ``dt_h``), and after each StartTransaction, StopTransaction or driver's message,
+the central system takes the step (:meth:`CentralSystem.plan_once`): the live state from the store (open transactions,
+their energy so far from the meter values, the driver's departure and need from a ``DataTransfer`` (vendor ``evhub``,
+message ``DriverNeeds``) or the session model's expectation), the history from the MOER feed, and
+:func:`pipeline.live.make_plan` given its last plan. Where the controller plans anew (each hour's start, a car that
+came, left before its time or changed its departure; every step at hourly steps: :func:`pipeline.live.held_step`) it
+sends each connector with a car its ``SetChargingProfile`` (retried when rejected), clears the profiles of ended
+transactions, and publishes the battery's set-point (a JSON file written atomically, and ``GET /battery``); between
+plans the chargers hold the profiles they were sent (nothing is sent again) and the battery's set-point for the step
+is the last plan's.
 
 With an HTTP port (``--http-port``) it also serves the site's app, with the site controller's credentials (Basic
 auth): ``POST /drivers/<charge point>/<connector>`` with ``{"departure": ISO 8601, "need_kwh": kWh}`` sets the needs
@@ -42,6 +46,7 @@ from ocpp.v16 import ChargePoint, call, call_result
 from ocpp.v16.datatypes import IdTagInfo
 from ocpp.v16.enums import Action, AuthorizationStatus, DataTransferStatus, RegistrationStatus
 
+from envs import timestep
 from envs.files import write_text
 from envs.site import Site
 from pipeline.live.profiles import LivePlan, make_plan
@@ -72,10 +77,10 @@ class CsmsOptions:
         retries: how many times a rejected or unanswered profile is sent again. retry_delay_s: seconds between.
         response_timeout_s: how long a charge point has to answer a call, s.
         battery_file: where the battery's set-point is written (JSON, atomically); None: not written.
-        hourly_timer: plan at each hour of the clock by itself (a wall clock); with a site clock the site's Clock
-            message is the hour.
-        event_delay_s: a transaction's start or stop, or a driver's message, is planned for this many seconds later
-            (the events of a burst, such as a car's StartTransaction and DriverNeeds, get one plan); an hour's plan
+        step_timer: take each step of the clock by itself (a wall clock); with a site clock the site's Clock
+            message is the step.
+        event_delay_s: a transaction's start or stop, or a driver's message, is taken in this many seconds later
+            (the events of a burst, such as a car's StartTransaction and DriverNeeds, get one plan); a step's plan
             takes them in at once.
     """
 
@@ -85,7 +90,7 @@ class CsmsOptions:
     retry_delay_s: float = 0.2
     response_timeout_s: float = 10.0
     battery_file: Path | None = None
-    hourly_timer: bool = False
+    step_timer: bool = False
     event_delay_s: float = 2.0
 
 
@@ -217,8 +222,8 @@ class OcppSession(ChargePoint):
         return {}
 
     async def clock(self, body: dict) -> dict:
-        """``Clock`` (site controller, site clock only): ``{"time": ISO 8601}``; answered once the hour is planned
-        and sent: ``{"planned": time, "ok": bool, "error": str}``."""
+        """``Clock`` (site controller, site clock only): ``{"time": ISO 8601}``; answered once the step is planned
+        and sent (or the last plan held): ``{"planned": time, "ok": bool, "error": str}``."""
         self._site_only("Clock")
         clock = self.central.clock
         if not isinstance(clock, SiteClock):
@@ -262,6 +267,8 @@ class CentralSystem:
         self.battery_doc: dict | None = None
         self.plans: list[LivePlan] = []
         self.plan_latency_s: list[float] = []
+        self.last_plan: LivePlan | None = None
+        self.held = 0
         self.requested = self.done = 0
         self.last_error: str | None = None
         self.verified: set[tuple[str, bytes]] = set()
@@ -270,7 +277,7 @@ class CentralSystem:
         self.finished: asyncio.Condition | None = None
         self.tasks: list[asyncio.Task] = []
         self.http_server: asyncio.Server | None = None
-        self.dt = pd.Timedelta(hours=site.config.dt_h)
+        self.dt = pd.Timedelta(timestep.step_timedelta(site.config.dt_h))
 
     # ------------------------------------------------------------------------------------------ time
     def time_or_now(self) -> pd.Timestamp:
@@ -302,8 +309,8 @@ class CentralSystem:
             self.http_server = await asyncio.start_server(self.http, host, http_port, ssl=ssl_context)
         self.wake, self.finished = asyncio.Event(), asyncio.Condition()
         self.tasks.append(asyncio.create_task(self.planner()))
-        if self.options.hourly_timer:
-            self.tasks.append(asyncio.create_task(self.hourly()))
+        if self.options.step_timer:
+            self.tasks.append(asyncio.create_task(self.stepper()))
         self.server = await serve(
             self.handler,
             host,
@@ -499,7 +506,7 @@ class CentralSystem:
 
     # ------------------------------------------------------------------------------------------ planning
     def request_plan(self, now: bool = False) -> int:
-        """Ask for a plan (at the clock's hour) with what the store holds then: at once (``now``, an hour's plan)
+        """Ask for a plan (at the clock's step) with what the store holds then: at once (``now``, a step's plan)
         or after :attr:`CsmsOptions.event_delay_s` (an event's); returns the request's number."""
         self.requested += 1
         if self.wake is not None:
@@ -541,8 +548,8 @@ class CentralSystem:
                 self.done = n
                 self.finished.notify_all()
 
-    async def hourly(self) -> None:
-        """Ask for a plan at each hour of the clock (a wall clock)."""
+    async def stepper(self) -> None:
+        """Ask for a plan at each step of the clock (a wall clock)."""
         while True:
             now = self.clock.now()
             nxt = now.floor(self.dt) + self.dt
@@ -550,7 +557,7 @@ class CentralSystem:
             self.request_plan(now=True)
 
     def live_state(self, now: pd.Timestamp, hist: FeedHistory, issued: pd.Timestamp) -> LiveState:
-        """The live state at hour ``now`` from the store (module docstring) and the feed's history."""
+        """The live state at step ``now`` from the store (module docstring) and the feed's history."""
         cfg, store = self.site.config, self.store
         evs = []
         for tx in store.open_transactions():
@@ -578,7 +585,7 @@ class CentralSystem:
             store.battery(now, "day_start_need_kwh", sum(e.need_kwh for e in evs))
         day_start = DayStart(store.latest_battery("day_start_soc")[1], store.latest_battery("day_start_need_kwh")[1])
         return LiveState(
-            local, soc, evs, hist.hourly, self.sessions(hist, now), forecast_issued_at=issued, day_start=day_start,
+            local, soc, evs, hist.series, self.sessions(hist, now), forecast_issued_at=issued, day_start=day_start,
             window_end=hist.window_end,
         )  # fmt: skip
 
@@ -617,26 +624,36 @@ class CentralSystem:
         return pd.concat([hist.sessions, pd.DataFrame(rows)], ignore_index=True)
 
     async def plan_once(self) -> LivePlan:
-        """Plan at the clock's hour and act on it: record, publish the battery's set-point, clear the ended
-        transactions' profiles, send the new ones. Returns the plan.
+        """Take the clock's step: plan, or hold the last plan where the controller would
+        (:func:`pipeline.live.make_plan` given the last plan), and act on it: a new plan is recorded, the battery's
+        set-point published, the ended transactions' profiles cleared and the new ones sent; a plan held publishes the
+        battery's set-point for the step (the chargers hold their profiles). Returns the plan (or the plan held).
 
         Raises:
-            LiveError: the clock is not set, the feed has no history for the hour, or the state is refused.
+            LiveError: the clock is not set, the feed has no history for the step, or the state is refused.
         """
         now = self.clock.now().tz_convert("UTC").floor(self.dt)
         hist = self.feed.history(now)
-        hourly, issued, late = fill_late(hist.hourly, now, self.site.config.dt_h)
+        series, issued, late = fill_late(hist.series, now, self.site.config.dt_h)
         if late:
             self.store.log(now, "moer_feed_late", f"no new MOER forecast at {now.isoformat()}: planning on the one "
                            f"issued at {issued.isoformat()}")  # fmt: skip
-        hist = FeedHistory(hourly, hist.sessions, hist.window_end)
+        hist = FeedHistory(series, hist.sessions, hist.window_end)
         state = self.live_state(now, hist, issued)
-        plan = await asyncio.to_thread(make_plan, self.site, state, self.options.controller, **self.options.plan_kwargs)
-        self.plans.append(plan)
-        self.plan_latency_s.append(plan.wall_s)
-        self.store.plan_made(now, plan.controller, plan.wall_s, len(plan.charging_profiles))
+        plan = await asyncio.to_thread(
+            make_plan, self.site, state, self.options.controller, last=self.last_plan, **self.options.plan_kwargs
+        )
+        self.last_plan = plan
+        if plan.holds is None:
+            self.plans.append(plan)
+            self.plan_latency_s.append(plan.wall_s)
+            self.store.plan_made(now, plan.controller, plan.wall_s, len(plan.charging_profiles))
         self.store.battery(now, "setpoint_kw", float(plan.battery_kw[0]))
         self.publish_battery(now, plan)
+        if plan.holds is not None:
+            self.held += 1
+            await self.clear_ended()
+            return plan
         rows = [
             (e, self.store.profile_planned(now, e["station_id"], e["connector_id"], e["payload"]["csChargingProfiles"]
                                            .get("transactionId"), e["payload"]))
@@ -647,7 +664,7 @@ class CentralSystem:
         return plan
 
     def publish_battery(self, now: pd.Timestamp, plan: LivePlan) -> None:
-        """The battery's set-point for the hour: kept for ``GET /battery`` and written to the battery file."""
+        """The battery's set-point for the step: kept for ``GET /battery`` and written to the battery file."""
         self.battery_doc = {
             "time": utc_text(now),
             "setpoint_kw": float(plan.battery_kw[0]),
@@ -721,8 +738,9 @@ class CentralSystem:
 # ------------------------------------------------------------------------------------------------ the command
 @dataclass
 class Args:
-    """evhub-csms: the site's central system, OCPP 1.6J over WebSocket (docs/live.md): it plans each hour with a
-    controller of the study and sends each connector with a car its charging profile."""
+    """evhub-csms: the site's central system, OCPP 1.6J over WebSocket (docs/live.md): at each step of the site it
+    plans with a controller of the study where the controller would (each hour's start, a car that comes) and sends
+    each connector with a car its charging profile; between plans the last plan holds."""
 
     site: str = "caltech"
     """the site: a shipped name (caltech, iquitos) or the path of a site TOML"""
@@ -751,7 +769,7 @@ class Args:
     battery_file: Path | None = Path("outputs/csms/battery.json")
     """where the battery's set-point is written (JSON, atomically; also served at GET /battery)"""
     clock: str = "wall"
-    """wall: plan at each hour of the real time; site: the site controller sets the time (a simulated site)"""
+    """wall: plan at each step of the real time; site: the site controller sets the time (a simulated site)"""
     split: str = "test"
     """the split of the site's data the MOER feed reads (the site's data files stand for the grid's feed)"""
     output_dir: str = "outputs"
@@ -832,7 +850,7 @@ def build(args: Args) -> CentralSystem:
         controller=controller,
         plan_kwargs={"output_dir": args.output_dir, "experiment": args.experiment},
         battery_file=args.battery_file,
-        hourly_timer=args.clock == "wall",
+        step_timer=args.clock == "wall",
     )
     clock = SiteClock() if args.clock == "site" else WallClock()
     return CentralSystem(site, store, clock, SiteDataFeed(site, args.split), mapping, options)
@@ -846,7 +864,9 @@ async def serve_forever(
     scheme = "wss" if tls else "ws"
     print(f"evhub-csms: listening on {scheme}://{host}:{server.sockets[0].getsockname()[1]}/<charge point id>",
           flush=True)  # fmt: skip
-    print(f"evhub-csms: plans with {central.options.controller} each hour and on each transaction", flush=True)
+    every = f"{timestep.step_minutes(central.site.config.dt_h)} minutes"
+    print(f"evhub-csms: a step every {every} with {central.options.controller}: a plan at each hour's start and when "
+          "a car comes, the last plan held between", flush=True)  # fmt: skip
     if central.http_server is not None:
         got = central.http_server.sockets[0].getsockname()[1]
         scheme = "https" if tls else "http"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site, SplitData, plug_socket, station_sockets
 from pipeline.live.state import (
@@ -74,22 +75,22 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
             the state's time; the message names the field and its value.
     """
     cfg = site.config
-    tz, dt = cfg.timezone, pd.Timedelta(hours=cfg.dt_h)
+    tz, dt = cfg.timezone, pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
     now = as_timestamp(state.time, "time").tz_convert("UTC")
     if not (isinstance(state.soc, int | float) and 0.0 <= state.soc <= 1.0):
         raise LiveError(f"soc: {state.soc} is outside [0, 1] (a fraction of the battery's capacity)")
-    h = state.hourly
+    h = state.series
     missing = [c for c in ("time", "pv_kw_per_kwp", "moer_kg_per_kwh", *FORECAST_COLUMNS) if c not in h]
     if missing:
-        raise LiveError(f"hourly: column(s) {', '.join(missing)} missing (hourly.parquet's columns are needed)")
+        raise LiveError(f"series: column(s) {', '.join(missing)} missing (the columns of the site's series are needed)")
     if len(h) == 0:
-        raise LiveError("hourly: no rows (the history needs the hours before the state's time)")
+        raise LiveError("series: no rows (the history needs the steps before the state's time)")
     times = pd.DatetimeIndex(pd.to_datetime(h.time, utc=True))
     origin = _local_midnight(times.min(), tz, after=False)
     if origin > now:
         raise LiveError(
-            f"hourly: the history starts at {times.min()}, and its first local midnight ({origin}) lies after the "
-            f"state's time {now}: give the hours from a local midnight before it"
+            f"series: the history starts at {times.min()}, and its first local midnight ({origin}) lies after the "
+            f"state's time {now}: give the steps from a local midnight before it"
         )
     pos = (now - origin) / dt
     if pos != int(pos):
@@ -99,7 +100,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     if end is None:
         end = _local_midnight(now + horizon_steps * dt, tz, after=True)
     end = end.tz_convert("UTC")
-    last_day = (end.tz_convert(tz) - pd.Timedelta(hours=1)).date()
+    last_day = (end.tz_convert(tz) - dt).date()
     first_day = origin.tz_convert(tz).date()
     before = (first_day - pd.Timedelta(days=1)).isoformat()  # the history site's train split: unused, apart
     hcfg = cfg.replace(
@@ -111,7 +112,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     hh = hh.astype({c: np.float32 for c in hh.columns if hh[c].dtype.kind in "fiu"})  # the ingested data's dtype
     hh = blank_unrealised(hh, hh.index, now)  # nothing after the state's time is read
     _check_known(hh, t, horizon_steps, state, dt)
-    hourly = hh.rename_axis("time").reset_index()
+    series = hh.rename_axis("time").reset_index()
 
     sessions = _sessions(state.sessions, origin, now, dt, t)
     known = set(map(str, site.sessions.station_id.unique())) | set(sessions.station_id)
@@ -130,10 +131,10 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     all_sessions["departure"] = pd.to_datetime(all_sessions.departure, utc=True).astype("datetime64[ns, UTC]")
     src = {
         "config": site.source.get("config", cfg.name),
-        "hourly": "the state's hourly",
+        "series": "the state's series",
         "sessions": "the state's sessions",
     }
-    hsite = Site(hcfg, hourly, all_sessions, src)
+    hsite = Site(hcfg, series, all_sessions, src)
     data = hsite.split("test")
 
     N = cfg.ev.n_sockets
@@ -179,7 +180,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
             )
         holder[i] = k
         need[i] = float(ev.need_kwh)
-        left[i] = max(1, int(np.rint((dep.tz_convert("UTC") - now) / dt)))
+        left[i] = timestep.steps((dep.tz_convert("UTC") - now) / pd.Timedelta(hours=1), cfg.dt_h)
         stations[i], connectors[i], transactions[i] = str(station), int(ev.connector_id), ev.transaction_id
     b = cfg.bess
     energy = min(max(float(state.soc), b.soc_min), b.soc_max) * b.capacity_kwh
@@ -205,12 +206,12 @@ def _check_known(hh: pd.DataFrame, t: int, H: int, state: LiveState, dt: pd.Time
                 f"state's time {state.time.isoformat()}: the MOER forecast is stale (at most "
                 f"{MAX_FORECAST_AGE_STEPS} step of {dt / pd.Timedelta(hours=1):g} h old)"
             )
-    checks = [("moer_kg_per_kwh", slice(0, t), "the realised MOER of every hour before the state's time")]
+    checks = [("moer_kg_per_kwh", slice(0, t), "the realised MOER of every step before the state's time")]
     checks += [
-        (c, slice(0, t + 1), "the MOER forecast issued at every hour up to the state's time") for c in FORECAST_COLUMNS
+        (c, slice(0, t + 1), "the MOER forecast issued at every step up to the state's time") for c in FORECAST_COLUMNS
     ]
     checks += [
-        (c, slice(0, t + 1), "the 5-minute values at every hour up to the state's time")
+        (c, slice(0, t + 1), "the 5-minute values at every step up to the state's time")
         for c in MOER_5MIN_COLUMNS
         if c in hh
     ]
@@ -220,7 +221,7 @@ def _check_known(hh: pd.DataFrame, t: int, H: int, state: LiveState, dt: pd.Time
         if len(gap):
             at = hh.index[rows.start + gap[0]]
             stale = " (the MOER forecast is stale)" if col in FORECAST_COLUMNS and at == now else ""
-            raise LiveError(f"hourly: {col} missing at {at.isoformat()}{stale}: the history needs {what}")
+            raise LiveError(f"series: {col} missing at {at.isoformat()}{stale}: the history needs {what}")
 
 
 def _sessions(s: pd.DataFrame, origin: pd.Timestamp, now: pd.Timestamp, dt: pd.Timedelta, t: int) -> pd.DataFrame:

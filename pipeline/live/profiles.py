@@ -1,6 +1,12 @@
 """A live plan (:func:`make_plan`): the battery's set-points and one OCPP 1.6J ``SetChargingProfile.req`` payload per
 connector with a car (:func:`charging_profile`), each validated against the ``ocpp`` package's JSON schema
-(:func:`validate_profile`)."""
+(:func:`validate_profile`), one period per step of the site.
+
+Between plans the last plan holds, as the study's controller holds it
+(:meth:`pipeline.control.mpc.MPCController.act`): given the last plan, :func:`make_plan` plans anew only when the
+controller would (:func:`held_step`: every step with ``replan = "step"``; else at each hour's start, past the last
+plan's window, and whenever a socket's car is not one the last plan saw), and otherwise returns the last plan held at
+this step (:func:`hold`): its battery set-point and each car's power for this step, the profiles already sent."""
 
 from __future__ import annotations
 
@@ -8,15 +14,17 @@ import decimal
 import json
 import math
 import time as _time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.site import Site, load_site
 from pipeline.control import registry
-from pipeline.control.mpc import PlannerParams
+from pipeline.control.mpc import PlannerParams, held_action, step_bounds
+from pipeline.control.mpc import held_step as planned_step
 from pipeline.live.controllers import (
     PlanInputs,
     WeekCosts,
@@ -27,7 +35,7 @@ from pipeline.live.controllers import (
     results_root,
     tuned_seed,
 )
-from pipeline.live.history import history
+from pipeline.live.history import History, history
 from pipeline.live.state import LiveError, LiveState, as_timestamp
 
 
@@ -46,6 +54,10 @@ class LivePlan:
             ``connector_id``, ``action`` ("SetChargingProfile") and ``payload`` (the OCPP 1.6J request, validated).
         params: the planner's parameters of this step (None for the baselines).
         wall_s: seconds the plan took.
+        steps_left: ``(N,)`` each socket's steps to its car's departure at ``issued_at`` (0: free).
+        replan: when its controller plans again (:attr:`pipeline.control.mpc.MPCController.replan`).
+        holds: the plan this one holds (:func:`hold`): ``battery_kw`` and ``ev_kw`` are that plan's from this step on,
+            ``charging_profiles`` the ones it sent; None: a new plan.
     """
 
     issued_at: pd.Timestamp
@@ -58,6 +70,9 @@ class LivePlan:
     charging_profiles: list[dict]
     params: PlannerParams | None = None
     wall_s: float = 0.0
+    steps_left: np.ndarray | None = None
+    replan: str = "hour"
+    holds: LivePlan | None = field(default=None, repr=False)
 
     @property
     def horizon_h(self) -> float:
@@ -65,8 +80,9 @@ class LivePlan:
         return len(self.battery_kw) * self.dt_h
 
     def to_json(self) -> dict:
-        """The plan as the command writes it (``docs/live.md``)."""
-        return {
+        """The plan as the command writes it (``docs/live.md``); a plan held (:attr:`holds`) also names when the plan
+        it holds was made (``holds``)."""
+        doc = {
             "issued_at": self.issued_at.isoformat(),
             "controller": self.controller,
             "seed": self.seed,
@@ -75,6 +91,9 @@ class LivePlan:
             "battery_kw": [round(float(x), 4) + 0.0 for x in self.battery_kw],  # (+ 0.0: no -0.0)
             "charging_profiles": self.charging_profiles,
         }
+        if self.holds is not None:
+            doc["holds"] = self.holds.issued_at.isoformat()
+        return doc
 
 
 def _ocpp_validator():
@@ -102,10 +121,10 @@ def charging_profile(
     transaction_id: int | None = None,
 ) -> dict:  # fmt: skip
     """The OCPP 1.6J ``SetChargingProfile.req`` payload of one connector: a ``TxProfile`` (``Absolute``, from
-    ``issued_at``), one period per step of ``kw`` (kW, the car's stay within the window) as a limit in W rounded to
-    0.1 W and never above the socket's power; ``chargingProfileId`` is ``1 + socket`` (a new plan replaces the
-    connector's last one), ``stackLevel`` 0."""
-    step_s = int(round(dt_h * 3600))
+    ``issued_at``), one period per step of ``kw`` (kW, the car's stay within the window; a step of ``dt_h`` hours:
+    ``startPeriod`` every ``dt_h * 3600`` s) as a limit in W rounded to 0.1 W and never above the socket's power;
+    ``chargingProfileId`` is ``1 + socket`` (a new plan replaces the connector's last one), ``stackLevel`` 0."""
+    step_s = 60 * timestep.step_minutes(dt_h)
     cap_w = math.floor(socket_kw * 10000.0 + 1e-6) / 10.0
     limits = [round(float(p) * 1000.0, 1) for p in kw]
     periods = [
@@ -131,6 +150,59 @@ def charging_profile(
     return {"connectorId": int(connector_id), "csChargingProfiles": profile}
 
 
+def held_step(last: LivePlan | None, hist: History, controller: str, seed: int | None) -> int | None:
+    """The step of ``last``'s window that the state of ``hist`` holds, or None when a new plan is due: the rule of
+    :meth:`pipeline.control.mpc.MPCController.act`. A new plan without a last one, for another controller or seed, at
+    every step with ``replan = "step"``, at each hour's start (every step at hourly steps), at or past the end of the
+    last plan's window, and when a socket's car is not one the last plan saw (its steps to departure are not the last
+    plan's, counted down: a car came, left before its time, or changed its departure).
+
+    Args:
+        last: the last plan (a plan held: the plan it holds). hist: the state's history (:func:`history`).
+        controller, seed: what plans now.
+    """
+    if last is None:
+        return None
+    last = last.holds or last
+    cfg = hist.data.config
+    if (last.controller, last.seed, last.replan, last.dt_h) != (controller, seed, "hour", cfg.dt_h):
+        return None
+    if last.steps_left is None:
+        return None
+    j = (hist.data.time[hist.t] - last.issued_at.tz_convert("UTC")) / pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
+    if j != int(j):
+        return None
+    hour = timestep.steps_per_hour(cfg.dt_h)
+    return planned_step(hist.t, hist.ev_steps_left, hist.t - int(j), last.steps_left, len(last.battery_kw), hour)
+
+
+def hold(last: LivePlan, j: int, hist: History, issued_at: pd.Timestamp) -> LivePlan:
+    """``last`` held at step ``j`` of its window, the state's step (:func:`held_step`), as
+    :meth:`pipeline.control.mpc.MPCController.act` holds a plan: the battery at the plan's set-point for the step, each
+    plugged car at the plan's power for the step mapped to the env's action between this step's floor and cap (the
+    env's least-laxity floor, :meth:`pipeline.control.mpc.MPCController.step0_bounds`); the window and profiles are the
+    plan's (the chargers hold the profiles they were sent)."""
+    last = last.holds or last
+    cfg = hist.data.config
+    left = hist.ev_steps_left
+    cap, floor = step_bounds(hist.ev_need_kwh, left, hist.data.socket_kw, cfg.dt_h, cfg.ev.deadline_floor)
+    action = held_action(last.battery_kw[j], last.ev_kw[:, j], cap, floor, cfg.bess.power_kw)
+    return LivePlan(
+        issued_at=issued_at,
+        controller=last.controller,
+        seed=last.seed,
+        dt_h=last.dt_h,
+        battery_kw=last.battery_kw[j:],
+        ev_kw=last.ev_kw[:, j:],
+        action=action,
+        charging_profiles=last.charging_profiles,
+        params=last.params,
+        steps_left=np.asarray(left, np.int64).copy(),
+        replan=last.replan,
+        holds=last,
+    )
+
+
 def make_plan(
     site: Site | str | Path,
     state: LiveState,
@@ -140,6 +212,7 @@ def make_plan(
     output_dir: str | Path = "outputs",
     experiment: str = "",
     week_costs: WeekCosts | None = None,
+    last: LivePlan | None = None,
 ) -> LivePlan:
     """Plan from the live state: the function behind ``evhub-plan`` (module docstring).
 
@@ -151,9 +224,11 @@ def make_plan(
         seed: the study's seed of a tuned controller (default: the lowest one tuned).
         output_dir, experiment: where the study's results and tuning are (``<output_dir>/<experiment>/``).
         week_costs: ``mpc_adaptive``'s cache of week backtests (default: ``<experiment>/live/``).
+        last: the last plan made (or held) at the site: where the controller would hold it at the state's step
+            (:func:`held_step`), it is held (:func:`hold`) and no new plan is made; None: a new plan.
 
     Returns:
-        the :class:`LivePlan`, its profiles validated against OCPP 1.6J.
+        the :class:`LivePlan`, its profiles validated against OCPP 1.6J (a plan held: :attr:`LivePlan.holds` set).
 
     Raises:
         LiveError: a bad state or request (the message names the field and the value): an unknown or refused
@@ -173,9 +248,14 @@ def make_plan(
     seed = tuned_seed(name, tuned_dir, seed) if registry.CONTROLLERS[name].tuned else None
     params, H = horizon_of(site, name, tuned_dir, seed)
     hist = history(site, state, H)
-    step = live_controller(name).plan(PlanInputs(hist, params, tuned_dir, seed, root / "live", week_costs))
     cfg = site.config
     issued = as_timestamp(state.time, "time").tz_convert(cfg.timezone)
+    j = held_step(last, hist, name, seed)
+    if j is not None:
+        held = hold(last, j, hist, issued)
+        held.wall_s = _time.perf_counter() - t0
+        return held
+    step = live_controller(name).plan(PlanInputs(hist, params, tuned_dir, seed, root / "live", week_costs))
     profiles = []
     for i in np.flatnonzero(hist.ev_steps_left > 0):
         n = min(int(hist.ev_steps_left[i]), len(step.bess_kw))
@@ -204,4 +284,6 @@ def make_plan(
         charging_profiles=profiles,
         params=step.params,
         wall_s=_time.perf_counter() - t0,
+        steps_left=hist.ev_steps_left.copy(),
+        replan=step.replan,
     )

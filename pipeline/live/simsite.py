@@ -3,13 +3,14 @@ its site controller (the battery's management system and the clock), replaying a
 accelerated time through the study's env (:class:`envs.evhub.EVHubVectorEnv`, socket actions, set-point battery,
 float64), so that what the central system sends is judged by the study's physics.
 
-Each hour ``t`` (:meth:`SimSite.hour`): the cars that left end their transaction (``StopTransaction``), the cars that
-arrived start one (``StartTransaction``, then ``DataTransfer`` ``DriverNeeds`` with the session's departure and need),
-each open transaction reports its meter (``MeterValues``, Wh), the site controller reports the battery's SOC
-(``DataTransfer`` ``BatteryStatus``) and sets the time (``DataTransfer`` ``Clock``: answered once the hour is planned
-and sent); it reads the battery's set-point (``GET /battery``); the env steps once with each socket at its charging
-profile's limit for the hour and the battery at its set-point: the plan's first step, as the study's replay applies
-it (``tests/test_plan.py``). A simulated meter counts whole Wh between sessions (``meterStart`` is an integer).
+Each step ``t`` of the site (:meth:`SimSite.tick`, ``dt_h`` hours): the cars that left end their transaction
+(``StopTransaction``), the cars that arrived start one (``StartTransaction``, then ``DataTransfer`` ``DriverNeeds`` with
+the session's departure and need), each open transaction reports its meter (``MeterValues``, Wh), the site controller
+reports the battery's SOC (``DataTransfer`` ``BatteryStatus``) and sets the time (``DataTransfer`` ``Clock``: answered
+once the step is planned and sent, or the last plan held); it reads the battery's set-point (``GET /battery``); the env
+steps once with each socket at its charging profile's limit for the step (the profile it holds: the last plan's) and
+the battery at its set-point: the plan's step, as the study's replay applies it (``tests/test_plan.py``). A simulated
+meter counts whole Wh between sessions (``meterStart`` is an integer).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ocpp.v16 import ChargePoint, call
 from ocpp.v16 import call_result as result
 from ocpp.v16.enums import Action, ChargingProfileStatus, ClearChargingProfileStatus
 
+from envs import timestep
 from envs.evhub import EVHubVectorEnv
 from envs.site import Site
 from pipeline.live.csms import SUBPROTOCOL, VENDOR
@@ -41,7 +43,7 @@ from pipeline.live.sources import default_mapping
 from pipeline.live.state import LiveError
 
 PROFILE_WAIT_S = 10.0
-"""How long a car waits for its charging profile after the hour is planned before it charges at full power (a
+"""How long a car waits for its charging profile after the step is planned before it charges at full power (a
 charger's default without a profile), s."""
 
 
@@ -99,13 +101,14 @@ class SimChargePoint(ChargePoint):
 
 @dataclass
 class SimResult:
-    """What a simulated run gave: ``co2_kg``, ``unserved_kwh`` (the env's), the hours run, the transactions
-    started and stopped, the profiles rejected by the charge points, the hours a car charged without a profile
-    (``fallbacks``), and the run's wall time, s."""
+    """What a simulated run gave: ``co2_kg``, ``unserved_kwh`` (the env's), the steps run and their hours, the
+    transactions started and stopped, the profiles rejected by the charge points, the steps a car charged without a
+    profile (``fallbacks``), and the run's wall time, s."""
 
     co2_kg: float = 0.0
     unserved_kwh: float = 0.0
-    hours: int = 0
+    steps: int = 0
+    hours: float = 0.0
     started: int = 0
     stopped: int = 0
     rejected: int = 0
@@ -116,7 +119,7 @@ class SimResult:
 
 @dataclass
 class Open:
-    """A socket's car as the simulated site tracks it: its transaction and the steps it has left next hour."""
+    """A socket's car as the simulated site tracks it: its transaction and the steps it has left at the next step."""
 
     tx: int
     left_next: int
@@ -128,21 +131,23 @@ class SimSite:
     Args:
         site: the site. url: the central system's ``ws[s]://host:port``. passwords: ``{id: password}`` of each
             charge point and of the site controller. site_id: the site controller's id.
-        split: the split replayed from its start. hours: how many hours (default: the whole split).
+        split: the split replayed from its start. hours: how many hours, whole steps of the site (default: the whole
+            split).
         mapping: ``{(charge point, connector): socket}`` (default :func:`pipeline.live.sources.default_mapping`).
         tls: the client's TLS context for ``wss://``.
-        hooks: ``{hour: coroutine function(sim)}`` run at the start of that hour (faults: a restart of the central
+        hooks: ``{step: coroutine function(sim)}`` run at the start of that step (faults: a restart of the central
             system, a dropped charge point).
     """
 
     def __init__(
         self, site: Site, url: str, passwords: dict[str, str], site_id: str = "site", split: str = "test",
-        hours: int | None = None, mapping: dict | None = None, tls: ssl.SSLContext | None = None,
+        hours: float | None = None, mapping: dict | None = None, tls: ssl.SSLContext | None = None,
         hooks: dict[int, Callable[[SimSite], Awaitable[None]]] | None = None,
     ):  # fmt: skip
         self.site, self.url, self.passwords, self.site_id, self.tls = site, url.rstrip("/"), passwords, site_id, tls
         self.data = site.split(split)
-        self.hours = self.data.num_steps if hours is None else min(int(hours), self.data.num_steps)
+        n = self.data.num_steps
+        self.steps = n if hours is None else min(timestep.steps(hours, site.config.dt_h, at_least=0), n)
         self.mapping = mapping or default_mapping(site)
         self.socket_of = {cp: (cp_id, conn) for (cp_id, conn), cp in self.mapping.items()}
         self.hooks = hooks or {}
@@ -157,7 +162,7 @@ class SimSite:
         self.register_wh = np.zeros(site.config.ev.n_sockets)
         self.result = SimResult()
         self.start = site.config.split_bounds(split)[0]
-        self.dt = pd.Timedelta(hours=site.config.dt_h)
+        self.dt = pd.Timedelta(timestep.step_timedelta(site.config.dt_h))
         ses = self.data.sessions[~self.data.sessions.rejected]
         self.session_ids = {(int(r.arrival_step), int(r.socket)): str(r.session_id) for r in ses.itertuples()}
 
@@ -236,16 +241,16 @@ class SimSite:
             raise LiveError(f"GET /battery: {status}")
         return json.loads(body)
 
-    # ------------------------------------------------------------------------------------------ the hours
+    # ------------------------------------------------------------------------------------------ the steps
     async def run(self) -> SimResult:
-        """Replay the hours; returns the :class:`SimResult`."""
+        """Replay the steps; returns the :class:`SimResult`."""
         t0 = time.perf_counter()
         self.env.reset(seed=0)
         await self.connect_all()
         try:
-            for t in range(self.hours):
-                await self.hour(t)
-            await self.stop_all(self.start + self.hours * self.dt)
+            for t in range(self.steps):
+                await self.tick(t)
+            await self.stop_all(self.start + self.steps * self.dt)
         finally:
             await self.close()
         self.result.rejected = sum(cp.rejected for cp in self.cps.values())
@@ -253,9 +258,9 @@ class SimSite:
         return self.result
 
     async def events(self, t: int, now: pd.Timestamp) -> None:
-        """Hour ``t``'s transactions: those that ended stop, the new cars start and tell their needs."""
+        """Step ``t``'s transactions: those that ended stop, the new cars start and tell their needs."""
         env = self.env
-        need, left = env.ev_need_kwh[0].numpy(), env.ev_steps_left[0].numpy()
+        need, left = env.ev_need_kwh[0].numpy(), env.steps_left()[0].numpy()
         for i in range(len(left)):
             cur = self.open.get(i)
             if cur is not None and (left[i] == 0 or left[i] != cur.left_next):
@@ -317,8 +322,8 @@ class SimSite:
         body = json.dumps({"soc": soc, "time": _iso(now)})
         await self.cps[self.site_id].call(call.DataTransfer(vendor_id=VENDOR, message_id="BatteryStatus", data=body))
 
-    async def hour(self, t: int) -> None:
-        """One hour (module docstring)."""
+    async def tick(self, t: int) -> None:
+        """One step (module docstring)."""
         now = self.start + t * self.dt
         if t in self.hooks:
             await self.hooks[t](self)
@@ -328,7 +333,7 @@ class SimSite:
         answer = await self.cps[self.site_id].call(call.DataTransfer(vendor_id=VENDOR, message_id="Clock", data=body))
         got = json.loads(answer.data or "{}")
         if answer.status != "Accepted" or not got.get("ok"):
-            raise LiveError(f"hour {now.isoformat()}: the central system did not plan it: {answer.status} {got}")
+            raise LiveError(f"step {now.isoformat()}: the central system did not plan it: {answer.status} {got}")
         for cp_id in {self.socket_of[i][0] for i in self.open}:
             if not self.online(cp_id):
                 await self.connect(cp_id)
@@ -339,7 +344,7 @@ class SimSite:
         self.step(limits, float(doc["setpoint_kw"]))
 
     async def limits(self, now: pd.Timestamp) -> dict[int, float | None]:
-        """Each open socket's limit for the hour (kW); a charge point that has none yet waits up to
+        """Each open socket's limit for the step (kW); a charge point that has none yet waits up to
         :data:`PROFILE_WAIT_S` for it (a reconnected one gets its profile again)."""
         out = {}
         deadline = time.monotonic() + PROFILE_WAIT_S
@@ -361,7 +366,7 @@ class SimSite:
         env, cfg = self.env, self.site.config
         dt, pmax = cfg.dt_h, self.data.socket_kw
         need = env.ev_need_kwh[0].numpy().copy()
-        left = env.ev_steps_left[0].numpy().copy()
+        left = env.steps_left()[0].numpy().copy()
         occupied = left > 0
         cap = np.where(occupied, np.minimum(need / dt, pmax), 0.0)
         floor = np.zeros_like(cap)
@@ -380,13 +385,14 @@ class SimSite:
                 action[1 + i] = np.clip((kw - floor[i]) / span, 0.0, 1.0)
         _, _, _, _, info = env.step(torch.as_tensor(action)[None])
         after = env.ev_need_kwh[0].numpy()
-        gone = occupied & ((left == 1) | (env.ev_steps_left[0].numpy() != left - 1))
+        gone = occupied & ((left == 1) | (env.steps_left()[0].numpy() != left - 1))
         unserved = float(info["unserved_kwh"][0])
         delivered = np.where(gone, need - (unserved / max(int(gone.sum()), 1)), need - after)
         self.register_wh += np.where(occupied, np.maximum(delivered, 0.0) * 1000.0, 0.0)
         self.result.co2_kg += float(info["co2_kg"][0])
         self.result.unserved_kwh += unserved
-        self.result.hours += 1
+        self.result.steps += 1
+        self.result.hours = timestep.hours(self.result.steps, cfg.dt_h)
 
 
 def _iso(ts: pd.Timestamp) -> str:
@@ -408,7 +414,7 @@ def register(store, passwords: dict[str, str], site_id: str = "site") -> None:
 
 
 async def run_local(
-    site: Site, db, controller: str = "mpc", split: str = "test", hours: int | None = None,
+    site: Site, db, controller: str = "mpc", split: str = "test", hours: float | None = None,
     feed=None, hooks: dict | None = None, reject: dict[str, int] | None = None, options=None,
 ) -> tuple[SimResult, object]:  # fmt: skip
     """A central system (site clock, the site's data as its MOER feed) and this simulated site in one event loop on
@@ -455,8 +461,8 @@ class Args:
     """the `id password [role]` lines the central system was started with (the site controller's role: site)"""
     split: str = "test"
     """the split replayed from its start"""
-    hours: int | None = None
-    """hours to replay (default: the whole split)"""
+    hours: float | None = None
+    """hours to replay, whole steps of the site (default: the whole split)"""
     cafile: Path | None = None
     """with wss://: the certificate to trust (PEM)"""
 

@@ -1,6 +1,6 @@
 """What the central system reads besides its charge points: the clock it plans by (:class:`WallClock`, or
 :class:`SiteClock`, set by the site), the MOER feed (:class:`MoerFeed`; :class:`SiteDataFeed` reads a site's data
-files, :class:`LateFeed` withholds its new values for some hours), the connectors' sockets (:func:`default_mapping`,
+files, :class:`LateFeed` withholds its new values at some steps), the connectors' sockets (:func:`default_mapping`,
 :func:`read_mapping`) and the session model's expectation for a driver who gave no departure or need
 (:func:`expected_session`)."""
 
@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site, station_sockets
 from pipeline.live.state import FORECAST_COLUMNS, LiveError, realised_history
@@ -21,7 +22,7 @@ from pipeline.live.state import FORECAST_COLUMNS, LiveError, realised_history
 
 # ------------------------------------------------------------------------------------------------ the clock
 class Clock(Protocol):
-    """The time the central system plans by (it plans at each of its hours)."""
+    """The time the central system plans by (it plans at each of its steps, as its controller decides)."""
 
     def now(self) -> pd.Timestamp:
         """The time now, tz-aware."""
@@ -72,11 +73,11 @@ class SiteClock:
 # ------------------------------------------------------------------------------------------------ the MOER feed
 @dataclass
 class FeedHistory:
-    """What a feed knows at a time: ``hourly`` and ``sessions`` as :class:`pipeline.live.LiveState`'s (the realised
-    MOER before it, the forecasts up to it, the PV outlook; the sessions realised by then), and ``window_end`` (where
-    a plan's window ends at the latest; None: a whole horizon)."""
+    """What a feed knows at a time: ``series`` and ``sessions`` as :class:`pipeline.live.LiveState`'s (at the site's
+    step: the realised MOER before it, the forecasts up to it, the PV outlook; the sessions realised by then), and
+    ``window_end`` (where a plan's window ends at the latest; None: a whole horizon)."""
 
-    hourly: pd.DataFrame
+    series: pd.DataFrame
     sessions: pd.DataFrame
     window_end: pd.Timestamp | None = None
 
@@ -85,7 +86,7 @@ class MoerFeed(Protocol):
     """The realised MOER, its forecasts and the PV outlook up to a time (a grid-carbon service at a real site)."""
 
     def history(self, now: pd.Timestamp) -> FeedHistory:
-        """What is known at ``now`` (on an hour)."""
+        """What is known at ``now`` (on a step of the site)."""
         ...
 
 
@@ -108,59 +109,64 @@ class SiteDataFeed:
             LiveError: a time outside the split or between its steps.
         """
         now = pd.Timestamp(now).tz_convert("UTC")
-        pos = (now - self.start) / pd.Timedelta(hours=self.site.config.dt_h)
+        pos = (now - self.start) / pd.Timedelta(timestep.step_timedelta(self.site.config.dt_h))
         if not self.start <= now < self.end or pos != int(pos):
             raise LiveError(
-                f"MOER feed: {now.isoformat()} is not an hour of the site's {self.split} split "
+                f"MOER feed: {now.isoformat()} is not a step of the site's {self.split} split "
                 f"({self.start.isoformat()}..{self.end.isoformat()})"
             )
         return int(pos)
 
     def history(self, now: pd.Timestamp) -> FeedHistory:
         """The split's history realised at ``now`` (:func:`pipeline.live.realised_history`)."""
-        hourly, sessions = realised_history(self.site, self.split, self.step(now))
-        return FeedHistory(hourly, sessions, self.end)
+        series, sessions = realised_history(self.site, self.split, self.step(now))
+        return FeedHistory(series, sessions, self.end)
 
 
 class LateFeed:
-    """A feed that brings nothing new in some hours (a late MOER service): at those hours its MOER and forecasts are
-    what ``feed`` knew an hour before; the sessions are the site's own and stay current.
+    """A feed that brings nothing new at some steps (a late MOER service): at those steps its MOER and forecasts are
+    what ``feed`` knew a step before; the sessions are the site's own and stay current.
 
     Args:
-        feed: the feed. late: the hours (tz-aware) it is late at.
+        feed: the feed. late: the steps (tz-aware times) it is late at. dt_h: the site's step, hours.
     """
 
     def __init__(self, feed: MoerFeed, late, dt_h: float = 1.0):
-        self.feed, self.dt = feed, pd.Timedelta(hours=dt_h)
+        self.feed, self.dt = feed, pd.Timedelta(timestep.step_timedelta(dt_h))
         self.late = {pd.Timestamp(t).tz_convert("UTC") for t in late}
 
     def history(self, now: pd.Timestamp) -> FeedHistory:
-        """``feed``'s history, its hourly part an hour old at a late hour."""
+        """``feed``'s history, its series a step old at a late step."""
         got = self.feed.history(now)
         if pd.Timestamp(now).tz_convert("UTC") in self.late:
-            got = FeedHistory(self.feed.history(now - self.dt).hourly, got.sessions, got.window_end)
+            got = FeedHistory(self.feed.history(now - self.dt).series, got.sessions, got.window_end)
         return got
 
 
-def fill_late(hourly: pd.DataFrame, now: pd.Timestamp, dt_h: float) -> tuple[pd.DataFrame, pd.Timestamp, bool]:
-    """Plan on the last forecast when the feed brought none for the hour ``now``: the forecast issued an hour before,
-    moved on by one hour (its next hour becomes this hour's; the last one is held), its 5-minute values and, for the
-    hour before, the forecast in place of the realised MOER.
+def fill_late(series: pd.DataFrame, now: pd.Timestamp, dt_h: float) -> tuple[pd.DataFrame, pd.Timestamp, bool]:
+    """Plan on the last forecast when the feed brought none for the step ``now``: the forecast issued a step before,
+    moved on by one step (each hour's value becomes ``(1 - dt_h)`` of it and ``dt_h`` of the next hour's, the last one
+    held: at hourly steps its next hour becomes this hour's), its 5-minute values and, for the step before, the
+    forecast in place of the realised MOER.
+
+    Args:
+        series: the feed's history at the site's step. now: the step planned. dt_h: the site's step, hours.
 
     Returns:
-        ``(hourly, issued_at, late)``: the history to plan on, when its current forecast was issued, and whether
-        the feed was late. A feed late by more than an hour is left as it is (the plan then refuses it as stale).
+        ``(series, issued_at, late)``: the history to plan on, when its current forecast was issued, and whether
+        the feed was late. A feed late by more than a step is left as it is (the plan then refuses it as stale).
     """
-    dt = pd.Timedelta(hours=dt_h)
+    dt = pd.Timedelta(timestep.step_timedelta(dt_h))
+    f = timestep.exact_dt_h(dt_h)  # the step's share of an hour
     now = pd.Timestamp(now).tz_convert("UTC")
-    h = hourly.copy()
+    h = series.copy()
     h["time"] = pd.to_datetime(h.time, utc=True)
     row = np.flatnonzero((h.time == now).to_numpy())
     prev = np.flatnonzero((h.time == now - dt).to_numpy())
     if len(row) and np.isfinite(float(h.loc[row[0], FORECAST_COLUMNS[0]])):
-        return hourly, now, False
+        return series, now, False
     if not len(prev) or not np.isfinite(float(h.loc[prev[0], FORECAST_COLUMNS[0]])):
-        return hourly, now, True
+        return series, now, True
     p = prev[0]
     if not len(row):
         h = pd.concat([h, pd.DataFrame({"time": [now]})], ignore_index=True)
@@ -168,7 +174,7 @@ def fill_late(hourly: pd.DataFrame, now: pd.Timestamp, dt_h: float) -> tuple[pd.
     r = row[0]
     last = [float(h.loc[p, c]) for c in FORECAST_COLUMNS]
     for k, c in enumerate(FORECAST_COLUMNS):
-        h.loc[r, c] = last[min(k + 1, len(last) - 1)]
+        h.loc[r, c] = (1.0 - f) * last[k] + f * last[min(k + 1, len(last) - 1)]
     for c in MOER_5MIN_COLUMNS:
         if c in h:
             h.loc[r, c] = h.loc[p, c]

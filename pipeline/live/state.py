@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from envs import timestep
 from envs.errors import InputError
 from envs.files import write_parquet, write_text
 from envs.schemas import MOER_5MIN_COLUMNS
@@ -18,7 +19,8 @@ from envs.site import Site, load_site
 from pipeline.paths import shown_path
 
 FORECAST_COLUMNS = ("moer_fc_h0", "moer_fc_h1", "moer_fc_h2")
-"""The hourly columns of the MOER forecast issued at each hour (kg/kWh for that hour and the next two)."""
+"""The columns of the MOER forecast issued at each step's start (kg/kWh for the hour from it, the next hour and the one
+after: leads in hours at every step)."""
 SESSION_COLUMNS = ("session_id", "station_id", "arrival", "departure", "energy_kwh")
 """The sessions columns a history needs (``sessions.parquet``'s, ``requested_energy_kwh`` optional)."""
 MAX_FORECAST_AGE_STEPS = 1
@@ -67,14 +69,16 @@ class LiveState:
     """What the site knows at ``time``.
 
     Attributes:
-        time: the hour the plan starts, tz-aware, on a step of the site (whole hours at ``dt_h = 1``).
+        time: the step the plan starts, tz-aware, on a step of the site (whole hours at ``dt_h = 1``, quarter hours at
+            ``dt_h = 0.25``).
         soc: the battery's state of charge, fraction of its capacity, [0, 1] (kept within the config's
             ``[soc_min, soc_max]``, as the env keeps it).
         evs: the plugged cars.
-        hourly: the realised history in ``hourly.parquet``'s columns (``time`` UTC, ``pv_kw_per_kwp``,
-            ``moer_kg_per_kwh``, ``moer_fc_h0..h2``, the 5-minute columns where the site has them) from its first
-            local midnight on: the realised MOER of every hour before ``time``, the forecasts issued at every hour up
-            to ``time``, the PV outlook through the controller's window (NaN where not known).
+        series: the realised history at the site's step, in the columns of its series (``series_<m>min.parquet``:
+            ``time`` UTC, ``pv_kw_per_kwp``, ``moer_kg_per_kwh``, ``moer_fc_h0..h2``, the 5-minute columns where the
+            site has them) from its first local midnight on: the realised MOER of every step before ``time``, the
+            forecasts issued at every step up to ``time``, the PV outlook through the controller's window (NaN where
+            not known).
         sessions: the sessions that arrived by ``time``, ``sessions.parquet``'s columns (arrival and departure UTC,
             energy kWh).
         forecast_issued_at: when the current MOER forecast (the row of ``time``) was issued; None: at ``time``.
@@ -86,7 +90,7 @@ class LiveState:
     time: pd.Timestamp
     soc: float
     evs: list[PluggedEV]
-    hourly: pd.DataFrame
+    series: pd.DataFrame
     sessions: pd.DataFrame
     forecast_issued_at: pd.Timestamp | None = None
     day_start: DayStart | None = None
@@ -120,12 +124,12 @@ def _split_of(site: Site, ts: pd.Timestamp) -> str:
     bounds = ", ".join(f"{s} {getattr(cfg.splits, s)[0]}..{getattr(cfg.splits, s)[1]}" for s in ("train", "test"))
     raise LiveError(
         f"--at: {ts.isoformat()} lies outside the site's data ({bounds}, local dates): --at rebuilds the state from "
-        "the split holding that hour"
+        "the split holding that time"
     )
 
 
 def state_at(site: Site | str | Path, at, soc: float | None = None) -> LiveState:
-    """The live state at hour ``at`` rebuilt from the site's own data (module docstring): every car plugged in then
+    """The live state at step ``at`` rebuilt from the site's own data (module docstring): every car plugged in then
     still needs its session's energy, capped at what its socket delivers before it leaves; ``day_start`` (for
     ``mpc_rl``) is the site at the last local midnight alike, the battery at its initial SOC then.
 
@@ -143,7 +147,7 @@ def state_at(site: Site | str | Path, at, soc: float | None = None) -> LiveState
     split = _split_of(site, ts)
     data = site.split(split)
     start, end = cfg.split_bounds(split)
-    dt = pd.Timedelta(hours=cfg.dt_h)
+    dt = pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
     pos = (ts.tz_convert("UTC") - start) / dt
     if pos != int(pos):
         raise LiveError(f"--at: {ts.isoformat()} is not on a step of the site (steps of {cfg.dt_h:g} h from {start})")
@@ -168,7 +172,7 @@ def state_at(site: Site | str | Path, at, soc: float | None = None) -> LiveState
         time=ts.tz_convert(cfg.timezone),
         soc=soc,
         evs=evs,
-        hourly=h,
+        series=h,
         sessions=s,
         day_start=DayStart(cfg.bess.soc_initial if m < t else soc, float(sum(need_then.values()))),
         window_end=end,
@@ -176,44 +180,44 @@ def state_at(site: Site | str | Path, at, soc: float | None = None) -> LiveState
 
 
 def realised_history(site: Site, split: str, t: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """What the site's data say had been realised at step ``t`` of ``split``: ``(hourly, sessions)`` of a
-    :class:`LiveState`. The hourly rows of the split, the realised MOER blanked from ``t`` on, the forecasts (and
-    5-minute values) after ``t``, the PV kept (the modelled series of a typical year, known ahead); the split's
-    sessions that arrived by step ``t`` (arrival rounded to the step, as the site model does)."""
+    """What the site's data say had been realised at step ``t`` of ``split``: ``(series, sessions)`` of a
+    :class:`LiveState`. The rows of the site's series (at its step) in the split, the realised MOER blanked from ``t``
+    on, the forecasts (and 5-minute values) after ``t``, the PV kept (the modelled series of a typical year, known
+    ahead); the split's sessions that arrived by step ``t`` (arrival rounded to the step, as the site model does)."""
     start, end = site.config.split_bounds(split)
-    dt = pd.Timedelta(hours=site.config.dt_h)
+    dt = pd.Timedelta(timestep.step_timedelta(site.config.dt_h))
     now = start + t * dt
-    h = site.hourly[(site.hourly.time >= start) & (site.hourly.time < end)].reset_index(drop=True)
+    h = site.series[(site.series.time >= start) & (site.series.time < end)].reset_index(drop=True)
     s = site.sessions
     s = s[(s.arrival >= start) & (s.arrival < end)]
     s = s[np.rint((s.arrival - start) / dt).to_numpy() <= t].reset_index(drop=True)
     return blank_unrealised(h, h.time, now), s
 
 
-def blank_unrealised(hourly: pd.DataFrame, times, now: pd.Timestamp) -> pd.DataFrame:
-    """``hourly`` as known at ``now``: the realised MOER (``moer_kg_per_kwh``) blanked (NaN) at ``now`` and after, the
+def blank_unrealised(series: pd.DataFrame, times, now: pd.Timestamp) -> pd.DataFrame:
+    """``series`` as known at ``now``: the realised MOER (``moer_kg_per_kwh``) blanked (NaN) at ``now`` and after, the
     forecasts (:data:`FORECAST_COLUMNS`) and 5-minute values (:data:`~envs.schemas.MOER_5MIN_COLUMNS`) after ``now``;
-    every other column kept (the PV is a typical year's modelled series, known ahead). A new frame with ``hourly``'s
-    index and columns; ``hourly`` is left as it is.
+    every other column kept (the PV is a typical year's modelled series, known ahead). A new frame with ``series``'s
+    index and columns; ``series`` is left as it is.
 
     Args:
-        times: each row's time (UTC), ``len(hourly)`` of them (a column or the index).
+        times: each row's time (UTC), ``len(series)`` of them (a column or the index).
     """
     times = pd.DatetimeIndex(times)
     masks = {"moer_kg_per_kwh": times >= now}
     later = times > now
     masks.update((c, later) for c in (*FORECAST_COLUMNS, *MOER_5MIN_COLUMNS))
     columns = {}
-    for c in hourly.columns:
+    for c in series.columns:
         if c not in masks:
-            columns[c] = hourly[c]
+            columns[c] = series[c]
             continue
-        v = hourly[c].to_numpy(copy=True)
+        v = series[c].to_numpy(copy=True)
         if v.dtype.kind != "f":  # NaN needs a float column
             v = v.astype(np.float64)
         v[masks[c]] = np.nan
         columns[c] = v
-    return pd.DataFrame(columns, index=hourly.index)
+    return pd.DataFrame(columns, index=series.index)
 
 
 # ------------------------------------------------------------------------------------------------ the state file
@@ -222,17 +226,17 @@ STATE_SCHEMA: dict = {
     "$id": "live-state.schema.json",
     "title": "evhub-plan live state",
     "description": (
-        "What a site knows at the hour it plans (evhub-plan --state FILE; docs/live.md). Times are ISO 8601 with a "
+        "What a site knows at the step it plans (evhub-plan --state FILE; docs/live.md). Times are ISO 8601 with a "
         "UTC offset; energy kWh; SOC a fraction of the battery's capacity; MOER kg CO2/kWh."
     ),
     "type": "object",
-    "required": ["time", "soc", "evs", "moer_forecast", "hourly", "sessions"],
+    "required": ["time", "soc", "evs", "moer_forecast", "series", "sessions"],
     "additionalProperties": False,
     "properties": {
         "time": {
             "type": "string",
-            "description": "The hour the plan starts, on a step of the site (whole hours), e.g. "
-            "2021-08-23T08:00:00-07:00.",
+            "description": "The step the plan starts, on a step of the site (whole hours at dt_h = 1, quarter hours "
+            "at dt_h = 0.25), e.g. 2021-08-23T08:00:00-07:00.",
         },
         "soc": {
             "type": "number",
@@ -267,7 +271,8 @@ STATE_SCHEMA: dict = {
         },
         "moer_forecast": {
             "type": "object",
-            "description": "The current MOER forecast: kg CO2/kWh for the hour of time and the next two.",
+            "description": "The current MOER forecast, issued at time's step: kg CO2/kWh for the hour from time, the "
+            "next hour and the one after.",
             "required": ["issued_at", "kg_per_kwh"],
             "additionalProperties": False,
             "properties": {
@@ -283,11 +288,12 @@ STATE_SCHEMA: dict = {
                 },
             },
         },
-        "hourly": {
-            "description": "The realised hours from a local midnight on, in hourly.parquet's columns (time, "
-            "pv_kw_per_kwp, moer_kg_per_kwh, moer_fc_h0..h2 and the 5-minute columns where the site has them): the "
-            "MOER of every hour before time, the forecasts issued up to time, the PV through the controller's window. "
-            "A Parquet or CSV file (path relative to this file) or the rows inline.",
+        "series": {
+            "description": "The realised steps from a local midnight on, at the site's step, in the columns of its "
+            "series_<minutes>min.parquet (time, pv_kw_per_kwp, moer_kg_per_kwh, moer_fc_h0..h2 and the 5-minute "
+            "columns where the site has them): the MOER of every step before time, the forecasts issued up to time, "
+            "the PV through the controller's window. A Parquet or CSV file (path relative to this file) or the rows "
+            "inline.",
             "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
         },
         "sessions": {
@@ -343,6 +349,11 @@ def read_state(path: str | Path) -> LiveState:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise LiveError(f"--state: {shown_path(path)}: not valid JSON ({exc})") from None
+    if isinstance(raw, dict) and "hourly" in raw:
+        raise LiveError(
+            f"hourly: not a field of a state file: the realised history is the field series (the site's series at its "
+            f"step): rename the key (state file {shown_path(path)})"
+        )
     errors = sorted(jsonschema.Draft202012Validator(STATE_SCHEMA).iter_errors(raw), key=lambda e: e.path)
     if errors:
         e = errors[0]
@@ -350,19 +361,19 @@ def read_state(path: str | Path) -> LiveState:
         raise LiveError(f"{where or 'state'}: {e.message} (state file {shown_path(path)})")
     base = path.parent
     time = as_timestamp(raw["time"], "time")
-    hourly = _table(raw["hourly"], base, "hourly", ("time",))
+    series = _table(raw["series"], base, "series", ("time",))
     sessions = _table(raw["sessions"], base, "sessions", ("arrival", "departure"))
     fc = raw["moer_forecast"]
     issued = as_timestamp(fc["issued_at"], "moer_forecast.issued_at")
-    if "time" in hourly:
-        hourly = hourly.assign(time=pd.to_datetime(hourly.time, utc=True))
-        row = hourly.time == time.tz_convert("UTC")
+    if "time" in series:
+        series = series.assign(time=pd.to_datetime(series.time, utc=True))
+        row = series.time == time.tz_convert("UTC")
         if not row.any():
-            hourly = pd.concat([hourly, pd.DataFrame({"time": [time.tz_convert("UTC")]})], ignore_index=True)
-            row = hourly.time == time.tz_convert("UTC")
+            series = pd.concat([series, pd.DataFrame({"time": [time.tz_convert("UTC")]})], ignore_index=True)
+            row = series.time == time.tz_convert("UTC")
         for c, v in zip(FORECAST_COLUMNS, fc["kg_per_kwh"]):
-            hourly[c] = hourly[c].astype(np.float64) if c in hourly else np.nan
-            hourly.loc[row, c] = float(v)
+            series[c] = series[c].astype(np.float64) if c in series else np.nan
+            series.loc[row, c] = float(v)
     evs = [
         PluggedEV(
             socket=e["socket"],
@@ -379,7 +390,7 @@ def read_state(path: str | Path) -> LiveState:
         time=time,
         soc=float(raw["soc"]),
         evs=evs,
-        hourly=hourly,
+        series=series,
         sessions=sessions,
         forecast_issued_at=issued,
         day_start=DayStart(float(ds["soc"]), float(ds["ev_need_kwh"])) if ds else None,
@@ -387,12 +398,12 @@ def read_state(path: str | Path) -> LiveState:
 
 
 def write_state(state: LiveState, path: str | Path) -> list[Path]:
-    """Write ``state`` as a state file, its history beside it (``<stem>_hourly.parquet``, ``<stem>_sessions.parquet``);
+    """Write ``state`` as a state file, its history beside it (``<stem>_series.parquet``, ``<stem>_sessions.parquet``);
     returns the files written. The window end of a ``--at`` state is not kept (a state file plans a whole
     horizon)."""
     path = Path(path)
     now = state.time.tz_convert("UTC")
-    h = state.hourly
+    h = state.series
     row = h[pd.to_datetime(h.time, utc=True) == now]
     kg = [float(row[c].iloc[0]) for c in FORECAST_COLUMNS] if len(row) else []
     doc = {
@@ -406,13 +417,13 @@ def write_state(state: LiveState, path: str | Path) -> list[Path]:
             for e in state.evs
         ],
         "moer_forecast": {"issued_at": (state.forecast_issued_at or state.time).isoformat(), "kg_per_kwh": kg},
-        "hourly": f"{path.stem}_hourly.parquet",
+        "series": f"{path.stem}_series.parquet",
         "sessions": f"{path.stem}_sessions.parquet",
     }
     if state.day_start is not None:
         doc["day_start"] = {"soc": state.day_start.soc, "ev_need_kwh": state.day_start.ev_need_kwh}
     return [
-        write_parquet(state.hourly, path.parent / doc["hourly"]),
+        write_parquet(state.series, path.parent / doc["series"]),
         write_parquet(state.sessions, path.parent / doc["sessions"]),
         write_text(path, json.dumps(doc, indent=2) + "\n"),
     ]

@@ -251,7 +251,7 @@ class Store:
         return [dict(r) for r in self.db.execute("SELECT * FROM profiles ORDER BY id").fetchall()]
 
     def plan_made(self, time, controller: str, wall_s: float, profiles: int) -> None:
-        """Record a plan: its hour, controller, wall time (s) and how many profiles it sends."""
+        """Record a plan: its step, controller, wall time (s) and how many profiles it sends."""
         self._write(
             "INSERT INTO plans (time, controller, wall_s, profiles) VALUES (?, ?, ?, ?)",
             (utc_text(time), controller, float(wall_s), int(profiles)),
