@@ -236,7 +236,7 @@ class SiteConfig:
     name: str = "site"
     timezone: str = "UTC"
     data_dir: str = "."
-    dt_h: float = 1.0
+    dt_h: float = 0.25
     """The step, hours: a whole-minute divisor of the hour (:data:`envs.timestep.STEP_MINUTES`; 0.25 is 15 minutes, 1
     the hourly study), read to any precision and kept as ``minutes / 60`` exactly (``0.0833333`` is 5 minutes)."""
     synthetic_sessions: bool = False

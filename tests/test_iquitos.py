@@ -32,7 +32,7 @@ CLEAR_SKY_KWH_PER_KWP = 1798.0
 
 @pytest.fixture(scope="module")
 def site() -> Site:
-    return load_site("iquitos")  # runs the pandera schemas over both tables
+    return load_site("iquitos", dt_h=1.0)  # the hourly series; runs the pandera schemas over both tables
 
 
 @pytest.fixture(scope="module")

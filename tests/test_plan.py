@@ -17,6 +17,7 @@ import torch
 from conftest import ROOT, make_site, write_site
 
 from envs import timestep
+from envs.config import load_config
 from envs.evhub import EVHubVectorEnv
 from envs.kpis import rollout_traces
 from envs.schemas import MOER_5MIN_COLUMNS
@@ -237,13 +238,16 @@ def caltech_plan():
 
 def test_caltechs_profiles_are_ocpp_16_and_within_each_sockets_power(caltech_plan):
     """At the issue's hour on caltech: one TxProfile per connector with a car, Absolute from the state's time, in W, one
-    period per hour of the car's stay within the window, each limit between 0 and its socket's power; ocpp accepts
-    every payload; the limits are the plan's EV power, and the first step's is what the env applies."""
+    period per step of the car's stay within the window (15 minutes at the shipped step), each limit between 0 and its
+    socket's power; ocpp accepts every payload; the limits are the plan's EV power, and the first step's is what the env
+    applies."""
     site, state, plan = caltech_plan
     assert state.evs and len(plan.charging_profiles) == len(state.evs)
-    assert plan.horizon_h == 24 and len(plan.battery_kw) == 24
+    step_s = round(site.config.dt_h * 3600)  # the site's step: every period of a profile is one
+    n = round(24 / site.config.dt_h)
+    assert plan.horizon_h == 24 and len(plan.battery_kw) == n
     kw = site.split("test").socket_kw
-    dt = pd.Timedelta(hours=1)
+    dt = pd.Timedelta(seconds=step_s)
     for ev, entry in zip(state.evs, plan.charging_profiles):
         p = entry["payload"]
         _ocpp_accepts(p)
@@ -251,10 +255,10 @@ def test_caltechs_profiles_are_ocpp_16_and_within_each_sockets_power(caltech_pla
         assert (prof["chargingProfilePurpose"], prof["chargingProfileKind"]) == ("TxProfile", "Absolute")
         sched = prof["chargingSchedule"]
         assert sched["chargingRateUnit"] == "W" and sched["startSchedule"] == "2021-08-23T15:00:00Z"
-        stay = min(int((ev.departure - state.time) / dt), 24)
+        stay = min(round((ev.departure - state.time) / dt), n)
         periods = sched["chargingSchedulePeriod"]
-        assert [q["startPeriod"] for q in periods] == [3600 * k for k in range(stay)]
-        assert sched["duration"] == 3600 * stay
+        assert [q["startPeriod"] for q in periods] == [step_s * k for k in range(stay)]
+        assert sched["duration"] == step_s * stay
         limits = np.array([q["limit"] for q in periods])
         assert entry["socket"] == ev.socket and entry["station_id"] == ev.station_id
         assert (np.copysign(1.0, limits) > 0).all() and (limits <= kw[ev.socket] * 1000).all()  # no -0.0 either
@@ -464,7 +468,7 @@ def test_evhub_plan_from_a_subprocess_at_caltechs_hour(tmp_path):
     assert proc.stdout == ""
     plan = json.loads(out.read_text())
     assert plan["issued_at"] == AT and plan["controller"] == "mpc" and plan["horizon_h"] == 24
-    assert len(plan["battery_kw"]) == 24 and plan["charging_profiles"]
+    assert len(plan["battery_kw"]) == round(24 / load_config("caltech")[0].dt_h) and plan["charging_profiles"]
     for entry in plan["charging_profiles"]:
         _ocpp_accepts(entry["payload"])
     naive = [

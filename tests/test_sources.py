@@ -45,6 +45,7 @@ COLS = {
 TOML = f"""
 name = "garage"
 timezone = "{TZ}"
+dt_h = 1.0
 data_dir = "garage"
 
 [pv]
