@@ -224,3 +224,29 @@ def test_no_controller_beats_the_oracle_at_15_minutes_or_at_5_minute_physics():
             assert k.unserved_kwh.iloc[0] == pytest.approx(0.0, abs=1e-6), name
             assert k.co2_kg.iloc[0] >= oracle - 1e-6, (name, physics)
             assert balance_residual(tr).max() < BALANCE_TOL
+
+
+def test_a_bad_step_is_refused_in_one_line_where_it_is_given(tmp_path, monkeypatch, capsys):
+    """From the site TOML (ingestion's command line: one line, exit 1, no traceback) and from the study's setting
+    (the doit variable's environment variable), a step that does not divide the hour is named with where it came from;
+    the study at another step reads a copy of the site TOML at that step."""
+    from pipeline.data.ingest import main
+    from pipeline.study.config import PipelineConfig, from_environment
+
+    toml = tmp_path / "bad.toml"
+    toml.write_text('name = "bad"\ndt_h = 0.3\n')
+    assert main(["--site", str(toml)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "key 'dt_h' = 0.3" in err and "Traceback" not in err
+    monkeypatch.setenv("EVHUB_DT_H", "0.3")
+    with pytest.raises(ValueError, match=r"environment variable EVHUB_DT_H='0\.3'.*divide the hour"):
+        from_environment()
+    hourly = PipelineConfig(dt_h=1.0, output_dir=str(tmp_path))
+    assert hourly.experiment == "caltech_60min"
+    assert _step_of(hourly.site_toml) == 1.0 and PipelineConfig(output_dir=str(tmp_path)).dt_h is None
+
+
+def _step_of(toml) -> float:
+    from envs.site import load_site
+
+    return load_site(toml).config.dt_h

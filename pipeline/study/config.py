@@ -317,7 +317,9 @@ def from_environment(**overrides) -> PipelineConfig:
         kw["agent_inputs"] = v
     if (v := var("dt_h")) is not None:
         try:
-            kw["dt_h"] = float(v)
+            kw["dt_h"] = timestep.exact_dt_h(float(v))
+        except timestep.StepError as exc:
+            raise ValueError(f"{origin['dt_h']}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{origin['dt_h']}: dt_h must be a number of hours (1, 0.5, 0.25, ...)") from exc
     kw.update(overrides)
