@@ -1,5 +1,6 @@
-"""Model predictive control: every hour, a linear program over the next ``horizon_h`` hours; the first step
-is applied through the environment.
+"""Model predictive control: at each clock hour and each arrival, a linear program over the next ``horizon_h``
+hours at the site's step (the hours after the first in one-hour blocks below the hour); the plan is applied through
+the environment, held between plans.
 
 Two controllers share the code and differ only in what they know (:data:`PERFECT`):
 
