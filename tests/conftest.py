@@ -178,9 +178,10 @@ def _toml_value(v) -> str:
     raise TypeError(type(v))
 
 
-def write_site(site: Site, folder):
+def write_site(site: Site, folder, physics: bool = True):
     """Write a site to ``folder/<name>.toml`` + ``folder/<name>/{series_<m>min,sessions}.parquet`` (and its 5-minute
-    physics series where it has one); returns the TOML path."""
+    physics series where it has one, unless ``physics`` is False: a site whose study skips the 5-minute scoring, for
+    the pipeline tests that check something else); returns the TOML path."""
     import dataclasses
     from pathlib import Path
 
@@ -194,7 +195,7 @@ def write_site(site: Site, folder):
     data = folder / raw["name"]
     data.mkdir(parents=True, exist_ok=True)
     site.series.to_parquet(data / f"series_{round(site.config.dt_h * 60)}min.parquet", index=False)
-    if site.physics_series is not None and site.config.dt_h != 5 / 60:
+    if physics and site.physics_series is not None and site.config.dt_h != 5 / 60:
         site.physics_series.to_parquet(data / "series_5min.parquet", index=False)
     site.sessions.to_parquet(data / "sessions.parquet", index=False)
     toml = folder / f"{raw['name']}.toml"

@@ -100,7 +100,7 @@ def cluster(tmp_path: Path):
 @pytest.mark.slow
 def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
     with cluster(tmp_path) as address:
-        site_toml = write_site(make_site(days=7), tmp_path / "site")
+        site_toml = write_site(make_site(days=7), tmp_path / "site", physics=False)
         out = tmp_path / "outputs"
         env = {
             **os.environ,
@@ -150,7 +150,9 @@ def test_a_worker_killed_mid_training_is_rescheduled_and_the_run_resumes(tmp_pat
     total = 4 * 48 * 50  # PPO: 50 iterations of 4 envs x 48 steps, a checkpoint every 2
     with cluster(tmp_path) as address:
         out = tmp_path / "outputs"
-        env = tiny_pipeline_env(write_site(make_site(days=7), tmp_path / "site"), out, total, scheduler=address)
+        env = tiny_pipeline_env(
+            write_site(make_site(days=7), tmp_path / "site", physics=False), out, total, scheduler=address
+        )
         cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
         doit_log = tmp_path / "doit.log"
         pipeline = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(doit_log, "w"), stderr=subprocess.STDOUT)

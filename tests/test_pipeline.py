@@ -49,7 +49,15 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
     clock = first.stdout.split("wall time of this command's tasks:\n")[1].splitlines()  # the run ends with its table
     tasks = {row.split()[0] for row in clock[1:]}
     assert tasks >= {"validate", "baselines", "train:ppo", "train:dqn", "evaluate:ppo", "evaluate:dqn", "report"}
+    assert tasks >= {"physics_baselines", "physics_planners", "physics_agents:ppo", "physics_agents:dqn"}
     assert clock[-1].split()[:2] == ["whole", "command"], clock
+    # every row scored again on the 5-minute site, none below that site's oracle
+    physics = pd.read_parquet(report / "co2_physics_5min.parquet")
+    assert sorted(zip(physics.controller, physics.split)) == sorted(zip(table.controller, table.split))
+    for split, rows in physics.groupby("split"):
+        oracle = rows.loc[rows.controller == "oracle", "co2_5min_kg"].iloc[0]
+        assert (rows.co2_5min_kg >= oracle - 1e-6).all(), (split, rows)
+    assert "## At 5-minute physics" in text
     names = ("mpc_tuned_start", "mpc_tuned", "mpc_adaptive", "mpc_rl_start", "mpc_rl")
     learned = table[table.controller.isin(names)]
     assert sorted(zip(learned.controller, learned.split)) == sorted((c, s) for c in names for s in ("test", "train"))
