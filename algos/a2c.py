@@ -67,7 +67,7 @@ except ModuleNotFoundError:  # run as `python algos/a2c.py` from a checkout that
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from algos import harness
 from algos.harness import CheckpointError, NonFiniteLossError, OutOfMemoryBackoffError  # noqa: F401 (main's errors)
-from envs.vector import NormalizeReward
+from envs.vector import NormalizeReward, SpaceError
 
 PRESETS = {
     # 2 CPU cores: ~100 envs, short rollouts, a small net; a few minutes on the caltech site with evaluation
@@ -236,6 +236,33 @@ class Agent(nn.Module):
             return Categorical(logits=out.float(), validate_args=False), value
         mean = out.float()  # validation would sync with the host
         return Normal(mean, torch.exp(self.actor_logstd.expand_as(mean)), validate_args=False), value
+
+
+def make_agent(args: Args, env) -> Agent:
+    """The :class:`Agent` for ``env`` (a :func:`harness.make_env` env), on the CPU."""
+    obs_shape, space = tuple(env.obs_shape), env.single_action_space
+    act_dim = int(space.n) if env.discrete else int(np.prod(space.shape))
+    image = len(obs_shape) == 3
+    return Agent(
+        int(np.prod(obs_shape)),
+        act_dim,
+        args.hidden_size,
+        args.init_logstd,
+        args.norm_obs,
+        harness.network_inputs(env, args),
+        env.discrete,
+        obs_shape if image else None,
+        args.cnn_channels,
+    )
+
+
+def deterministic_policy(args: Args, state: dict) -> tuple[nn.Module, object, str | None]:
+    """The deterministic policy of a checkpoint's ``state``, with a one-env copy of its env and the action mode it
+    acts in: ``(actor, env, action_mode)`` (``python -m algos.harness.export``)."""
+    env = harness.make_env(args, 1, torch.device("cpu"), args.action_mode)
+    agent = make_agent(args, env)
+    agent.load_state_dict(state["agent"])
+    return GreedyActor(agent).eval(), env, args.action_mode
 
 
 class GreedyActor(nn.Module):
@@ -424,21 +451,21 @@ def check_spaces(env_id: str, observation_space: gym.Space, action_space: gym.Sp
     dims (flattened, MLPs) or 3 dims (an image ``(C, H, W)``, the CNN torso).
 
     Raises:
-        ValueError: naming ``env_id``, the offending space and the way out.
+        SpaceError: naming ``env_id``, the offending space and the way out.
     """
     if not isinstance(action_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise ValueError(
+        raise SpaceError(
             f"A2C supports Box actions (Gaussian policy) and Discrete actions (Categorical policy), but {env_id} has "
             f"action space {action_space}; wrap the env to expose a Box or a Discrete action space (e.g. flatten a "
             f"MultiDiscrete space into one Discrete space)"
         )
     if not isinstance(observation_space, gym.spaces.Box):
-        raise ValueError(
+        raise SpaceError(
             f"A2C supports flat Box observations and images (C, H, W) only, but {env_id} has observation space "
             f"{observation_space}; flatten it with a wrapper (e.g. gymnasium.wrappers.FlattenObservation)"
         )
     if len(observation_space.shape) > 3:
-        raise ValueError(
+        raise SpaceError(
             f"A2C takes flat observations (MLPs) or images (C, H, W) (CNN torso), but {env_id} has observations of "
             f"{len(observation_space.shape)} dims {observation_space}; stack extra axes into the channels, e.g. "
             f"(T, C, H, W) frames as (T * C, H, W) (gymnasium.wrappers.ReshapeObservation), or flatten them "
@@ -542,18 +569,7 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
         act_dim = int(space.n) if discrete else int(np.prod(space.shape))
         storage = make_storage(args.num_steps, sizes.num_envs, obs_shape, act_dim, device, discrete)
 
-        image, obs_dim = len(obs_shape) == 3, int(np.prod(obs_shape))
-        agent = Agent(
-            obs_dim,
-            act_dim,
-            args.hidden_size,
-            args.init_logstd,
-            args.norm_obs,
-            harness.network_inputs(env, args),
-            discrete,
-            obs_shape if image else None,
-            args.cnn_channels,
-        ).to(device)
+        agent = make_agent(args, env).to(device)
         lr = harness.device_lr(args.learning_rate, device)
         optimizer = make_optimizer(
             agent.parameters(),
@@ -577,10 +593,10 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
 
         rollout, update = bind_hot_functions(args, env, agent, optimizer, storage)
         actor, guard = GreedyActor(agent), run.new_guard()
-        net = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]}" if image else "MLP"
+        net = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]}" if len(obs_shape) == 3 else "MLP"
         run.announce(
             f"obs {obs_shape} ({net}), {sizes.num_envs} envs x {args.num_steps} steps, {num_iterations} "
-            f"updates, {args.total_timesteps:,} steps",
+            f"updates, {run.steps_to_train(num_iterations, sizes.batch_size)}",
             env,
             dataclasses.asdict(sizes),
         )

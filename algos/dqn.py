@@ -56,6 +56,7 @@ except ModuleNotFoundError:  # run as `python algos/dqn.py` from a checkout that
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from algos import harness
 from envs.evhub import discrete_action_table
+from envs.vector import SpaceError, is_evhub
 
 NonFiniteLossError, OutOfMemoryBackoffError, CheckpointError = (
     harness.NonFiniteLossError,
@@ -223,6 +224,30 @@ class GreedyPolicy(nn.Module):
         return self.qnet(obs).argmax(1)
 
 
+def make_qnet(args: Args, env) -> QNetwork:
+    """The :class:`QNetwork` for ``env`` (a :func:`harness.make_env` env with a Discrete action space), on the CPU."""
+    obs_shape, n_actions = tuple(env.obs_shape), int(env.single_action_space.n)
+    return QNetwork(
+        obs_shape, n_actions, args.hidden_size, args.norm_obs, harness.network_inputs(env, args), args.cnn_channels
+    )
+
+
+def greedy_policy(qnet: QNetwork, evhub: bool) -> nn.Module:
+    """The deterministic policy of ``qnet``: :class:`GreedyHubPolicy` on EVHub-v0 (hub actions), else
+    :class:`GreedyPolicy`."""
+    return GreedyHubPolicy(qnet, discrete_action_table()) if evhub else GreedyPolicy(qnet)
+
+
+def deterministic_policy(args: Args, state: dict) -> tuple[nn.Module, object, str | None]:
+    """The deterministic policy of a checkpoint's ``state``, with a one-env copy of its env and the action mode it
+    acts in: ``(actor, env, action_mode)`` (``python -m algos.harness.export``)."""
+    env = harness.make_env(args, 1, torch.device("cpu"), action_mode="discrete")
+    qnet = make_qnet(args, env)
+    qnet.load_state_dict(state["qnet"])
+    evhub = is_evhub(args.env_id)
+    return greedy_policy(qnet, evhub).eval(), env, "hub" if evhub else None
+
+
 # ---------------------------------------------------------------------------------------------- hot functions
 # in the order the loop calls them: linear_schedule (epsilon), rollout (choose_actions with act, or act_step_store:
 # action, env step and buffer write on a torch-batched env), update (buffer_sample, td_target, one gradient step),
@@ -387,9 +412,9 @@ def target_update(target: nn.Module, online: nn.Module, tau: float) -> None:
 
 # ---------------------------------------------------------------------------------------------- training
 def check_action_space(env_id: str, space: gym.Space) -> None:
-    """Raise ValueError (naming ``env_id`` and ``space``) unless it is ``Discrete``."""
+    """Raise SpaceError (naming ``env_id`` and ``space``) unless it is ``Discrete``."""
     if not isinstance(space, gym.spaces.Discrete):
-        raise ValueError(
+        raise SpaceError(
             f"DQN needs a Discrete action space; {env_id} has {space}. Use "
             "algos/ppo.py, algos/a2c.py or algos/sac.py for continuous (Box) actions."
         )
@@ -522,9 +547,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> 
         check_action_space(args.env_id, env.single_action_space)
         obs_shape, n_actions = tuple(env.obs_shape), int(env.single_action_space.n)
 
-        qnet = QNetwork(
-            obs_shape, n_actions, args.hidden_size, args.norm_obs, harness.network_inputs(env, args), args.cnn_channels
-        ).to(device)
+        qnet = make_qnet(args, env).to(device)
         target = copy.deepcopy(qnet).requires_grad_(False)
         lr = harness.device_lr(args.learning_rate, device) if args.cudagraphs else args.learning_rate
         optimizer = optim.Adam(qnet.parameters(), lr=lr, capturable=args.cudagraphs)
@@ -546,7 +569,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> 
         num_iterations = max(num_iterations, 1)
 
         act, act_step_store, update = bind_hot_functions(args, env, rb, qnet, target, optimizer, sizes.batch_size)
-        actor = GreedyHubPolicy(qnet, discrete_action_table()).to(device) if run.evhub else GreedyPolicy(qnet)
+        actor = greedy_policy(qnet, run.evhub).to(device)
         step_t = torch.full((), float(run.global_step), device=device)
         duration = args.exploration_fraction * args.total_timesteps
         epsilon = linear_schedule(args.start_e, args.end_e, duration, step_t)
@@ -561,7 +584,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> 
         run.announce(
             f"{n_actions} discrete actions, obs {obs_shape} ({cnn}), {sizes.num_envs} envs x "
             f"{args.num_steps} steps + {args.gradient_steps} gradient steps per iteration{overlap}, "
-            f"{num_iterations} iterations, {args.total_timesteps:,} steps",
+            f"{num_iterations} iterations, {run.steps_to_train(num_iterations, iteration_steps)}",
             env,
             dataclasses.asdict(sizes),
         )

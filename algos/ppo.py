@@ -47,7 +47,7 @@ try:
 except ModuleNotFoundError:  # run as `python algos/ppo.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from algos import harness
-from envs.vector import NormalizeReward
+from envs.vector import NormalizeReward, SpaceError
 
 PRESETS = {
     # 2 CPU cores: ~100 envs, a small net, one torch thread; about 2 minutes on the caltech site, evaluation included
@@ -149,6 +149,7 @@ class Agent(nn.Module):
 
     def __init__(self, obs_shape: tuple[int, ...], act_dim: int, discrete: bool, args: Args, inputs: list[int] | None):
         super().__init__()
+        self.act_dim = act_dim
         self.discrete, self.image = bool(discrete), len(obs_shape) == 3
         hidden, init = args.hidden_size, harness.layer_init
         self.obs_norm = harness.RunningObsNorm(obs_shape) if args.norm_obs else nn.Identity()
@@ -445,19 +446,36 @@ def update(
 
 # ---------------------------------------------------------------------------------------------- training
 def check_spaces(env_id: str, obs_space: gym.Space, act_space: gym.Space) -> None:
-    """Raise ValueError unless PPO can drive these single-env spaces: a Box or Discrete action space, a Box
+    """Raise SpaceError unless PPO can drive these single-env spaces: a Box or Discrete action space, a Box
     observation space of at most 3 dimensions (flat ones go to the MLP, images ``(C, H, W)`` to the CNN torso)."""
     if not isinstance(act_space, (gym.spaces.Box, gym.spaces.Discrete)):
-        raise ValueError(
+        raise SpaceError(
             f"PPO supports a Box (Gaussian policy) or a Discrete (Categorical policy) action space, but "
             f"{env_id} has {act_space}; algos/sac.py (Box) and algos/dqn.py (Discrete) take no other kind "
             f"either: wrap the env to expose a single Box or Discrete action space"
         )
     if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) > 3:
-        raise ValueError(
+        raise SpaceError(
             f"PPO takes flat Box observations (an MLP) or images (C, H, W) (a CNN torso), but {env_id} "
             f"has {obs_space}; wrap the env to give (C, H, W) images or flat vectors"
         )
+
+
+def make_agent(args: Args, env) -> Agent:
+    """The :class:`Agent` for ``env`` (a :func:`harness.make_env` env), on the CPU; its ``act_dim`` is the number of
+    actions (Discrete) or the action's size (Box)."""
+    space = env.single_action_space
+    act_dim = int(space.n) if env.discrete else int(np.prod(space.shape))
+    return Agent(tuple(env.obs_shape), act_dim, env.discrete, args, harness.network_inputs(env, args))
+
+
+def deterministic_policy(args: Args, state: dict) -> tuple[nn.Module, object, str | None]:
+    """The deterministic policy of a checkpoint's ``state``, with a one-env copy of its env and the action mode it
+    acts in: ``(actor, env, action_mode)`` (``python -m algos.harness.export``)."""
+    env = harness.make_env(args, 1, torch.device("cpu"), action_mode=args.action_mode)
+    agent = make_agent(args, env)
+    agent.load_state_dict(state["agent"])
+    return DeterministicActor(agent).eval(), env, args.action_mode
 
 
 def make_storage(sizes: Sizes, obs_shape: tuple[int, ...], act_dim: int, discrete: bool, device: torch.device) -> dict:
@@ -541,10 +559,9 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
             reset_on_truncation=env.has_final_obs or not args.bootstrap_truncation,
         )
     obs_shape, discrete = tuple(env.obs_shape), env.discrete
-    act_dim = int(env.single_action_space.n) if discrete else int(np.prod(env.single_action_space.shape))
+    agent = make_agent(args, env).to(device)
+    act_dim = agent.act_dim
     storage = make_storage(sizes, obs_shape, act_dim, discrete, device)
-
-    agent = Agent(obs_shape, act_dim, discrete, args, harness.network_inputs(env, args)).to(device)
     lr = harness.device_lr(args.learning_rate, device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, capturable=device.type == "cuda")
 
@@ -577,7 +594,8 @@ def train(run: harness.Run, sizes: Sizes, state: dict | None = None) -> dict:
     torso = f"CNN {args.cnn_channels[0]}-{args.cnn_channels[1]} channels" if agent.image else "MLP"
     run.announce(
         f"obs {obs_shape} ({torso}) {'Categorical' if discrete else 'Gaussian'} policy, {sizes.num_envs} envs "
-        f"x {sizes.num_steps} steps, {num_iterations} iterations, {args.total_timesteps:,} steps",
+        f"x {sizes.num_steps} steps, {num_iterations} iterations, "
+        f"{run.steps_to_train(num_iterations, sizes.batch_size)}",
         env,
         dataclasses.asdict(sizes),
     )

@@ -63,6 +63,7 @@ try:
 except ModuleNotFoundError:  # run as `python algos/sac.py` from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from algos import harness
+from envs.vector import SpaceError
 
 PRESETS = {
     # one CPU core: a few dozen envs, a small net, a few gradient steps per iteration; about 70 s on the caltech site
@@ -381,26 +382,36 @@ def gradient_steps(
 
 # ---------------------------------------------------------------------------------------------- training
 def check_action_space(env_id: str, space: gym.Space) -> None:
-    """Raise ValueError (naming ``env_id`` and ``space``) unless it is a ``Box`` with finite bounds."""
+    """Raise SpaceError (naming ``env_id`` and ``space``) unless it is a ``Box`` with finite bounds."""
     if not isinstance(space, gym.spaces.Box):
-        raise ValueError(
+        raise SpaceError(
             f"SAC needs a continuous (Box) action space, but {env_id} has {space}; use algos/dqn.py for "
             f"discrete actions"
         )
     if not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
-        raise ValueError(
+        raise SpaceError(
             f"SAC squashes its actions into the action bounds, but {env_id} has an unbounded action space {space}"
         )
 
 
 def check_observation_space(env_id: str, space: gym.Space) -> None:
-    """Raise ValueError (naming ``env_id`` and ``space``) unless it is a 1-D ``Box``: SAC's networks are MLPs."""
+    """Raise SpaceError (naming ``env_id`` and ``space``) unless it is a 1-D ``Box``: SAC's networks are MLPs."""
     if not isinstance(space, gym.spaces.Box) or len(space.shape) != 1:
         kind = "image observations (3-D)" if isinstance(space, gym.spaces.Box) and len(space.shape) == 3 else "this"
-        raise ValueError(
+        raise SpaceError(
             f"SAC's networks take flat observations (a 1-D Box), but {env_id} has {space}: {kind} is not "
             f"supported (algos/dqn.py has a CNN torso for image observations)"
         )
+
+
+def deterministic_policy(args: Args, state: dict) -> tuple[nn.Module, object, str | None]:
+    """The deterministic policy of a checkpoint's ``state``, with a one-env copy of its env and the action mode it
+    acts in: ``(actor, env, action_mode)`` (``python -m algos.harness.export``)."""
+    env = harness.make_env(args, 1, torch.device("cpu"), action_mode=args.action_mode)
+    obs_dim, act_dim = env.obs_shape[0], int(np.prod(env.single_action_space.shape))
+    nets = make_networks(args, obs_dim, act_dim, harness.network_inputs(env, args), torch.device("cpu"))[0]
+    nets["actor"].load_state_dict(state["actor"])
+    return DeterministicActor(nets["actor"]).eval(), env, args.action_mode
 
 
 def make_networks(args: Args, obs_dim: int, act_dim: int, inputs: list[int] | None, device: torch.device) -> tuple:
@@ -625,7 +636,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = Non
     run.announce(
         f"{sizes.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD "
         f"{args.gradient_steps / sizes.num_envs:.3g}), batch {sizes.batch_size}, buffer "
-        f"{sizes.buffer_size:,}, {num_iterations} iterations, {args.total_timesteps:,} steps",
+        f"{sizes.buffer_size:,}, {num_iterations} iterations, {run.steps_to_train(num_iterations, sizes.num_envs)}",
         env,
         dataclasses.asdict(sizes),
     )

@@ -28,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import json
 import sys
 
 import gymnasium as gym
 import numpy as np
 import torch
+
+from envs.errors import InputError
 
 EVHUB_ID = "EVHub-v0"
 """The site env: the only one with a site, splits, KPIs and ``policy.json``."""
@@ -78,9 +81,59 @@ def is_torch_batched(env_id: str) -> bool:
         return True
 
 
+class SpaceError(InputError):
+    """An env's observation or action space that the scripts cannot drive; the message names the env, the space and
+    what to do."""
+
+
+FLATTENED_SPACES = (
+    gym.spaces.Dict,
+    gym.spaces.Tuple,
+    gym.spaces.Discrete,
+    gym.spaces.MultiDiscrete,
+    gym.spaces.MultiBinary,
+)
+"""Observation spaces the scripts take flattened to one float vector by gymnasium's ``FlattenObservation`` (a
+``Discrete`` becomes its one-hot vector, a ``Dict`` its entries' flattenings in key order)."""
+
+
+def flatten_observation(env: gym.Env) -> gym.Env:
+    """``env`` as the networks can read it: as it is for a ``Box`` observation, wrapped in gymnasium's
+    ``FlattenObservation`` for a :data:`FLATTENED_SPACES` one (with :attr:`flattened` naming the original space).
+
+    Raises:
+        SpaceError: any other observation space (``Graph``, ``Sequence``, ``Text``, or a ``Dict`` / ``Tuple`` holding
+            one), which has no fixed-size flat vector.
+    """
+    space = env.observation_space
+    if isinstance(space, gym.spaces.Box):
+        return env
+    spec = getattr(env, "spec", None)
+    name = spec.id if spec is not None else type(env.unwrapped).__name__
+    try:
+        if not isinstance(space, FLATTENED_SPACES):
+            raise NotImplementedError
+        gym.spaces.flatdim(space)
+    except (NotImplementedError, ValueError, TypeError):
+        raise SpaceError(
+            f"{name}'s observation space {space} cannot be flattened to a fixed-size vector (the scripts take a Box, "
+            f"or a Dict, Tuple, Discrete, MultiDiscrete or MultiBinary one, flattened); wrap the env in a "
+            f"gymnasium.ObservationWrapper that gives a Box and register the wrapped env under an id of its own"
+        ) from None
+    wrapped = gym.wrappers.FlattenObservation(env)
+    wrapped.flattened = space
+    return wrapped
+
+
 def obs_shape_of(space: gym.Space) -> tuple[int, ...]:
     """One env's observation as the networks take it: an image Box ``(C, H, W)`` as it is, anything else flattened
-    to ``(obs_dim,)``."""
+    to ``(obs_dim,)``.
+
+    Raises:
+        SpaceError: a space without a shape (a ``Dict`` that was not flattened by :func:`flatten_observation`).
+    """
+    if space.shape is None:
+        raise SpaceError(f"observation space {space} has no shape: flatten it first (envs.vector.flatten_observation)")
     shape = tuple(int(x) for x in space.shape)
     return shape if len(shape) == 3 else (int(np.prod(shape)),)
 
@@ -277,30 +330,42 @@ class GymTorchVecEnv(_VectorEnv):
 def make_vec(
     env_id: str, num_envs: int, device: str | torch.device, vector_mode: str = "sync", **env_kwargs
 ) -> TorchVecEnv | GymTorchVecEnv:
-    """``num_envs`` copies of ``env_id`` behind the contract of the module docstring.
+    """``num_envs`` copies of ``env_id`` behind the contract of the module docstring; ``env_kwargs`` go to the env's
+    constructor.
 
-    A torch-batched id is built by its vector entry point on ``device`` (``env_kwargs`` go to it, e.g. EVHub-v0's
-    ``site``, ``split``, ``action_mode``, ``bess_action``) and ``vector_mode`` is ignored. Any other id goes through
-    ``gym.make_vec`` with ``vector_mode`` ``"sync"`` or ``"async"`` (one worker process per env); if the async workers
-    cannot start (no fork, an env that does not pickle), a warning goes to stderr and the env is built ``"sync"``
-    (the returned env's ``vector_mode`` says which, ``warning`` holds the text).
+    A torch-batched id is built by its vector entry point on ``device`` (e.g. EVHub-v0's ``site``, ``split``,
+    ``action_mode``, ``bess_action``) and ``vector_mode`` is ignored. Any other id goes through ``gym.make_vec`` with
+    ``vector_mode`` ``"sync"`` or ``"async"`` (one worker process per env), each copy's observation flattened where
+    it is not a Box (:func:`flatten_observation`; the returned env's ``flattened`` holds the original space, else
+    None); if the async workers cannot start (no fork, an env that does not pickle), a warning goes to stderr and the
+    env is built ``"sync"`` (the returned env's ``vector_mode`` says which, ``warning`` holds the text).
 
     Raises:
-        gymnasium.error.Error: an unknown id. ValueError: ``env_kwargs`` for a gymnasium env.
+        gymnasium.error.Error: an unknown id. InputError: the env's constructor refused ``env_kwargs`` (a missing or
+        unknown argument). SpaceError: an observation space that cannot be flattened.
     """
     device = torch.device(device)
     if is_torch_batched(env_id):
-        env = gym.make_vec(
-            env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", device=device, **env_kwargs
+        env = _built(
+            env_id,
+            env_kwargs,
+            lambda: gym.make_vec(
+                env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", device=device, **env_kwargs
+            ),
         )
         env = TorchVecEnv(getattr(env, "unwrapped", env), device)
-        env.warning = None
+        env.warning = env.flattened = None
         return env
-    if env_kwargs:
-        raise ValueError(f"{env_id} is a gymnasium env: it takes none of {sorted(env_kwargs)}")
-    kwargs = {"vector_kwargs": {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}}
+    kwargs = {
+        "vector_kwargs": {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        "wrappers": [flatten_observation],
+        **env_kwargs,
+    }
     warning = None
     if vector_mode == "async":
+        probe = flatten_observation(_built(env_id, env_kwargs, lambda: gym.make(env_id, **env_kwargs)))
+        flattened = getattr(probe, "flattened", None)  # the env's errors are raised here, in this process
+        probe.close()
         try:
             env = GymTorchVecEnv(gym.make_vec(env_id, num_envs, vectorization_mode="async", **kwargs), device, "async")
         except Exception as exc:  # noqa: BLE001 - any failure to start the workers falls back to sync
@@ -310,11 +375,25 @@ def make_vec(
             )
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         else:
-            env.warning = None
+            env.warning, env.flattened = None, flattened
             return env
-    env = GymTorchVecEnv(gym.make_vec(env_id, num_envs, vectorization_mode="sync", **kwargs), device, "sync")
-    env.warning = warning
+    built = _built(env_id, env_kwargs, lambda: gym.make_vec(env_id, num_envs, vectorization_mode="sync", **kwargs))
+    env = GymTorchVecEnv(built, device, "sync")
+    env.warning, env.flattened = warning, getattr(built.envs[0], "flattened", None)
     return env
+
+
+def _built(env_id: str, env_kwargs: dict, build):
+    """``build()``, with a constructor's ``TypeError`` (a missing or unknown argument) as an :class:`InputError` that
+    names the env, the keyword arguments given and how to give others."""
+    try:
+        return build()
+    except TypeError as exc:
+        given = json.dumps(env_kwargs) if env_kwargs else "none"
+        raise InputError(
+            f"{env_id} could not be built with the keyword arguments {given} ({exc}); pass its constructor's "
+            f"arguments with --env-kwargs as a JSON object, e.g. --env-kwargs '{{\"name\": 1.0}}'"
+        ) from exc
 
 
 def fold_moments(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor, x: torch.Tensor) -> None:

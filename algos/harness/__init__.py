@@ -17,7 +17,11 @@ imports this package (``from algos import harness``) and takes every name below 
 * :mod:`~algos.harness.replay`: the off-policy scripts' :class:`ReplayBuffer`, :func:`store` (one env step's
   transitions into it) and :class:`ReplayLog`: what a checkpoint keeps so that ``--resume`` rebuilds the same buffer
   by replaying the env (:func:`checkpoint_buffer`, :func:`restore_buffer`);
-* :mod:`~algos.harness.export`: policy export with one contract (:class:`EnvUnitsPolicy`, :func:`export_policy`);
+* :mod:`~algos.harness.policy`: policy export with one contract (:class:`EnvUnitsPolicy`, :func:`export_policy`,
+  :func:`export_run_policy`) and :func:`load_policy`; ``python -m algos.harness.export RUN_DIR`` exports a run's
+  latest checkpoint (each script's ``deterministic_policy``);
+* :mod:`~algos.harness.episodes`: :func:`evaluate_episodes`, the deterministic policy's episodic return on any
+  gymnasium env (``--eval-episodes``; ``python -m algos.harness.evaluate RUN_DIR`` for a finished run);
 * :mod:`~algos.harness.speed`: :func:`bind`, the ``--compile`` / ``--cudagraphs`` switches, applied once to the plain
   hot functions (LeanRL's pattern); :class:`CudaGraphed` replays one from a CUDA graph; :func:`capture`,
   :func:`device_lr`, :func:`synced_clock`;
@@ -29,9 +33,10 @@ imports this package (``from algos import harness``) and takes every name below 
   and training re-enters from that state; :func:`allocate_halving` for a buffer at setup; the off-policy scripts'
   sizes and shrink rule (:class:`ReplaySizes`, :func:`halve_batch_or_envs`).
 
-The modules import one another in one direction only: ``gpu``, ``speed``, ``nets``, ``export``, ``oom`` and
-``checkpoint`` stand alone, ``cli`` reads ``checkpoint`` and ``speed``, ``replay`` reads ``checkpoint``, ``run``
-reads those, ``backoff`` reads ``run``.
+The modules import one another in one direction only: ``gpu``, ``speed``, ``nets``, ``policy``, ``episodes``,
+``oom`` and ``checkpoint`` stand alone, ``cli`` reads ``checkpoint`` and ``speed``, ``replay`` reads ``checkpoint``,
+``run`` reads those, ``backoff`` reads ``run``; the commands ``export`` and ``evaluate`` read what they need and are
+not imported by the package.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from .cli import (
     EVHUB_ONLY_ARGS,
     RunArgs,
     cli,
+    env_kwargs_of,
     env_own_defaults,
     make_env,
     network_inputs,
@@ -75,10 +81,11 @@ from .cli import (
     script,
     setup,
 )
-from .export import EnvUnitsPolicy, export_policy
+from .episodes import evaluate_episodes
 from .gpu import GPU_STAT_KEYS, gpu_stats
 from .nets import RunningObsNorm, Select, cnn_torso, explained_variance, layer_init, select
 from .oom import OutOfMemoryBackoffError, OutOfMemoryRestart, free_device_memory, out_of_memory_message, to_cpu
+from .policy import EnvUnitsPolicy, export_policy, export_run_policy, load_policy
 from .replay import ReplayBuffer, ReplayLog, checkpoint_buffer, restore_buffer, store
 from .run import NonFiniteLossError, Run
 from .speed import COMPILE_CLOCK, CudaGraphed, bind, capture, device_lr, synced_clock, use_compile_cache, zero_grad
@@ -88,6 +95,7 @@ __all__ = [
     "EVHUB_ONLY_ARGS",
     "RunArgs",
     "cli",
+    "env_kwargs_of",
     "env_own_defaults",
     "make_env",
     "network_inputs",
@@ -115,9 +123,12 @@ __all__ = [
     "checkpoint_buffer",
     "restore_buffer",
     "store",
-    # export
+    # policy export and evaluation
     "EnvUnitsPolicy",
+    "evaluate_episodes",
     "export_policy",
+    "export_run_policy",
+    "load_policy",
     # speed
     "COMPILE_CLOCK",
     "CudaGraphed",

@@ -4,6 +4,7 @@ the script's vector env (:func:`make_env`, :func:`network_inputs`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
@@ -18,6 +19,7 @@ import tyro
 
 import envs
 from envs import timestep
+from envs.errors import InputError, is_expected, one_message
 from envs.evhub import DEFAULT_BESS_ACTION
 from envs.vector import EVHUB_ID, RecordEpisodeStatistics, env_name, is_evhub, make_vec
 
@@ -65,6 +67,10 @@ class RunArgs:
     env_id: str = EVHUB_ID
     """the id of the environment: EVHub-v0 (the site), Snake-v0, or any registered gymnasium id (a user's own too as
     'module:EnvId-v0'); the site options apply to EVHub-v0 only"""
+    env_kwargs: str = ""
+    """keyword arguments for the env's constructor, as a JSON object ('{"g": 9.81}') or key=value pairs separated by
+    commas ('g=9.81,render_mode=rgb_array'; each value read as JSON where it parses, else as a string); recorded in
+    the run's config.json and taken from there by --resume when not given"""
     vector_mode: Literal["sync", "async"] = "sync"
     """how a gymnasium env without a torch vector entry point is vectorised: 'sync' (one process) or 'async' (one
     worker process per env, for CPU- or I/O-bound envs; falls back to sync with a warning if the workers cannot
@@ -126,6 +132,13 @@ class RunArgs:
     eval_every: int = 0
     """iterations between deterministic evaluations on eval_split during training (0: only the final one; EVHub-v0
     only); each is logged as eval/co2_kg etc. and added to eval_curve.parquet with the training wall time so far"""
+    max_wall_s: float = 0.0
+    """stop training after this many seconds of wall time (0: no limit); like SIGINT (Ctrl-C) and SIGTERM, the run
+    stops after the iteration in progress, writes its checkpoint and exports its policy (--resume continues it)"""
+    eval_episodes: int = 0
+    """after training, run the deterministic policy for this many episodes of the env (gymnasium's
+    RecordEpisodeStatistics) and log their return, mean and std (eval_episodes.parquet, TensorBoard eval/*); not for
+    EVHub-v0, evaluated on eval_split instead; 0: none"""
     max_oom_retries: int = 3
     """shrinks allowed after CUDA out-of-memory errors (the algorithm's rule: fewer envs or a smaller batch); each
     re-enters training from the live state and trains on to total_timesteps; one more error stops the run with
@@ -192,14 +205,51 @@ def cli(args_cls, presets: dict, env_defaults: dict, argv: list[str] | None = No
 
 
 def script(main: Callable, args_cls, presets: dict, env_defaults: dict, description: str | None = None) -> None:
-    """A script's ``__main__``: parse the command line (:func:`cli`) and run ``main``; a checkpoint that cannot be
-    resumed from ends the process with its message (exit status 2), not a traceback."""
+    """A script's ``__main__``: parse the command line (:func:`cli`) and run ``main``. A checkpoint that cannot be
+    resumed from, or an expected error (:func:`envs.errors.is_expected`: an env's space the script cannot drive, a
+    constructor's refused ``--env-kwargs``, a bad site), ends the process with its message (exit status 2), not a
+    traceback; a run stopped by SIGINT or SIGTERM exits with ``128 + signal`` after saving (:meth:`Run.iterations`)."""
     args = cli(args_cls, presets, env_defaults, description=description)
     try:
-        main(args)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        out = main(args)
+    except Exception as exc:  # noqa: BLE001 - only the expected kinds are caught, the others re-raised
+        if not (isinstance(exc, CheckpointError) or is_expected(exc)):
+            raise
+        print(f"error: {one_message(exc)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    signum = (out or {}).get("stopped_by_signal") if isinstance(out, dict) else None
+    if signum:
+        raise SystemExit(128 + int(signum))
+
+
+def env_kwargs_of(text: str) -> dict[str, Any]:
+    """``--env-kwargs`` as a dict: a JSON object, or ``key=value`` pairs separated by commas (each value JSON where it
+    parses, else the string); ``""`` gives ``{}``.
+
+    Raises:
+        InputError: JSON that is not an object, or a pair without ``=``.
+    """
+    text = text.strip()
+    if not text:
+        return {}
+    if text[0] in "{[\"":  # JSON
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"--env-kwargs {text!r} is not a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise InputError(f"--env-kwargs {text!r} is not a JSON object")
+        return value
+    out: dict[str, Any] = {}
+    for pair in text.split(","):
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"--env-kwargs: {pair!r} is not key=value (give a JSON object or key=value,key=value)")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
 
 
 def presets_table(presets: dict, env_defaults: dict, args) -> str:
@@ -259,7 +309,12 @@ def make_env(args, num_envs: int, device: torch.device, action_mode: str | None 
     """The script's training env: :func:`envs.vector.make_vec` of ``args.env_id`` (EVHub-v0 on ``args.train_split``
     of ``args.site``, windows before ``args.train_window_end``, with ``action_mode`` and ``args.bess_action``) inside
     :class:`envs.vector.RecordEpisodeStatistics`
-    (EVHub-v0's ``co2_kg`` and ``unserved_kwh`` besides return and length)."""
+    (EVHub-v0's ``co2_kg`` and ``unserved_kwh`` besides return and length); ``--env-kwargs`` go to the env's
+    constructor (:func:`env_kwargs_of`).
+
+    Raises:
+        InputError: ``--env-kwargs`` the constructor refuses. SpaceError: an observation space with no flat vector.
+    """
     kwargs = {}
     if is_evhub(args.env_id):
         kwargs = dict(
@@ -271,6 +326,7 @@ def make_env(args, num_envs: int, device: torch.device, action_mode: str | None 
             dc_prior=args.dc_prior,
             exo_prior=args.exo_prior,
         )
+    kwargs |= env_kwargs_of(args.env_kwargs)
     return RecordEpisodeStatistics(make_vec(args.env_id, num_envs, device, args.vector_mode, **kwargs))
 
 

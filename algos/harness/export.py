@@ -1,70 +1,55 @@
-"""Policy export with one contract for every script: the deterministic actor, its actions put into the env's own units,
-saved as a ``torch.export`` program (``policy.pt2``) that code without ``algos`` can load."""
+"""``python -m algos.harness.export RUN_DIR``: export the policy of a run's latest checkpoint (:func:`main`)."""
 
 from __future__ import annotations
 
-import json
+import argparse
+import dataclasses
+import importlib
 import sys
 from pathlib import Path
 
-import gymnasium as gym
 import torch
-import torch.nn as nn
 
-from envs.files import atomic_write
-from envs.kpis import write_policy_spec
-from envs.vector import BoxScaling
+from envs.errors import is_expected, one_message
 
-
-class EnvUnitsPolicy(nn.Module):
-    """A deterministic actor with its output put into the env's own units (the one export contract).
-
-    ``actor`` maps raw observations float32 ``(B, *obs_shape)`` to, for a Box action space, actions float32
-    ``(B, act_dim)`` meant in [-1, 1]: they are clipped there and rescaled affinely to the Box's finite
-    ``[low, high]``; for a ``Discrete(n, start)``, indices int64 ``(B,)`` in ``0..n-1``: ``start`` is added.
-    """
-
-    def __init__(self, actor: nn.Module, space: gym.Space):
-        super().__init__()
-        self.actor = actor
-        self.discrete = isinstance(space, gym.spaces.Discrete)
-        if self.discrete:
-            self.register_buffer("start", torch.tensor(int(space.start), dtype=torch.int64))
-        else:
-            scaling = BoxScaling(space)
-            self.register_buffer("center", torch.as_tensor(scaling.mid, dtype=torch.float32))
-            self.register_buffer("scale", torch.as_tensor(scaling.half, dtype=torch.float32))
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        """Raw observations -> actions in the env's units (class docstring)."""
-        if self.discrete:
-            return self.actor(obs) + self.start
-        return self.center + self.scale * self.actor(obs).clamp(-1.0, 1.0)
+from .checkpoint import CheckpointError, read_checkpoint
+from .policy import export_run_policy
 
 
-def export_policy(
-    actor: nn.Module, obs_shape: tuple[int, ...], space: gym.Space, out_dir: Path, spec: dict | None
-) -> Path:
-    """Save the deterministic policy for code that does not import ``algos``: ``policy.pt2``, a ``torch.export``
-    program of :class:`EnvUnitsPolicy` with a dynamic batch dimension (load with ``torch.export.load(path).module()``;
-    raw observations float32 ``(B, *obs_shape)`` -> actions in the env's own units). ``spec`` (EVHub-v0's env
-    settings: ``env_id``, ``action_mode``, ``bess_action``) goes into ``policy.json`` beside it and into the program
-    itself (extra file ``policy.json``), so a policy moved without its JSON still acts under its own rule. If export
-    fails, a TorchScript trace to ``policy.pt``. Written atomically. Returns the written path."""
-    import copy
+def main(argv: list[str] | None = None) -> int:
+    """``python -m algos.harness.export RUN_DIR``: export the policy of a run's latest ``checkpoint.pt`` (a run killed
+    before its end, say) as :meth:`algos.harness.Run.finish` does, with the run's ``config.json`` (or the checkpoint's
+    arguments) and the algorithm's own ``deterministic_policy``. Exit status 0, or 2 with a one-line error."""
 
-    module = EnvUnitsPolicy(copy.deepcopy(actor), space).cpu().float().eval()
-    example = torch.zeros(2, *obs_shape)
-    extra = {"policy.json": json.dumps(spec or {})}
+    parser = argparse.ArgumentParser(
+        prog="python -m algos.harness.export",
+        description="Export the policy of a run's latest checkpoint.pt to policy.pt2 in the run folder, as a run's "
+        "end does.",
+    )
+    parser.add_argument("run_dir", type=Path, help="the run folder (holding checkpoint.pt)")
+    ns = parser.parse_args(argv)
     try:
-        program = torch.export.export(module, (example,), dynamic_shapes={"obs": {0: torch.export.Dim("batch", min=1)}})
-        path = out_dir / "policy.pt2"
-        atomic_write(path, lambda tmp: torch.export.save(program, tmp, extra_files=extra), suffix=".tmp.pt2")
-    except Exception as exc:  # noqa: BLE001 - any export failure falls back to TorchScript
-        print(f"torch.export failed ({type(exc).__name__}: {exc}); saving a TorchScript trace instead", file=sys.stderr)
-        path = out_dir / "policy.pt"
-        traced = torch.jit.trace(module, example)
-        atomic_write(path, lambda tmp: torch.jit.save(traced, str(tmp), _extra_files=extra))
-    if spec:
-        write_policy_spec(out_dir, spec["env_id"], spec["action_mode"], spec["bess_action"])
-    return path
+        path = ns.run_dir / "checkpoint.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"no checkpoint at {path}: nothing to export")
+        raw = torch.load(path, map_location="cpu", weights_only=False)
+        module = importlib.import_module(f"algos.{raw['algo']}")
+        fields = {f.name for f in dataclasses.fields(module.Args)}
+        args = module.Args(**{k: v for k, v in raw["args"].items() if k in fields})
+        state = read_checkpoint(path, torch.device("cpu"), raw["algo"], args.env_id)
+        actor, env, action_mode = module.deterministic_policy(args, state)
+        try:
+            out = export_run_policy(args, env, actor, ns.run_dir, action_mode)
+        finally:
+            env.close()
+    except Exception as exc:  # noqa: BLE001 - only the expected kinds are caught, the others re-raised
+        if not (isinstance(exc, CheckpointError) or is_expected(exc)):
+            raise
+        print(f"error: {one_message(exc)}", file=sys.stderr)
+        return 2
+    print(f"exported the policy of {path} (global_step {state['global_step']:,}) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import gymnasium as gym
-import numpy as np
 import pandas as pd
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from tqdm import tqdm
 import envs
 from envs.files import atomic_write
 from envs.kpis import evaluate_policy, write_parquet
-from envs.vector import EVHUB_ID, RecordEpisodeStatistics, is_evhub
+from envs.vector import RecordEpisodeStatistics, is_evhub
 
 from .checkpoint import (
     CHECKPOINT_FORMAT,
@@ -35,10 +35,11 @@ from .checkpoint import (
     rng_states,
     set_rng_states,
 )
-from .cli import EVHUB_ONLY_ARGS, output_dir, presets_table, setup
-from .export import export_policy
+from .cli import EVHUB_ONLY_ARGS, env_kwargs_of, output_dir, presets_table, setup
+from .episodes import evaluate_episodes
 from .gpu import gpu_stats
 from .oom import OutOfMemoryRestart, out_of_memory_message, to_cpu
+from .policy import export_run_policy, load_policy
 from .speed import COMPILE_CLOCK, synced_clock
 
 
@@ -69,6 +70,11 @@ class Run:
         self.ckpt_path = self.out_dir / "checkpoint.pt"
         if args.resume and not self.ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {self.ckpt_path}")
+        if args.resume:
+            self.args = args = self._resumed_env_kwargs(args)
+        self._created = time.perf_counter()
+        self.stop_reason: str | None = None
+        self.stop_signal: int | None = None
         self.presets_text = presets_table(presets, env_defaults, args)
         self._writer: SummaryWriter | None = None
         self.oom_history: list[str] = []
@@ -81,6 +87,29 @@ class Run:
         self._site = None
         COMPILE_CLOCK.reset()
         self._compile_shown = 0.0
+
+    def _resumed_env_kwargs(self, args):
+        """``args`` with the run's recorded ``--env-kwargs`` (``config.json``) where none are given.
+
+        Raises:
+            CheckpointError: other ``--env-kwargs`` than the run was trained with."""
+        config = self.out_dir / "config.json"
+        if not config.is_file():
+            return args
+        recorded = json.loads(config.read_text()).get("env_kwargs", "")
+        if not args.env_kwargs:
+            if recorded:
+                print(f"resume: --env-kwargs {recorded} (from {config})")
+            return dataclasses.replace(args, env_kwargs=recorded)
+        if env_kwargs_of(args.env_kwargs) != env_kwargs_of(recorded):
+            raise CheckpointError(
+                cannot_resume(
+                    self.ckpt_path,
+                    f"it was trained with --env-kwargs {recorded or '(none)'!r}, not {args.env_kwargs!r} "
+                    f"({config}); give the same or none",
+                )
+            )
+        return args
 
     @property
     def writer(self) -> SummaryWriter:
@@ -119,6 +148,15 @@ class Run:
         )
         print(f"presets (* = {args.preset}; any field can be set on the command line):\n{self.presets_text}")
         print("args: " + ", ".join(f"{k}={v}" for k, v in self.shown_args(**sizes).items()), flush=True)
+        config = {**dataclasses.asdict(args), "algo": self.algo}
+        atomic_write(self.out_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+        if getattr(env, "flattened", None) is not None:
+            note = (
+                f"observations of {args.env_id} flattened from {env.flattened} to {env.obs_shape[0]} floats by "
+                f"gymnasium's FlattenObservation"
+            )
+            print(f"note: {note}")
+            self.writer.add_text("notes", note, self.global_step)
         if not self.evhub and args.eval_split.lower() != "none":
             print(
                 f"note: no split evaluation for {args.env_id} (eval_split={args.eval_split!r} applies to EVHub-v0 only)"
@@ -244,30 +282,81 @@ class Run:
         if self.rows:
             self.sps = float(self.rows[-1]["sps"])  # a resumed run with nothing left to train keeps its SPS
         self.bar = tqdm(initial=first - 1, total=num_iterations, disable=not sys.stderr.isatty(), desc=self.algo)
-        for iteration in range(first, num_iterations + 1):
-            if iteration == half:
-                self._steady = (synced_clock(self.device), self.global_step)
-            self.iteration = iteration
-            yield iteration
-            self.bar.update()
+        previous = self._catch_stop_signals()
+        try:
+            for iteration in range(first, num_iterations + 1):
+                if iteration == half:
+                    self._steady = (synced_clock(self.device), self.global_step)
+                self.iteration = iteration
+                yield iteration
+                self.bar.update()
+                if self.stopping():
+                    break
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         self.bar.close()
+        if self.stop_reason:
+            print(
+                f"{self.stop_reason}: stopped at global_step {self.global_step:,}, iteration {self.iteration} of "
+                f"{num_iterations}; saving the checkpoint and the policy (--resume continues)",
+                flush=True,
+            )
         end = synced_clock(self.device)
         self.sps_steady = (
             (self.global_step - self._steady[1]) / max(end - self._steady[0], 1e-9) if self._steady else self.sps
         )
         self.train_wall_prev, self._start = self.train_wall_prev + end - self._start, None
 
+    def steps_to_train(self, num_iterations: int, per_iteration: int) -> str:
+        """The env steps the run trains to, as the scripts announce them: whole iterations of ``per_iteration`` steps
+        up to iteration ``num_iterations``, with a note where that is not ``--total-timesteps``."""
+        steps = self.global_step + (num_iterations - self.iteration) * per_iteration
+        total = self.args.total_timesteps
+        note = (
+            "" if steps == total else f" (--total-timesteps {total:,} in whole iterations of {per_iteration:,} steps)"
+        )
+        return f"{steps:,} steps{note}"
+
+    def _catch_stop_signals(self) -> dict:
+        """Make SIGINT and SIGTERM stop the run after the iteration in progress (a second one acts at once); returns
+        the handlers they replace. Only in the main thread (a Dask worker's thread keeps the process's handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+
+        def stop(signum, frame):
+            self.stop_reason, self.stop_signal = signal.Signals(signum).name, signum
+            signal.signal(signum, previous[signum])
+            print(f"\n{self.stop_reason}: stopping after this iteration (send it again to stop at once)", flush=True)
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, stop)
+        return previous
+
+    def stopping(self) -> bool:
+        """True once a stop is due: SIGINT or SIGTERM received, or ``--max-wall-s`` seconds since the run began (which
+        sets :attr:`stop_reason`)."""
+        limit = self.args.max_wall_s
+        if not self.stop_reason and limit and time.perf_counter() - self._created >= limit:
+            self.stop_reason = f"--max-wall-s {limit:g}"
+        return self.stop_reason is not None
+
     def wall(self) -> float:
         """Training wall time so far in seconds (evaluations left out), over every session of the run."""
         return self.train_wall_prev + (time.perf_counter() - self._start if getattr(self, "_start", None) else 0.0)
 
+    def last_iteration(self) -> bool:
+        """True on the run's last iteration: the planned last, or the one a stop (:meth:`stopping`) ends with."""
+        return self.iteration == self.num_iterations or self.stopping()
+
     def every(self, n: int) -> bool:
         """True on every ``n``-th iteration (never for ``n = 0``), not counting the last (its own work follows)."""
-        return bool(n) and self.iteration % n == 0 and self.iteration != self.num_iterations
+        return bool(n) and self.iteration % n == 0 and not self.last_iteration()
 
     def logging_now(self) -> bool:
         """True on the iterations that log: every ``args.log_every``-th and the last."""
-        return self.iteration % max(1, self.args.log_every) == 0 or self.iteration == self.num_iterations
+        return self.iteration % max(1, self.args.log_every) == 0 or self.last_iteration()
 
     def new_guard(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Device flags of the finite-loss guard: ``(bad_any (len(loss_names),) bool, first_bad_step () int64)``."""
@@ -346,7 +435,7 @@ class Run:
         self.rows.append(metrics)
         write_parquet(pd.DataFrame(self.rows), self.out_dir / "metrics.parquet")
         self.bar.set_postfix(sps=int(self.sps), ret=f"{ep['return']:.1f}", refresh=False)
-        last = self.iteration == self.num_iterations
+        last = self.last_iteration()
         tenth = max(1, self.num_iterations // max(1, self.args.log_every) // 10)
         if last or (self.bar.disable and (self.iteration // max(1, self.args.log_every)) % tenth == 0):
             site = f"co2_kg {ep['co2_kg']:.1f} unserved_kwh {ep['unserved_kwh']:.2f} " if self.evhub else ""
@@ -424,13 +513,8 @@ class Run:
         """
         args = self.args
         self.save(state)
-        space = env.single_action_space
-        spec = None
-        if self.evhub:
-            mode = action_mode or args.action_mode
-            space = gym.spaces.Box(-1.0, 1.0, (envs.evhub.action_dim(mode, env.n_sockets),), np.float32)
-            spec = {"env_id": EVHUB_ID, "action_mode": mode, "bess_action": args.bess_action}
-        path = export_policy(actor, tuple(env.obs_shape), space, self.out_dir, spec)
+        path = export_run_policy(args, env, actor, self.out_dir, action_mode)
+        spec = {"action_mode": action_mode or getattr(args, "action_mode", None)}
         if self.resumes:
             atomic_write(self.out_dir / "resumes.json", lambda tmp: tmp.write_text(json.dumps(self.resumes, indent=2)))
         train_wall = self.train_wall_prev
@@ -449,12 +533,18 @@ class Run:
             "compile_s": COMPILE_CLOCK.total_s(),
             "compile_graphs": sum(COMPILE_CLOCK.graphs.values()),
             "recompiles": sum(COMPILE_CLOCK.late_graphs.values()),
+            "stopped": self.stop_reason,
+            "stopped_by_signal": self.stop_signal,
             **result,
         }
         if args.compile or args.cudagraphs:
             print(COMPILE_CLOCK.summary())
         self.close_env()
-        if self.evhub and args.eval_split.lower() != "none":
+        if self.stop_reason:
+            print("the run stopped early: no final evaluation (--resume trains on and evaluates)")
+        elif not self.evhub and args.eval_episodes > 0:
+            out["eval_episodes"] = self.evaluate_episodes(path)
+        if self.evhub and args.eval_split.lower() != "none" and not self.stop_reason:
             row, traces = self.evaluate(
                 actor,
                 spec["action_mode"],
@@ -481,6 +571,22 @@ class Run:
                 self._curve_row(row, train_wall)
         self.close()
         return out
+
+    def evaluate_episodes(self, policy_path: Path) -> pd.DataFrame:
+        """``--eval-episodes`` episodes of the exported deterministic policy (:func:`evaluate_episodes`), written to
+        ``eval_episodes.parquet`` and TensorBoard (``eval/episodic_return_mean``, ``_std``, ``eval/episodic_length``);
+        returns the per-episode rows."""
+        args = self.args
+        rows = evaluate_episodes(
+            load_policy(policy_path), args.env_id, env_kwargs_of(args.env_kwargs), args.eval_episodes, args.seed
+        )
+        write_parquet(rows, self.out_dir / "eval_episodes.parquet")
+        mean, std = float(rows["return"].mean()), float(rows["return"].std(ddof=0))
+        self.writer.add_scalar("eval/episodic_return_mean", mean, self.global_step)
+        self.writer.add_scalar("eval/episodic_return_std", std, self.global_step)
+        self.writer.add_scalar("eval/episodic_length", float(rows["length"].mean()), self.global_step)
+        print(f"deterministic evaluation over {len(rows)} episodes of {args.env_id}: return {mean:.2f} +- {std:.2f}")
+        return rows
 
     def out_of_memory(self, exc: BaseException, where: str, state: Callable[[], dict], in_update: bool = False):
         """In the loop's ``except RuntimeError``: re-raise anything but a CUDA out-of-memory error; for one, raise
