@@ -232,7 +232,7 @@ def env_kwargs_of(text: str) -> dict[str, Any]:
     text = text.strip()
     if not text:
         return {}
-    if text[0] in "{[\"":  # JSON
+    if text[0] in '{["':  # JSON
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
