@@ -62,8 +62,10 @@ drivers than the training year); the demand feature is scaled by the same probab
 training windows also draw DC fast-charger sessions from :mod:`envs.context`'s prior (a rate per window; its expected
 energy is added to the DC group's context); with ``exo_prior=True`` they scale the MOER (level, contrast) and the PV by
 per-window factors within the training steps' month-to-month spread (:func:`envs.context.exo_spread`). Episodes end
-by time limit only (``truncated``); ``autoreset_mode`` is SAME_STEP: the observation returned on the last step is
-already the first of the next episode.
+by time limit only (``truncated``). :class:`EVHubVectorEnv` autoresets in the same step (``autoreset_mode`` SAME_STEP,
+without ``info["final_obs"]``): the observation returned on an episode's last step is already the first of the next
+one. :class:`EVHubEnv` (``gym.make("EVHub-v0")``) returns its episode's own last observation there (the step after
+the last, as if the episode went on) and starts the next episode at ``reset()``.
 """
 
 from __future__ import annotations
@@ -108,11 +110,6 @@ DISCRETE_EV_LEVELS = (0.0, 0.5, 1.0)
 
 
 BESS_ACTIONS = ("setpoint", "surplus")
-
-DEFAULT_BESS_ACTION = "surplus"
-"""The BESS action meaning the training scripts use unless told otherwise, and the one a policy without a recorded
-``bess_action`` (no ``policy.json``, nothing embedded in ``policy.pt2``) is evaluated under. The env itself defaults
-to ``"setpoint"``, the plain physical meaning the baselines are written in."""
 """Meanings of the BESS action ``a_bess`` in [-1, 1] (``P_max``: BESS power limit, kW; ``s``: PV minus base
 load minus the EV power chosen this step, clipped to [-P_max, P_max], kW):
 
@@ -127,6 +124,12 @@ load minus the EV power chosen this step, clipped to [-P_max, P_max], kW):
   room) are not reachable.
 
 Either way the set-point is then clipped to the SOC limits and, for discharge, to the site's deficit."""
+
+DEFAULT_BESS_ACTION = "surplus"
+"""The BESS action meaning of the envs (:class:`EVHubVectorEnv`, :class:`EVHubEnv`, ``gym.make("EVHub-v0")``) and of
+the training scripts unless told otherwise, and the one a policy without a recorded ``bess_action`` (no
+``policy.json``, nothing embedded in ``policy.pt2``) is evaluated under. The baselines and planners, written in plain
+kW, pass ``"setpoint"`` explicitly."""
 
 
 def discrete_action_table() -> torch.Tensor:
@@ -248,9 +251,10 @@ class EVHubVectorEnv(VectorEnv):
             step (module docstring, "Physics at a finer step"); :data:`envs.timestep.PHYSICS_DT_H` is the 5-minute
             simulation every controller is also scored on.
         dtype: floating dtype of state and outputs (float32 default; float64 for exact accounting).
-        bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`): ``"setpoint"`` (default)
-            ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always stored;
-            0 holds the battery at a deficit, -1 covers the deficit, +1 charges at full power (linear between).
+        bess_action: meaning of ``a_bess`` (see :data:`BESS_ACTIONS`; default :data:`DEFAULT_BESS_ACTION`):
+            ``"setpoint"`` ``P = a_bess * P_max``; ``"surplus"``: the PV surplus left after load and EVs is always
+            stored; 0 holds the battery at a deficit, -1 covers the deficit, +1 charges at full power (linear
+            between).
         edf: how the hub mode's earliest-deadline-first split is computed, both exact: ``"sort"`` (a sort of the
             sockets by deadline; fastest eager on the CPU) or ``"pairwise"`` (each socket sums the flexible power of
             the sockets due before it, ``(num_envs, n_sockets, n_sockets)`` comparisons: no sort kernel, and one fused
@@ -266,6 +270,12 @@ class EVHubVectorEnv(VectorEnv):
     and returns ``obs (num_envs, obs_dim)``, ``reward``, ``terminated``, ``truncated`` (each
     ``(num_envs,)``) and ``info`` with exactly the keys of :data:`INFO_KEYS`, each ``(num_envs,)``.
     ``reset(seed=..., options={"start_steps": [...]})`` can pin each env's first step.
+
+    Autoreset (``metadata["autoreset_mode"]``: ``AutoresetMode.SAME_STEP``): an env whose window ends in a step
+    (``truncated``) starts its next window within that step, and the observation returned is that window's first.
+    ``info`` carries no ``"final_obs"`` (the window's own last observation would cost a second observation per step
+    in the training loop): a learner bootstrapping a truncation from the returned observation values the next
+    window's first state (``envs.vector``'s ``has_final_obs``). :class:`EVHubEnv` does not autoreset.
 
     Raises:
         ValueError: bad ``action_mode`` or ``bess_action``, ``num_envs < 1``, or a window longer than the split
@@ -284,7 +294,7 @@ class EVHubVectorEnv(VectorEnv):
         full_split: bool = False,
         episode_steps: int | None = None,
         dtype: torch.dtype = torch.float32,
-        bess_action: str = "setpoint",
+        bess_action: str = DEFAULT_BESS_ACTION,
         edf: str | None = None,
         window_end: int | None = None,
         dc_prior: bool = False,
@@ -412,6 +422,7 @@ class EVHubVectorEnv(VectorEnv):
             raise ValueError(f"unknown edf {edf!r}: expected 'sort' or 'pairwise'")
         self.edf = edf or ("pairwise" if self.device.type == "cuda" else "sort")
         self._socket_index = torch.arange(N, dtype=torch.int64, device=self.device)
+        self._autoreset = True  # EVHubEnv sets False: an ended window goes on until reset() (_go_on)
 
     # ------------------------------------------------------------------ state helpers
     @property
@@ -683,10 +694,13 @@ class EVHubVectorEnv(VectorEnv):
         truncated = self.elapsed >= self.episode_steps
         # EVs still plugged in when a training window ends are not counted as unserved (their
         # departure lies beyond the window); in full-split runs every departure lies within the split.
-        # The final step of the split has no successor: clamp before reading, then reset those envs.
-        self.t.clamp_(max=self._num_steps_total - 1)
-        self._reset_envs(truncated)
-        self._plug_in()
+        if self._autoreset:  # fixed at construction (EVHubEnv: False)
+            # The final step of the split has no successor: clamp before reading, then reset those envs.
+            self.t.clamp_(max=self._num_steps_total - 1)
+            self._reset_envs(truncated)
+            self._plug_in()
+        else:
+            self._go_on()
 
         r = cfg.reward
         peak = flows.pop("peak_excess_kw")
@@ -695,6 +709,20 @@ class EVHubVectorEnv(VectorEnv):
         terminated = torch.zeros_like(truncated)
         info = {**flows, "unserved_kwh": unserved}
         return self._observe(), reward, terminated, truncated, info
+
+    def _go_on(self) -> None:
+        """The end of :meth:`step` without autoreset (:class:`EVHubEnv`): every env goes on into the step after, its
+        window ended or not, so that the observation at truncation is its own episode's last (the next episode starts
+        at :meth:`reset`). An env past the split's last step stays at that step, where no car arrives again: its
+        exogenous features (time, PV, MOER, context) are the last step's, as the data have no later step. The random
+        streams draw as with autoreset, so the env follows the autoresetting one up to its truncation."""
+        within = (self.t < self._num_steps_total)[:, None]
+        self.t.clamp_(max=self._num_steps_total - 1)
+        self._reset_envs(torch.zeros_like(within[:, 0]))  # resets nothing; draws what the autoreset draws
+        need, left = self.ev_need_kwh.clone(), self.ev_steps_left.clone()
+        self._plug_in()
+        self.ev_need_kwh.copy_(torch.where(within, self.ev_need_kwh, need))
+        self.ev_steps_left.copy_(torch.where(within, self.ev_steps_left, left))
 
     def _dispatch(self, ev, p_bess, floor, cap, pv, load, moer, dt: float) -> dict[str, torch.Tensor]:
         """One step (or sub-step) of ``dt`` hours of the site's physics (module docstring) from the EV power and the
@@ -793,8 +821,17 @@ class EVHubVectorEnv(VectorEnv):
 class EVHubEnv(gym.Env):
     """One copy of :class:`EVHubVectorEnv` as a plain ``gymnasium.Env`` with NumPy float32 spaces.
 
-    Takes the same keyword arguments as :class:`EVHubVectorEnv` (except ``num_envs``); runs on the CPU
-    in float64 so its accounting is exact. ``info`` holds the :data:`INFO_KEYS` flows as Python floats.
+    Takes the same keyword arguments as :class:`EVHubVectorEnv` (except ``num_envs``; ``bess_action`` defaults to
+    :data:`DEFAULT_BESS_ACTION` likewise); runs on the CPU in float64 so its accounting is exact. ``info`` holds the
+    :data:`INFO_KEYS` flows as Python floats.
+
+    No autoreset: the step that ends an episode (``truncated=True``) returns that episode's own last observation, the
+    step after its last as if it went on (at the split's end: the state after the step, with the last step's
+    exogenous features), so a learner bootstrapping the truncation values the right state; the next episode starts
+    at :meth:`reset`.
+
+    Raises:
+        ValueError: as :class:`EVHubVectorEnv`.
     """
 
     metadata = {"render_modes": []}
@@ -803,9 +840,15 @@ class EVHubEnv(gym.Env):
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("dtype", torch.float64)
         self.vec = EVHubVectorEnv(num_envs=1, **kwargs)
+        self.vec._autoreset = False
         self.observation_space = self.vec.single_observation_space
         self.action_space = self.vec.single_action_space
         self.render_mode = render_mode
+
+    @property
+    def bess_action(self) -> str:
+        """Meaning of the BESS action, one of :data:`BESS_ACTIONS`."""
+        return self.vec.bess_action
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         """Start an episode; ``options={"start_step": int}`` pins its first step."""

@@ -164,7 +164,7 @@ def test_sessions_map_to_their_group_and_needs_are_capped_by_their_socket(site):
 
 
 def test_uncontrolled_charges_a_dc_session_at_dc_power(site):
-    env = EVHubVectorEnv(1, site=site, split="test", full_split=True, dtype=torch.float64)
+    env = EVHubVectorEnv(1, site=site, split="test", full_split=True, dtype=torch.float64, bess_action="setpoint")
     env.reset(seed=0)
     dc_kw = []
     for _ in range(env.data.num_steps):

@@ -167,8 +167,10 @@ def test_a_finer_physics_holds_the_decision_and_serves_the_cars():
 
 
 def _actions(site, split: str, policy, **kw) -> np.ndarray:
-    """The socket actions ``policy`` takes over the whole split, ``(T, 1 + n_sockets)``."""
-    env = EVHubVectorEnv(1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64, **kw)
+    """The socket actions ``policy`` (a planner: set-point BESS actions) takes over the whole split,
+    ``(T, 1 + n_sockets)``."""
+    kw = dict(action_mode="socket", bess_action="setpoint", full_split=True, dtype=torch.float64, **kw)
+    env = EVHubVectorEnv(1, site=site, split=split, **kw)
     obs, _ = env.reset(seed=0)
     out = []
     for _ in range(env.data.num_steps):
