@@ -1,6 +1,6 @@
 """The README and the docs pages point at things that exist.
 
-For README.md and every docs/*.md:
+For README.md, every docs/*.md and every docs/lab/*.md:
 
 - every relative link resolves to a file or folder of the project, and a ``#anchor`` to a heading of the
   linked page by GitHub's anchor rules (lower case, punctuation dropped, spaces to hyphens, ``-1``, ``-2``
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "lab").glob("*.md"))]
 PAGE_IDS = [p.relative_to(ROOT).as_posix() for p in PAGES]
 
 CHECKED_DIRS = ("envs", "algos", "pipeline", "tests", "benchmarks", "docs", ".ci")
