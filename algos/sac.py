@@ -68,7 +68,7 @@ from envs.vector import SpaceError
 PRESETS = {
     # one CPU core: a few dozen envs, a small net, a few gradient steps per iteration; about 70 s on the caltech site
     # (140,000 steps at ~2,000 steps/s), under the other agents' median; 200,000 steps evaluated no better on the train
-    # split (docs/agents.md)
+    # split (docs/lab/model-free-agents.md)
     "cpu": {"num_envs": 32, "total_timesteps": 140_000, "buffer_size": 140_000, "batch_size": 256, "gradient_steps": 4,
             "learning_starts": 5_000, "hidden_size": 128, "log_every": 168, "num_threads": 1},
     # one GPU: hundreds of envs, wide batches and nets, more gradient steps per iteration
@@ -107,7 +107,7 @@ class Args(harness.RunArgs):
     gamma: float = 0.99
     """the discount factor gamma, per hour of site time on EVHub-v0, per step on other envs (on caltech's train split,
     hourly steps, cpu preset: 0.99 evaluated best of 0.9, 0.95, 0.98 and 0.99; at 0.9 the policy defers EV charging
-    towards the deadline floor, whose cost lies beyond its horizon, and ends above uncontrolled; docs/agents.md)"""
+    towards the deadline floor, whose cost lies beyond its horizon, and ends above uncontrolled; docs/lab/model-free-agents.md)"""
     tau: float = 0.005
     """target smoothing coefficient (Polyak averaging: target <- (1 - tau) * target + tau * online)"""
     batch_size: int = 256

@@ -16,7 +16,7 @@ Leads are in hours at every step: at steps below the hour the regression runs on
 forecasts hourly means, issued at each hour's start; the planner spreads them over its steps
 (:meth:`pipeline.control.mpc.MPCController.moer_outlook`).
 
-How well each forecasts, and what it does to the plan, is measured in ``docs/agents.md``.
+How well each forecasts, and what it does to the plan, is measured in ``docs/lab/moer-forecast.md``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ own recourse after it (EV charging of its own arrivals, battery, grid). What the
   one hour later (the outlook issued at ``u + 1`` for step ``u + j`` minus the one issued at ``u`` for it), less the
   mean of those revisions over the scenarios that have one (so the scenarios' mean outlook stays the outlook), clipped
   at 0: what the next hour's outlook may say, which the plan after step 0 learns before it acts, and not the MOER's
-  later surprises (``docs/agents.md``, "MOER scenarios from the outlook's hourly revisions");
+  later surprises (``docs/lab/scenario-mpc.md``, "MOER scenarios from the outlook's hourly revisions");
 - arrivals: scenario ``k`` is the ``k``-th most recent past day of the same day type (weekday or weekend, local time;
   any day without ``demand_day_type``) whose arrivals are realised by ``t``, chosen for each step of the window by
   :meth:`~pipeline.control.mpc.MPCController.past_days` (which also chooses ``mpc``'s expected demand by day type):
@@ -66,7 +66,7 @@ from pipeline.control.oracle import LP
 from pipeline.control.sessions import SessionModel
 
 N_SCENARIOS = 21
-"""``K``, past days (scenarios) per plan, chosen on the train split (``docs/agents.md``)."""
+"""``K``, past days (scenarios) per plan, chosen on the train split (``docs/lab/scenario-mpc.md``)."""
 SHARED_BESS_STEPS = 1
 """The window's first steps whose battery schedule every scenario shares (1: the two-stage plan, only step 0
 shared), chosen on the train split (``docs/agents.md``)."""
@@ -96,7 +96,7 @@ chosen on the train split by grids; the demand weight and days have no role)."""
 NEAR_SPACE = (tuning.Param("moer_near_contrast_1_2h", 0.5, 2.0), tuning.Param("moer_near_contrast_3_5h", 0.5, 2.0))
 """The MOER outlook's contrast at leads 1-2 h and 3-5 h (:class:`~pipeline.control.mpc.PlannerParams`), chosen by the
 plan's CO2 (``tune(space=NEAR_SPACE)``): from half to twice the forecast's own deviation from the current hour, 1 (the
-forecast as it is) the start and the centre on a log scale. Tuned on caltech and not adopted (docs/agents.md):
+forecast as it is) the start and the centre on a log scale. Tuned on caltech and not adopted (docs/lab/scenario-mpc.md):
 :class:`~pipeline.control.mpc.PlannerParams`' defaults keep 1."""
 
 
@@ -410,7 +410,7 @@ def tune(site: Site | str, seeds=(1,), budget: str = "small", evaluate=None, spa
     """CMA-ES over ``space`` (:data:`TUNED_SPACE`, or :data:`NEAR_SPACE`) for ``mpc_scenario``'s planner on the train
     split's weeks, from :func:`base_params` (:func:`pipeline.control.tuning.tune` with this planner's backtests,
     :func:`run_window`); ``evaluate`` as there (default: one window after another here). Returns one
-    :class:`~pipeline.control.tuning.TuningResult` per seed. What it found: ``docs/agents.md``, "Scenario MPC".
+    :class:`~pipeline.control.tuning.TuningResult` per seed. What it found: ``docs/agents.md``, "Scenario MPC", and ``docs/lab/scenario-mpc.md``.
 
     Raises:
         KeyError: an unknown budget.

@@ -42,7 +42,7 @@ from pipeline.study.config import SPLITS
 FINE_TUNE_STEPS = {"dqn": 10_000, "ppo": 86_016, "mpc_rl": 28}
 """Env steps of each weekly fine-tuning, by online form (:data:`pipeline.study.results.ONLINE_FORMS`; PPO: four
 rollouts of its cpu preset, 128 envs x 168 steps each; ``mpc_rl``: days, two rollouts of its two week-long episodes;
-how each was chosen: docs/agents.md, "Online agents")."""
+how each was chosen: docs/lab/online-learning.md)."""
 
 PLANNER_LOOKBACK_WEEKS = 4
 """``mpc_rl_online``'s fine-tuning episodes start within the acting split's last this many weeks (and end before the
