@@ -107,7 +107,8 @@ class Args(harness.RunArgs):
     gamma: float = 0.99
     """the discount factor gamma, per hour of site time on EVHub-v0, per step on other envs (on caltech's train split,
     hourly steps, cpu preset: 0.99 evaluated best of 0.9, 0.95, 0.98 and 0.99; at 0.9 the policy defers EV charging
-    towards the deadline floor, whose cost lies beyond its horizon, and ends above uncontrolled; docs/lab/model-free-agents.md)"""
+    towards the deadline floor, whose cost lies beyond its horizon, and ends above uncontrolled;
+    docs/lab/model-free-agents.md)"""
     tau: float = 0.005
     """target smoothing coefficient (Polyak averaging: target <- (1 - tau) * target + tau * online)"""
     batch_size: int = 256

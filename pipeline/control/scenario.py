@@ -410,7 +410,8 @@ def tune(site: Site | str, seeds=(1,), budget: str = "small", evaluate=None, spa
     """CMA-ES over ``space`` (:data:`TUNED_SPACE`, or :data:`NEAR_SPACE`) for ``mpc_scenario``'s planner on the train
     split's weeks, from :func:`base_params` (:func:`pipeline.control.tuning.tune` with this planner's backtests,
     :func:`run_window`); ``evaluate`` as there (default: one window after another here). Returns one
-    :class:`~pipeline.control.tuning.TuningResult` per seed. What it found: ``docs/agents.md``, "Scenario MPC", and ``docs/lab/scenario-mpc.md``.
+    :class:`~pipeline.control.tuning.TuningResult` per seed. What it found:
+    ``docs/lab/scenario-mpc.md``.
 
     Raises:
         KeyError: an unknown budget.
