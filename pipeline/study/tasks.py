@@ -474,6 +474,7 @@ def make_report(
     (:func:`pipeline.study.sizing.report_summary`); likewise the value-of-information table
     (``report/value_of_information.parquet``, ``doit run value_of_information``).
     """
+    from pipeline.study.hparams import write_hparams
     from pipeline.study.report import site_data_sources, write_report
     from pipeline.study.sizing import report_summary
 
@@ -539,4 +540,5 @@ def make_report(
         physics_files=[Path(p) for p in physics_paths],
         step_minutes=timestep.step_minutes(c.dt_h),
     )
+    write_hparams([Path(p) for p in kpi_paths], root)  # each learned run's settings and evaluation, for TensorBoard
     return str(path)
