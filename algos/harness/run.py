@@ -149,7 +149,9 @@ class Run:
         print(f"presets (* = {args.preset}; any field can be set on the command line):\n{self.presets_text}")
         print("args: " + ", ".join(f"{k}={v}" for k, v in self.shown_args(**sizes).items()), flush=True)
         config = {**dataclasses.asdict(args), "algo": self.algo}
-        atomic_write(self.out_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+        atomic_write(
+            self.out_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(config, indent=2, default=str))
+        )
         if getattr(env, "flattened", None) is not None:
             note = (
                 f"observations of {args.env_id} flattened from {env.flattened} to {env.obs_shape[0]} floats by "
