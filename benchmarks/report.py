@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from benchmarks import env_throughput, switches, training, vector_io
+from benchmarks import env_throughput, ppo_vs_sb3, switches, training, vector_io
 from benchmarks.common import BENCH_DIR
 from envs.files import write_text
 
@@ -98,6 +98,7 @@ def write(out_dir: str | Path | None = None) -> Path:
         ("The env step eager, compiled and CUDA-graphed", "env_throughput_graphs", env_throughput.markdown),
         ("I/O-bound env (IOBound-v0): sync vs async vector envs", "vector_io", vector_io.markdown),
         ("Training throughput and time to quality", "training", training.markdown),
+        ("Our PPO against Stable-Baselines3's, configured alike", "ppo_vs_sb3", ppo_vs_sb3.markdown),
         ("Speed switches", "switches", switches.markdown),
     )
     for title, name, fmt in sections:

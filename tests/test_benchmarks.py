@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -163,3 +164,26 @@ def test_checkpoint_benchmark_rebuilds_the_buffer_it_measures(tmp_path):
     )
     assert list(table.algo) == ["dqn", "sac"] and (tmp_path / "checkpoint.parquet").is_file()
     assert (table.log_mb < table.rows_mb).all() and (table.rebuild_env_steps >= 50 // 4).all()
+
+
+def test_ppo_vs_sb3_trains_both_alike_and_tabulates(tmp_path):
+    pytest.importorskip("stable_baselines3")
+    from benchmarks import ppo_vs_sb3
+
+    evhub = ppo_vs_sb3.sb3_kwargs(ppo_vs_sb3.ours_args("EVHub-v0", 1))  # discounts per 15-minute step, as ours
+    assert evhub["gamma"] == pytest.approx(0.98**0.25) and evhub["normalize"]["gamma"] == evhub["gamma"]
+    assert evhub["gae_lambda"] == pytest.approx(0.95**0.25) and evhub["batch_size"] == 256
+    rows, small = [], {"num_steps": 128, "num_minibatches": 8}
+    for library in ppo_vs_sb3.LIBRARIES:  # one rollout each (4 envs x 128 steps), one evaluation episode
+        row = ppo_vs_sb3.run_one(library, "Pendulum-v1", 1, 1e-6, 1, tmp_path, small)
+        assert row["env_steps"] == 512 and row["sps"] > 0 and -2000 < row["eval_return"] <= 0
+        assert json.loads(row["settings"])["batch_size"] == 64
+        rows.append(row | {"status": "ok", "machine": ""})
+    assert rows[0]["settings"] == rows[1]["settings"]
+    table = ppo_vs_sb3.runs_table(rows + [rows[1] | {"seed": 2, "eval_return": -100.0}])
+    s = ppo_vs_sb3.summary(table).set_index("library")
+    assert s.loc["ours", "sps_vs_sb3"] == pytest.approx(rows[0]["sps"] / rows[1]["sps"])
+    assert s.loc["ours", "verdict"] in ("within", "above", "below") and s.loc["sb3", "return_max"] == -100.0
+    assert "| Pendulum-v1 | ours | 1 | 512 |" in ppo_vs_sb3.markdown(table)
+    with pytest.raises(ValueError, match="unknown library"):
+        ppo_vs_sb3.run_one("sb2", "Pendulum-v1", 1)
