@@ -45,23 +45,26 @@ def test_each_learned_run_gets_its_settings_and_evaluation_per_split(tmp_path):
             {"controller": "ppo", "split": split, "co2_kg": 90.0, "unserved_kwh": 1.5, "seed": 1.0},
             {"controller": "ppo", "split": split, "co2_kg": 70.0, "unserved_kwh": 0.0, "seed": 2.0},
             {"controller": "mpc_tuned", "split": split, "co2_kg": 80.0, "unserved_kwh": 0.0, "seed": 1.0},
+            {"controller": "mpc_tuned", "split": split, "co2_kg": 85.0, "unserved_kwh": 0.0, "seed": 2.0},
         ]
     (root / "runs" / "ppo_seed1").mkdir(parents=True)
     (root / "runs" / "ppo_seed1" / "config.json").write_text(json.dumps({"learning_rate": 3e-4, "seed": 1}))
     (root / "tuned").mkdir()
-    summary = {"params": {"horizon_h": 24, "expected_demand_weight": 0.4}, "budget": "small"}
-    (root / "tuned" / "mpc_tuned_seed1.json").write_text(json.dumps(summary))
+    for seed, horizon in ((1, 24), (2, 12)):
+        summary = {"params": {"horizon_h": horizon, "expected_demand_weight": 0.4}, "budget": "small"}
+        (root / "tuned" / f"mpc_tuned_seed{seed}.json").write_text(json.dumps(summary))
     paths = _kpis(tmp_path, rows)
 
     written = write_hparams(paths, root)
-    assert sorted(p.name for p in written) == ["mpc_tuned_seed1", "ppo_seed1", "ppo_seed2"]
+    assert sorted(p.name for p in written) == ["mpc_tuned_seed1", "mpc_tuned_seed2", "ppo_seed1", "ppo_seed2"]
     settings, metrics = _read(root / HPARAMS_DIR / "ppo_seed1")
     assert settings["learning_rate"] == pytest.approx(3e-4) and settings["controller"] == "ppo"
     assert metrics["co2_kg/train"] == 90.0 and metrics["unserved_kwh/train"] == 1.5
     assert metrics["gap_closed_vs_rule_pct/train"] == pytest.approx(25.0)  # (100 - 90) / (100 - 60)
     assert math.isnan(metrics["gap_closed_vs_rule_pct/test"])  # the rule emits no more than the oracle there
     settings, metrics = _read(root / HPARAMS_DIR / "mpc_tuned_seed1")
-    assert settings["horizon_h"] == 24 and settings["budget"] == "small"
+    assert settings["horizon_h"] == 24 and settings["budget"] == "small"  # the budget is always shown
+    assert "expected_demand_weight" not in settings  # one value in every run: not what tells them apart
     assert metrics["gap_closed_vs_rule_pct/train"] == pytest.approx(50.0)
     _, metrics = _read(root / HPARAMS_DIR / "ppo_seed2")  # no config.json: the seed and its evaluation still
     assert metrics["gap_closed_vs_rule_pct/train"] == pytest.approx(75.0)

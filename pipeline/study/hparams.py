@@ -3,7 +3,8 @@ outputs/`` compares seeds and settings in one table (TensorBoard's HParams dashb
 
 One folder per learned run (an agent or a learned planner, one seed), ``<experiment>/hparams/<controller>_seed<seed>/``,
 rewritten by the report stage: its hyper-parameters (an agent's run arguments from its ``config.json``; a tuned
-planner's parameters from its tuning summary; ``mpc_rl``'s policy run's arguments) and, on each split, its CO2 (kg),
+planner's parameters from its tuning summary; ``mpc_rl``'s policy run's arguments; those with one value in every run
+left out, :func:`shown_settings`) and, on each split, its CO2 (kg),
 unserved energy (kWh) and gap closed vs the battery rule (%, ``100 * (rule_based - CO2) / (rule_based - oracle)``,
 NaN where the rule emits no more than the oracle), as the metrics ``co2_kg/<split>``, ``unserved_kwh/<split>`` and
 ``gap_closed_vs_rule_pct/<split>``.
@@ -24,6 +25,10 @@ from pipeline.study.results import run_name
 
 HPARAMS_DIR = "hparams"
 """The folder of the HParams summaries inside an experiment's output folder."""
+
+EXPERIMENT_DIR = "_experiment"
+"""The folder inside :data:`HPARAMS_DIR` of the one experiment summary (every setting and metric: the table's
+columns, which TensorBoard takes from one summary, not from each run's)."""
 
 METRICS = ("co2_kg", "unserved_kwh", "gap_closed_vs_rule_pct")
 """The evaluation logged per split, each as ``<metric>/<split>``."""
@@ -63,6 +68,22 @@ def run_settings(root: Path, controller: str, seed: int) -> dict:
     return out
 
 
+ALWAYS_SHOWN = ("controller", "seed", "budget", "preset", "total_timesteps", "learning_rate")
+"""Settings shown for every run that has them; any other is shown only where it differs between the runs."""
+
+
+def shown_settings(settings: dict) -> dict:
+    """``settings`` (run -> its :func:`run_settings`) with each setting that has one value in every run that has it
+    left out, but for :data:`ALWAYS_SHOWN`: the table then holds what tells the runs apart (an agent's run has about
+    fifty arguments)."""
+    values: dict = {}
+    for s in settings.values():
+        for key, value in s.items():
+            values.setdefault(key, set()).add(json.dumps(value))
+    varying = {key for key, seen in values.items() if len(seen) > 1 or key in ALWAYS_SHOWN}
+    return {run: {k: v for k, v in s.items() if k in varying} for run, s in settings.items()}
+
+
 def evaluation(rows: pd.DataFrame) -> pd.DataFrame:
     """Per learned run and split, the :data:`METRICS`: ``rows`` are KPI rows (``controller``, ``split``, ``co2_kg``,
     ``unserved_kwh``, ``seed``: NaN for a controller without one) that include ``rule_based`` and ``oracle`` on each
@@ -79,14 +100,31 @@ def evaluation(rows: pd.DataFrame) -> pd.DataFrame:
     return seeded[["controller", "seed", "split", *METRICS]].reset_index(drop=True)
 
 
+def _write(folder: Path, summaries: list, scalars: dict) -> Path:
+    """An event file of ``summaries`` and ``scalars`` (tag -> float) in ``folder``, which it replaces."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    writer = SummaryWriter(str(tmp))
+    for summary in summaries:
+        writer.file_writer.add_summary(summary)
+    for tag, value in scalars.items():
+        writer.add_scalar(tag, value)
+    writer.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
 def write_hparams(kpi_files: Iterable[Path], root: Path) -> list[Path]:
     """Write one HParams summary per learned run found in ``kpi_files`` (the report's KPI files; a run is a seeded
-    row's controller x seed) into ``root / HPARAMS_DIR / <controller>_seed<seed>/`` (the folder replaced, so that a
-    report made again leaves one summary). Returns the folders written (none without a seeded row).
+    row's controller x seed) into ``root / HPARAMS_DIR / <controller>_seed<seed>/``, and the experiment's columns into
+    ``root / HPARAMS_DIR / EXPERIMENT_DIR`` (each folder replaced, so that a report made again leaves one summary).
+    Returns the runs' folders written (none, and nothing written, without a seeded row).
 
     Raises:
         ValueError: a KPI file without the ``controller``, ``split`` or ``co2_kg`` column (named)."""
-    from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
     frames = []
@@ -100,19 +138,19 @@ def write_hparams(kpi_files: Iterable[Path], root: Path) -> list[Path]:
     if not frames:
         return []
     table = evaluation(pd.concat(frames, ignore_index=True))
-    written = []
+    if table.empty:
+        return []
+    runs_of = sorted(set(zip(table.controller, table.seed)))
+    settings = shown_settings({(c, s): run_settings(root, c, int(s)) for c, s in runs_of})
+    written, every_metric = [], {}
     for (controller, seed), runs in table.groupby(["controller", "seed"], sort=True):
         metrics = {f"{m}/{r.split}": float(getattr(r, m)) for r in runs.itertuples() for m in METRICS}
-        folder = root / HPARAMS_DIR / run_name(controller, int(seed))
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        writer = SummaryWriter(str(tmp))
-        for summary in hparams(run_settings(root, controller, int(seed)), metrics):
-            writer.file_writer.add_summary(summary)
-        for tag, value in metrics.items():
-            writer.add_scalar(tag, value)
-        writer.close()
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-        written.append(folder)
+        every_metric |= metrics
+        _, start, end = hparams(settings[(controller, seed)], metrics)
+        written.append(_write(root / HPARAMS_DIR / run_name(controller, int(seed)), [start, end], metrics))
+    union: dict = {}
+    for s in settings.values():
+        union |= {k: v for k, v in s.items() if k not in union}
+    experiment = hparams(union, every_metric)[0]  # one experiment: every setting and metric, the table's columns
+    _write(root / HPARAMS_DIR / EXPERIMENT_DIR, [experiment], {})
     return written
