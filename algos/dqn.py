@@ -536,17 +536,20 @@ def checkpoint_state(
     }
 
 
-def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> dict:
-    """Train from scratch, from ``--resume``'s checkpoint or from the live state ``handed`` over after a CUDA
-    out-of-memory error, until ``total_timesteps``; then :meth:`harness.Run.finish` (its result, with the sizes)."""
-    args, device = run.args, run.device
+def setup(run: harness.Run, sizes: harness.ReplaySizes) -> tuple:
+    """The env setup of :func:`train`: the envs (discrete actions, checked), the Q-network and its target copy, the
+    optimizer and its learning rate (a device tensor with CUDA graphs), and the replay buffer (halved until it fits,
+    ``sizes.buffer_size`` set to what was allocated). Returns ``(env, qnet, target, lr, optimizer, rb)``; on an error
+    the envs are closed.
 
-    # TRY NOT TO MODIFY: env setup
+    Raises:
+        ValueError: an action space that is not Discrete. OutOfMemoryBackoffError: not even the smallest buffer fits.
+    """
+    args, device = run.args, run.device
     env = harness.make_env(args, sizes.num_envs, device, action_mode="discrete")
     try:
         check_action_space(args.env_id, env.single_action_space)
-        obs_shape, n_actions = tuple(env.obs_shape), int(env.single_action_space.n)
-
+        obs_shape = tuple(env.obs_shape)
         qnet = make_qnet(args, env).to(device)
         target = copy.deepcopy(qnet).requires_grad_(False)
         lr = harness.device_lr(args.learning_rate, device) if args.cudagraphs else args.learning_rate
@@ -558,7 +561,36 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> 
             max(sizes.num_envs, sizes.batch_size),
             "buffer_size",
         )
+    except BaseException:
+        env.close()  # an async env's workers
+        raise
+    return env, qnet, target, lr, optimizer, rb
 
+
+def announce(run: harness.Run, sizes: harness.ReplaySizes, env, num_iterations: int) -> None:
+    """Say what the run will do (:meth:`harness.Run.announce`): actions, observation and torso, envs, steps and
+    gradient steps per iteration, iterations and steps."""
+    args = run.args
+    obs_shape, n_actions = tuple(env.obs_shape), int(env.single_action_space.n)
+    cnn = "CNN" if len(obs_shape) == 3 else "MLP"
+    overlap = ", env steps overlapped with the gradient steps" if env.overlap else ""
+    run.announce(
+        f"{n_actions} discrete actions, obs {obs_shape} ({cnn}), {sizes.num_envs} envs x "
+        f"{args.num_steps} steps + {args.gradient_steps} gradient steps per iteration{overlap}, "
+        f"{num_iterations} iterations, {run.steps_to_train(num_iterations, sizes.num_envs * args.num_steps)}",
+        env,
+        dataclasses.asdict(sizes),
+    )
+
+
+def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> dict:
+    """Train from scratch, from ``--resume``'s checkpoint or from the live state ``handed`` over after a CUDA
+    out-of-memory error, until ``total_timesteps``; then :meth:`harness.Run.finish` (its result, with the sizes)."""
+    args, device = run.args, run.device
+
+    # TRY NOT TO MODIFY: env setup
+    env, qnet, target, lr, optimizer, rb = setup(run, sizes)
+    try:
         # TRY NOT TO MODIFY: start the game, or continue it
         iteration_steps = sizes.num_envs * args.num_steps
         log = harness.ReplayLog(rb, iteration_steps) if env.torch_batched else None
@@ -579,15 +611,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, handed: dict | None) -> 
         def live_state(rows: bool = True) -> dict:
             return checkpoint_state(run, qnet, target, optimizer, env, next_obs, learn_from, sizes, rb, log, rows)
 
-        cnn = "CNN" if len(obs_shape) == 3 else "MLP"
-        overlap = ", env steps overlapped with the gradient steps" if env.overlap else ""
-        run.announce(
-            f"{n_actions} discrete actions, obs {obs_shape} ({cnn}), {sizes.num_envs} envs x "
-            f"{args.num_steps} steps + {args.gradient_steps} gradient steps per iteration{overlap}, "
-            f"{num_iterations} iterations, {run.steps_to_train(num_iterations, iteration_steps)}",
-            env,
-            dataclasses.asdict(sizes),
-        )
+        announce(run, sizes, env, num_iterations)
 
         for iteration in run.iterations(num_iterations):
             if log is not None:

@@ -582,11 +582,17 @@ def checkpoint_state(
     }
 
 
-def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = None) -> dict:
-    """Train at ``sizes`` from ``state`` (the live state after an out-of-memory error), the checkpoint (``--resume``)
-    or afresh; see :func:`main`."""
+def setup(run: harness.Run, sizes: harness.ReplaySizes) -> tuple:
+    """The env setup of :func:`train`: the envs (their spaces checked), the networks and optimizers
+    (:func:`make_networks`), and the replay buffer (halved until it fits, ``sizes.buffer_size`` set to what was
+    allocated) with its replay log on a torch-batched env. Returns ``(env, act_dim, nets, log_alpha, optimizers, lrs,
+    rb, log)``.
+
+    Raises:
+        ValueError: an action space that is not a bounded Box, or observations that are not flat (the envs closed).
+        OutOfMemoryBackoffError: not even the smallest buffer fits.
+    """
     args, device = run.args, run.device
-    # TRY NOT TO MODIFY: env setup
     env = harness.make_env(args, sizes.num_envs, device, action_mode=args.action_mode)
     try:
         check_action_space(args.env_id, env.single_action_space)
@@ -606,6 +612,28 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = Non
         "buffer_size",
     )
     log = harness.ReplayLog(rb, sizes.num_envs) if env.torch_batched else None
+    return env, act_dim, nets, log_alpha, optimizers, lrs, rb, log
+
+
+def announce(run: harness.Run, sizes: harness.ReplaySizes, env, num_iterations: int) -> None:
+    """Say what the run will do (:meth:`harness.Run.announce`): envs, gradient steps per iteration and their
+    update-to-data ratio, batch, buffer, iterations and steps."""
+    args = run.args
+    run.announce(
+        f"{sizes.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD "
+        f"{args.gradient_steps / sizes.num_envs:.3g}), batch {sizes.batch_size}, buffer "
+        f"{sizes.buffer_size:,}, {num_iterations} iterations, {run.steps_to_train(num_iterations, sizes.num_envs)}",
+        env,
+        dataclasses.asdict(sizes),
+    )
+
+
+def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = None) -> dict:
+    """Train at ``sizes`` from ``state`` (the live state after an out-of-memory error), the checkpoint (``--resume``)
+    or afresh; see :func:`main`."""
+    args, device = run.args, run.device
+    # TRY NOT TO MODIFY: env setup
+    env, act_dim, nets, log_alpha, optimizers, lrs, rb, log = setup(run, sizes)
 
     # TRY NOT TO MODIFY: start the game, or resume it
     obs, n_updates, loaded = start(run, state, env, rb, log, nets, log_alpha, optimizers, lrs)
@@ -634,13 +662,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = Non
         losses.update({k: v for k, v in out.items() if k != "bad"})
 
     evaluator = DeterministicActor(nets["actor"])
-    run.announce(
-        f"{sizes.num_envs} envs, {args.gradient_steps} gradient steps per iteration (UTD "
-        f"{args.gradient_steps / sizes.num_envs:.3g}), batch {sizes.batch_size}, buffer "
-        f"{sizes.buffer_size:,}, {num_iterations} iterations, {run.steps_to_train(num_iterations, sizes.num_envs)}",
-        env,
-        dataclasses.asdict(sizes),
-    )
+    announce(run, sizes, env, num_iterations)
     guard = run.new_guard()
     for iteration in run.iterations(num_iterations):
         if log is not None:
@@ -702,15 +724,7 @@ def train(run: harness.Run, sizes: harness.ReplaySizes, state: dict | None = Non
             run.check_finite(guard)
             run.save(live_state(args.save_buffer))
     run.check_finite(guard)
-    return run.finish(
-        live_state(args.save_buffer),
-        evaluator,
-        env,
-        args.action_mode,
-        num_envs=sizes.num_envs,
-        batch_size=sizes.batch_size,
-        buffer_size=sizes.buffer_size,
-    )
+    return run.finish(live_state(args.save_buffer), evaluator, env, args.action_mode, **dataclasses.asdict(sizes))
 
 
 def main(args: Args) -> dict:

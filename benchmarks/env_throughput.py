@@ -320,6 +320,86 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _device_of(impl: str, dev: torch.device) -> torch.device:
+    """The device an implementation runs on: ``dev`` for ours, the CPU for the baselines."""
+    return dev if impl in OURS_IMPLS else torch.device("cpu")
+
+
+def _measure(impl, n, dev, site_obj, rng, env_id, repeats, min_seconds, reason) -> dict[str, Any]:
+    """One row of :func:`run`'s table: ``impl`` at ``n`` envs timed (median of ``repeats`` rates over at least
+    ``min_seconds`` each), or recorded as skipped (``reason``) or failed (its error; one broken baseline must not lose
+    the rest of the run)."""
+    row_dev = _device_of(impl, dev)
+    row: dict[str, Any] = {
+        "impl": impl,
+        "device": str(row_dev),
+        "num_envs": n,
+        "steps_per_s": math.nan,
+        "steps_per_s_min": math.nan,
+        "steps_per_s_max": math.nan,
+        "repeats": 0,
+        "speedup_vs": math.nan,
+        "peak_rss_mb": math.nan,
+        "cuda_peak_mb": math.nan,
+        "status": "ok",
+    }
+    if reason is not None:
+        print(f"  {impl:<12} N={n:<6,} skipped: {reason}", flush=True)
+        return row | {"status": f"skipped: {reason}"}
+    _free_memory()
+    reset_peak_rss()
+    if row_dev.type == "cuda":
+        torch.cuda.synchronize(row_dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(row_dev)
+    t0 = time.perf_counter()
+    try:
+        env, step, close = _build(impl, n, site_obj, row_dev, rng, env_id)
+        t_build = time.perf_counter() - t0
+        try:
+            step(CUDA_WARMUP_STEPS if row_dev.type == "cuda" else WARMUP_STEPS)
+            chunk = _calibrated_chunk(step, min_seconds, row_dev)
+            median, rates = median_rate(step, repeats, min_seconds, row_dev, first_chunk=chunk)
+            row["peak_rss_mb"] = peak_rss_mb()
+            row["cuda_peak_mb"] = cuda_peak_mb(row_dev)
+        finally:
+            close()
+            del env, step, close
+    except Exception as e:  # noqa: BLE001 - one broken baseline must not lose the rest of the run
+        print(f"  {impl:<12} N={n:<6,} ERROR {type(e).__name__}: {e}", flush=True)
+        return row | {"status": f"error: {type(e).__name__}: {e}"[:300]}
+    row.update(steps_per_s=median, steps_per_s_min=min(rates), steps_per_s_max=max(rates), repeats=len(rates))
+    print(
+        f"  {impl:<12} N={n:<6,} {median:>14,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f}; build "
+        f"{t_build:.1f} s, total {time.perf_counter() - t0:.1f} s, peak RSS {row['peak_rss_mb']:,.0f} MiB)",
+        flush=True,
+    )
+    return row
+
+
+def _checked(num_envs, device: str, impls, repeats: int, min_seconds: float, env_id: str) -> tuple:
+    """:func:`run`'s arguments checked: ``(device, numbers of envs)``, the default numbers for the device where
+    ``num_envs`` is None. Raises ValueError as :func:`run` says."""
+    unknown = [i for i in impls if i not in ALL_IMPLS]
+    if unknown:
+        raise ValueError(f"unknown impl(s) {unknown}: expected some of {', '.join(ALL_IMPLS)}")
+    if not impls:
+        raise ValueError("impls is empty")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if num_envs is None:
+        num_envs = CUDA_NUM_ENVS if dev.type == "cuda" else CPU_NUM_ENVS
+    num_envs = [int(n) for n in num_envs]
+    if not num_envs or min(num_envs) < 1:
+        raise ValueError(f"num_envs must be positive integers, got {num_envs}")
+    if repeats < 1 or not min_seconds > 0:
+        raise ValueError(f"need repeats >= 1 and min_seconds > 0, got {repeats} and {min_seconds}")
+    if env_id not in ENV_IDS:
+        raise ValueError(f"unknown env id {env_id!r}: expected one of {', '.join(ENV_IDS)}")
+    return dev, num_envs
+
+
 def run(
     num_envs: Sequence[int] | None = None,
     device: str = "cpu",
@@ -360,24 +440,7 @@ def run(
     """
     from envs.site import load_site
 
-    unknown = [i for i in impls if i not in ALL_IMPLS]
-    if unknown:
-        raise ValueError(f"unknown impl(s) {unknown}: expected some of {', '.join(ALL_IMPLS)}")
-    if not impls:
-        raise ValueError("impls is empty")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    if num_envs is None:
-        num_envs = CUDA_NUM_ENVS if dev.type == "cuda" else CPU_NUM_ENVS
-    num_envs = [int(n) for n in num_envs]
-    if not num_envs or min(num_envs) < 1:
-        raise ValueError(f"num_envs must be positive integers, got {num_envs}")
-    if repeats < 1 or not min_seconds > 0:
-        raise ValueError(f"need repeats >= 1 and min_seconds > 0, got {repeats} and {min_seconds}")
-
-    if env_id not in ENV_IDS:
-        raise ValueError(f"unknown env id {env_id!r}: expected one of {', '.join(ENV_IDS)}")
+    dev, num_envs = _checked(num_envs, device, impls, repeats, min_seconds, env_id)
     site_obj = None
     if env_id == "EVHub-v0":
         site_obj = load_site(site)
@@ -396,57 +459,8 @@ def run(
     t_start = time.perf_counter()
     for n in num_envs:
         for impl in impls:
-            row_dev = dev if impl in OURS_IMPLS else torch.device("cpu")
-            row: dict[str, Any] = {
-                "impl": impl,
-                "device": str(row_dev),
-                "num_envs": n,
-                "steps_per_s": math.nan,
-                "steps_per_s_min": math.nan,
-                "steps_per_s_max": math.nan,
-                "repeats": 0,
-                "speedup_vs": math.nan,
-                "peak_rss_mb": math.nan,
-                "cuda_peak_mb": math.nan,
-                "status": "ok",
-            }
-            reason = _skip_reason(impl, n, max_inprocess_envs, max_subprocess_envs, sb3, row_dev)
-            if reason is not None:
-                row["status"] = f"skipped: {reason}"
-                rows.append(row)
-                print(f"  {impl:<12} N={n:<6,} skipped: {reason}", flush=True)
-                continue
-            _free_memory()
-            reset_peak_rss()
-            if row_dev.type == "cuda":
-                torch.cuda.synchronize(row_dev)
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(row_dev)
-            t0 = time.perf_counter()
-            try:
-                env, step, close = _build(impl, n, site_obj, row_dev, rng, env_id)
-                t_build = time.perf_counter() - t0
-                try:
-                    step(CUDA_WARMUP_STEPS if row_dev.type == "cuda" else WARMUP_STEPS)
-                    chunk = _calibrated_chunk(step, min_seconds, row_dev)
-                    median, rates = median_rate(step, repeats, min_seconds, row_dev, first_chunk=chunk)
-                    row["peak_rss_mb"] = peak_rss_mb()
-                    row["cuda_peak_mb"] = cuda_peak_mb(row_dev)
-                finally:
-                    close()
-                    del env, step, close
-            except Exception as e:  # one broken baseline must not lose the rest of the run
-                row["status"] = f"error: {type(e).__name__}: {e}"[:300]
-                rows.append(row)
-                print(f"  {impl:<12} N={n:<6,} ERROR {type(e).__name__}: {e}", flush=True)
-                continue
-            row.update(steps_per_s=median, steps_per_s_min=min(rates), steps_per_s_max=max(rates), repeats=len(rates))
-            rows.append(row)
-            print(
-                f"  {impl:<12} N={n:<6,} {median:>14,.0f} steps/s (min {min(rates):,.0f}, max {max(rates):,.0f}; build "
-                f"{t_build:.1f} s, total {time.perf_counter() - t0:.1f} s, peak RSS {row['peak_rss_mb']:,.0f} MiB)",
-                flush=True,
-            )
+            reason = _skip_reason(impl, n, max_inprocess_envs, max_subprocess_envs, sb3, _device_of(impl, dev))
+            rows.append(_measure(impl, n, dev, site_obj, rng, env_id, repeats, min_seconds, reason))
 
     df = pd.DataFrame(rows, columns=list(COLUMNS))
     df["num_envs"] = df["num_envs"].astype("int64")

@@ -401,22 +401,8 @@ def run(
         cfg = CONFIGS[n]
         steps, secs, every = BUDGETS[(cfg.settings, cfg.algo, device)]
         steps, secs, every = max(int(steps * scale), 1), secs * scale, max(int(every * scale), 1)
-        cmd = [
-            "--one",
-            n,
-            "--device",
-            device,
-            "--seed",
-            str(seed),
-            "--budget-steps",
-            str(steps),
-            "--budget-s",
-            str(secs),
-            "--eval-every-steps",
-            str(every),
-            "--out-dir",
-            str(out),
-        ]
+        cmd = ["--one", n, "--device", device, "--seed", str(seed), "--budget-steps", str(steps), "--budget-s"]
+        cmd += [str(secs), "--eval-every-steps", str(every), "--out-dir", str(out)]
         print(
             f"[{n} on {device}] {steps:,} env steps (SB3: at most {secs:.0f} s of training), evaluation every "
             f"{every:,} steps",
@@ -433,23 +419,8 @@ def run(
             continue
         curve = pd.DataFrame(res.pop("curve"))
         curves.append(curve.assign(config=n, device=device))
-        tt_s, tt_steps = time_to_target(curve, target)
-        rows.append(
-            base
-            | {
-                k: res[k]
-                for k in ("num_envs", "env_steps", "train_wall_s", "sps", "sps_steady", "peak_rss_mb", "cuda_peak_mb")
-            }
-            | {
-                "target_co2_kg": target,
-                "time_to_target_s": tt_s,
-                "steps_to_target": tt_steps,
-                "best_co2_kg": float(curve.co2_kg.min()),
-                "final_co2_kg": float(curve.co2_kg.iloc[-1]),
-                "status": "ok",
-            }
-        )
-        r = rows[-1]
+        rows.append(base | _summary_row(res, curve, target))
+        r, tt_s = rows[-1], rows[-1]["time_to_target_s"]
         reached = f"{tt_s:.1f} s" if math.isfinite(tt_s) else "not reached"
         _save(rows, curves, device, out)
         print(
@@ -458,6 +429,21 @@ def run(
             flush=True,
         )
     return _save(rows, curves, device, out)
+
+
+def _summary_row(res: dict, curve: pd.DataFrame, target: float) -> dict:
+    """A run's summary columns (:func:`run`) from its worker's result ``res`` and evaluation ``curve``, for the test
+    CO2 ``target`` (kg)."""
+    tt_s, tt_steps = time_to_target(curve, target)
+    kept = ("num_envs", "env_steps", "train_wall_s", "sps", "sps_steady", "peak_rss_mb", "cuda_peak_mb")
+    return {k: res[k] for k in kept} | {
+        "target_co2_kg": target,
+        "time_to_target_s": tt_s,
+        "steps_to_target": tt_steps,
+        "best_co2_kg": float(curve.co2_kg.min()),
+        "final_co2_kg": float(curve.co2_kg.iloc[-1]),
+        "status": "ok",
+    }
 
 
 def _save(rows: list[dict], curves: list[pd.DataFrame], device: str, out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -316,34 +316,68 @@ class EVHubVectorEnv(VectorEnv):
         self.device = torch.device(device)
         self.dtype = dtype
         self.full_split = full_split
-        T = self.data.num_steps
-        self.episode_steps = T if full_split else int(episode_steps or cfg.episode_steps)
+        self._set_window(episode_steps, window_end)
+        self.n_sockets = cfg.ev.n_sockets
+        self.n_groups = len(cfg.ev.groups)
+        self._set_spaces()
+        self._load_split()
+        self._load_priors(dc_prior, exo_prior)
+        b = cfg.bess
+        self._e_min = b.soc_min * b.capacity_kwh
+        self._e_max = b.soc_max * b.capacity_kwh
+        self._e_init = b.soc_initial * b.capacity_kwh
+        self._need_scale = self._socket_kw * 8.0  # (n_sockets,) kWh; an 8-hour full-power charge
+        self._num_steps_total = self.data.num_steps
+        self._load_physics(physics_dt_h)
+        self._export_credit = 1.0 if cfg.grid.export_credit == "moer" else 0.0  # exported kWh credited at MOER
+        self._init_state(edf)
+
+    # ------------------------------------------------------------------ set-up (__init__'s parts, in its order)
+    def _tensor(self, x, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x`` (array-like) as a tensor on the env's device, of ``dtype`` (default: the env's float dtype)."""
+        return torch.as_tensor(np.asarray(x), dtype=self.dtype if dtype is None else dtype, device=self.device)
+
+    def _set_window(self, episode_steps: int | None, window_end: int | None) -> None:
+        """The episode length and the end of the training windows, steps (``__init__``'s arguments).
+
+        Raises:
+            ValueError: a window longer than the split, or ``window_end`` outside ``[episode_steps, T]``.
+        """
+        T, split = self.data.num_steps, self.split
+        self.episode_steps = T if self.full_split else int(episode_steps or self.cfg.episode_steps)
         if self.episode_steps > T:
             raise ValueError(f"episode_steps={self.episode_steps} exceeds the {T} steps of split '{split}'")
-        self.window_end = T if window_end is None or full_split else int(window_end)
+        self.window_end = T if window_end is None or self.full_split else int(window_end)
         if not self.episode_steps <= self.window_end <= T:
             raise ValueError(
                 f"window_end={self.window_end} must lie in [episode_steps={self.episode_steps}, {T}] (the steps of "
                 f"split '{split}'): a training window of {self.episode_steps} steps must fit before it"
             )
-        self.n_sockets = cfg.ev.n_sockets
 
-        adim = action_dim(action_mode, self.n_sockets)
-        self.n_groups = len(cfg.ev.groups)
+    def _set_spaces(self) -> None:
+        """The action and observation spaces, single and batched, and the discrete mode's action table
+        (``(n_actions, 2)`` of the env's dtype).
+
+        Raises:
+            ValueError: an unknown action mode (:func:`action_dim`).
+        """
+        adim = action_dim(self.action_mode, self.n_sockets)
         odim = obs_dim(self.n_sockets, self.n_groups)
-        if action_mode == "discrete":
+        if self.action_mode == "discrete":
             self.single_action_space = gym.spaces.Discrete(adim)
-            self._discrete_actions = discrete_action_table().to(device=self.device, dtype=dtype)
+            self._discrete_actions = discrete_action_table().to(device=self.device, dtype=self.dtype)
         else:
             self.single_action_space = gym.spaces.Box(-1.0, 1.0, (adim,), np.float32)
         self.single_observation_space = gym.spaces.Box(-OBS_BOUND, OBS_BOUND, (odim,), np.float32)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, self.num_envs)
 
-        def t(x, dt=dtype):
-            return torch.as_tensor(np.asarray(x), dtype=dt, device=self.device)
-
-        d = self.data
+    def _load_split(self) -> None:
+        """The split's series and tables on the device, each ``(T, ...)`` of the env's dtype unless said: PV and load
+        (kW), MOER (kg/kWh), the observation's tables (:func:`observation_tables`), each socket's power ``(N,)`` kW,
+        the arrivals' need (kWh) and stay (steps, int64), the context (:mod:`envs.context`), and the session
+        thinning of training windows."""
+        d, t = self.data, self._tensor
         tables = observation_tables(d)
         self._pv_kw = t(tables["pv_kw"])
         self._load_kw = t(tables["load_kw"])
@@ -353,7 +387,7 @@ class EVHubVectorEnv(VectorEnv):
         self._demand_obs = t(tables["demand"])
         self._socket_kw = t(d.socket_kw)  # (n_sockets,) kW, each socket's own power
         self._total_socket_kw = math.fsum(d.socket_kw)  # kW, all sockets at full power (one kind: n_sockets * kW)
-        self._keep_min = 1.0 if full_split else float(cfg.episode.session_keep_min)
+        self._keep_min = 1.0 if self.full_split else float(self.cfg.episode.session_keep_min)
         self._thinning = self._keep_min < 1.0
         self._arrival_need = t(d.arrival_need_kwh)
         self._arrival_stay = t(d.arrival_stay_steps, torch.int64)
@@ -361,28 +395,36 @@ class EVHubVectorEnv(VectorEnv):
         n_moer = len(context.CONTEXT_MOER_LEADS_H)
         ctx[:, -n_moer:] = (ctx[:, -n_moer:] - MOER_CENTER) / MOER_SCALE
         self._context_obs = t(ctx)
+
+    def _load_priors(self, dc_prior: bool, exo_prior: bool) -> None:
+        """The priors of training windows (not ``full_split``; :mod:`envs.context`): the DC prior's sockets, arrival
+        share and context, and the exogenous prior's MOER mean and ``(3, 2)`` ranges of level, contrast and PV
+        scale."""
+        d, t = self.data, self._tensor
         # the DC prior (training windows only): which sockets, when cars come, and the context a unit rate adds
-        self._dc_prior = bool(dc_prior) and not full_split
+        self._dc_prior = bool(dc_prior) and not self.full_split
         dc = context.dc_sockets(d) if self._dc_prior else np.zeros(0, np.int64)
         self._dc_prior = self._dc_prior and len(dc) > 0
         self._dc_index = t(dc, torch.int64)
         self._dc_share = t(context.arrival_share(d)) if self._dc_prior else None
         self._dc_context = t(context.dc_prior_context(d)) if self._dc_prior else None
         # the exogenous prior (training windows only): the ranges of the per-window MOER level and contrast and PV scale
-        self._exo_prior = bool(exo_prior) and not full_split
+        self._exo_prior = bool(exo_prior) and not self.full_split
         if self._exo_prior:
             spread = context.exo_spread(d, self.window_end)
             self._exo_mean = spread["moer_mean"]
             self._exo_ranges = t([spread["level"], spread["contrast"], spread["pv_scale"]])  # (3, 2): lo, hi
 
-        b = cfg.bess
-        self._e_min = b.soc_min * b.capacity_kwh
-        self._e_max = b.soc_max * b.capacity_kwh
-        self._e_init = b.soc_initial * b.capacity_kwh
-        self._need_scale = self._socket_kw * 8.0  # (n_sockets,) kWh; an 8-hour full-power charge
-        self._num_steps_total = T
-        # the physics: at the site's step, or k sub-steps of a finer one per step (evaluation runs only)
-        self.substeps = 1 if physics_dt_h is None else timestep.substeps(cfg.dt_h, physics_dt_h)
+    def _load_physics(self, physics_dt_h: float | None) -> None:
+        """The physics: at the site's step, or ``substeps`` sub-steps of a finer one per step (evaluation runs only):
+        the physics split's PV, load (kW), MOER (kg/kWh) and arrivals on the device.
+
+        Raises:
+            ValueError: ``physics_dt_h`` not 5 minutes or not a divisor of the site's step, without ``full_split``,
+                or a physics split of another length.
+        """
+        T, t = self.data.num_steps, self._tensor
+        self.substeps = 1 if physics_dt_h is None else timestep.substeps(self.cfg.dt_h, physics_dt_h)
         if self.substeps > 1 and timestep.step_minutes(physics_dt_h) != timestep.step_minutes(timestep.PHYSICS_DT_H):
             raise ValueError(
                 f"physics_dt_h={physics_dt_h:.6g}: a finer physics runs at {timestep.PHYSICS_DT_H:.6g} h (5 "
@@ -390,9 +432,9 @@ class EVHubVectorEnv(VectorEnv):
             )
         self.physics = self.data
         if self.substeps > 1:
-            if not full_split:
+            if not self.full_split:
                 raise ValueError("physics_dt_h: a finer physics runs whole splits only (full_split=True)")
-            self.physics = self.site.physics_split(split)
+            self.physics = self.site.physics_split(self.split)
             if self.physics.num_steps != T * self.substeps:
                 raise ValueError(
                     f"physics_dt_h: the physics split has {self.physics.num_steps} steps, not {T} x {self.substeps}"
@@ -404,9 +446,15 @@ class EVHubVectorEnv(VectorEnv):
             self._arrival_need = t(ph.arrival_need_kwh)
             self._arrival_stay = t(ph.arrival_stay_steps, torch.int64)
         self._left_h = self.physics.dt_h  # hours per unit of ev_steps_left
-        self._export_credit = 1.0 if cfg.grid.export_credit == "moer" else 0.0  # exported kWh credited at MOER
 
-        B, N = num_envs, self.n_sockets
+    def _init_state(self, edf: str | None) -> None:
+        """The state, ``(num_envs, ...)`` tensors on the device (zeros until ``reset``), the random streams (seeded
+        from 0 until ``reset(seed=...)``) and the earliest-deadline-first method.
+
+        Raises:
+            ValueError: an unknown ``edf``.
+        """
+        B, N, dtype = self.num_envs, self.n_sockets, self.dtype
         z = lambda *s, dt=dtype: torch.zeros(*s, dtype=dt, device=self.device)  # noqa: E731
         self.t = z(B, dt=torch.int64)  # absolute step index in the split
         self.elapsed = z(B, dt=torch.int64)  # steps since episode start

@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("envs", "algos", "pipeline", "benchmarks")
-MAX_LINES = 150
+MAX_LINES = 100
 
 
 @dataclass(frozen=True)
@@ -296,7 +296,7 @@ def test_the_scanner_measures_functions_without_their_decorators():
     def body(indent: str, lines: int) -> str:
         return "\n".join(f"{indent}x = {i}" for i in range(lines))
 
-    fits = f"@functools.cache\n@functools.cache\ndef fits():\n{body('    ', MAX_LINES - 1)}\n"  # def + 149 lines
+    fits = f"@functools.cache\n@functools.cache\ndef fits():\n{body('    ', MAX_LINES - 1)}\n"  # def + 99 lines
     too_long = f"class C:\n    @staticmethod\n    def too_long():\n{body('        ', MAX_LINES)}\n"
     src = f"import functools\n\n\n{fits}\n\n{too_long}"
     line = src.splitlines().index("    def too_long():") + 1

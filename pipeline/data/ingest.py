@@ -238,13 +238,22 @@ def _files_at(steps: list[int]) -> str:
 
 
 def _pv_lines(src: Sources, info: dict) -> list[str]:
-    """The PV paragraphs of the README: the model of an hour, and how each finer step's values are made."""
-    import pvlib
+    """The PV paragraphs of the README: the model of an hour, and how each finer step's values are made (by the
+    weather's format: an EPW typical year, the clear-sky model, or measured output)."""
+    w = src.weather
+    if w.format == "epw":
+        head, steps, tail = _pv_epw_lines(src, info)
+    elif w.format == "clear-sky":
+        head, steps, tail = _pv_clear_sky_lines(src, info)
+    else:
+        return _pv_measured_lines(src, info)
+    return head + [""] + [f"{i}. {s}" for i, s in enumerate(steps, 1)] + [""] + tail
 
-    p, w = src.pv, src.weather
-    pv = info["pv"]
-    finer = _finer(info)
-    chain = [
+
+def _pv_chain(p) -> list[str]:
+    """The PVWatts chain's steps of the README, from plane of array to AC (``ALBEDO`` and ``TEMPERATURE`` stand for
+    the weather's own), for the PV parameters ``p`` (:class:`pipeline.data.sources.PVParams`)."""
+    return [
         f"Plane of array: `pvlib.irradiance.get_total_irradiance`, tilt {p.surface_tilt:g} deg, azimuth"
         f" {p.surface_azimuth:g} deg ({_compass(p.surface_azimuth)}), sky diffuse model `{p.transposition}`, ALBEDO, no"
         " incidence-angle modifier.",
@@ -260,112 +269,131 @@ def _pv_lines(src: Sources, info: dict) -> list[str]:
         f" {1 / p.dc_ac_ratio:.4f} kW per kWp, so AC output is capped at {p.eta_inv_nom / p.dc_ac_ratio:.3f}"
         " kW/kWp), floored at 0.",
     ]
-    if w.format == "epw":
-        meta = pv["metadata"]
-        lo, hi = pv["albedo_range"]
-        steps = [
-            f"`pvlib.iotools.read_epw` on `{pv['file']}`. EPW records are hour-ending local standard time of the"
-            f" file's header ({_utc_offset(meta['TZ'])}, no DST); read_epw labels each with its hour start. Solar"
-            " position (`pvlib.solarposition.get_solarposition`, the header's latitude, longitude and altitude, the"
-            " hour's pressure and temperature) at the middle of the hour.",
-            *chain,
-            f"Calendar: each UTC hour is converted to the file's local standard time ({_utc_offset(meta['TZ'])},"
-            " fixed offset, never DST) and takes the value with the same (month, day, hour); Feb 29 takes Feb 28's"
-            " values. The same typical year therefore repeats every calendar year: PV is not the weather of the"
-            " calendar years of the period.",
-        ]
-        if finer:
-            per = "; ".join(
-                f"{m} minutes: {info['steps'][m]['pv']['hours_equal_shares']:,} hour(s) of the period with equal"
-                f" shares, {info['steps'][m]['pv']['hours_capped']:,} capped, peak"
-                f" {info['steps'][m]['pv']['step_peak_kw_per_kwp']:.3f} kW/kWp"
-                for m in finer
-            )
-            steps.append(
-                f"Steps within the hour ({_files_at(finer)}): the weather file is hourly, so each hour is modelled as"
-                " above, then split into its steps in proportion to the clear-sky GHI at each step's middle"
-                f" (`pvlib.location.Location({meta['latitude']}, {meta['longitude']}, altitude={meta['altitude']:g})"
-                '.get_clearsky(times, model="haurwitz")`, the header\'s location; solar position at the middle of the'
-                " interval, as pvlib advises for interval-averaged data). An hour whose step middles all have the sun"
-                " below the horizon gets equal shares; a step's share above the AC limit"
-                f" ({p.eta_inv_nom / p.dc_ac_ratio:.3f} kW/kWp) is cut to it and the rest goes to the hour's other"
-                " steps in proportion to their clear-sky GHI (a clipped hour is clipped all through). The mean of an"
-                " hour's steps is therefore the hourly value exactly (up to float rounding): the steps add the sun's"
-                f" course within the hour, not the weather's. At {per}."
-            )
-        steps = [
-            s.replace("ALBEDO", f"ground albedo from the EPW ({lo:.2f}..{hi:.2f})").replace(
-                "TEMPERATURE", "EPW air temperature and wind speed"
-            )
-            for s in steps
-        ]
-        head = [
-            f"PV (pvlib {pvlib.__version__} PVWatts chain, per kWp DC), from the typical year of the weather file"
-            f" (WMO {meta.get('WMO_code', '?')}, {meta.get('city', '?')}, {meta.get('data_type', '')}, lat"
-            f" {meta['latitude']}, lon {meta['longitude']}, {meta['altitude']:.0f} m, {_utc_offset(meta['TZ'])}):",
-        ]
-        tail = [
-            f"Annual yield of the typical year: **{pv['annual_kwh_per_kwp']:.0f} kWh AC per kWp** (plane-of-array"
-            f" irradiation {pv['annual_poa_kwh_per_m2']:.0f} kWh/m2, GHI {pv['annual_ghi_kwh_per_m2']:.0f} kWh/m2;"
-            f" DC before the {p.losses_pct:.2f}% losses {pv['annual_dc_before_losses_kwh_per_kwp']:.0f}"
-            " kWh/kWp)."
-        ]
-    elif w.format == "clear-sky":
-        c = src.config.pv
-        lt = pv["linke_turbidity_range"]
-        n = w.substeps_per_hour
-        by_step = sorted(info["steps"], reverse=True)
-        subs = ", ".join(f"{info['steps'][m]['pv']['substeps_per_step']} in a {m}-minute step" for m in by_step)
-        aligned = all(n * m % 60 == 0 for m in by_step)
-        steps = [
-            f'`pvlib.location.Location({c.latitude}, {c.longitude}, tz="{src.config.timezone}", altitude='
-            f"{pv['altitude']:g})` (`[pv]` latitude, longitude, altitude_m); every {60 / n:g}-minute sub-step (at its"
-            " middle) gets solar position and Ineichen clear-sky GHI/DNI/DHI "
-            '(`Location.get_clearsky(model="ineichen")`,'
-            " Linke turbidity from `pvlib.clearsky.lookup_linke_turbidity`, pvlib's monthly climatology file "
-            "`LinkeTurbidities.h5` (SoDa service, Remund et al. 2003), interpolated to the day: "
-            f"{lt[0]:.2f}..{lt[1]:.2f} at this site).",
-            *chain,
-        ]
-        steps = [
-            s.replace("ALBEDO", f"albedo {w.albedo:g} (`[sources.weather] albedo`)").replace(
-                "TEMPERATURE",
-                f"constant air temperature {w.air_temp_c:g} C and wind {w.wind_speed_m_s:g} m/s"
-                " (`[sources.weather]` air_temp_c, wind_speed_m_s: clear-sky data carry no weather)",
-            )
-            for s in steps
-        ]
-        steps[-1] = steps[-1].replace(
-            "floored at 0.",
-            f"floored at 0; then the mean of the step's sub-steps ({subs})."
-            + (
-                " The sub-steps are the same instants at every step, so the mean of an hour's steps is the hourly"
-                " value (up to float rounding)."
-                if aligned
-                else f" The {n} sub-steps of an hour do not divide evenly into every step: the sub-steps of a step are"
-                " spread evenly over it, so an hour's steps average to its hourly value only approximately."
-            ),
+
+
+def _pv_epw_lines(src: Sources, info: dict) -> tuple[list[str], list[str], list[str]]:
+    """``(head, steps, tail)`` of the PV paragraphs for an EPW typical year: the file, the chain, the calendar, the
+    steps within the hour, and the annual yield."""
+    import pvlib
+
+    p, pv = src.pv, info["pv"]
+    finer = _finer(info)
+    meta = pv["metadata"]
+    lo, hi = pv["albedo_range"]
+    steps = [
+        f"`pvlib.iotools.read_epw` on `{pv['file']}`. EPW records are hour-ending local standard time of the"
+        f" file's header ({_utc_offset(meta['TZ'])}, no DST); read_epw labels each with its hour start. Solar"
+        " position (`pvlib.solarposition.get_solarposition`, the header's latitude, longitude and altitude, the"
+        " hour's pressure and temperature) at the middle of the hour.",
+        *_pv_chain(p),
+        f"Calendar: each UTC hour is converted to the file's local standard time ({_utc_offset(meta['TZ'])},"
+        " fixed offset, never DST) and takes the value with the same (month, day, hour); Feb 29 takes Feb 28's"
+        " values. The same typical year therefore repeats every calendar year: PV is not the weather of the"
+        " calendar years of the period.",
+    ]
+    if finer:
+        per = "; ".join(
+            f"{m} minutes: {info['steps'][m]['pv']['hours_equal_shares']:,} hour(s) of the period with equal"
+            f" shares, {info['steps'][m]['pv']['hours_capped']:,} capped, peak"
+            f" {info['steps'][m]['pv']['step_peak_kw_per_kwp']:.3f} kW/kWp"
+            for m in finer
         )
-        head = [
-            f"PV (pvlib {pvlib.__version__} clear-sky model through the PVWatts chain, per kWp DC; every day "
-            "cloudless):"
-        ]
-        tail = [
-            f"Clear-sky yield over the period: **{pv['annual_kwh_per_kwp']:,.0f} kWh AC per kWp** (clear-sky GHI "
-            f"{pv['annual_ghi_kwh_per_m2']:,.0f} kWh/m2, plane of array {pv['annual_poa_kwh_per_m2']:,.0f} "
-            "kWh/m2). Real years are cloudier: this is an upper bound of what the array can give."
-        ]
-    else:
-        return [
-            f"PV: measured output per kWp (`[sources.weather]` format `pv-csv`, column `{w.value_column}`, unit"
-            f" {w.unit}, timestamps {pv['resolution_min']:g} minutes apart), the mean of the values whose time falls"
-            f" in the step. Sum over the period: {pv['annual_kwh_per_kwp']:,.0f} kWh/kWp; peak"
-            f" {pv['peak_kw_per_kwp']:.3f} kW/kWp (hourly means)."
-            + "".join(
-                f" At {m} minutes: peak {info['steps'][m]['pv']['peak_kw_per_kwp']:.3f} kW/kWp." for m in _finer(info)
-            )
-        ]
-    return head + [""] + [f"{i}. {s}" for i, s in enumerate(steps, 1)] + [""] + tail
+        steps.append(
+            f"Steps within the hour ({_files_at(finer)}): the weather file is hourly, so each hour is modelled as"
+            " above, then split into its steps in proportion to the clear-sky GHI at each step's middle"
+            f" (`pvlib.location.Location({meta['latitude']}, {meta['longitude']}, altitude={meta['altitude']:g})"
+            '.get_clearsky(times, model="haurwitz")`, the header\'s location; solar position at the middle of the'
+            " interval, as pvlib advises for interval-averaged data). An hour whose step middles all have the sun"
+            " below the horizon gets equal shares; a step's share above the AC limit"
+            f" ({p.eta_inv_nom / p.dc_ac_ratio:.3f} kW/kWp) is cut to it and the rest goes to the hour's other"
+            " steps in proportion to their clear-sky GHI (a clipped hour is clipped all through). The mean of an"
+            " hour's steps is therefore the hourly value exactly (up to float rounding): the steps add the sun's"
+            f" course within the hour, not the weather's. At {per}."
+        )
+    steps = [
+        s.replace("ALBEDO", f"ground albedo from the EPW ({lo:.2f}..{hi:.2f})").replace(
+            "TEMPERATURE", "EPW air temperature and wind speed"
+        )
+        for s in steps
+    ]
+    head = [
+        f"PV (pvlib {pvlib.__version__} PVWatts chain, per kWp DC), from the typical year of the weather file"
+        f" (WMO {meta.get('WMO_code', '?')}, {meta.get('city', '?')}, {meta.get('data_type', '')}, lat"
+        f" {meta['latitude']}, lon {meta['longitude']}, {meta['altitude']:.0f} m, {_utc_offset(meta['TZ'])}):",
+    ]
+    tail = [
+        f"Annual yield of the typical year: **{pv['annual_kwh_per_kwp']:.0f} kWh AC per kWp** (plane-of-array"
+        f" irradiation {pv['annual_poa_kwh_per_m2']:.0f} kWh/m2, GHI {pv['annual_ghi_kwh_per_m2']:.0f} kWh/m2;"
+        f" DC before the {p.losses_pct:.2f}% losses {pv['annual_dc_before_losses_kwh_per_kwp']:.0f}"
+        " kWh/kWp)."
+    ]
+    return head, steps, tail
+
+
+def _pv_clear_sky_lines(src: Sources, info: dict) -> tuple[list[str], list[str], list[str]]:
+    """``(head, steps, tail)`` of the PV paragraphs for the clear-sky model: the sub-steps' clear sky, the chain, the
+    steps' means, and the period's yield (an upper bound)."""
+    import pvlib
+
+    p, w, pv = src.pv, src.weather, info["pv"]
+    c = src.config.pv
+    lt = pv["linke_turbidity_range"]
+    n = w.substeps_per_hour
+    by_step = sorted(info["steps"], reverse=True)
+    subs = ", ".join(f"{info['steps'][m]['pv']['substeps_per_step']} in a {m}-minute step" for m in by_step)
+    aligned = all(n * m % 60 == 0 for m in by_step)
+    steps = [
+        f'`pvlib.location.Location({c.latitude}, {c.longitude}, tz="{src.config.timezone}", altitude='
+        f"{pv['altitude']:g})` (`[pv]` latitude, longitude, altitude_m); every {60 / n:g}-minute sub-step (at its"
+        " middle) gets solar position and Ineichen clear-sky GHI/DNI/DHI "
+        '(`Location.get_clearsky(model="ineichen")`,'
+        " Linke turbidity from `pvlib.clearsky.lookup_linke_turbidity`, pvlib's monthly climatology file "
+        "`LinkeTurbidities.h5` (SoDa service, Remund et al. 2003), interpolated to the day: "
+        f"{lt[0]:.2f}..{lt[1]:.2f} at this site).",
+        *_pv_chain(p),
+    ]
+    steps = [
+        s.replace("ALBEDO", f"albedo {w.albedo:g} (`[sources.weather] albedo`)").replace(
+            "TEMPERATURE",
+            f"constant air temperature {w.air_temp_c:g} C and wind {w.wind_speed_m_s:g} m/s"
+            " (`[sources.weather]` air_temp_c, wind_speed_m_s: clear-sky data carry no weather)",
+        )
+        for s in steps
+    ]
+    steps[-1] = steps[-1].replace(
+        "floored at 0.",
+        f"floored at 0; then the mean of the step's sub-steps ({subs})."
+        + (
+            " The sub-steps are the same instants at every step, so the mean of an hour's steps is the hourly"
+            " value (up to float rounding)."
+            if aligned
+            else f" The {n} sub-steps of an hour do not divide evenly into every step: the sub-steps of a step are"
+            " spread evenly over it, so an hour's steps average to its hourly value only approximately."
+        ),
+    )
+    head = [
+        f"PV (pvlib {pvlib.__version__} clear-sky model through the PVWatts chain, per kWp DC; every day cloudless):"
+    ]
+    tail = [
+        f"Clear-sky yield over the period: **{pv['annual_kwh_per_kwp']:,.0f} kWh AC per kWp** (clear-sky GHI "
+        f"{pv['annual_ghi_kwh_per_m2']:,.0f} kWh/m2, plane of array {pv['annual_poa_kwh_per_m2']:,.0f} "
+        "kWh/m2). Real years are cloudier: this is an upper bound of what the array can give."
+    ]
+    return head, steps, tail
+
+
+def _pv_measured_lines(src: Sources, info: dict) -> list[str]:
+    """The PV paragraph for measured output per kWp (``pv-csv``): its column, unit and resolution, sum and peaks."""
+    w, pv = src.weather, info["pv"]
+    return [
+        f"PV: measured output per kWp (`[sources.weather]` format `pv-csv`, column `{w.value_column}`, unit"
+        f" {w.unit}, timestamps {pv['resolution_min']:g} minutes apart), the mean of the values whose time falls"
+        f" in the step. Sum over the period: {pv['annual_kwh_per_kwp']:,.0f} kWh/kWp; peak"
+        f" {pv['peak_kw_per_kwp']:.3f} kW/kWp (hourly means)."
+        + "".join(
+            f" At {m} minutes: peak {info['steps'][m]['pv']['peak_kw_per_kwp']:.3f} kW/kWp." for m in _finer(info)
+        )
+    ]
 
 
 def _carbon_lines(src: Sources, info: dict) -> tuple[list[str], list[str]]:

@@ -118,55 +118,9 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
                 log(f"ingest: skipped {label}: {why}")
             continue
         cover.append((label, len(d), span, "sessions", False))
-        energy = numbers(col["energy_kwh"], file=str(f), column_name=s.columns["energy_kwh"], kind=kind, allow_nan=True)
-        if ENERGY_UNITS[s.energy_unit] != 1.0:
-            energy = energy * ENERGY_UNITS[s.energy_unit]
-        if "session_id" in col:
-            ids = col["session_id"].astype(str)
-        else:
-            ids = pd.Series([f"{label}:{i}" for i in range(len(d))], index=d.index)
-        if "requested_energy_kwh" in col:
-            req = numbers(
-                col["requested_energy_kwh"],
-                file=str(f),
-                column_name=s.columns["requested_energy_kwh"],
-                kind=kind,
-                allow_nan=True,
-            )
-            if ENERGY_UNITS[s.energy_unit] != 1.0:
-                req = req * ENERGY_UNITS[s.energy_unit]
-        else:
-            req = energy
-        bad_time = (dep <= arr).to_numpy()
-        bad_energy = ~(energy > 0).to_numpy() & ~bad_time
-        out_period = ~inside & ~bad_time & ~bad_energy
-        dup = ids.isin(seen).to_numpy() & ~bad_time & ~bad_energy & ~out_period
-        keep = ~(bad_time | bad_energy | out_period | dup)
-        seen.update(ids[keep])
-        req_filled = int((req.isna().to_numpy() & keep).sum())
-        req = req.where(req.notna(), energy)
-        report.append(
-            {
-                "file": label,
-                "read": len(d),
-                "dropped_departure_not_after_arrival": int(bad_time.sum()),
-                "dropped_zero_energy": int(bad_energy.sum()),
-                "dropped_outside_period": int(out_period.sum()),
-                "dropped_duplicate_id": int(dup.sum()),
-                "kept": int(keep.sum()),
-                "requested_filled": req_filled,
-            }
-        )
-        frame = pd.DataFrame(
-            {
-                "session_id": ids[keep].astype(str),
-                "station_id": col["station_id"][keep].astype(str),
-                "arrival": arr[keep],
-                "departure": dep[keep],
-                "energy_kwh": energy[keep].astype(np.float32),
-                "requested_energy_kwh": req[keep].astype(np.float32),
-            }
-        )
+        ids, energy, req = _session_values(col, len(d), d.index, f, src, kind, label)
+        frame, counts, keep = _kept_sessions(ids, col["station_id"], arr, dep, energy, req, inside, seen)
+        report.append({"file": label, "read": len(d), **counts})
         frames.append(frame)
         out_rows = np.flatnonzero(keep)[~_in_any_split(arr[keep], cfg)]  # kept, but in no split
         if len(out_rows):
@@ -179,6 +133,89 @@ def read_sessions(src: Sources, log: Log = None) -> tuple[pd.DataFrame, dict]:
         sessions = pd.DataFrame({"arrival": pd.Series([], dtype="datetime64[ns, UTC]")})
     _check_session_splits(src, sessions, outside, cover)
     return sessions, {"report": report, "skipped": skipped}
+
+
+def _session_values(
+    col: dict, n: int, index: pd.Index, f: Path, src: Sources, kind: str, label: str
+) -> tuple[pd.Series, pd.Series, pd.Series]:
+    """``(ids, energy, requested)`` of the ``n`` raw sessions of file ``f`` (its rows ``index``; ``col``:
+    :func:`_session_columns`'s): the session ids (str; without a column, ``<label>:<row>``), the delivered and the
+    requested energy (float, kWh, NaN where missing; without a requested column, the delivered).
+
+    Raises:
+        SourceError: a non-numeric energy (file, column and row named).
+    """
+    s = src.sessions
+    energy = numbers(col["energy_kwh"], file=str(f), column_name=s.columns["energy_kwh"], kind=kind, allow_nan=True)
+    if ENERGY_UNITS[s.energy_unit] != 1.0:
+        energy = energy * ENERGY_UNITS[s.energy_unit]
+    if "session_id" in col:
+        ids = col["session_id"].astype(str)
+    else:
+        ids = pd.Series([f"{label}:{i}" for i in range(n)], index=index)
+    if "requested_energy_kwh" in col:
+        req = numbers(
+            col["requested_energy_kwh"],
+            file=str(f),
+            column_name=s.columns["requested_energy_kwh"],
+            kind=kind,
+            allow_nan=True,
+        )
+        if ENERGY_UNITS[s.energy_unit] != 1.0:
+            req = req * ENERGY_UNITS[s.energy_unit]
+    else:
+        req = energy
+    return ids, energy, req
+
+
+def _kept_sessions(
+    ids: pd.Series,
+    stations: pd.Series,
+    arr: pd.Series,
+    dep: pd.Series,
+    energy: pd.Series,
+    req: pd.Series,
+    inside: np.ndarray,
+    seen: set[str],
+) -> tuple[pd.DataFrame, dict, np.ndarray]:
+    """The sessions of one file that are kept (:func:`read_sessions`), ``seen`` updated with their ids.
+
+    Args:
+        ids, stations, arr, dep, energy, req: the file's ``(R,)`` columns (arrival and departure datetime64[ns, UTC],
+            energies kWh). inside: ``(R,)`` bool, arriving in the period. seen: the ids kept from earlier files.
+
+    Returns:
+        ``(frame, counts, keep)``: the kept rows in :func:`read_sessions`'s columns (a missing requested energy
+        filled with the delivered), the counts of the file's report (each reason to drop, ``kept``,
+        ``requested_filled``), and ``(R,)`` bool, which rows are kept.
+    """
+    bad_time = (dep <= arr).to_numpy()
+    bad_energy = ~(energy > 0).to_numpy() & ~bad_time
+    out_period = ~inside & ~bad_time & ~bad_energy
+    dup = ids.isin(seen).to_numpy() & ~bad_time & ~bad_energy & ~out_period
+    keep = ~(bad_time | bad_energy | out_period | dup)
+    seen.update(ids[keep])
+    req_filled = int((req.isna().to_numpy() & keep).sum())
+    req = req.where(req.notna(), energy)
+    counts = {
+        "dropped_departure_not_after_arrival": int(bad_time.sum()),
+        "dropped_zero_energy": int(bad_energy.sum()),
+        "dropped_outside_period": int(out_period.sum()),
+        "dropped_duplicate_id": int(dup.sum()),
+        "kept": int(keep.sum()),
+        "requested_filled": req_filled,
+    }
+    frame = pd.DataFrame(
+        {
+            "session_id": ids[keep].astype(str),
+            "station_id": stations[keep].astype(str),
+            "arrival": arr[keep],
+            "departure": dep[keep],
+            "energy_kwh": energy[keep].astype(np.float32),
+            "requested_energy_kwh": req[keep].astype(np.float32),
+        }
+    )
+    return frame, counts, keep
 
 
 def _session_columns(d: pd.DataFrame, f: Path, src: Sources, kind: str) -> tuple[dict, pd.Series, pd.Series]:

@@ -75,10 +75,54 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
             the state's time; the message names the field and its value.
     """
     cfg = site.config
-    tz, dt = cfg.timezone, pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
+    dt = pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
     now = as_timestamp(state.time, "time").tz_convert("UTC")
     if not (isinstance(state.soc, int | float) and 0.0 <= state.soc <= 1.0):
         raise LiveError(f"soc: {state.soc} is outside [0, 1] (a fraction of the battery's capacity)")
+    times, origin, end, t = _window(cfg, state, now, horizon_steps)
+    last_day = (end.tz_convert(cfg.timezone) - dt).date()
+    first_day = origin.tz_convert(cfg.timezone).date()
+    before = (first_day - pd.Timedelta(days=1)).isoformat()  # the history site's train split: unused, apart
+    hcfg = cfg.replace(
+        splits={"train": (before, before), "test": (first_day.isoformat(), last_day.isoformat())},
+        episode={"session_keep_min": 1.0},
+    )
+    grid = pd.date_range(origin, end, freq=dt, inclusive="left")
+    hh = state.series.assign(time=times).drop_duplicates("time", keep="last").set_index("time").reindex(grid)
+    hh = hh.astype({c: np.float32 for c in hh.columns if hh[c].dtype.kind in "fiu"})  # the ingested data's dtype
+    hh = blank_unrealised(hh, hh.index, now)  # nothing after the state's time is read
+    _check_known(hh, t, horizon_steps, state, dt)
+    series = hh.rename_axis("time").reset_index()
+
+    sessions = _sessions(state.sessions, origin, now, dt, t)
+    known = set(map(str, site.sessions.station_id.unique())) | set(sessions.station_id)
+    src = {
+        "config": site.source.get("config", cfg.name),
+        "series": "the state's series",
+        "sessions": "the state's sessions",
+    }
+    hsite = Site(hcfg, series, _with_stations(sessions, known, origin, dt), src)
+    data = hsite.split("test")
+    need, left, stations, connectors, transactions = _plugged(cfg, state, known, now)
+    b = cfg.bess
+    energy = min(max(float(state.soc), b.soc_min), b.soc_max) * b.capacity_kwh
+    if state.day_start is not None and not 0.0 <= state.day_start.soc <= 1.0:
+        raise LiveError(f"day_start.soc: {state.day_start.soc} is outside [0, 1]")
+    return History(hsite, data, t, energy, need, left, stations, connectors, transactions, state.day_start, site)
+
+
+def _window(
+    cfg, state: LiveState, now: pd.Timestamp, horizon_steps: int
+) -> tuple[pd.DatetimeIndex, pd.Timestamp, pd.Timestamp, int]:
+    """Where the history lies on the site's steps: ``(times, origin, end, t)``, the times of the state's series
+    (UTC), the history's first local midnight (UTC), the window's end (UTC, excluded: the state's ``window_end``,
+    else the local midnight after ``horizon_steps`` steps from ``now``) and the state's step from ``origin``.
+
+    Raises:
+        LiveError: a column of the series missing, no rows, a history that starts after ``now``, a time between
+            steps.
+    """
+    tz, dt = cfg.timezone, pd.Timedelta(timestep.step_timedelta(cfg.dt_h))
     h = state.series
     missing = [c for c in ("time", "pv_kw_per_kwp", "moer_kg_per_kwh", *FORECAST_COLUMNS) if c not in h]
     if missing:
@@ -95,27 +139,15 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     pos = (now - origin) / dt
     if pos != int(pos):
         raise LiveError(f"time: {state.time.isoformat()} is not on a step of the site (steps of {cfg.dt_h:g} h)")
-    t = int(pos)
     end = state.window_end
     if end is None:
         end = _local_midnight(now + horizon_steps * dt, tz, after=True)
-    end = end.tz_convert("UTC")
-    last_day = (end.tz_convert(tz) - dt).date()
-    first_day = origin.tz_convert(tz).date()
-    before = (first_day - pd.Timedelta(days=1)).isoformat()  # the history site's train split: unused, apart
-    hcfg = cfg.replace(
-        splits={"train": (before, before), "test": (first_day.isoformat(), last_day.isoformat())},
-        episode={"session_keep_min": 1.0},
-    )
-    grid = pd.date_range(origin, end, freq=dt, inclusive="left")
-    hh = h.assign(time=times).drop_duplicates("time", keep="last").set_index("time").reindex(grid)
-    hh = hh.astype({c: np.float32 for c in hh.columns if hh[c].dtype.kind in "fiu"})  # the ingested data's dtype
-    hh = blank_unrealised(hh, hh.index, now)  # nothing after the state's time is read
-    _check_known(hh, t, horizon_steps, state, dt)
-    series = hh.rename_axis("time").reset_index()
+    return times, origin, end.tz_convert("UTC"), int(pos)
 
-    sessions = _sessions(state.sessions, origin, now, dt, t)
-    known = set(map(str, site.sessions.station_id.unique())) | set(sessions.station_id)
+
+def _with_stations(sessions: pd.DataFrame, known: set[str], origin: pd.Timestamp, dt: pd.Timedelta) -> pd.DataFrame:
+    """``sessions`` and one row per ``known`` station two days before ``origin`` (the station list, no arrival), the
+    times ``datetime64[ns, UTC]``."""
     stamp = origin - pd.Timedelta(days=2)  # one row per station, before the split: the station list, no arrival
     phantoms = pd.DataFrame(
         {
@@ -129,14 +161,18 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     all_sessions = pd.concat([sessions[list(SESSION_COLUMNS)], phantoms], ignore_index=True)
     all_sessions["arrival"] = pd.to_datetime(all_sessions.arrival, utc=True).astype("datetime64[ns, UTC]")
     all_sessions["departure"] = pd.to_datetime(all_sessions.departure, utc=True).astype("datetime64[ns, UTC]")
-    src = {
-        "config": site.source.get("config", cfg.name),
-        "series": "the state's series",
-        "sessions": "the state's sessions",
-    }
-    hsite = Site(hcfg, series, all_sessions, src)
-    data = hsite.split("test")
+    return all_sessions
 
+
+def _plugged(cfg, state: LiveState, known: set[str], now: pd.Timestamp) -> tuple:
+    """The plugged cars as the env's socket state: ``(need, left, stations, connectors, transactions)``, ``need``
+    ``(N,)`` float64 kWh and ``left`` ``(N,)`` int64 steps to departure (0: free), and each socket's charge point,
+    connector and transaction (free: "", 0, None). A car given a station id takes its group's first free socket.
+
+    Raises:
+        LiveError: a car on an unknown or taken socket, a need that is not an energy >= 0, a departure not after
+            ``now``.
+    """
     N = cfg.ev.n_sockets
     need = np.zeros(N)
     left = np.zeros(N, np.int64)
@@ -182,11 +218,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
         need[i] = float(ev.need_kwh)
         left[i] = timestep.steps((dep.tz_convert("UTC") - now) / pd.Timedelta(hours=1), cfg.dt_h)
         stations[i], connectors[i], transactions[i] = str(station), int(ev.connector_id), ev.transaction_id
-    b = cfg.bess
-    energy = min(max(float(state.soc), b.soc_min), b.soc_max) * b.capacity_kwh
-    if state.day_start is not None and not 0.0 <= state.day_start.soc <= 1.0:
-        raise LiveError(f"day_start.soc: {state.day_start.soc} is outside [0, 1]")
-    return History(hsite, data, t, energy, need, left, stations, connectors, transactions, state.day_start, site)
+    return need, left, stations, connectors, transactions
 
 
 def _check_known(hh: pd.DataFrame, t: int, H: int, state: LiveState, dt: pd.Timedelta) -> None:

@@ -38,7 +38,7 @@ from ocpp.v16.enums import Action, ChargingProfileStatus, ClearChargingProfileSt
 from envs import timestep
 from envs.evhub import EVHubVectorEnv
 from envs.site import Site
-from pipeline.live.csms import SUBPROTOCOL, VENDOR
+from pipeline.live.ocpp16 import SUBPROTOCOL, VENDOR
 from pipeline.live.sources import default_mapping
 from pipeline.live.state import LiveError
 
@@ -424,7 +424,7 @@ async def run_local(
         db: the central system's store (a path, or a :class:`pipeline.live.store.Store`).
         feed: its MOER feed (default :class:`pipeline.live.sources.SiteDataFeed`).
         hooks: as :class:`SimSite`'s. reject: ``{charge point: n}``: it answers Rejected to its next ``n`` profiles.
-        options: the :class:`pipeline.live.csms.CsmsOptions` (``controller`` is set from ``controller``).
+        options: the :class:`pipeline.live.planning.CsmsOptions` (``controller`` is set from ``controller``).
     """
     from pipeline.live.csms import CentralSystem, CsmsOptions
     from pipeline.live.sources import SiteClock, SiteDataFeed
