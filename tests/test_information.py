@@ -58,12 +58,12 @@ def test_one_truth_at_a_time(tiny):
     np.testing.assert_array_equal(arrivals.moer_outlook(t, H), causal.moer_outlook(t, H))
     assert not np.array_equal(causal.moer_outlook(t, H), data.moer[t : t + H])
     need, left = np.zeros(data.config.ev.n_sockets), np.zeros(data.config.ev.n_sockets, np.int64)
-    for a, b in zip(arrivals.sessions(t, H, need, left), perfect.sessions(t, H, need, left)):
-        np.testing.assert_array_equal(a, b)  # the true arrivals, each a whole car
-    for a, b in zip(moer.sessions(t, H, need, left), causal.sessions(t, H, need, left)):
-        np.testing.assert_array_equal(a, b)  # the expected demand
+    for a, b in ((arrivals, perfect), (moer, causal)):  # the true arrivals, each a whole car; the expected demand
+        x, y = a.sessions(t, H, need, left), b.sessions(t, H, need, left)
+        for f in dataclasses.fields(x):
+            np.testing.assert_array_equal(getattr(x, f.name), getattr(y, f.name))
     truth, expected = perfect.sessions(t, H, need, left), causal.sessions(t, H, need, left)
-    assert len(truth[0]) > 0 and len(expected[0]) > 0 and (truth[4] == 1).all() and (expected[4] < 1).all()
+    assert len(truth) > 0 and len(expected) > 0 and (truth.weight == 1).all() and (expected.weight < 1).all()
 
 
 @pytest.fixture(scope="module")

@@ -299,7 +299,9 @@ def test_expected_demand_by_day_type_reads_the_last_days_of_the_same_type():
     flat = MPCController(data, PlannerParams(24, expected_demand_days=2, expected_demand_weight=1.0))
     plugged = (np.zeros(data.config.ev.n_sockets), np.zeros(data.config.ev.n_sockets, dtype=np.int64))
     a, b = flat.sessions(t, 24, *plugged), mpc.sessions(t, 24, *plugged)
-    assert not np.array_equal(np.sort(a[0]), np.sort(b[0])) or not np.allclose(np.sort(a[2]), np.sort(b[2]))
+    assert not np.array_equal(np.sort(a.arrival), np.sort(b.arrival)) or not np.allclose(
+        np.sort(a.energy_kwh), np.sort(b.energy_kwh)
+    )
 
 
 def test_the_day_policys_action_range_sits_around_its_centre(monkeypatch):

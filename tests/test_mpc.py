@@ -243,9 +243,9 @@ def test_moer_regression_reads_the_five_minute_values_causally_where_the_data_ha
 
 def _by_arrival(sessions) -> dict:
     """``{(arrival, departure, socket): (energy kWh, weight)}`` summed over the sessions of a window."""
-    arr, end, need, sock, weight = sessions
+    keys = zip(sessions.arrival.tolist(), sessions.departure.tolist(), sessions.socket.tolist())
     out: dict = {}
-    for key, e, w in zip(zip(arr.tolist(), end.tolist(), np.where(sock >= 0, sock, -1 - sock).tolist()), need, weight):
+    for key, e, w in zip(keys, sessions.energy_kwh, sessions.weight):
         e0, w0 = out.get(key, (0.0, 0.0))
         out[key] = (e0 + e, w0 + w)
     return out
@@ -273,7 +273,7 @@ def test_expected_demand_is_the_past_days_sessions():
             assert got[key][0] == pytest.approx(share * e) and got[key][1] == pytest.approx(share * w), key
     for days, weight in ((0, 1.0), (3, 0.0)):
         params = PlannerParams(H, expected_demand_days=days, expected_demand_weight=weight)
-        arr, *_ = MPCController(periodic, params).sessions(t, H, *plugged)
+        arr = MPCController(periodic, params).sessions(t, H, *plugged).arrival
         assert (arr == 0).all() and len(arr) == 2
 
 

@@ -14,7 +14,7 @@ from envs.kpis import balance_residual, evaluate_policy
 from envs.site import Site, load_site
 from pipeline.control import registry, scenario
 from pipeline.control.forecast import REGRESSION_WARMUP_DAYS
-from pipeline.control.mpc import STEP_KINDS, KeyKind, MPCController, PlannerParams, lp_key, plugged_evs
+from pipeline.control.mpc import STEP_KINDS, KeyKind, MPCController, PlannerParams, WindowSessions, lp_key, plugged_evs
 from pipeline.control.oracle import solve_oracle
 from pipeline.control.scenario import ScenarioMPC
 
@@ -66,7 +66,7 @@ def test_a_warm_start_reaches_each_hours_optimum_in_fewer_iterations(monkeypatch
 
     def checked(self, c, A_eq, b_eq, bounds, t, strict=True, keys=None):
         z = solve(self, c, A_eq, b_eq, bounds, t, strict, keys)
-        iterations[self.warm_start] += self._highs.getInfo().simplex_iteration_count
+        iterations[self.warm_start] += self.solver.highs.getInfo().simplex_iteration_count
         if keys is not None and self.warm_start:
             cold = solve(self, c, A_eq, b_eq, bounds, t, strict)
             assert float(c @ z) == pytest.approx(float(c @ cold), rel=1e-9, abs=1e-9), f"step {t}"
@@ -85,7 +85,7 @@ def test_a_warm_start_reaches_each_hours_optimum_in_fewer_iterations(monkeypatch
 
 
 def test_the_basis_kept_for_the_next_hour_is_the_one_highs_reports(monkeypatch):
-    """``warm_start`` keeps each solve's basis as statuses read off the solution (``mpc._basis_status``); they are
+    """``warm_start`` keeps each solve's basis as statuses read off the solution (``highs.basis_status``); they are
     exactly the statuses ``Highs.getBasis`` reports, column by column and row by row, in every hour of a split."""
     site = make_site(days=9, n_sockets=4, grid={"export_allowed": True, "export_credit": "moer"}, pv={"kwp": 25.0})
     data = site.split("train")
@@ -94,9 +94,9 @@ def test_the_basis_kept_for_the_next_hour_is_the_one_highs_reports(monkeypatch):
     def compare(self, c, A_eq, b_eq, bounds, t, strict=True, keys=None):
         z = solve(self, c, A_eq, b_eq, bounds, t, strict, keys)
         if keys is not None:
-            basis = self._highs.getBasis()
-            np.testing.assert_array_equal(self._basis[1], [int(s) for s in basis.col_status], err_msg=f"step {t}")
-            np.testing.assert_array_equal(self._basis[3], [int(s) for s in basis.row_status], err_msg=f"step {t}")
+            basis, kept = self.solver.highs.getBasis(), self.solver.basis
+            np.testing.assert_array_equal(kept.col_status, [int(s) for s in basis.col_status], err_msg=f"step {t}")
+            np.testing.assert_array_equal(kept.row_status, [int(s) for s in basis.row_status], err_msg=f"step {t}")
             checked.append(t)
         return z
 
@@ -133,16 +133,16 @@ def test_the_scenarios_lp_is_their_window_lps_stacked():
     m = ScenarioMPC(data, scenario.base_params(data.config), n_scenarios=5)
     need = np.array([12.0, 0.0, 4.0, 20.0])
     left = np.array([6, 0, 2, 9], dtype=np.int64)
-    cap, floor = m.step0_bounds(need, left)
+    bounds = m.step0_bounds(need, left)
     rng = np.random.default_rng(0)
     for t in (8 * 24 + 7, 9 * 24 + 20):
         H = min(m.H, data.num_steps - t)
         sessions = m.scenario_sessions(t, H, need, left)
         moers = m.moer_outlook(t, H) * rng.uniform(0.5, 1.5, (5, H))  # each scenario its own MOER
-        block = np.repeat(np.arange(5), [len(x[0]) for x in sessions])
-        merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
-        lp = m.window_lp(t, H, moers, 30.0, merged, cap, floor, block).lp
-        alone = [m.window_lp(t, H, moers[k], 30.0, x, cap, floor).lp for k, x in enumerate(sessions)]
+        merged = WindowSessions.concat(sessions, blocks=True)
+        np.testing.assert_array_equal(merged.block, np.repeat(np.arange(5), [len(x) for x in sessions]))
+        lp = m.window_lp(t, H, moers, 30.0, merged, bounds).lp
+        alone = [m.window_lp(t, H, moers[k], 30.0, x, bounds).lp for k, x in enumerate(sessions)]
         A, B = lp.A_eq.tocsc(), sp.block_diag([a.A_eq for a in alone], format="csc")
         for x, y in ((A.indptr, B.indptr), (A.indices, B.indices), (A.data, B.data)):
             np.testing.assert_array_equal(x, y)
@@ -160,13 +160,11 @@ def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
     t, H = 8 * 24 + 7, m.H
     need = np.array([12.0, 0.0, 4.0, 20.0])
     left = np.array([6, 0, 2, 9], dtype=np.int64)
-    cap, floor = m.step0_bounds(need, left)
+    bounds = m.step0_bounds(need, left)
     moer = m.moer_outlook(t, H)
     sessions = m.scenario_sessions(t, H, need, left)
-    assert len({len(x[0]) for x in sessions}) > 1  # the scenarios' arrivals differ
-    block = np.repeat(np.arange(4), [len(x[0]) for x in sessions])
-    merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
-    w = m.window_lp(t, H, np.tile(moer, (4, 1)), 10.0, merged, cap, floor, block)
+    assert len({len(x) for x in sessions}) > 1  # the scenarios' arrivals differ
+    w = m.window_lp(t, H, np.tile(moer, (4, 1)), 10.0, WindowSessions.concat(sessions, blocks=True), bounds)
     prob = m.probabilities()
     lp = m.two_stage(w, prob)
     assert lp.nonanticipativity_rows == (5 + len(w.blocks[0].col0)) * 3 == len(lp.b_eq) - len(w.lp.b_eq)
@@ -183,7 +181,7 @@ def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
     # each scenario alone plans another first step: the shared one is a compromise
     alone = []
     for x in sessions:
-        one = m.window_lp(t, H, moer, 10.0, x, cap, floor)
+        one = m.window_lp(t, H, moer, 10.0, x, bounds)
         o = one.lp
         alone.append(step0(m.solve(o.c, o.A_eq, o.b_eq, o.bounds, t), one.blocks[0]))
     assert any(not np.allclose(x, alone[0], atol=1e-6) for x in alone[1:])
@@ -214,16 +212,17 @@ def test_warm_start_keys_name_what_each_column_and_row_stands_for():
     need, left = np.array([12.0, 0.0, 4.0, 20.0]), np.array([6, 0, 2, 9], dtype=np.int64)
     np.testing.assert_array_equal(plugged_evs(need, left), [0, 2, 3])
     H = min(m.H, data.num_steps - t)
-    moers, sessions, block = m.window_futures(t, H, m.moer_outlook(t, H), need, left)
-    w = m.window_lp(t, H, moers, 10.0, sessions, *m.step0_bounds(need, left), block)
+    moers, sessions = m.window_futures(t, H, m.moer_outlook(t, H), need, left)
+    w = m.window_lp(t, H, moers, 10.0, sessions, m.step0_bounds(need, left))
     lp = m.decision_lp(w)
-    cols, rows = m.lp_keys(t, lp, sessions, block)
+    cols, rows = m.lp_keys(t, lp, sessions)
+    block = sessions.block
     kind, blk, b = cols >> 59, cols >> 50 & 511, cols & ((1 << 30) - 1)
     np.testing.assert_array_equal(blk, lp.col_block)
     for k, first in zip(STEP_KINDS, lp.off.per_step()):
         c = (first[:, None] + np.arange(H)).ravel()
         assert (kind[c] == k).all() and (b[c] == np.tile(t + np.arange(H), 3)).all()
-    plugged = sessions[3][lp.p_sess] >= 0
+    plugged = ~sessions.expected[lp.p_sess]
     assert (kind[lp.p_col[plugged]] == KeyKind.PLUGGED_EV).all()
     assert (kind[lp.p_col[~plugged]] == KeyKind.ARRIVING_EV).all() and (~plugged).any()
     assert (kind[lp.off.slack[block] + lp.s_local] == KeyKind.SLACK).all()
@@ -281,12 +280,12 @@ def test_scenarios_are_the_last_past_days_of_the_same_type_realised_before_the_h
                 assert list(got) == want
             else:  # a split's first days: the days there are, in turn
                 assert set(got) == set(want) and list(got[: len(want)]) == want
-        for s, (arr, end, e, sock, w) in enumerate(sessions):
-            assert arr[0] == 0 and sock[0] == 0 and e[0] == 3.0 and end[0] == 4  # the plugged EV first
-            new = sock < 0
-            assert (w == 1.0).all() and (arr[new] >= 1).all()
+        for s, x in enumerate(sessions):
+            arr, end, e, sock, new = x.arrival, x.departure, x.energy_kwh, x.socket, x.expected
+            assert arr[0] == 0 and sock[0] == 0 and e[0] == 3.0 and end[0] == 4 and not new[0]  # the plugged EV first
+            assert (x.weight == 1.0).all() and (arr[new] >= 1).all()
             src = t + arr[new] - days[s, arr[new]] * day
-            i = -1 - sock[new]
+            i = sock[new]
             np.testing.assert_array_equal(e[new], data.arrival_need_kwh[src, i])
             np.testing.assert_array_equal(end[new] - arr[new], data.arrival_stay_steps[src, i])
             ks = np.flatnonzero(days[s] > 0)

@@ -56,8 +56,8 @@ def test_the_fit_and_the_draws_at_t_do_not_read_what_comes_after_t():
     np.testing.assert_array_equal(a.rates, b.rates)
     np.testing.assert_array_equal(a.dispersion_phi, b.dispersion_phi)
     for x, y in zip(a.draw(t, 24, 5, np.random.default_rng(3)), b.draw(t, 24, 5, np.random.default_rng(3))):
-        for u, v in zip(x, y):
-            np.testing.assert_array_equal(u, v)
+        for f in dataclasses.fields(x):
+            np.testing.assert_array_equal(getattr(x, f.name), getattr(y, f.name))
     start = int(a.day_start[9])  # scored up to t, fit before t's day
     assert a.log_likelihood(start, t + 1 - start) == b.log_likelihood(start, t + 1 - start)
 
@@ -74,12 +74,12 @@ def test_draws_have_the_scenario_format_and_respect_window_groups_and_sockets():
     for g, stay, need in zip(model.s_group[:fit_n], model.s_stay[:fit_n], model.s_need[:fit_n]):
         past[g].add((int(stay), float(need)))
     drawn = 0
-    for arr, end, need, socket, weight in scenarios:
-        assert arr.dtype == end.dtype == socket.dtype == np.int64 and need.dtype == weight.dtype == np.float64
-        assert len(arr) == len(end) == len(need) == len(socket) == len(weight)
-        assert np.all((arr >= 1) & (arr <= H - 1)) and np.all(end > arr) and np.all(socket < 0)
+    for x in scenarios:
+        arr, end, need, i, weight = x.arrival, x.departure, x.energy_kwh, x.socket, x.weight
+        assert arr.dtype == end.dtype == i.dtype == np.int64 and need.dtype == weight.dtype == np.float64
+        assert len(arr) == len(end) == len(need) == len(i) == len(weight) == len(x.expected) == len(x.block)
+        assert np.all((arr >= 1) & (arr <= H - 1)) and np.all(end > arr) and x.expected.all()
         np.testing.assert_array_equal(weight, 1.0)
-        i = -1 - socket
         assert np.all(need <= data.socket_kw[i] * (end - arr) * data.config.dt_h + 1e-9) and np.all(need > 0)
         for a, e, n, s in zip(arr, end, need, i):  # each a past session of its socket's group, at a free socket
             assert (int(e - a), float(n)) in past[model.group_of_socket[s]]
@@ -88,11 +88,11 @@ def test_draws_have_the_scenario_format_and_respect_window_groups_and_sockets():
             on = np.flatnonzero(i == s)
             assert np.all(arr[on][1:] >= end[on][:-1])
         drawn += len(arr)
-    assert drawn > 0 and any(np.any(-1 - s == 2) for *_, s, _ in scenarios)  # the DC group draws too
+    assert drawn > 0 and any(np.any(x.socket == 2) for x in scenarios)  # the DC group draws too
     # the window stops at the split's end
     T = data.num_steps
-    for arr, *_ in model.draw(T - 3, 24, 4, np.random.default_rng(1)):
-        assert np.all(arr <= 2)
+    for x in model.draw(T - 3, 24, 4, np.random.default_rng(1)):
+        assert np.all(x.arrival <= 2)
 
 
 def test_log_likelihood_is_finite_from_the_first_day_on():

@@ -1,71 +1,71 @@
-"""Model predictive control: at each clock hour and each arrival, a linear program over the next ``horizon_h``
-hours at the site's step (the hours after the first in one-hour blocks below the hour); the plan is applied through
-the environment, held between plans.
+"""Model predictive control: the battery's and the EVs' power for the least CO2, planned by a linear program over the
+next hours and applied a step at a time.
 
-Two controllers share the code and differ only in what they know (:data:`PERFECT`):
+At each clock hour and on each arrival, :class:`MPCController` solves the window LP over the next ``horizon_h`` hours
+(the window ends at ``min(t + horizon_h, T)``, the split's end, where the env ends too) at the site's step, the hours
+after the first in one-hour blocks below the hour (:meth:`MPCController.periods`), and applies its first step through
+the env, holding the plan between plans. Two controllers share the code and differ in what they know
+(:data:`PERFECT`):
 
-* ``mpc`` (causal, the practitioner's baseline) knows at step ``t``:
+* ``mpc`` (causal) knows at step ``t`` the BESS energy and every plugged EV's remaining energy and steps to
+  departure (the env's ``energy_kwh``, ``ev_need_kwh``, ``ev_steps_left``; the sessions arriving at ``t`` are
+  plugged in by then); a causal MOER forecast for each step of the window (:mod:`pipeline.control.forecast`: the
+  per-lead :class:`~pipeline.control.forecast.MOERRegression` refit each day on what was realised before it,
+  :func:`~pipeline.control.forecast.profile_outlook` while it warms up); the modelled PV series over the window (a
+  typical year, the series the agents' look-ahead reads) and the config's constant base load; and an expected EV
+  demand (:meth:`MPCController.sessions`): every session that arrived at the same hour of one of the last
+  ``expected_demand_days`` days before ``t``, moved into the window with its stay, its energy and power scaled by
+  ``expected_demand_weight / expected_demand_days`` (a fraction of a car).
+* ``mpc_perfect`` knows the true MOER over the window and the sessions arriving within it (arrival step,
+  departure, energy), besides the same state and PV. ``MPCController(perfect_moer=True)`` or
+  ``perfect_arrivals=True`` gives one of the two truths only (:mod:`pipeline.study.information`).
 
-  - the BESS energy and every plugged EV's remaining energy and steps to departure (the env's state
-    ``energy_kwh``, ``ev_need_kwh``, ``ev_steps_left``; the sessions arriving at ``t`` are plugged in by then);
-  - MOER: a causal forecast for each step of the window (:mod:`pipeline.control.forecast`): the per-lead regression
-    :class:`~pipeline.control.forecast.MOERRegression`, refit at the start of every day on what was realised before
-    it, and :func:`~pipeline.control.forecast.profile_outlook` while the regression warms up;
-  - PV: the modelled series itself over the horizon (the PV of a typical year is known ahead: it is the same
-    series the agents' observation reads its 3-step and next-24-h PV look-ahead from); base load: the
-    config's constant;
-  - EV demand: the plugged EVs, and an expected demand (:meth:`MPCController.sessions`): every session that
-    arrived at the same hour of one of the last ``expected_demand_days`` days (7) before ``t``, plugged in at
-    that hour of the window with its stay and energy, and its energy and power scaled by
-    ``expected_demand_weight / expected_demand_days`` (a fraction of a car). Weight 1 plans for the mean of those
-    days; it overrates what uncertain cars absorb (the plan charges the battery from the grid, counting on the
-    expected cars to take the PV later, and curtails PV when they do not come), so the plan counts on
-    ``expected_demand_weight`` (0.75) of it.
+The window LP is :func:`pipeline.control.oracle.assemble_lp` over the window (balance, storage, EV energy with an
+unserved slack at the oracle's penalty) with:
 
-  What each part is worth on the shipped site is measured in ``docs/agents.md``.
-
-* ``mpc_perfect`` knows the true MOER over the horizon and the sessions arriving within it (arrival step,
-  departure, energy), besides the same state and PV.
-
-Between the two, a controller may be given the truth of one unknown only (``MPCController(perfect_moer=True)`` or
-``perfect_arrivals=True``) and forecast the other as ``mpc`` does: what knowing each is worth
-(:mod:`pipeline.study.information`).
-
-The window ends at ``min(t + horizon_h, T)`` (the split's end; the env ends there too).
-
-The LP is :func:`pipeline.control.oracle.assemble_lp` over the window (the oracle's variables and constraints:
-balance, storage, EV energy with an unserved slack at the oracle's penalty) with these additions:
-
-* Step-0 bounds that make the first step exactly what the env does with the mapped action: each plugged EV's
-  power lies in ``[floor_i, cap_i]`` (the env's least-laxity floor and ``min(socket_kw_i, need/dt)``, with each
-  socket's own power ``SplitData.socket_kw``, as every session's power limit in the window; floors
-  scaled down together, like the env's import-limit cut, if they cannot all be met within the import limit).
-* With ``grid.export_credit = "moer"``: exported energy earns its step's MOER outlook (the oracle's objective), and
-  step 0 keeps two dispatch rules of the env that the LP relaxes and the credit would otherwise tempt it to break
-  (the battery discharges only into the site's deficit; with ``ev.surplus_to_ev`` PV left over goes to the plugged
-  EVs before it is exported): where the plan breaks one, step 0 is solved both ways and the cheaper plan is kept
+* Step-0 bounds, so that the first step is what the env does with the mapped action: each plugged EV's power in
+  ``[floor_i, cap_i]``, the env's least-laxity floor and ``min(socket_kw_i, need_i / dt)`` (:class:`EVBounds`);
+  the floors scaled down together, as the env's import-limit cut, where the import limit cannot meet them all.
+* Deferral: a session leaving after the window may leave the energy it could still get after it (``socket_kw_i *
+  dt`` per step beyond the window) to later (column ``defer``), at the window's mean MOER outlook per kWh.
+* Terminal value: when the window ends before the split, each kWh left in the BESS at its end is worth
+  ``terminal_value * eta_discharge * mean(MOER outlook)`` kg (a negative cost on the last ``E``); the battery then
+  charges from the grid only in hours below about ``eta_c * eta_d`` times the window's mean MOER.
+* Tie-breaks far below any MOER difference, choosing among plans of equal CO2: :data:`EPS_CYCLE` per kWh charged and
+  discharged; :data:`EPS_CURTAIL` per kWh curtailed or exported, falling linearly to half of it at the window's end
+  (PV used rather than curtailed, and now rather than later); the import cost discounted by :data:`IMPORT_DISCOUNT`
+  linearly over the window (equal-MOER import as late as possible).
+* With ``grid.export_credit = "moer"``, export earns its step's MOER outlook (the oracle's objective), and step 0
+  keeps the env's two dispatch rules the credit would tempt the LP to break
   (:meth:`MPCController.apply_env_rules_at_step0`).
-* Sessions leaving after the window: the energy they could still get after it (``socket_kw_i * dt`` per step
-  beyond the window) may be deferred (column ``defer``), at a cost of the mean MOER forecast of the window per
-  kWh (what charging later is expected to cost); the rest must be served within it.
-* Terminal value: when the window ends before the split does, each kWh left in the BESS at its end is worth
-  ``TERMINAL_VALUE * eta_discharge * mean(MOER outlook)`` kg (negative cost on the last ``E``): without it stored
-  energy would be worthless past the window. The battery then charges from the grid only in hours below about
-  ``eta_c * eta_d`` times the window's mean MOER and discharges in hours above it (unless the window itself
-  shows a better use).
-* Tie-breaks, each far below any MOER difference (a few 1e-4 kg/kWh at most) so that they only choose between plans of
-  equal CO2: ``EPS_CYCLE`` per kWh charged and per kWh discharged (no charge and discharge in one step, no battery
-  energy burnt into curtailment, no cycling without a CO2 gain); ``EPS_CURTAIL`` per kWh curtailed or exported (with
-  ``grid.export_credit = "none"`` the CO2 objective gives export no value; with ``"moer"`` export earns its step's MOER
-  forecast, as in the oracle, and the tie-break only orders plans of equal CO2), falling linearly to half of it at the
-  window's end (PV is used rather than curtailed, and used now rather than later: a PV surplus goes into the battery or
-  the plugged EVs when it occurs, even where the window's later PV would fill them anyway, as the env's
-  ``surplus_to_ev`` does); the import cost is discounted by ``IMPORT_DISCOUNT`` (relative) linearly over the window
-  (equal-MOER import happens as late as possible, keeping room for PV and new cars).
 
-Action mapping (``action_mode="socket"``, ``bess_action="setpoint"``): ``a_bess = (ch - dis) / power_kw``;
-socket ``i``: ``a_i = (P_i - floor_i) / (cap_i - floor_i)`` (0 where ``cap_i = floor_i``), inverting the env's
-``P_i = floor_i + a_i * (cap_i - floor_i)``.
+HiGHS solves it (:mod:`pipeline.control.highs`), warm-started from the last hour's basis with ``warm_start``.
+
+Parameters:
+    horizon_h (int, hours): the window's length.
+    expected_demand_days (int, days): the past days the expected demand is drawn from.
+    expected_demand_weight (float, [0, 1]): the share of their mean demand the plan counts on.
+    terminal_value (float, multiple of ``eta_discharge`` times the window's mean MOER outlook, kg/kWh): the value of a
+        kWh left in the battery at the window's end.
+    moer_contrast, moer_bias, moer_near_contrast_1_2h, moer_near_contrast_3_5h (float, dimensionless): how the MOER
+        outlook is planned on (1, 0, 1, 1: as forecast).
+    demand_day_type (bool): the expected demand of each hour from past days of its own day type.
+    moer_half_life_days (float, days), moer_five_minute (bool): the MOER regression's fit.
+    These are :class:`PlannerParams`' fields (``mpc`` reads the first three from the site's ``[mpc]`` table); the
+    tie-breaks are the module's constants :data:`EPS_CYCLE`, :data:`EPS_CURTAIL` (kg/kWh) and :data:`IMPORT_DISCOUNT`
+    (relative).
+
+Returns:
+    Each plan, a :class:`Plan`: the first step's flows (kW) and the env's socket action (``action_mode="socket"``,
+    ``bess_action="setpoint"``) that applies them, ``a_bess = (ch - dis) / power_kw`` and ``a_i = (P_i - floor_i) /
+    (cap_i - floor_i)`` for socket ``i`` (0 where ``cap_i = floor_i``; the env's ``P_i = floor_i + a_i * (cap_i -
+    floor_i)`` inverted); and the battery's and plugged EVs' power over the window. :func:`run_mpc`: a whole split's
+    KPI row and traces (:func:`envs.kpis.evaluate_policy`).
+
+References:
+    docs/pipeline.md, "Model predictive control" and "The planner's step"; docs/agents.md, what each piece of
+    information is worth and "How much of the expected demand to count on" (why the plan counts on 0.75 of it);
+    :mod:`pipeline.control.oracle`, the LP it builds on.
 """
 
 from __future__ import annotations
@@ -74,7 +74,6 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
 
-import highspy
 import numpy as np
 import pandas as pd
 import torch
@@ -85,18 +84,21 @@ from envs.evhub import EVHubVectorEnv
 from envs.kpis import evaluate_policy
 from envs.site import Site, SplitData, load_site
 from pipeline.control.forecast import LEARNED_HALF_LIFE_DAYS, MOERRegression, hourly_view, profile_outlook
+from pipeline.control.highs import LPSolver
 from pipeline.control.oracle import LP, Offsets, assemble_lp
 
 PERFECT = {"mpc": False, "mpc_perfect": True}
 """MPC controllers by name -> whether they get perfect information within the horizon."""
 
 EPS_CYCLE = 1e-4
-"""Tie-break cost per kWh charged and per kWh discharged, kg (MOER is ~0.1-0.7 kg/kWh)."""
+"""Tie-break cost per kWh charged and per kWh discharged, kg (MOER is ~0.1-0.7 kg/kWh): no charge and discharge in one
+step, no battery energy burnt into curtailment, no cycling without a CO2 gain."""
 EPS_CURTAIL = 3e-4
 """Tie-break cost per kWh of PV curtailed or exported in the window's first step, kg; half of it at the window's end.
 Above ``2 * EPS_CYCLE``, so PV goes into the battery or the EVs, now, rather than being curtailed or exported."""
 IMPORT_DISCOUNT = 1e-4
-"""Relative discount of the import cost at the window's end (linear from 0 at its first step)."""
+"""Relative discount of the import cost at the window's end (linear from 0 at its first step): equal-MOER import as
+late as possible, keeping room for PV and new cars."""
 TERMINAL_VALUE = 1.0
 """Value of the BESS energy left at the end of a window that ends before the split does, per kWh, as a multiple of
 ``eta_discharge * mean(MOER outlook of the window)`` (kg): the CO2 a kWh stored displaces when discharged at an
@@ -213,7 +215,7 @@ class KeyKind(IntEnum):
     """What a column or row of a window LP stands for, the first field of its warm-start key (:func:`lp_key`).
 
     The key's other fields: the block (scenario; 0 for a non-anticipativity row), ``a`` (a session's socket code: a
-    plugged EV's socket ``i``, an expected arrival's ``2**19 + i``; 0 for a per-step column or row) and ``b`` (the
+    plugged EV's socket ``i``, an expected arrival's ``KEY_SOCKETS + i``; 0 for a per-step column or row) and ``b`` (the
     absolute step; for an expected arrival's EV power ``arrival_step << 10 | step_within_its_stay``; for a session's
     slack, deferral and EV-energy row its absolute arrival step, 0 when plugged; for a non-anticipativity row its
     index among them).
@@ -244,6 +246,9 @@ class KeyKind(IntEnum):
     """A row tying a step-0 column of a scenario to the first scenario's (:mod:`pipeline.control.scenario`)."""
 
 
+KEY_SOCKETS = 1 << 19
+"""The socket code of an expected arrival at socket ``i`` is ``KEY_SOCKETS + i`` (a plugged EV's: ``i``), so that the
+two never share a key."""
 STEP_KINDS = (KeyKind.CHARGE, KeyKind.DISCHARGE, KeyKind.ENERGY, KeyKind.IMPORT, KeyKind.CURTAIL, KeyKind.EXPORT)
 """The kinds of the per-step columns, in :meth:`pipeline.control.oracle.Offsets.per_step`'s order."""
 
@@ -316,6 +321,93 @@ def plugged_evs(need_kwh: np.ndarray, steps_left: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class EVBounds:
+    """The env's bounds on each socket's EV power in one step (:func:`step_bounds`), kW, ``(N,)`` float64 each: ``cap``
+    (``min(socket_kw, need / dt)`` for a plugged car, 0 at a free socket) and the least-laxity ``floor`` below it."""
+
+    cap: np.ndarray
+    floor: np.ndarray
+
+
+@dataclass(frozen=True)
+class WindowSessions:
+    """The sessions a window LP plans for (:meth:`MPCController.sessions`): the plugged EVs (first) and the arrivals
+    expected in the window; with several blocks (scenarios), each block's in turn. ``S`` sessions, each field ``(S,)``.
+
+    Attributes:
+        arrival: int64, the session's first step in the window, steps from ``t`` (0 for a plugged EV).
+        departure: int64, its departure step, steps from ``t``, exclusive (may lie past the window).
+        energy_kwh: float64, the energy it is to get, kWh (an expected arrival's scaled by its weight).
+        socket: int64, its socket (a plugged EV's; the one an expected arrival comes to).
+        expected: bool, an expected arrival (True) or a plugged EV (False).
+        weight: float64, the share of its socket's power it may draw, in (0, 1] (1 for a real session).
+        block: int64, its block (scenario) of the window LP (:meth:`MPCController.window_lp`), non-decreasing; 0 with
+            one block.
+    """
+
+    arrival: np.ndarray
+    departure: np.ndarray
+    energy_kwh: np.ndarray
+    socket: np.ndarray
+    expected: np.ndarray
+    weight: np.ndarray
+    block: np.ndarray
+
+    def __len__(self) -> int:
+        """``S``, the number of sessions."""
+        return len(self.arrival)
+
+    @classmethod
+    def plugged(cls, need_kwh: np.ndarray, steps_left: np.ndarray) -> WindowSessions:
+        """The plugged EVs that still need energy (:func:`plugged_evs`), from each socket's remaining energy (kWh) and
+        steps to departure, ``(N,)`` each; in socket order, weight 1, block 0."""
+        i = plugged_evs(need_kwh, steps_left)
+        n = len(i)
+        return cls(
+            np.zeros(n, np.int64),
+            steps_left[i].astype(np.int64),
+            need_kwh[i].astype(np.float64),
+            i,
+            np.zeros(n, bool),
+            np.ones(n),
+            np.zeros(n, np.int64),
+        )
+
+    @classmethod
+    def arrivals(
+        cls, arrival: np.ndarray, departure: np.ndarray, energy_kwh: np.ndarray, socket: np.ndarray, weight=None
+    ) -> WindowSessions:
+        """Expected arrivals at steps ``arrival`` (from ``t``) until ``departure``, with ``energy_kwh`` (kWh) at
+        ``socket``, each ``(S,)``; ``weight`` ``(S,)`` (default 1); block 0."""
+        n = len(arrival)
+        return cls(
+            np.asarray(arrival, np.int64),
+            np.asarray(departure, np.int64),
+            np.asarray(energy_kwh, np.float64),
+            np.asarray(socket, np.int64),
+            np.ones(n, bool),
+            np.ones(n) if weight is None else np.asarray(weight, np.float64),
+            np.zeros(n, np.int64),
+        )
+
+    @classmethod
+    def concat(cls, parts: list[WindowSessions], blocks: bool = False) -> WindowSessions:
+        """``parts``' sessions one after another; with ``blocks``, part ``k``'s in block ``k`` (the scenarios of
+        :mod:`pipeline.control.scenario`), else in the blocks they hold."""
+        cat = np.concatenate
+        block = [np.full(len(x), k, np.int64) for k, x in enumerate(parts)] if blocks else [x.block for x in parts]
+        return cls(
+            cat([x.arrival for x in parts]),
+            cat([x.departure for x in parts]),
+            cat([x.energy_kwh for x in parts]).astype(np.float64),
+            cat([x.socket for x in parts]),
+            cat([x.expected for x in parts]),
+            cat([x.weight for x in parts]),
+            cat(block),
+        )
+
+
+@dataclass(frozen=True)
 class WindowBlock:
     """One block (scenario) of a window LP (:meth:`MPCController.window_lp`): where its step-0 decisions lie.
 
@@ -383,6 +475,7 @@ class MPCController:
         day_steps: steps per day.
         weekend: whether each step of the split lies on a weekend (local time), ``(T,)`` bool.
         solves, solve_s: number of LP solves and their total seconds (build + HiGHS).
+        solver: the :class:`~pipeline.control.highs.LPSolver` of its solves (its HiGHS and the basis kept).
         plans: the :class:`Plan` of every solve when ``keep_plans`` is set.
 
     Extension interface: :meth:`plan` is a template. A planner over other futures (the scenarios of
@@ -411,13 +504,7 @@ class MPCController:
     def __post_init__(self):
         if self.perfect or (self.perfect_moer and self.perfect_arrivals):
             self.perfect = self.perfect_moer = self.perfect_arrivals = True
-        self._highs = highspy.Highs()
-        self._highs.setOptionValue("output_flag", False)
-        self._highs.setOptionValue("random_seed", 0)
-        self._highs.setOptionValue("threads", 1)
-        self._basis: tuple | None = None  # (column keys, their statuses, row keys, theirs) of the last solve
-        if not self.presolve:
-            self._highs.setOptionValue("presolve", "off")
+        self.solver = LPSolver(self.presolve)
         cfg = self.data.config
         if self.params is None:
             self.params = PlannerParams.of_site(cfg)
@@ -500,23 +587,19 @@ class MPCController:
             out[:k] = np.maximum(out[:k] + shape[:k], 0.0)
         return out
 
-    def sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray):
-        """The window's sessions: the plugged EVs (one per socket) and those expected to arrive in ``(t, t+H)``.
+    def sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray) -> WindowSessions:
+        """The window's sessions: the plugged EVs (one per socket, from each socket's remaining energy, kWh, and steps
+        to departure, ``(N,)`` each) and those expected to arrive in ``(t, t+H)``.
 
         Expected arrivals: with ``perfect_arrivals``, the true ones; otherwise every session that arrived at step
         ``s <= t`` with ``s + j * day`` in ``(t, t+H)`` for some ``j`` in ``1..expected_demand_days``, moved to that
         step with its stay, weighted ``expected_demand_weight / expected_demand_days`` (module docstring).
 
         Returns:
-            ``(arr, end, need, socket, weight)``: first step in the window, departure step relative to ``t`` (may lie
-            past ``H``), energy kWh (weighted), socket (the socket of a plugged EV; ``-1 - i`` for an expected
-            arrival at socket ``i``) and weight (the share of its socket's power it may draw: 1 for a real session),
-            ``(S,)`` each.
+            the :class:`WindowSessions`, one block.
         """
         d = self.data
-        plugged = plugged_evs(need, steps_left)
-        arr, end = [np.zeros(len(plugged), np.int64)], [steps_left[plugged].astype(np.int64)]
-        e, sock, w = [need[plugged]], [plugged], [np.ones(len(plugged))]
+        plugged = WindowSessions.plugged(need, steps_left)
         p = self.params
         if self.perfect_arrivals:
             sources = [(t, 1.0)]
@@ -536,17 +619,15 @@ class MPCController:
             steps.append(s)
             shifts.append(np.full(len(s), shift))
             shares.append(np.full(len(s), float(share)))
-        if steps:
-            s, shift, share = np.concatenate(steps), np.concatenate(shifts), np.concatenate(shares)
-            r, i = np.nonzero(d.arrival_stay_steps[s] > 0)  # source by source, step by step, socket by socket
-            k = s[r] - shift[r]
-            arr.append(k)
-            end.append(k + d.arrival_stay_steps[s[r], i])
-            e.append(d.arrival_need_kwh[s[r], i] * share[r])
-            sock.append(-1 - i.astype(np.int64))
-            w.append(share[r])
-        cat = np.concatenate
-        return cat(arr), cat(end), cat(e).astype(np.float64), cat(sock), cat(w)
+        if not steps:
+            return plugged
+        s, shift, share = np.concatenate(steps), np.concatenate(shifts), np.concatenate(shares)
+        r, i = np.nonzero(d.arrival_stay_steps[s] > 0)  # source by source, step by step, socket by socket
+        k = s[r] - shift[r]
+        expected = WindowSessions.arrivals(
+            k, k + d.arrival_stay_steps[s[r], i], d.arrival_need_kwh[s[r], i] * share[r], i, share[r]
+        )
+        return WindowSessions.concat([plugged, expected])
 
     def past_days(self, t: int, H: int, n: int, same_type: bool = True) -> list[np.ndarray]:
         """The past days the window's steps may be drawn from: for each step ``t + k`` of the window, the ``n`` most
@@ -616,15 +697,15 @@ class MPCController:
         need_all = np.asarray(ev_need_kwh, dtype=np.float64)
         left_all = np.asarray(ev_steps_left, dtype=np.int64)
         moer = self.moer_outlook(t, H)
-        cap_all, floor_all = self.step0_bounds(need_all, left_all)
-        moers, sessions, block = self.window_futures(t, H, moer, need_all, left_all)
-        w = self.window_lp(t, H, moers, energy_kwh, sessions, cap_all, floor_all, block)
+        ev_bounds = self.step0_bounds(need_all, left_all)
+        moers, sessions = self.window_futures(t, H, moer, need_all, left_all)
+        w = self.window_lp(t, H, moers, energy_kwh, sessions, ev_bounds)
         lp = self.decision_lp(w)
-        keys = self.lp_keys(t, lp, sessions, block, w.blocks[0].period_steps) if self.warm_start else None
+        keys = self.lp_keys(t, lp, sessions, w.blocks[0].period_steps) if self.warm_start else None
         z = self.solve(lp.c, lp.A_eq, lp.b_eq, lp.bounds, t, keys=keys)
         if self.data.config.grid.export_credit == "moer":
-            z = self.apply_env_rules_at_step0(lp, w.blocks[0], z, t, cap_all[w.blocks[0].s0])
-        plan = self.window_plan(t, z, lp, w, moers, cap_all, floor_all)
+            z = self.apply_env_rules_at_step0(lp, w.blocks[0], z, t, ev_bounds.cap[w.blocks[0].s0])
+        plan = self.window_plan(t, z, lp, w, moers, ev_bounds)
         self.solves += 1
         self.solve_s += time.perf_counter() - t0
         if self.keep_plans:
@@ -633,51 +714,55 @@ class MPCController:
 
     def window_futures(
         self, t: int, H: int, moer: np.ndarray, need_all: np.ndarray, left_all: np.ndarray
-    ) -> tuple[np.ndarray, tuple, np.ndarray | None]:
-        """What the window LP plans for (a step of :meth:`plan`): ``(moer, sessions, block)`` for :meth:`window_lp`.
-        Here one future: the outlook ``moer`` (``(H,)`` kg/kWh) and :meth:`sessions` (from each socket's remaining
-        energy and steps, ``(N,)`` each), one block (``block`` None)."""
-        return moer, self.sessions(t, H, need_all, left_all), None
+    ) -> tuple[np.ndarray, WindowSessions]:
+        """What the window LP plans for (a step of :meth:`plan`): ``(moer, sessions)`` for :meth:`window_lp`. Here one
+        future: the outlook ``moer`` (``(H,)`` kg/kWh) and :meth:`sessions` (from each socket's remaining energy and
+        steps, ``(N,)`` each), one block."""
+        return moer, self.sessions(t, H, need_all, left_all)
 
     def decision_lp(self, w: WindowLP) -> LP:
         """The LP solved for the window LP ``w`` (a step of :meth:`plan`): here ``w.lp`` itself."""
         return w.lp
 
-    def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, cap_all, floor_all) -> Plan:
+    def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, ev_bounds: EVBounds) -> Plan:
         """The :class:`Plan` of the solution ``z`` of :meth:`decision_lp`'s ``lp`` (a step of :meth:`plan`): here
-        :meth:`plan_of` its one block, for the outlook ``moer`` (``(H,)``) and the env's bounds (``(N,)`` kW each)."""
-        return self.plan_of(t, z, lp, w.blocks[0], moer, cap_all, floor_all)
+        :meth:`plan_of` its one block, for the outlook ``moer`` (``(H,)``) and the env's bounds of this step."""
+        return self.plan_of(t, z, lp, w.blocks[0], moer, ev_bounds)
 
-    def step0_bounds(self, need_all: np.ndarray, left_all: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The env's per-socket power bounds of this step (``EVHubVectorEnv._ev_bounds``): ``(cap, floor)``, kW,
-        ``(N,)`` each, from each socket's remaining energy (kWh) and steps to departure."""
+    def step0_bounds(self, need_all: np.ndarray, left_all: np.ndarray) -> EVBounds:
+        """The env's per-socket power bounds of this step (``EVHubVectorEnv._ev_bounds``), from each socket's
+        remaining energy (kWh) and steps to departure, ``(N,)`` each."""
         cfg = self.data.config
-        return step_bounds(need_all, left_all, self.data.socket_kw, cfg.dt_h, cfg.ev.deadline_floor)
+        return EVBounds(*step_bounds(need_all, left_all, self.data.socket_kw, cfg.dt_h, cfg.ev.deadline_floor))
 
     def window_lp(
-        self, t: int, H: int, moer: np.ndarray, energy_kwh: float, sessions: tuple, cap_all, floor_all, block=None
+        self, t: int, H: int, moer: np.ndarray, energy_kwh: float, sessions: WindowSessions, ev_bounds: EVBounds
     ) -> WindowLP:
-        """The window LP of the module docstring at step ``t`` over ``H`` steps for the MOER outlook ``moer`` (``(H,)``
-        kg/kWh) and the window's ``sessions`` (:meth:`sessions`' tuple, the plugged EVs first): the oracle's LP with
-        the deferral, terminal value, tie-breaks and the env's step-0 bounds (``cap_all``, ``floor_all``: ``(N,)`` kW).
-        Or ``K`` such LPs at once, as :func:`~pipeline.control.oracle.assemble_lp`'s blocks (the scenarios of
-        :mod:`pipeline.control.scenario`): ``moer`` ``(K, H)`` and ``block`` each session's block (``(S,)``,
-        non-decreasing; each block's sessions its plugged EVs first); the same LP as the ``K`` built one by one and
-        stacked block-diagonally.
+        """The window LP of the module docstring at step ``t`` over ``H`` steps.
+
+        Args:
+            t, H: the window's first step and its steps.
+            moer: the MOER outlook, kg/kWh, ``(H,)``; or ``(K, H)``, one per block (the scenarios of
+                :mod:`pipeline.control.scenario`): ``K`` window LPs at once, as
+                :func:`~pipeline.control.oracle.assemble_lp`'s blocks, the same LP as the ``K`` built one by one and
+                stacked block-diagonally.
+            energy_kwh: the BESS energy at the window's start, kWh.
+            sessions: the window's sessions (:meth:`sessions`; with ``K`` blocks, each block's plugged EVs first).
+            ev_bounds: the env's bounds on each socket's EV power at step 0 (:meth:`step0_bounds`).
 
         Returns:
-            the :class:`WindowLP`: the LP and one :class:`WindowBlock` per block.
+            the :class:`WindowLP`: the oracle's LP with the deferral, terminal value, tie-breaks and the env's step-0
+            bounds, and one :class:`WindowBlock` per block.
         """
         d = self.data
         cfg = d.config
-        b, dt, pmax = cfg.bess, cfg.dt_h, d.socket_kw  # pmax: (N,) kW, each socket's own power
-        arr, end, need, sock, weight = sessions
+        b, dt = cfg.bess, cfg.dt_h
+        arr, end = sessions.arrival, sessions.departure
         moer_k = np.atleast_2d(moer)  # (K, H)
         K = moer_k.shape[0]
-        blk = np.zeros(len(arr), np.int64) if block is None else np.asarray(block, dtype=np.int64)
         dep = np.minimum(end, H)
-        p_max = pmax[np.where(sock >= 0, sock, -1 - sock)] * weight  # (S,) kW, its socket's power (its share of it)
-        defer = np.minimum(need, p_max * dt * np.maximum(end - H, 0))
+        p_max = d.socket_kw[sessions.socket] * sessions.weight  # (S,) kW, its socket's own power (its share of it)
+        defer = np.minimum(sessions.energy_kwh, p_max * dt * np.maximum(end - H, 0))
         lens = self.periods(H, t)  # (P,) steps of each period
         P = len(lens)
         pv, load = d.pv_kw[t : t + H], d.load_kw[t : t + H]
@@ -699,21 +784,39 @@ class MPCController:
             energy_kwh,
             arr_p,
             dep_p,
-            need,
+            sessions.energy_kwh,
             p_max=p_max,
             defer_kwh=defer,
-            block=blk,
+            block=sessions.block,
             n_blocks=K,
             step_h=step_h,
         )
-        off, c, bounds = lp.off, lp.c, lp.bounds
         if P < H:  # a session present for part of a period draws at most that part of its power over the period
             ps, pp = lp.p_sess, lp.p_step
             present = np.minimum(dep[ps], starts[pp] + lens[pp]) - np.maximum(arr[ps], starts[pp])
-            bounds[lp.p_col, 1] *= present / lens[pp]
+            lp.bounds[lp.p_col, 1] *= present / lens[pp]
+        self._add_window_costs(lp, t, H, moer, sessions.block, dt if step_h is None else step_h)
+        room = (
+            cfg.grid.import_limit_kw
+            + pv[0]
+            - load[0]
+            + min(b.power_kw, max(energy_kwh - b.soc_min * b.capacity_kwh, 0.0) * b.eta_discharge / dt)
+        )
+        col0, s0, b0, dep0 = self._bound_step0(lp, sessions, arr_p, dep_p, ev_bounds, room)
+        lens_or_none = None if P == H else lens
+        blocks = [
+            WindowBlock(lp.off.block(m), col0[b0 == m], s0[b0 == m], dep0[b0 == m], P, lens_or_none) for m in range(K)
+        ]
+        return WindowLP(lp, blocks)
+
+    def _add_window_costs(self, lp: LP, t: int, H: int, moer: np.ndarray, blk: np.ndarray, dt_p) -> None:
+        """Add the tie-breaks, the deferral's cost and the terminal value (module docstring) to the costs ``lp.c`` of
+        :meth:`window_lp`'s LP at step ``t`` over ``H`` steps, in place: ``moer`` its outlook per step (``(H,)`` or
+        ``(K, H)``, kg/kWh), ``blk`` each session's block (``(S,)``), ``dt_p`` each period's hours (a float where
+        every period is one step, else ``(P,)``)."""
+        off, c, P = lp.off, lp.c, lp.T
         steps = np.arange(P)
         ramp = steps / P
-        dt_p = dt if step_h is None else step_h  # each period's hours
 
         def at(first: np.ndarray) -> np.ndarray:  # (K, P) columns of a per-period variable
             return first[:, None] + steps
@@ -726,37 +829,40 @@ class MPCController:
         # (the export credit, -MOER per kWh with grid.export_credit = "moer", is already in assemble_lp's cost)
         mean_moer = np.array([float(m.mean()) for m in np.atleast_2d(moer)])  # (K,) each block's mean over the window
         c[off.defer[blk] + lp.s_local] = mean_moer[blk]
-        if t + H < d.num_steps:  # energy left in the battery when the window ends is worth what it displaces later
-            c[off.E + P - 1] -= self.params.terminal_value * b.eta_discharge * mean_moer
-        # step 0 of each plugged EV (its first EV column) between the env's floor and cap
+        if t + H < self.data.num_steps:  # energy left in the battery when the window ends is worth what it displaces
+            c[off.E + P - 1] -= self.params.terminal_value * self.data.config.bess.eta_discharge * mean_moer
+
+    @staticmethod
+    def _bound_step0(
+        lp: LP, sessions: WindowSessions, arr_p: np.ndarray, dep_p: np.ndarray, ev_bounds: EVBounds, room: float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Bound each plugged EV's step-0 column of :meth:`window_lp`'s LP ``lp`` (in place) by the env's floor and
+        cap, the floors of each block scaled down together where they exceed ``room`` (kW: the import limit, PV less
+        load and what the battery can give in step 0), as the env cuts them. ``arr_p``, ``dep_p``: each session's
+        first and last + 1 period, ``(S,)``.
+
+        Returns:
+            ``(col0, s0, b0, dep0)``: each plugged EV's step-0 column, socket, block and last period + 1, ``(P,)``
+            int64 each.
+        """
         stay = dep_p - arr_p
         first = lp.p_col[np.cumsum(stay) - stay] if len(stay) else np.zeros(0, np.int64)
-        is_plugged = sock >= 0
-        col0, s0, b0, dep0 = first[is_plugged], sock[is_plugged], blk[is_plugged], dep_p[is_plugged]
-        floor = floor_all[s0]
-        room = (
-            cfg.grid.import_limit_kw
-            + pv[0]
-            - load[0]
-            + min(b.power_kw, max(energy_kwh - b.soc_min * b.capacity_kwh, 0.0) * b.eta_discharge / dt)
-        )
-        for m in range(K) if len(floor) else ():  # the env cuts the floors too when the import limit binds
+        is_plugged = ~sessions.expected
+        col0, s0 = first[is_plugged], sessions.socket[is_plugged]
+        b0, dep0 = sessions.block[is_plugged], dep_p[is_plugged]
+        floor = ev_bounds.floor[s0]
+        for m in range(lp.K) if len(floor) else ():  # the env cuts the floors too when the import limit binds
             sel = b0 == m
             f = floor[sel]
             if f.sum() > max(room, 0.0):
                 floor[sel] = f * max(room, 0.0) / f.sum()
-        bounds[col0, 0] = floor
-        bounds[col0, 1] = cap_all[s0]
-        lens_or_none = None if P == H else lens
-        blocks = [
-            WindowBlock(off.block(m), col0[b0 == m], s0[b0 == m], dep0[b0 == m], P, lens_or_none) for m in range(K)
-        ]
-        return WindowLP(lp, blocks)
+        lp.bounds[col0, 0] = floor
+        lp.bounds[col0, 1] = ev_bounds.cap[s0]
+        return col0, s0, b0, dep0
 
-    def plan_of(self, t: int, z: np.ndarray, lp: LP, block: WindowBlock, moer: np.ndarray, cap_all, floor_all) -> Plan:
+    def plan_of(self, t: int, z: np.ndarray, lp: LP, block: WindowBlock, moer: np.ndarray, ev_bounds: EVBounds) -> Plan:
         """The :class:`Plan` of ``block`` (one of :meth:`window_lp`'s) in the solution ``z`` of the LP ``lp``, for its
-        MOER outlook ``moer`` (``(H,)`` kg/kWh) and the env's step-0 bounds ``cap_all``, ``floor_all`` (``(N,)`` kW
-        each, :meth:`step0_bounds`)."""
+        MOER outlook ``moer`` (``(H,)`` kg/kWh) and the env's bounds of this step (:meth:`step0_bounds`)."""
         cfg = self.data.config
         b, dt, pmax, N = cfg.bess, cfg.dt_h, self.data.socket_kw, cfg.ev.n_sockets
         col0, s0, H = block.col0, block.s0, block.H
@@ -767,6 +873,7 @@ class MPCController:
         ev[s0] = np.clip(z[col0], bounds[col0, 0], bounds[col0, 1])
         action = np.zeros(1 + N)
         action[0] = min(max((ch - dis) / b.power_kw, -1.0), 1.0) if b.power_kw > 0 else 0.0
+        cap_all, floor_all = ev_bounds.cap, ev_bounds.floor
         span = cap_all - floor_all
         ok = span > 1e-12
         action[1:][ok] = np.clip((ev[ok] - floor_all[ok]) / span[ok], 0.0, 1.0)
@@ -845,7 +952,7 @@ class MPCController:
         return best
 
     def lp_keys(
-        self, t: int, lp: LP, sessions: tuple, block: np.ndarray | None = None, period_steps: np.ndarray | None = None
+        self, t: int, lp: LP, sessions: WindowSessions, period_steps: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """What each column and row of the LP ``lp`` (:meth:`window_lp`'s, or :meth:`decision_lp`'s with
         non-anticipativity rows after the blocks') at step ``t`` stands for, as :func:`lp_key` keys that are the same in
@@ -855,7 +962,7 @@ class MPCController:
         within one LP are harmless (a worse start).
 
         Args:
-            sessions, block: the LP's sessions and each one's block, as given to :meth:`window_lp`.
+            sessions: the LP's sessions, as given to :meth:`window_lp`.
             period_steps: the steps of each of the LP's periods (:attr:`WindowBlock.period_steps`; None: one each):
                 a period is keyed by its first step.
 
@@ -863,10 +970,9 @@ class MPCController:
             ``(column keys, row keys)``, ``(n,)`` and ``(rows,)`` int64.
         """
         H, off, row_off = lp.T, lp.off, lp.row_off
-        arr, sock = sessions[0], sessions[3]
-        blk = np.zeros(len(arr), np.int64) if block is None else np.asarray(block, dtype=np.int64)
-        code = np.where(sock >= 0, sock, _KEY_SOCKETS - 1 - sock)  # (S,) plugged EVs and expected arrivals apart
-        when = np.where(sock >= 0, 0, t + arr)  # an expected arrival's absolute step (0: plugged)
+        arr, blk, expected = sessions.arrival, sessions.block, sessions.expected
+        code = np.where(expected, KEY_SOCKETS + sessions.socket, sessions.socket)  # (S,) plugged and expected apart
+        when = np.where(expected, t + arr, 0)  # an expected arrival's absolute step (0: plugged)
         steps = np.arange(H, dtype=np.int64)
         at = t + steps  # the absolute step of each period (its first step)
         if period_steps is not None:
@@ -874,10 +980,12 @@ class MPCController:
         ps, step, p_col = lp.p_sess, at[lp.p_step], lp.p_col
         m = np.arange(lp.K, dtype=np.int64)[:, None]
         cols = np.empty(len(lp.c), np.int64)
-        pb, plugged = blk[ps], sock[ps] >= 0
+        pb = blk[ps]
         arriving = when[ps] << 10 | np.maximum(step - t - arr[ps], 0)
         cols[p_col] = np.where(
-            plugged, lp_key(KeyKind.PLUGGED_EV, pb, code[ps], step), lp_key(KeyKind.ARRIVING_EV, pb, code[ps], arriving)
+            expected[ps],
+            lp_key(KeyKind.ARRIVING_EV, pb, code[ps], arriving),
+            lp_key(KeyKind.PLUGGED_EV, pb, code[ps], step),
         )
         for kind, first in zip(STEP_KINDS, off.per_step()):
             cols[first[:, None] + steps] = lp_key(kind, m, 0, at)
@@ -894,7 +1002,8 @@ class MPCController:
         return cols, rows
 
     def solve(self, c, A_eq, b_eq, bounds, t: int, strict: bool = True, keys: tuple | None = None) -> np.ndarray | None:
-        """Solve the LP with HiGHS; the solution, or None when it has no optimum and ``strict`` is False.
+        """Solve the LP with HiGHS (:class:`~pipeline.control.highs.LPSolver`); the solution, or None when it has no
+        optimum and ``strict`` is False.
 
         Args:
             c, A_eq, b_eq, bounds: the LP (:class:`~pipeline.control.oracle.LP`'s fields), ``(n,)``, ``(rows, n)``
@@ -910,47 +1019,11 @@ class MPCController:
         Raises:
             RuntimeError: no optimum and ``strict``.
         """
-        A = A_eq.tocsc()
-        upper = np.where(np.isinf(bounds[:, 1]), highspy.kHighsInf, bounds[:, 1])
-        rhs = np.ascontiguousarray(b_eq, np.float64)  # equality rows: lower = upper
-        h = self._highs
-        h.passModel(  # the arrays overload: no copy through HighsLp's Python properties
-            A.shape[1],
-            A.shape[0],
-            A.nnz,
-            _COLWISE,
-            _MINIMIZE,
-            0.0,
-            np.ascontiguousarray(c, np.float64),
-            np.ascontiguousarray(bounds[:, 0]),
-            upper,
-            rhs,
-            rhs,
-            A.indptr.astype(np.int32, copy=False),
-            A.indices.astype(np.int32, copy=False),
-            A.data,
-            np.zeros(A.shape[1], np.int32),  # integrality: every column continuous
-        )
-        warm = self.warm_start and keys is not None and self._basis is not None
-        if warm:
-            h.setBasis(_carried_basis(self._basis, keys))
-        h.run()
-        status = h.getModelStatus()
-        if warm and status != highspy.HighsModelStatus.kOptimal:  # a carried basis that did not help: start cold
-            h.clearSolver()
-            h.run()
-            status = h.getModelStatus()
-        if status != highspy.HighsModelStatus.kOptimal and not strict:
-            return None
-        if status != highspy.HighsModelStatus.kOptimal:
+        z = self.solver.solve(c, A_eq, b_eq, bounds, keys if self.warm_start else None)
+        if z is None and strict:
             raise RuntimeError(
-                f"MPC LP at step {t} of split '{self.data.split}' not solved: HiGHS {h.modelStatusToString(status)}"
+                f"MPC LP at step {t} of split '{self.data.split}' not solved: HiGHS {self.solver.status_text()}"
             )
-        solution = h.getSolution()
-        z = np.asarray(solution.col_value)
-        if self.warm_start and keys is not None:
-            col_status, row_status = _basis_status(h, solution, z, bounds[:, 0], upper)
-            self._basis = (keys[0], col_status, keys[1], row_status)
         return z
 
     # ---------------------------------------------------------------- as a policy
@@ -983,8 +1056,9 @@ class MPCController:
             self._held = (t, plan, left.copy())
             return plan.action
         plan = held[1]
-        cap, floor = self.step0_bounds(np.asarray(ev_need_kwh, dtype=np.float64), left)
-        return held_action(plan.bess_kw_steps[j], plan.ev_kw_steps[:, j], cap, floor, self.data.config.bess.power_kw)
+        now = self.step0_bounds(np.asarray(ev_need_kwh, dtype=np.float64), left)
+        bess_power = self.data.config.bess.power_kw
+        return held_action(plan.bess_kw_steps[j], plan.ev_kw_steps[:, j], now.cap, now.floor, bess_power)
 
 
 def run_mpc(
@@ -1045,55 +1119,3 @@ def simulate(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`run_mpc` at the site's horizon: ``(kpi_row, traces)`` (the registry's runner)."""
     return run_mpc(site, split, controller, physics_dt_h=physics_dt_h)[:2]
-
-
-_COLWISE = int(highspy.MatrixFormat.kColwise)
-_MINIMIZE = int(highspy.ObjSense.kMinimize)
-_KEY_SOCKETS = 1 << 19
-"""Socket codes in :meth:`MPCController.lp_keys`: a plugged EV's socket ``i``, an expected arrival's ``2**19 + i``."""
-
-
-_STATUS = np.array([highspy.HighsBasisStatus(i) for i in range(5)], dtype=object)
-"""HiGHS's basis statuses by their value: kLower 0, kBasic 1, kUpper 2, kZero 3, kNonbasic 4."""
-_LOWER, _BASIC, _UPPER, _ZERO = 0, 1, 2, 3
-
-
-def _basis_status(h: highspy.Highs, solution, z: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> tuple:
-    """The optimal basis of the LP ``h`` just solved, ``(column statuses, row statuses)`` as int8 arrays of
-    :data:`_STATUS` values: what ``h.getBasis()`` reports, read off the basic variables and the solution without a
-    Python object per column (about a sixth of the time on ``mpc_scenario``'s LPs). A nonbasic column is at its upper
-    bound where its value ``z`` is there (a fixed column: where its dual is negative), free at zero, else at its lower
-    bound; a nonbasic row (every row is an equality) is at its upper bound where its dual is positive.
-    ``tests/test_mpc.py`` checks the two readings agree."""
-    basic = h.getBasicVariables()[1]
-    cols = np.full(len(z), _LOWER, np.int8)
-    fixed = lower == upper
-    free = np.isinf(lower) & np.isinf(upper)
-    at_upper = np.where(fixed, np.asarray(solution.col_dual) < 0, z >= upper)
-    cols[at_upper] = _UPPER
-    cols[free] = _ZERO
-    cols[basic[basic >= 0]] = _BASIC
-    rows = np.where(np.asarray(solution.row_dual) > 0, _UPPER, _LOWER).astype(np.int8)
-    rows[-1 - basic[basic < 0]] = _BASIC
-    return cols, rows
-
-
-def _carried_basis(last: tuple, keys: tuple) -> highspy.HighsBasis:
-    """The last solve's basis ``(column keys, statuses, row keys, statuses)`` (:func:`_basis_status`'s int8 statuses)
-    carried to an LP with ``keys``: each column and row whose key the last LP had takes its status, the others start
-    at their lower bound (columns) or basic (rows); an alien basis, which HiGHS completes to a basis of the LP."""
-
-    def carry(new: np.ndarray, old: np.ndarray, status: np.ndarray, default: int) -> list:
-        order = np.argsort(old, kind="stable")
-        i = np.minimum(np.searchsorted(old[order], new), len(old) - 1)
-        hit = old[order[i]] == new
-        out = np.full(len(new), default, np.int8)
-        out[hit] = status[order[i[hit]]]
-        return _STATUS[out].tolist()
-
-    basis = highspy.HighsBasis()
-    basis.col_status = carry(keys[0], last[0], last[1], _LOWER)
-    basis.row_status = carry(keys[1], last[2], last[3], _BASIC)
-    basis.alien = True
-    basis.valid = True
-    return basis

@@ -454,11 +454,9 @@ def solve_oracle(
     data = site.split(split)
     if physics_dt_h is not None and physics_dt_h != data.dt_h:
         data = site.physics_split(split)
-    cfg = data.config
-    b, dt = cfg.bess, cfg.dt_h
     t0 = time.perf_counter()
     lp = build_lp(data)
-    T, S, off = lp.T, lp.S, lp.off.block(0)
+    T, S = lp.T, lp.S
     n_var, n_con, nnz = lp.A_eq.shape[1], lp.A_eq.shape[0], lp.A_eq.nnz
     t1 = time.perf_counter()
     from scipy.optimize import linprog  # heavy (about 1 s): imported by the solve, not by the registry
@@ -477,7 +475,24 @@ def solve_oracle(
             f"oracle LP for split '{split}' not solved to optimality: HiGHS status {res.status} ({res.message}); "
             f"{n_var} variables, {n_con} constraints, {t2 - t1:.1f} s (time limit {time_limit_s} s)"
         )
-    z = res.x
+    traces, slack = _oracle_traces(data, lp, res.x)
+    check_balance(traces, f"oracle, {split} split")
+    print(
+        f"oracle {split}: {T} steps, {S} sessions, {n_var} variables ({lp.n_p} EV), {n_con} constraints, "
+        f"{nnz} nonzeros; build {t1 - t0:.2f} s, HiGHS {t2 - t1:.2f} s; CO2 {traces.co2_kg.sum():.1f} kg, "
+        f"unserved {slack.sum():.3f} kWh",
+        flush=True,
+    )
+    row = kpi_row("oracle", split, traces, data, env_steps=float(T), train_wall_s=0.0)
+    return row, traces
+
+
+def _oracle_traces(data: SplitData, lp: LP, z: np.ndarray) -> tuple[pd.DataFrame, np.ndarray]:
+    """The traces of the oracle's solution ``z`` (``(n,)``) of ``lp`` (:func:`build_lp` of ``data``), as
+    :func:`solve_oracle` returns them, and each session's unserved energy, ``(S,)`` kWh."""
+    cfg = data.config
+    b, dt = cfg.bess, cfg.dt_h
+    T, S, off = lp.T, lp.S, lp.off.block(0)
 
     def values(first: int, size: int) -> np.ndarray:  # a variable's columns, within their bounds
         lo_b = lp.bounds[first : first + size, 0]
@@ -514,15 +529,7 @@ def solve_oracle(
             "moer_kg_per_kwh": data.moer,
         }
     )[list(TRACE_COLUMNS)]
-    check_balance(traces, f"oracle, {split} split")
-    print(
-        f"oracle {split}: {T} steps, {S} sessions, {n_var} variables ({lp.n_p} EV), {n_con} constraints, "
-        f"{nnz} nonzeros; build {t1 - t0:.2f} s, HiGHS {t2 - t1:.2f} s; CO2 {traces.co2_kg.sum():.1f} kg, "
-        f"unserved {slack.sum():.3f} kWh",
-        flush=True,
-    )
-    row = kpi_row("oracle", split, traces, data, env_steps=float(T), train_wall_s=0.0)
-    return row, traces
+    return traces, slack
 
 
 def simulate(site: Site, split: str, physics_dt_h: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -61,7 +61,7 @@ from envs.config import SiteConfig
 from envs.site import Site, SplitData, load_site
 from pipeline.control import tuning
 from pipeline.control.backtest import WindowResult, run_controller
-from pipeline.control.mpc import MPCController, Plan, PlannerParams, WindowLP, plugged_evs
+from pipeline.control.mpc import EVBounds, MPCController, Plan, PlannerParams, WindowLP, WindowSessions
 from pipeline.control.oracle import LP
 from pipeline.control.sessions import SessionModel
 
@@ -230,16 +230,15 @@ class ScenarioMPC(MPCController):
                 out[:, k] = js[np.arange(K) % len(js)]
         return out
 
-    def scenario_sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray) -> list[tuple]:
-        """Each scenario's sessions in the window: the plugged EVs, then its arrivals (weight 1): its past day's
-        (``"past_days"``) or the session model's draw (``"session_model"``, fit on what was realised before ``t``'s
-        day and the day's arrivals up to ``t``); as :meth:`~pipeline.control.mpc.MPCController.sessions`' tuple
-        ``(arr, end, need, socket, weight)``; a list of ``K``."""
+    def scenario_sessions(self, t: int, H: int, need: np.ndarray, steps_left: np.ndarray) -> list[WindowSessions]:
+        """Each scenario's sessions in the window, ``K`` :class:`~pipeline.control.mpc.WindowSessions` of one block
+        each: the plugged EVs (from each socket's remaining energy, kWh, and steps to departure, ``(N,)`` each), then
+        the scenario's arrivals (weight 1): its past day's (``"past_days"``) or the session model's draw
+        (``"session_model"``, fit on what was realised before ``t``'s day and the day's arrivals up to ``t``)."""
         d = self.data
-        plugged = plugged_evs(need, steps_left)
-        n0 = len(plugged)
+        plugged = WindowSessions.plugged(need, steps_left)
         if self._model is not None:
-            arrivals = [x[:4] for x in self._model.draw(t, H, self.n_scenarios, self._rng, steps_left=steps_left)]
+            arrivals = self._model.draw(t, H, self.n_scenarios, self._rng, steps_left=steps_left)
         else:
             days = self.scenario_days(t, H)
             k = np.arange(H)
@@ -249,19 +248,9 @@ class ScenarioMPC(MPCController):
                 src = t + ks - days[m, ks] * self.day_steps  # (n,) source steps, each <= t
                 r, i = np.nonzero(d.arrival_stay_steps[src] > 0)
                 a = ks[r]
-                arrivals.append(
-                    (a, a + d.arrival_stay_steps[src[r], i], d.arrival_need_kwh[src[r], i], -1 - i.astype(np.int64))
-                )
-        return [
-            (
-                np.concatenate([np.zeros(n0, np.int64), a]),
-                np.concatenate([steps_left[plugged].astype(np.int64), end]),
-                np.concatenate([need[plugged], e]).astype(np.float64),
-                np.concatenate([plugged, sock]),
-                np.ones(n0 + len(a)),
-            )
-            for a, end, e, sock in arrivals
-        ]
+                stay, energy = d.arrival_stay_steps[src[r], i], d.arrival_need_kwh[src[r], i]
+                arrivals.append(WindowSessions.arrivals(a, a + stay, energy, i))
+        return [WindowSessions.concat([plugged, x]) for x in arrivals]
 
     def scenario_moer(self, t: int, H: int, moer: np.ndarray) -> np.ndarray:
         """Each scenario's MOER over the window, ``(K, H)`` kg/kWh: the outlook ``moer`` (``(H,)``), plus, with
@@ -295,34 +284,31 @@ class ScenarioMPC(MPCController):
     # ---------------------------------------------------------------- one solve: the steps of MPCController.plan
     def window_futures(
         self, t: int, H: int, moer: np.ndarray, need_all: np.ndarray, left_all: np.ndarray
-    ) -> tuple[np.ndarray, tuple, np.ndarray]:
+    ) -> tuple[np.ndarray, WindowSessions]:
         """The scenarios the window LP plans for (a step of :meth:`~pipeline.control.mpc.MPCController.plan`): each
         one's MOER (:meth:`scenario_moer` of the outlook ``moer``, ``(H,)``) and sessions (:meth:`scenario_sessions`,
-        from each socket's remaining energy and steps, ``(N,)`` each), as ``(moers, sessions, block)``: ``(K, H)``
-        kg/kWh, the scenarios' sessions one after another (:meth:`~pipeline.control.mpc.MPCController.sessions`'
-        tuple) and each one's scenario, ``(S,)``. Sets :attr:`prob` (:meth:`probabilities` at ``t``). With
-        ``moer_scenarios`` or ``moer_revisions`` the outlook is kept for later hours' scenarios."""
+        from each socket's remaining energy and steps, ``(N,)`` each), as ``(moers, sessions)``: ``(K, H)`` kg/kWh and
+        the scenarios' sessions one after another, scenario ``k``'s in block ``k``. Sets :attr:`prob`
+        (:meth:`probabilities` at ``t``). With ``moer_scenarios`` or ``moer_revisions`` the outlook is kept for later
+        hours' scenarios."""
         self.prob = self.probabilities(t)
         if self.moer_scenarios or self.moer_revisions > 0:
             self._issued[t] = moer
             self._issued.pop(t - (self.n_scenarios + 1) * self.day_steps - 1, None)
         moers = self.scenario_moer(t, H, moer)
-        sessions = self.scenario_sessions(t, H, need_all, left_all)
-        block = np.repeat(np.arange(len(sessions)), [len(x[0]) for x in sessions])
-        merged = tuple(np.concatenate([x[i] for x in sessions]) for i in range(5))
-        return moers, merged, block
+        return moers, WindowSessions.concat(self.scenario_sessions(t, H, need_all, left_all), blocks=True)
 
     def decision_lp(self, w: WindowLP) -> LP:
         """The two-stage LP of the scenarios' window LP ``w`` (:meth:`two_stage` with :attr:`prob`)."""
         return self.two_stage(w, self.prob, self.shared_bess_steps)
 
-    def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, cap_all, floor_all) -> Plan:
+    def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, ev_bounds: EVBounds) -> Plan:
         """The plan of the two-stage solution ``z``: step 0 (shared) and, over the window, the probability-weighted
         mean of the scenarios' battery and plugged-EV power and of their planned CO2 (each scenario's
         :meth:`~pipeline.control.mpc.MPCController.plan_of` for its MOER ``moer[k]``, ``moer`` ``(K, H)``); counts the
         LP in :attr:`lp_shape` and :attr:`lp_total`."""
         prob = self.prob
-        plans = [self.plan_of(t, z, lp, b, moer[m], cap_all, floor_all) for m, b in enumerate(w.blocks)]
+        plans = [self.plan_of(t, z, lp, b, moer[m], ev_bounds) for m, b in enumerate(w.blocks)]
         plan = plans[0]
         plan.co2_planned_kg = float(sum(p * q.co2_planned_kg for p, q in zip(prob, plans)))
         plan.bess_kw_steps = sum(p * q.bess_kw_steps for p, q in zip(prob, plans))

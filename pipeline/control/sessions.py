@@ -52,6 +52,7 @@ from scipy import special, stats
 
 from envs import timestep
 from envs.site import SplitData
+from pipeline.control.mpc import WindowSessions
 
 MAX_DISPERSION = 4.0
 """Upper clip of the day factor's variance ``phi``."""
@@ -249,7 +250,7 @@ class SessionModel:
     # ---------------------------------------------------------------- drawing
     def draw(
         self, t: int, H: int, K: int, rng: np.random.Generator, steps_left: np.ndarray | None = None
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    ) -> list[WindowSessions]:
         """``K`` scenarios of the arrivals at steps ``t + 1 .. t + H - 1`` (fit at ``t``'s day; module docstring).
 
         Args:
@@ -258,11 +259,9 @@ class SessionModel:
             steps_left: ``(N,)`` int, each socket's plugged EV's steps to departure (0: free); None: all free.
 
         Returns:
-            a list of ``K`` tuples ``(arr, end, need, socket, weight)`` as
-            :meth:`pipeline.control.scenario.ScenarioMPC.scenario_sessions` holds them, future arrivals only:
-            ``arr`` int64 step in the window (>= 1), ``end`` int64 departure step relative to ``t`` (``arr + stay``),
-            ``need`` float64 kWh (at most ``kw * stay * dt_h`` of its socket), ``socket`` int64 ``-1 - i`` for
-            socket ``i`` of the session's group, ``weight`` float64 ones; each ``(S_k,)``, in arrival order.
+            ``K`` :class:`~pipeline.control.mpc.WindowSessions` of expected arrivals (weight 1, block 0), each in
+            arrival order: the step in the window (>= 1), the departure (``arrival + stay``), both from ``t``, the
+            energy (kWh, at most ``kw * stay * dt_h`` of its socket) and the socket, one of the session's group.
 
         Raises:
             IndexError: ``t`` outside the split. ValueError: ``H < 1`` or ``K < 1``.
@@ -324,7 +323,7 @@ class SessionModel:
             rows, sock = rows[sock >= 0], sock[sock >= 0]
             arr, stay = arr_all[rows], stay_all[rows]
             need = np.minimum(need_all[rows], self.socket_kw[sock] * stay * self.dt)
-            out.append((arr.astype(np.int64), (arr + stay).astype(np.int64), need, -1 - sock, np.ones(len(rows))))
+            out.append(WindowSessions.arrivals(arr, arr + stay, need, sock))
         return out
 
     # ---------------------------------------------------------------- scoring
