@@ -402,7 +402,8 @@ def task_sizing():
     from doit.tools import config_changed
 
     from pipeline.study.sizing import outputs as sizing_outputs
-    from pipeline.study.sizing import run_sizing, sizing_spec, workers_setting
+    from pipeline.study.sizing import sizing_spec, workers_setting
+    from pipeline.study.sizing_page import run_sizing
 
     try:
         spec, workers = sizing_spec(SITE_TOML), workers_setting()

@@ -1,19 +1,23 @@
-"""The sizing study's page (:mod:`pipeline.study.sizing`): its figures, ``co2_saved.png`` and ``pareto.png``, and
-``sizing.md`` and ``sizing.html`` (self-contained, the figures embedded), rendered from one list of blocks
-(:func:`page_blocks`) with :mod:`pipeline.study.document`'s renderers; :func:`write_outputs` writes them beside
-``sizing.parquet``, every file atomically.
+"""The sizing study's run and page: :func:`run_sizing` computes the points of :mod:`pipeline.study.sizing` on Dask and
+writes its figures, ``co2_saved.png`` and ``pareto.png``, and ``sizing.md`` and ``sizing.html`` (self-contained, the
+figures embedded), rendered from one list of blocks (:func:`page_blocks`) with :mod:`pipeline.study.document`'s
+renderers; :func:`write_outputs` writes them beside ``sizing.parquet``, every file atomically.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from envs.config import load_config
 from envs.files import write_parquet, write_text
+from envs.site import load_site
+from pipeline.study.cluster import get_client
 from pipeline.study.config import SPLITS
 from pipeline.study.document import (
     Block,
@@ -27,7 +31,7 @@ from pipeline.study.document import (
     render_html,
     render_markdown,
 )
-from pipeline.study.sizing import KNOWN_CONTROLLERS, SizingSpec, headline
+from pipeline.study.sizing import KNOWN_CONTROLLERS, SizingSpec, build_table, headline, size_point, sizing_spec
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -307,4 +311,101 @@ def write_outputs(
     title = f"Sizing study: {site_name}"
     paths["html"] = write_text(out_dir / "sizing.html", render_html(blocks, title, out_dir))
     paths["md"] = write_text(out_dir / "sizing.md", render_markdown(blocks))
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------ the study
+def run_sizing(
+    site_toml: str | Path,
+    out_dir: str | Path,
+    spec: SizingSpec | None = None,
+    workers: int | None = None,
+    scheduler_address: str | None = None,
+    client=None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Path]:
+    """Run the sizing study: validate the site's data, submit one Dask task per grid point (:func:`size_point`),
+    print a line per finished point, then write the outputs (:func:`pipeline.study.sizing_page.write_outputs`).
+
+    Args:
+        site_toml: the site config (shipped name or path).
+        out_dir: the output folder (``<experiment>/sizing``).
+        spec: the study (default :func:`sizing_spec` of the site, with doit / environment variables).
+        workers: worker processes of the embedded LocalCluster (default :func:`pipeline.study.cluster.get_client`'s);
+            ignored with a scheduler.
+        scheduler_address: an existing Dask scheduler; None starts a LocalCluster.
+        client: a Dask client to use instead of either.
+        log: where progress lines go.
+
+    Returns:
+        the written paths by name (``parquet``, ``co2_saved``, ``pareto``, ``html``, ``md``).
+
+    Raises:
+        ConfigError, envs.schemas.DataValidationError: a bad config, ``[sizing]`` table or data (before any task
+            runs; nothing is written). Whatever a point raises (the message names the point); nothing is written.
+    """
+    from distributed import as_completed
+
+    t0 = time.perf_counter()
+    cfg, path = load_config(site_toml)
+    spec = spec or sizing_spec(path)
+    load_site(path, validate=True)  # bad data stops the study before any task
+    if scheduler_address and workers and client is None:
+        log(f"sizing: workers={workers} is ignored: the points run on the workers of the scheduler {scheduler_address}")
+    client = client or get_client(scheduler_address, n_workers=workers)
+    n_workers = len(client.scheduler_info().get("workers", {}))
+    points = spec.points()
+    where = f"scheduler {scheduler_address}" if scheduler_address else "LocalCluster"
+    log(
+        f"sizing {cfg.name}: {len(points)} points ({len(spec.kwp)} PV x {len(spec.bess_kwh)} BESS) x "
+        f"{len(spec.controllers)} controllers ({', '.join(spec.controllers)}) x {len(SPLITS)} splits, "
+        f"{n_workers} Dask worker(s) ({where})"
+    )
+    futures = {
+        client.submit(
+            size_point,
+            str(path),
+            p,
+            e,
+            w,
+            spec.controllers,
+            key=f"sizing-{cfg.name}-{p:g}kWp-{e:g}kWh-{w:g}kW",
+            retries=1,
+            pure=False,
+        ): (p, e, w)
+        for p, e, w in points
+    }
+    rows: list[dict] = []
+    done = 0
+    for fut in as_completed(futures):
+        p, e, w = futures[fut]
+        try:
+            result = fut.result()
+        except Exception as exc:
+            for other in futures:
+                other.cancel()
+            raise RuntimeError(
+                f"sizing point {p:g} kWp / {e:g} kWh / {w:g} kW failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        done += 1
+        rows += result
+        co2 = "; ".join(
+            f"{s} " + ", ".join(f"{r['controller']} {r['co2_kg']:,.0f}" for r in result if r["split"] == s)
+            for s in SPLITS
+        )
+        log(
+            f"[{done:>{len(str(len(points)))}}/{len(points)}] {p:g} kWp, {e:g} kWh / {w:g} kW in "
+            f"{result[0]['task_wall_s']:.1f} s ({time.perf_counter() - t0:.0f} s elapsed); CO2 kg: {co2}"
+        )
+    table = build_table(rows, spec)
+    wall = time.perf_counter() - t0
+    info = {"Dask workers": f"{n_workers} ({where})", "wall time": f"{wall:.1f} s for {len(points)} points"}
+    paths = write_outputs(table, spec, Path(out_dir), cfg.name, info)
+    log(f"sizing {cfg.name}: {len(points)} points in {wall:.1f} s wall on {n_workers} worker(s); wrote {paths['html']}")
+    for _, r in headline(table).iterrows():
+        log(
+            f"  cheapest per tonne avoided, {r.split} split, {r.controller}: {r.kwp:g} kWp + {r.bess_kwh:g} kWh / "
+            f"{r.bess_kw:g} kW, {money(r.cost_per_t_avoided, spec.costs.currency if spec.costs else '')}/t, "
+            f"{r.co2_avoided_t_per_year:,.2f} t/yr avoided ({r.co2_avoided_pct:.1f}%)"
+        )
     return paths
