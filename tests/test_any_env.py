@@ -147,6 +147,7 @@ def test_env_kwargs_parsed_and_refused_clearly():
         ("sac", "TextObs-v0", "", "cannot be flattened to a fixed-size vector"),
         ("dqn", "Pendulum-v1", "", "Pendulum-v1"),  # a Box action space: DQN takes Discrete
         ("a2c", "Pendulum-v1", "bad=1", "pass its constructor's arguments with --env-kwargs"),
+        ("ppo", "NoSuchEnv-v0", "", "NoSuchEnv"),  # gymnasium's own error for an unknown id
     ],
 )
 def test_unsupported_space_or_kwargs_is_one_clear_line(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import gymnasium as gym
 import numpy as np
 import torch
 import tyro
@@ -206,14 +207,15 @@ def cli(args_cls, presets: dict, env_defaults: dict, argv: list[str] | None = No
 
 def script(main: Callable, args_cls, presets: dict, env_defaults: dict, description: str | None = None) -> None:
     """A script's ``__main__``: parse the command line (:func:`cli`) and run ``main``. A checkpoint that cannot be
-    resumed from, or an expected error (:func:`envs.errors.is_expected`: an env's space the script cannot drive, a
-    constructor's refused ``--env-kwargs``, a bad site), ends the process with its message (exit status 2), not a
-    traceback; a run stopped by SIGINT or SIGTERM exits with ``128 + signal`` after saving (:meth:`Run.iterations`)."""
+    resumed from, an unknown env id (gymnasium's error), or an expected error (:func:`envs.errors.is_expected`: an
+    env's space the script cannot drive, a constructor's refused ``--env-kwargs``, a bad site) ends the process with
+    its message (exit status 2), not a traceback; a run stopped by SIGINT or SIGTERM exits with ``128 + signal``
+    after saving (:meth:`Run.iterations`)."""
     args = cli(args_cls, presets, env_defaults, description=description)
     try:
         out = main(args)
     except Exception as exc:  # noqa: BLE001 - only the expected kinds are caught, the others re-raised
-        if not (isinstance(exc, CheckpointError) or is_expected(exc)):
+        if not (isinstance(exc, (CheckpointError, gym.error.Error)) or is_expected(exc)):
             raise
         print(f"error: {one_message(exc)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
