@@ -29,19 +29,6 @@ def pytest_configure(config):
         threadpool_limits(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The modules with slow tests (``@pytest.mark.slow``: pipelines, training loops) run first, the most slow tests
-    first, each module's tests kept together (its module fixtures made once): under pytest-xdist the long tests then
-    start while the short ones are still queued, and the short ones fill both workers at the end, instead of a
-    pipeline test starting last on one worker while the other idles."""
-    modules: dict = {}
-    for item in items:
-        modules.setdefault(item.module.__name__ if item.module else "", []).append(item)
-    slow = {name: sum(1 for i in group if i.get_closest_marker("slow")) for name, group in modules.items()}
-    order = sorted(modules, key=lambda name: -slow[name])  # stable: the collection's order among equals
-    items[:] = [item for name in order for item in modules[name]]
-
-
 def make_site(days: int = 14, n_sockets: int = 6, seed: int = 0, dt_h: float = 1.0, **overrides) -> Site:
     """A synthetic site: ``days`` of train and of test data, sunny days, a daily MOER cycle, random sessions.
 
