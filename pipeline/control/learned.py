@@ -1,17 +1,32 @@
-"""The learned planners: the causal MPC kept, what it gets wrong learned from the site's realised data.
+"""The learned planners (``mpc_tuned``, ``mpc_adaptive``): the causal MPC kept, its parameters learned from the site's
+realised data.
 
-- ``mpc_tuned``: the planner with the parameters CMA-ES chose in closed loop on the train split
-  (:mod:`pipeline.control.tuning`), the same on every split.
+- ``mpc_tuned``: the planner (:class:`pipeline.control.mpc.MPCController`) with the parameters CMA-ES chose in closed
+  loop on the train split (:mod:`pipeline.control.tuning`), the same on every split.
 - ``mpc_adaptive``: the planner re-tuned online. At the start of each week of the split it acts on, it takes, among
-  a few candidate parameter sets (``mpc_tuned``'s with the expected-demand weight at each of
+  :func:`candidates` (``mpc_tuned``'s parameters, then the same at each expected-demand weight of
   :data:`ADAPTIVE_WEIGHTS`), the one whose backtests (:func:`pipeline.control.backtest.run_window`) over the last
-  ``lookback`` weeks of that split cost least, and runs with it for the week; in the split's first week it runs
-  with ``mpc_tuned``'s. The backtest of a week is known once the week is realised, so the choice at week ``w``
-  reads only weeks before ``w``. ``lookback`` is chosen on the train split (:func:`choose_lookback`) and used as
-  such on every split. Backtesting every candidate over every week once gives a table from which each week's choice
-  is read (:func:`week_table`, :func:`schedule`): the same as re-tuning each week, without running a week twice.
+  ``lookback`` weeks of that split cost least (CO2 plus unserved energy at
+  :data:`pipeline.control.backtest.UNSERVED_COST`), and runs with it for the week; in the split's first week it runs
+  with ``mpc_tuned``'s. A week's backtest is known once the week is realised, so the choice at week ``w`` reads only
+  weeks before ``w``. Backtesting every candidate over every week once gives a table from which each week's choice is
+  read (:func:`week_table`, :func:`schedule`): the same as re-tuning each week, without running a week twice.
 
-Both read the tuned parameters of their seed from the tuning folder (``<experiment>/tuned/``).
+Parameters:
+    tuned (:class:`~pipeline.control.mpc.PlannerParams`): the tuning's parameters of the run's seed, read from the
+        tuning folder (``<experiment>/tuned/``, :mod:`pipeline.control.tuned`).
+    weights (float, [0, 1], share of the past days' mean demand): :data:`ADAPTIVE_WEIGHTS`.
+    lookback (int, weeks): chosen on the train split among :data:`LOOKBACKS` (:func:`choose_lookback`), used as such
+        on every split.
+
+Returns:
+    :func:`simulate_tuned`, :func:`simulate_tuned_start`, :func:`simulate_adaptive`: a whole split's KPI row and
+    traces (:func:`envs.kpis.evaluate_policy`); :func:`week_table`: each candidate's cost per week.
+
+References:
+    N. Hansen, "The CMA Evolution Strategy: A Tutorial", arXiv:1604.00772 (2016) (the tuner, through ``cma``). How
+    the budget, the weights and the lookback were chosen: ``docs/lab/learned-planners.md``; results:
+    ``docs/findings.md``.
 """
 
 from __future__ import annotations

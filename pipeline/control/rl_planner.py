@@ -1,36 +1,44 @@
-"""RL-MPC: an agent that learns to set the planner's parameters for the next day (``mpc_rl``).
+"""RL-MPC (``mpc_rl``): an agent that sets the planner's parameters for the next day.
 
 The planner (:class:`pipeline.control.mpc.MPCController`) is kept; a policy chooses, at each local midnight, two of
 its parameters for the next 24 hours from what has been realised: the expected-demand weight (how much of the past
-week's demand to count on) and the terminal value of stored energy. The planner then acts hour by hour through
-EVHub-v0 as ``mpc`` does. This is the RL-MPC of the building-control literature (an RL signal that adapts an
-optimiser rather than replacing it; e.g. Arroyo et al., Applied Energy 2022), one decision a day.
+days' demand to count on) and the terminal value of stored energy. The planner then acts through EVHub-v0 as ``mpc``
+does until the next midnight: an RL signal that adapts an optimiser rather than replacing it, one decision a day.
 
-``EVHubPlanner-v0`` is a gymnasium env (:class:`PlannerEnv`) for the project's own agent scripts::
+``EVHubPlanner-v0`` (:class:`PlannerEnv`) is the gymnasium env the project's agent scripts train it on::
 
     python algos/ppo.py --env-id pipeline.control.rl_planner:EVHubPlanner-v0 --vector-mode async --num-envs 2
 
 - episode: one week of the train split from a random local midnight (after the split's first week, in which the
   planner's forecasts warm up), begun like a backtest window (:func:`pipeline.control.backtest.run_window`);
-- action: ``(2,)`` in ``[-1, 1]``: the weight and the terminal value (a multiple of the shipped rule's) around a
-  centre, ``w_c + width * a0`` clipped to ``[0, 1]`` and ``v_c + width * a1`` clipped to ``[0.5, 1.5]``
-  (:func:`day_params`); the centre's other parameters as they are. The centre is :func:`base_params` (weight 0.5,
-  terminal value 1: the middle of both ranges) with width :data:`WIDTH` (0.5: the whole ranges), unless the
-  environment variables ``EVHUB_PLANNER_CENTRE`` (a JSON of :class:`~pipeline.control.mpc.PlannerParams`, e.g. a
-  tuning's) and ``EVHUB_PLANNER_WIDTH`` give others;
+- action: ``(2,)`` in ``[-1, 1]``: the weight ``w_c + width * a0`` clipped to ``[0, 1]`` and the terminal value
+  ``v_c + width * a1`` clipped to ``[0.5, 1.5]`` (:func:`day_params`); the centre's other parameters as they are;
 - reward: ``-(CO2 kg + UNSERVED_COST * unserved kWh) / REWARD_SCALE_KG`` of the day;
 - observation (:data:`OBS_NAMES`, about ``[-1, 1]``): the day of week (sin, cos), the battery's SOC, the energy the
   plugged cars still need, the past week's mean daily arrivals, yesterday's arrivals against that mean, the
   planner's mean MOER outlook for the day against the last week's mean MOER, and yesterday's CO2 per kWh charged
   (energies in units of the train split's mean daily arrivals, whichever split it acts on).
 
-The site is ``site`` or the environment variable ``EVHUB_SITE`` (as the study sets it), default ``caltech``;
-``split`` the split its episodes are drawn from (``EVHUB_PLANNER_SPLIT``, default ``train``) and ``window`` the steps
-of it they lie in (``EVHUB_PLANNER_WINDOW``, ``"first:end"``; default the whole split), as ``mpc_rl_online``'s weekly
-fine-tunings on the acting split's past set them (:mod:`pipeline.study.online`).
+Parameters:
+    centre (:class:`~pipeline.control.mpc.PlannerParams`): the zero action's planner, :func:`base_params` (weight 0.5,
+        terminal value 1: the middle of both ranges) unless ``EVHUB_PLANNER_CENTRE`` (a JSON of its fields, e.g. a
+        tuning's) gives another.
+    width (float, dimensionless): how far ``|a| = 1`` moves both from the centre, :data:`WIDTH` (0.5: the whole
+        ranges) unless ``EVHUB_PLANNER_WIDTH`` gives another.
+    site (str): ``site`` or ``EVHUB_SITE`` (as the study sets it), default ``caltech``.
+    split (str), window (``"first:end"``, env steps): where episodes are drawn from (``EVHUB_PLANNER_SPLIT``, default
+        ``train``; ``EVHUB_PLANNER_WINDOW``, default the whole split), as ``mpc_rl_online``'s weekly fine-tunings on
+        the acting split's past set them (:mod:`pipeline.study.online`).
 
-:func:`simulate_rl` runs a trained policy (its exported ``policy.pt2``) over a whole split: every local midnight it
-reads the observation and sets the day's parameters, then the planner acts for 24 steps (``mpc_rl``'s row).
+Returns:
+    :func:`simulate_rl`: a trained policy (its exported ``policy.pt2``) over a whole split, reading the observation and
+    setting the day's parameters at every local midnight: ``mpc_rl``'s KPI row and traces; :func:`simulate_start`:
+    the zero action's (``mpc_rl_start``).
+
+References:
+    J. Arroyo, C. Manna, F. Spiessens and L. Helsen, "Reinforced model predictive control (RL-MPC) for building
+    energy management", Applied Energy 309 (2022). What it learned and against which start:
+    ``docs/lab/learned-planners.md``; results: ``docs/findings.md``.
 """
 
 from __future__ import annotations

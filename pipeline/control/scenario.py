@@ -1,52 +1,61 @@
 """Scenario MPC (``mpc_scenario``): a two-stage stochastic plan over futures drawn from the site's realised past.
 
-``mpc`` and the learned planners plan on one expected future: the past days' sessions scaled by a hand-set weight
-and one MOER curve. The weight hedges against cars that may not come, and the right weight moves with the regime
-(``docs/agents.md``). A plan over scenarios hedges without one: each hour, one linear program over ``K`` futures of
-the next ``H`` hours, each of probability ``p_k``, with a first step shared by all of them (the one carried out:
-the battery's charge and discharge, each plugged EV's power, the grid and curtailment of step 0) and each scenario's
-own recourse after it (EV charging of its own arrivals, battery, grid). What the controller knows at step ``t``:
+At each plan (each clock hour and each arrival, as ``mpc`` plans), :class:`ScenarioMPC` solves one linear program
+over ``K`` futures of the next ``horizon_h`` hours, future ``k`` with probability ``p_k``: a first step shared by all
+of them (the one carried out: the battery's charge and discharge, each plugged EV's power, the grid and curtailment
+of step 0) and each scenario's own recourse after it (EV charging of its own arrivals, battery, grid). It hedges
+against cars that may not come without ``mpc``'s hand-set expected-demand weight, whose right value moves with the
+regime.
 
-- the env's state, PV and base load as ``mpc`` knows them;
+What the controller knows at step ``t``:
+
+- the env's state, PV and base load as ``mpc`` knows them (:mod:`pipeline.control.mpc`);
 - the MOER outlook of its planner (:meth:`~pipeline.control.mpc.MPCController.moer_outlook`, the learned planners'
-  forecast by default); with ``moer_scenarios`` scenario ``k`` adds to it the errors the same forecast made at the
-  same leads when it was issued ``k + 1`` days before (realised MOER minus that forecast; known by ``t`` for leads
-  within a day, 0 beyond), clipped at 0; only outlooks the controller issued itself are read, so a run that starts
-  mid-split plans on the forecast alone for its first days; with ``moer_revisions = s > 0`` scenario ``k`` instead
-  adds, at leads 1 and beyond, ``s`` times how the outlook issued ``k + 1`` days before at the same hour was revised
-  one hour later (the outlook issued at ``u + 1`` for step ``u + j`` minus the one issued at ``u`` for it), less the
-  mean of those revisions over the scenarios that have one (so the scenarios' mean outlook stays the outlook), clipped
-  at 0: what the next hour's outlook may say, which the plan after step 0 learns before it acts, and not the MOER's
-  later surprises (``docs/lab/scenario-mpc.md``, "MOER scenarios from the outlook's hourly revisions");
+  forecast by default). With ``moer_scenarios``, scenario ``k`` adds to it the errors the same forecast made at the
+  same leads when issued ``k + 1`` days before (realised MOER minus that forecast; known by ``t`` for leads within a
+  day, 0 beyond), clipped at 0; only outlooks the controller issued itself are read, so a run begun mid-split plans on
+  the forecast alone for its first days. With ``moer_revisions = s > 0``, scenario ``k`` instead adds, at leads 1 and
+  beyond, ``s`` times how the outlook issued ``k + 1`` days before at the same hour was revised one hour later, less
+  the mean of those revisions over the scenarios that have one (the scenarios' mean outlook stays the outlook),
+  clipped at 0;
 - arrivals: scenario ``k`` is the ``k``-th most recent past day of the same day type (weekday or weekend, local time;
-  any day without ``demand_day_type``) whose arrivals are realised by ``t``, chosen for each step of the window by
-  :meth:`~pipeline.control.mpc.MPCController.past_days` (which also chooses ``mpc``'s expected demand by day type):
-  every session that arrived at that hour of that day, moved into the window with its stay and its real, unscaled
-  energy (weight 1). While fewer than ``K`` such days exist (a split's first days) the available days are repeated in
-  turn. With ``scenario_source = "session_model"`` scenario ``k`` is instead the ``k``-th draw of a session model fit
-  on the split's realised past (:mod:`pipeline.control.sessions`: arrivals per hour by day type and socket group, stays
-  and energies, forgetting), seeded.
+  any day without ``demand_day_type``) whose arrivals are realised by ``t``
+  (:meth:`~pipeline.control.mpc.MPCController.past_days`): every session that arrived at that hour of that day, moved
+  into the window with its stay and its real, unscaled energy. While fewer than ``K`` such days exist the available
+  days repeat in turn. With ``scenario_source = "session_model"`` scenario ``k`` is the ``k``-th seeded draw of a
+  session model fit on the split's realised past (:mod:`pipeline.control.sessions`).
 
-Probabilities: ``p_k`` proportional to ``0.5 ** (k / recency_half_life)`` (``k = 0`` the most recent day), or ``1 / K``
-with half-life 0, times, with ``today_bandwidth > 0``, how much scenario ``k``'s day resembles today so far
-(:meth:`ScenarioMPC.today_distance`: arrivals per socket group from the last local midnight up to ``t`` on both days):
-``exp(-d_k / (2 h^2))`` for distance ``d_k`` and bandwidth ``h``; 0 (the default) leaves them as they are. The demand
-weight of :class:`~pipeline.control.mpc.PlannerParams` has no role.
-
-The LP: each scenario's window LP is ``mpc``'s (:meth:`~pipeline.control.mpc.MPCController.window_lp`: the oracle's
+Each scenario's block is ``mpc``'s window LP (:meth:`~pipeline.control.mpc.MPCController.window_lp`: the oracle's
 constraints, deferral past the window, terminal value, tie-breaks, the env's step-0 floors and caps and import-limit
-cut), its objective times ``p_k``; the ``K`` blocks are stacked block-diagonally (built in one go: ``window_lp`` with
-a block per scenario, the same LP as the ``K`` built one by one), and non-anticipativity rows tie the step-0 columns
-(``ch``, ``dis``, ``g``, ``u``, ``x`` and every plugged EV's first column) of every scenario to the first one's. HiGHS
-starts each hour from the last hour's basis (``warm_start``: about a quarter of the simplex iterations; the optimum is
-the same, the vertex chosen among plans of equal cost may differ). With ``grid.export_credit = "moer"`` step 0 keeps
-the env's dispatch rules as ``mpc``'s does. The returned :class:`~pipeline.control.mpc.Plan` is step 0 (shared) and,
-over the window, the probability-weighted mean of the scenarios' battery and plugged-EV power; ``co2_planned_kg`` is
-the expected CO2. With one scenario equal to ``mpc``'s expected demand and its MOER outlook the LP is ``mpc``'s, column
-for column (and, from cold starts, so are its plans).
+cut), its objective times ``p_k``; the ``K`` blocks are stacked block-diagonally in one build, and
+non-anticipativity rows tie the step-0 columns (``ch``, ``dis``, ``g``, ``u``, ``x`` and every plugged EV's first
+column) of every scenario to the first one's. HiGHS starts each plan from the last one's basis
+(:mod:`pipeline.control.highs`). With ``grid.export_credit = "moer"`` step 0 keeps the env's dispatch rules as
+``mpc``'s does. With one scenario equal to ``mpc``'s expected demand and MOER outlook the LP is ``mpc``'s, column for
+column.
 
-How ``K``, the half-life and the MOER scenarios were chosen (the train split only) and what each is worth:
-``docs/agents.md``, "Scenario MPC".
+Parameters:
+    n_scenarios (int, past days): ``K`` (:data:`N_SCENARIOS`, 21).
+    recency_half_life (float, same-type days): ``p_k`` proportional to ``0.5 ** (k / half_life)``, ``k = 0`` the most
+        recent day; 0 (:data:`RECENCY_HALF_LIFE`): every ``p_k = 1 / K``.
+    today_bandwidth (float, arrivals per socket group): ``h``; with ``h > 0`` each ``p_k`` is also multiplied by
+        ``exp(-d_k / (2 h^2))``, ``d_k`` how far scenario ``k``'s day so far lies from today's
+        (:meth:`ScenarioMPC.today_distance`); 0 (:data:`TODAY_BANDWIDTH`): not weighted by today.
+    moer_scenarios (bool), moer_revisions (float, dimensionless): the MOER scenarios above (:data:`MOER_SCENARIOS`,
+        :data:`MOER_REVISIONS`: off).
+    scenario_source (str): ``"past_days"`` or ``"session_model"`` (:data:`SCENARIO_SOURCE`, :data:`SESSION_MODEL`).
+    params (:class:`~pipeline.control.mpc.PlannerParams`): the planner's (:func:`base_params`); its expected-demand
+        weight and days have no role.
+
+Returns:
+    Each plan, a :class:`~pipeline.control.mpc.Plan`: step 0 (shared) and, over the window, the probability-weighted
+    mean of the scenarios' battery and plugged-EV power; ``co2_planned_kg`` is the expected CO2. :func:`simulate`: a
+    whole split's KPI row and traces.
+
+References:
+    J. R. Birge and F. Louveaux, *Introduction to Stochastic Programming*, 2nd ed., Springer, 2011 (two-stage
+    programs with recourse, non-anticipativity). How ``K``, the half-life and the MOER scenarios were chosen (on the
+    train split only) and what each is worth: ``docs/lab/scenario-mpc.md``; results: ``docs/findings.md``.
 """
 
 from __future__ import annotations
