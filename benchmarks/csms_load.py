@@ -2,7 +2,9 @@
 pipeline.live.csms --clock site``) and its clients in others, all on localhost: the simulated site (the site's charge
 points and its site controller, :mod:`pipeline.live.simsite`) replays the split's first ``hours`` in this process,
 each step of the site planned and sent (or the last plan held) as in :mod:`benchmarks.csms_week`, while
-``charge_points`` more charge points each send one ``Heartbeat`` a second from ``workers`` worker processes.
+``charge_points`` more charge points each send one ``Heartbeat`` a second from ``workers`` worker processes. With
+``--ocpp 2.0.1`` the heartbeat charge points and the site's own speak OCPP 2.0.1 (the site controller 1.6J); ``mix``
+alternates them.
 
 What is measured, over the replay (the connections made before it): the plan's latency (its wall time inside the
 central system, from the store's ``plans`` table) and the step's round trip (the site's ``Clock`` message to its
@@ -28,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -35,14 +38,15 @@ import pandas as pd
 from benchmarks.common import machine_info, save_table
 
 COLUMNS = (
-    "site", "charge_points", "hours", "workers", "connect_s", "replay_s", "plan_p50_s", "plan_p99_s", "step_p50_s",
-    "step_p99_s", "heartbeat_p50_s", "heartbeat_p99_s", "heartbeats", "heartbeats_per_s", "csms_cpu_share",
-    "csms_peak_rss_mb",
+    "site", "ocpp", "charge_points", "hours", "workers", "connect_s", "replay_s", "plan_p50_s", "plan_p99_s",
+    "step_p50_s", "step_p99_s", "heartbeat_p50_s", "heartbeat_p99_s", "heartbeats", "heartbeats_per_s",
+    "csms_cpu_share", "csms_peak_rss_mb",
 )  # fmt: skip
-"""Columns: the site, the heartbeat charge points, the hours replayed, the heartbeat worker processes; the time to
-connect them all and the replay's wall time (s); latency p50/p99 (s) of the plan, of the step's round trip and of a
-heartbeat; the heartbeats answered during the replay, a second; the central system's CPU time over the replay / its
-wall time (1.0: one core busy) and its peak memory (MiB)."""
+"""Columns: the site, what the charge points spoke (``1.6``, ``2.0.1``, ``mix``), the heartbeat charge points, the
+hours replayed, the heartbeat worker processes; the time to connect them all and the replay's wall time (s); latency
+p50/p99 (s) of the plan, of the step's round trip and of a heartbeat; the heartbeats answered during the replay, a
+second; the central system's CPU time over the replay / its wall time (1.0: one core busy) and its peak memory
+(MiB)."""
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -59,30 +63,28 @@ def _proc_peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def _connect(url: str, cp_id: str, password: str):
-    """Connect and boot a heartbeat-only charge point; returns it (its session running)."""
-    from ocpp.v16 import call
+async def _connect(url: str, cp_id: str, password: str, version: str):
+    """Connect and boot a heartbeat-only charge point of OCPP ``version`` (``1.6``, ``2.0.1``); returns it (its session
+    running)."""
     from websockets.asyncio.client import connect
 
-    from pipeline.live.csms import SUBPROTOCOL
-    from pipeline.live.simsite import SimChargePoint, basic_auth
+    from pipeline.live.simsite import SimChargePoint, SimChargePoint201, basic_auth
 
+    kind = SimChargePoint201 if version == "2.0.1" else SimChargePoint
     ws = await connect(
-        f"{url}/{cp_id}", subprotocols=[SUBPROTOCOL], compression=None, open_timeout=120,
+        f"{url}/{cp_id}", subprotocols=[kind.SUBPROTOCOL], compression=None, open_timeout=120,
         additional_headers={"Authorization": basic_auth(cp_id, password)},
     )  # fmt: skip
-    cp = SimChargePoint(cp_id, ws)
+    cp = kind(cp_id, ws)
     cp.session = asyncio.create_task(cp.start())
-    await cp.call(call.BootNotification(charge_point_vendor="evhub-load", charge_point_model="heartbeat"))
+    await cp.boot()
     return cp
 
 
-async def _beats(url: str, ids: dict[str, str], ready, go, stop, out: str) -> None:
-    from ocpp.v16 import call
-
+async def _beats(url: str, ids: dict[str, str], ready, go, stop, out: str, versions: dict[str, str]) -> None:
     cps = {}
     for k in range(0, len(ids), 25):
-        got = await asyncio.gather(*(_connect(url, i, ids[i]) for i in list(ids)[k : k + 25]))
+        got = await asyncio.gather(*(_connect(url, i, ids[i], versions[i]) for i in list(ids)[k : k + 25]))
         cps.update({cp.id: cp for cp in got})
     ready.set()
     while not go.is_set():
@@ -93,7 +95,7 @@ async def _beats(url: str, ids: dict[str, str], ready, go, stop, out: str) -> No
         await asyncio.sleep(phase)
         while not stop.is_set():
             t0 = time.perf_counter()
-            await cps[cp_id].call(call.Heartbeat())
+            await cps[cp_id].heartbeat()
             rtt.append(time.perf_counter() - t0)
             await asyncio.sleep(max(1.0 - (time.perf_counter() - t0), 0.0))
 
@@ -107,10 +109,11 @@ async def _beats(url: str, ids: dict[str, str], ready, go, stop, out: str) -> No
     np.save(out, np.asarray(rtt))
 
 
-def heartbeat_worker(url: str, ids: dict[str, str], ready, go, stop, out: str) -> None:
-    """A worker process: connect ``ids`` (``{id: password}``), set ``ready``; from ``go`` until ``stop``, a heartbeat
-    a second from each; the round trips (s) to ``out`` (``.npy``)."""
-    asyncio.run(_beats(url, ids, ready, go, stop, out))
+def heartbeat_worker(url: str, ids: dict[str, str], ready, go, stop, out: str, versions: dict[str, str]) -> None:
+    """A worker process: connect ``ids`` (``{id: password}``, each in its OCPP version of ``versions``: ``1.6`` or
+    ``2.0.1``), set ``ready``; from ``go`` until ``stop``, a heartbeat a second from each; the round trips (s) to
+    ``out`` (``.npy``)."""
+    asyncio.run(_beats(url, ids, ready, go, stop, out, versions))
 
 
 def _start_csms(toml: str, db: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -130,13 +133,14 @@ def _start_csms(toml: str, db: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
     return proc, line.split("listening on ", 1)[1].split("/<", 1)[0]
 
 
-def _load(site, toml: str, charge_points: int, hours: float, workers: int, tmp: Path) -> dict:
+def _load(site, toml: str, charge_points: int, hours: float, workers: int, tmp: Path, ocpp: str = "1.6") -> dict:
     """One run (module docstring) in folder ``tmp``: its row of :data:`COLUMNS`."""
-    from pipeline.live.simsite import SimSite, register, site_passwords
+    from pipeline.live.simsite import SimSite, ocpp_versions, register, site_passwords
     from pipeline.live.store import Store
 
     passwords = site_passwords(site)
     extra = {f"load-{k}": f"pw-{k}" for k in range(charge_points)}
+    versions = ocpp_versions(extra, ocpp)
     store = Store(tmp / "csms.sqlite")
     register(store, passwords | extra)  # the production scrypt cost
     proc, url = _start_csms(toml, tmp / "csms.sqlite", tmp)
@@ -147,11 +151,12 @@ def _load(site, toml: str, charge_points: int, hours: float, workers: int, tmp: 
     t0 = time.perf_counter()
     for k, ids in enumerate(shares):
         ready = ctx.Event()
-        p = ctx.Process(target=heartbeat_worker, args=(url, ids, ready, go, stop, str(tmp / f"beats-{k}.npy")))
+        out = str(tmp / f"beats-{k}.npy")
+        p = ctx.Process(target=heartbeat_worker, args=(url, ids, ready, go, stop, out, versions))
         p.start()
         procs.append(p)
         readies.append(ready)
-    sim = SimSite(site, url, passwords, hours=hours)
+    sim = SimSite(site, url, passwords, hours=hours, ocpp=ocpp)
     step_s: list[float] = []
     original = sim.tick
     window: dict[str, float] = {}
@@ -185,6 +190,7 @@ def _load(site, toml: str, charge_points: int, hours: float, workers: int, tmp: 
     q = lambda x, p: float(np.percentile(x, p)) if len(x) else float("nan")  # noqa: E731
     return {
         "site": site.config.name,
+        "ocpp": ocpp,
         "charge_points": len(extra),
         "hours": hours,
         "workers": workers,
@@ -204,21 +210,26 @@ def _load(site, toml: str, charge_points: int, hours: float, workers: int, tmp: 
 
 
 def run(
-    site: str = "caltech", charge_points: int = 500, hours: float = 168, workers: int = 2, out_dir: str | None = None
-) -> pd.DataFrame:
+    site: str = "caltech", charge_points: int = 500, hours: float = 168, workers: int = 2, out_dir: str | None = None,
+    ocpp: str = "1.6",
+) -> pd.DataFrame:  # fmt: skip
     """Run the load; print one line and write the table.
 
     Raises:
         RuntimeError: the central system did not start, or the workers did not connect.
+        LiveError: ``ocpp`` not one of ``1.6``, ``2.0.1``, ``mix``.
     """
     from envs.site import load_site
+    from pipeline.live.simsite import ocpp_versions
 
+    ocpp_versions([], ocpp)  # a bad choice ends here, before the run
     s = load_site(site)
     toml = str(Path(site).resolve()) if site.endswith(".toml") else site
     with tempfile.TemporaryDirectory() as tmp:
-        row = _load(s, toml, charge_points, hours, workers, Path(tmp))
+        row = _load(s, toml, charge_points, hours, workers, Path(tmp), ocpp)
     print(
-        f"{row['charge_points']} heartbeat charge points ({workers} processes), {row['site']}'s replaying {hours:g} h "
+        f"OCPP {ocpp}: {row['charge_points']} heartbeat charge points ({workers} processes), {row['site']}'s replaying "
+        f"{hours:g} h "
         f"in {row['replay_s']:.1f} s (connecting {row['connect_s']:.1f} s): plan p50 {row['plan_p50_s']:.3f} s, p99 "
         f"{row['plan_p99_s']:.3f} s; step round trip p50 {row['step_p50_s']:.3f} s, p99 {row['step_p99_s']:.3f} s; "
         f"heartbeat p50 {1e3 * row['heartbeat_p50_s']:.1f} ms, p99 {1e3 * row['heartbeat_p99_s']:.1f} ms "
@@ -247,6 +258,9 @@ class Args:
     """processes sending the heartbeats"""
     out_dir: str | None = None
     """folder of csms_load.parquet (None: outputs/bench/)"""
+    ocpp: Literal["1.6", "2.0.1", "mix"] = "1.6"
+    """what the heartbeat charge points and the site's own speak: OCPP 1.6J, 2.0.1, or a mix (alternating in the
+    order of their ids); the site controller speaks 1.6J"""
 
 
 def main(args: Args | None = None) -> pd.DataFrame:
@@ -255,7 +269,7 @@ def main(args: Args | None = None) -> pd.DataFrame:
         import tyro
 
         args = tyro.cli(Args)
-    return run(args.site, args.charge_points, args.hours, args.workers, args.out_dir)
+    return run(args.site, args.charge_points, args.hours, args.workers, args.out_dir, args.ocpp)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -551,3 +553,118 @@ def observations(site: Site, split: str, steps: int, **env_kwargs):
         obs, *_ = env.step(a)
         out.append(obs)
     return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------- the central system
+CSMS_FAST_HASH = 2**4
+"""scrypt's cost in the central system tests' stores (the production default is 2**14: 50 ms a hash)."""
+CSMS_HOURS = 24
+"""The central system's shorter runs: the first day of :func:`csms_site`'s test split (every car has left by its
+end)."""
+
+
+def csms_site(days: int = 2, dt_h: float = 1.0) -> Site:
+    """The central system tests' small synthetic site: 6 sockets, a 6 h window, a test split of ``days`` days."""
+    return make_site(days=days, n_sockets=6, mpc={"horizon_h": 6}, dt_h=dt_h)
+
+
+def csms_store(path):
+    """A central system's store at ``path`` writing cheap password hashes (:data:`CSMS_FAST_HASH`)."""
+    from pipeline.live.store import Store
+
+    return Store(path, scrypt_n=CSMS_FAST_HASH)
+
+
+def study_co2(site: Site, hours: float | None = None) -> tuple[float, float]:
+    """The study's mpc run over the test split: its CO2 (kg) and unserved energy (kWh), over its steps in the first
+    ``hours``."""
+    from envs import timestep
+    from pipeline.control import registry
+
+    _, traces = registry.get("mpc").simulate(site, "test")
+    traces = traces.iloc[: None if hours is None else timestep.steps(hours, site.config.dt_h)]
+    return float(traces.co2_kg.sum()), float(traces.unserved_kwh.sum())
+
+
+def assert_served(site: Site, res, central, hours: float | None = None) -> None:
+    """A simulated run served every car: nothing unserved, no step without a profile, every session one transaction,
+    every transaction stopped with its driver's needs."""
+    from envs import timestep
+
+    ses = site.split("test").sessions
+    steps = len(site.split("test").time) if hours is None else timestep.steps(hours, site.config.dt_h)
+    ses = ses[~ses.rejected & (ses.arrival_step < steps)]
+    assert res.unserved_kwh < 1e-3
+    assert res.fallbacks == 0
+    txs = central.store.transactions()
+    assert res.started == res.stopped == len(txs) == len(ses) > 0
+    assert all(t["stop_time"] is not None and t["needs_source"] == "driver" for t in txs)
+
+
+@contextlib.asynccontextmanager
+async def csms_serving(tmp_path, tls=None):
+    """A central system on a free port of localhost (with its HTTP endpoint) over :func:`csms_site`, one charge point
+    and the site controller registered; yields ``(central, port, charge point id, {id: password})``."""
+    from pipeline.live import csms
+    from pipeline.live.simsite import register
+    from pipeline.live.sources import SiteClock, SiteDataFeed, default_mapping
+
+    site = csms_site()
+    store = csms_store(tmp_path / "csms.sqlite")
+    cp = next(iter(default_mapping(site)))[0]
+    passwords = {cp: "good-password", "site": "site-password"}
+    register(store, passwords)
+    central = csms.CentralSystem(site, store, SiteClock(), SiteDataFeed(site), default_mapping(site))
+    server = await central.start("127.0.0.1", 0, tls, http_port=0)
+    try:
+        yield central, server.sockets[0].getsockname()[1], cp, passwords
+    finally:
+        await central.stop()
+
+
+async def csms_boots(url: str, cp: str, password: str, tls=None, ocpp: str = "1.6") -> str:
+    """A good client of OCPP ``ocpp`` (``"1.6"`` or ``"2.0.1"``): connects and boots; returns the registration
+    status."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    from pipeline.live.simsite import SimChargePoint, SimChargePoint201, basic_auth
+
+    kind = SimChargePoint201 if ocpp == "2.0.1" else SimChargePoint
+    headers = {"Authorization": basic_auth(cp, password)}
+    async with connect(f"{url}/{cp}", subprotocols=[kind.SUBPROTOCOL], additional_headers=headers, ssl=tls) as ws:
+        client = kind(cp, ws)
+        task = asyncio.create_task(client.start())
+        status = await client.boot()
+        task.cancel()
+        return status
+
+
+async def csms_refused(url: str, headers: dict, subprotocol: str = "ocpp1.6") -> int:
+    """The HTTP status of a handshake that must be refused."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    with pytest.raises(InvalidStatus) as err:
+        async with connect(url, subprotocols=[subprotocol], additional_headers=headers):
+            pass
+    return err.value.response.status_code
+
+
+def self_signed_cert(folder) -> tuple:
+    """A self-signed certificate for 127.0.0.1 and its key, made by the ``openssl`` command in ``folder``:
+    ``(cert.pem, key.pem)``; the test is skipped where ``openssl`` is not installed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed: no certificate to test TLS with")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days",
+         "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
+         str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key

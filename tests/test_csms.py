@@ -6,9 +6,7 @@ good client."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import shutil
 import socket
 import sqlite3
 import ssl
@@ -18,52 +16,23 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import ROOT, make_site, write_site
+from conftest import CSMS_FAST_HASH as FAST_HASH  # noqa: F401 - the name other test modules import from here
+from conftest import CSMS_HOURS as HOURS
+from conftest import ROOT, make_site, self_signed_cert, write_site
+from conftest import assert_served as _served
+from conftest import csms_boots as _boots
+from conftest import csms_refused as _refused
+from conftest import csms_serving as _serving
+from conftest import csms_site as _site
+from conftest import csms_store as _store
+from conftest import study_co2 as _study_co2
 
-from envs import timestep
 from envs.kpis import rollout_traces
-from pipeline.control import registry
 from pipeline.control.mpc import MPCController, PlannerParams
 from pipeline.live import csms
 from pipeline.live.simsite import SimChargePoint, SimSite, basic_auth, register, run_local, site_passwords
-from pipeline.live.sources import LateFeed, SiteClock, SiteDataFeed, default_mapping, fill_late
+from pipeline.live.sources import LateFeed, SiteDataFeed, default_mapping, fill_late
 from pipeline.live.store import Store, StoreError, check_password, hash_password
-
-FAST_HASH = 2**4
-"""scrypt's cost in these tests' stores (the production default is 2**14: 50 ms a hash)."""
-
-
-def _site(days: int = 2):
-    """A small synthetic site with a 6 h window (the test split: ``days`` days)."""
-    return make_site(days=days, n_sockets=6, mpc={"horizon_h": 6})
-
-
-def _store(path) -> Store:
-    return Store(path, scrypt_n=FAST_HASH)
-
-
-def _study_co2(site, hours: float | None = None) -> tuple[float, float]:
-    """The study's mpc run over the test split: its CO2 (kg) and unserved energy (kWh), over its steps in the first
-    ``hours``."""
-    _, traces = registry.get("mpc").simulate(site, "test")
-    traces = traces.iloc[: None if hours is None else timestep.steps(hours, site.config.dt_h)]
-    return float(traces.co2_kg.sum()), float(traces.unserved_kwh.sum())
-
-
-HOURS = 24
-"""The fault runs: the first day of the small site's test split (every car has left by its end)."""
-
-
-def _served(site, res, central, hours: float | None = None) -> None:
-    """Every car served, every session a transaction, every transaction stopped."""
-    ses = site.split("test").sessions
-    steps = len(site.split("test").time) if hours is None else timestep.steps(hours, site.config.dt_h)
-    ses = ses[~ses.rejected & (ses.arrival_step < steps)]
-    assert res.unserved_kwh < 1e-3
-    assert res.fallbacks == 0
-    txs = central.store.transactions()
-    assert res.started == res.stopped == len(txs) == len(ses) > 0
-    assert all(t["stop_time"] is not None and t["needs_source"] == "driver" for t in txs)
 
 
 @pytest.fixture(scope="module")
@@ -290,46 +259,6 @@ def test_the_csms_killed_mid_run_resumes_from_its_store(tmp_path, small):
 
 
 # ------------------------------------------------------------------------------------------------ security
-@contextlib.asynccontextmanager
-async def _serving(tmp_path, tls=None):
-    site = _site()
-    store = _store(tmp_path / "csms.sqlite")
-    cp = next(iter(default_mapping(site)))[0]
-    passwords = {cp: "good-password", "site": "site-password"}
-    register(store, passwords)
-    central = csms.CentralSystem(site, store, SiteClock(), SiteDataFeed(site), default_mapping(site))
-    server = await central.start("127.0.0.1", 0, tls, http_port=0)
-    try:
-        yield central, server.sockets[0].getsockname()[1], cp, passwords
-    finally:
-        await central.stop()
-
-
-async def _boots(url: str, cp: str, password: str, tls=None) -> str:
-    """A good client: connects and boots; returns the registration status."""
-    from websockets.asyncio.client import connect
-
-    headers = {"Authorization": basic_auth(cp, password)}
-    async with connect(f"{url}/{cp}", subprotocols=["ocpp1.6"], additional_headers=headers, ssl=tls) as ws:
-        client = SimChargePoint(cp, ws)
-        task = asyncio.create_task(client.start())
-        from ocpp.v16 import call
-
-        res = await client.call(call.BootNotification(charge_point_vendor="v", charge_point_model="m"))
-        task.cancel()
-        return res.status
-
-
-async def _refused(url: str, headers: dict) -> int:
-    from websockets.asyncio.client import connect
-    from websockets.exceptions import InvalidStatus
-
-    with pytest.raises(InvalidStatus) as err:
-        async with connect(url, subprotocols=["ocpp1.6"], additional_headers=headers):
-            pass
-    return err.value.response.status_code
-
-
 @pytest.mark.parametrize(
     "case", ["wrong password", "unknown id", "no auth header", "user not the path's id", "battery without site"]
 )
@@ -440,15 +369,7 @@ def test_the_drivers_http_endpoint_sets_a_transactions_needs(tmp_path):
 def test_tls_profile_2(tmp_path):
     """With a certificate and key the central system speaks wss:// only: a client trusting the certificate boots, a
     plain ws:// client gets no handshake."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed: no certificate to test TLS with")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days",
-         "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
-         str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed_cert(tmp_path)
     server_tls = csms.server_tls(cert, key)
     client_tls = ssl.create_default_context(cafile=str(cert))
 

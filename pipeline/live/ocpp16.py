@@ -8,10 +8,11 @@ connection until it closes), ``connection``, :meth:`Session.set_charging_profile
 shape. The handlers act through the planning loop (:class:`pipeline.live.planning.PlanningLoop`): its store, clock and
 connector mapping, a driver's needs, and requests for a plan.
 
-Handled: ``BootNotification``, ``Heartbeat``, ``StatusNotification``, ``Authorize``, ``StartTransaction`` and
-``StopTransaction`` (recorded, then a plan asked for), ``MeterValues`` (the energy register, Wh), and ``DataTransfer``
-of vendor :data:`VENDOR`: ``DriverNeeds`` (a driver's departure and need), ``BatteryStatus`` and ``Clock`` (the site
-controller's). A frame that is not OCPP, or an action not supported, gets a CALLERROR.
+Handled: ``BootNotification``, ``Heartbeat``, ``StatusNotification`` (each connector's last status, recorded),
+``Authorize``, ``StartTransaction`` and ``StopTransaction`` (recorded, then a plan asked for), ``MeterValues`` (the
+energy register, Wh), and ``DataTransfer`` of vendor :data:`VENDOR`: ``DriverNeeds`` (a driver's departure and need),
+``BatteryStatus`` and ``Clock`` (the site controller's). A frame that is not OCPP, or an action not supported, gets a
+CALLERROR.
 """
 
 from __future__ import annotations
@@ -38,6 +39,26 @@ SUBPROTOCOL = "ocpp1.6"
 """The WebSocket subprotocol of OCPP 1.6J."""
 
 
+async def refused_frame(session, raw_msg: str) -> bool:
+    """Whether ``raw_msg`` is not an OCPP message; if so it is recorded (``bad_frame``) and answered with a CALLERROR
+    naming what is wrong (``FormatViolation`` or the like; the ``ocpp`` package drops it silently). ``session``: a
+    protocol module's session (its ``id``, ``planning`` and ``connection``); the frame's shape is the same in OCPP 1.6J
+    and 2.0.1."""
+    try:
+        unpack(raw_msg)
+    except OCPPError as exc:
+        uid = "-1"
+        with contextlib.suppress(Exception):
+            parsed = json.loads(raw_msg)
+            if isinstance(parsed, list) and len(parsed) > 1 and isinstance(parsed[1], str):
+                uid = parsed[1]
+        planning = session.planning
+        planning.store.log(planning.time_or_now(), "bad_frame", f"{session.id}: {exc.description}")
+        await session.connection.send(json.dumps([4, uid, exc.code, f"{session.id}: {exc.description}"[:255], {}]))
+        return True
+    return False
+
+
 class Session(ChargePoint):
     """One connected charge point (or the site controller), its OCPP 1.6J handlers bound to the planning loop.
 
@@ -51,20 +72,9 @@ class Session(ChargePoint):
         self.planning, self.role, self.connection = planning, role, connection
 
     async def route_message(self, raw_msg):
-        """Route a frame; one that is not an OCPP message gets a CALLERROR (``FormatViolation``) naming what is wrong
-        (the ``ocpp`` package drops it silently)."""
-        try:
-            unpack(raw_msg)
-        except OCPPError as exc:
-            uid = "-1"
-            with contextlib.suppress(Exception):
-                parsed = json.loads(raw_msg)
-                if isinstance(parsed, list) and len(parsed) > 1 and isinstance(parsed[1], str):
-                    uid = parsed[1]
-            self.planning.store.log(self.planning.time_or_now(), "bad_frame", f"{self.id}: {exc.description}")
-            await self.connection.send(json.dumps([4, uid, exc.code, f"{self.id}: {exc.description}"[:255], {}]))
-            return
-        await super().route_message(raw_msg)
+        """Route a frame; one that is not an OCPP message gets a CALLERROR (:func:`refused_frame`)."""
+        if not await refused_frame(self, raw_msg):
+            await super().route_message(raw_msg)
 
     # ------------------------------------------------------------------------------ the central system's calls
     async def set_charging_profile(self, payload: dict) -> bool:
@@ -104,7 +114,12 @@ class Session(ChargePoint):
         return call_result.Heartbeat(current_time=utc_text(self.planning.time_or_now()))
 
     @on(Action.status_notification)
-    def on_status(self, connector_id: int, error_code: str, status: str, **kwargs):
+    def on_status(self, connector_id: int, error_code: str, status: str, timestamp: str | None = None, **kwargs):
+        when = self.planning.time_or_now()  # the charger's time where it gives a valid one, else the central system's
+        if timestamp:
+            with contextlib.suppress(LiveError):
+                when = as_timestamp(timestamp, "timestamp")
+        self.planning.store.set_connector_status(self.id, connector_id, status, when, error_code)
         return call_result.StatusNotification()
 
     @on(Action.authorize)

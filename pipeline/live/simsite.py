@@ -1,16 +1,18 @@
-"""A simulated site for the central system: the site's charge points as OCPP 1.6J clients (one asyncio process) and
-its site controller (the battery's management system and the clock), replaying a split of the site's sessions in
-accelerated time through the study's env (:class:`envs.evhub.EVHubVectorEnv`, socket actions, set-point battery,
-float64), so that what the central system sends is judged by the study's physics.
+"""A simulated site for the central system: the site's charge points as OCPP 1.6J or 2.0.1 clients, or a mix of both
+(one asyncio process), and its site controller (the battery's management system and the clock, OCPP 1.6J), replaying a
+split of the site's sessions in accelerated time through the study's env (:class:`envs.evhub.EVHubVectorEnv`, socket
+actions, set-point battery, float64), so that what the central system sends is judged by the study's physics.
 
-Each step ``t`` of the site (:meth:`SimSite.tick`, ``dt_h`` hours): the cars that left end their transaction
-(``StopTransaction``), the cars that arrived start one (``StartTransaction``, then ``DataTransfer`` ``DriverNeeds`` with
-the session's departure and need), each open transaction reports its meter (``MeterValues``, Wh), the site controller
+Each step ``t`` of the site (:meth:`SimSite.tick`, ``dt_h`` hours): the cars that left end their transaction (1.6:
+``StopTransaction``; 2.0.1: ``TransactionEvent`` ``Ended``), the cars that arrived start one (1.6: ``StartTransaction``,
+then ``DataTransfer`` ``DriverNeeds`` with the session's departure and need; 2.0.1: ``TransactionEvent`` ``Started``,
+then ``NotifyEVChargingNeeds`` with the departure and the need, to the nearest Wh: the standard's resolution), each open
+transaction reports its meter (1.6: ``MeterValues``; 2.0.1: ``TransactionEvent`` ``Updated``; Wh), the site controller
 reports the battery's SOC (``DataTransfer`` ``BatteryStatus``) and sets the time (``DataTransfer`` ``Clock``: answered
 once the step is planned and sent, or the last plan held); it reads the battery's set-point (``GET /battery``); the env
-steps once with each socket at its charging profile's limit for the step (the profile it holds: the last plan's) and
-the battery at its set-point: the plan's step, as the study's replay applies it (``tests/test_plan.py``). A simulated
-meter counts whole Wh between sessions (``meterStart`` is an integer).
+steps once with each socket at its charging profile's limit for the step (the profile it holds: the last plan's) and the
+battery at its set-point: the plan's step, as the study's replay applies it (``tests/test_plan.py``). A simulated meter
+counts whole Wh between sessions (``meterStart`` is an integer).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlparse
 
 import numpy as np
 import pandas as pd
 import torch
+from ocpp import v201
 from ocpp.routing import on
 from ocpp.v16 import ChargePoint, call
 from ocpp.v16 import call_result as result
@@ -38,7 +42,8 @@ from ocpp.v16.enums import Action, ChargingProfileStatus, ClearChargingProfileSt
 from envs import timestep
 from envs.evhub import EVHubVectorEnv
 from envs.site import Site
-from pipeline.live.ocpp16 import SUBPROTOCOL, VENDOR
+from pipeline.live import ocpp16, ocpp201
+from pipeline.live.ocpp16 import VENDOR
 from pipeline.live.sources import default_mapping
 from pipeline.live.state import LiveError
 
@@ -52,9 +57,47 @@ def basic_auth(cp_id: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{cp_id}:{password}".encode()).decode()
 
 
-class SimChargePoint(ChargePoint):
-    """A simulated charge point: keeps the last charging profile per connector (a later plan's replaces an earlier's)
-    and answers ``Rejected`` once where told to (:attr:`reject_next`)."""
+OCPP_CHOICES = ("1.6", "2.0.1", "mix")
+"""What the simulated charge points speak (:func:`ocpp_versions`): all OCPP 1.6J, all 2.0.1, or a mix."""
+
+
+def ocpp_versions(cp_ids, ocpp: str = "1.6") -> dict[str, str]:
+    """The OCPP version of each charge point: ``"1.6"`` or ``"2.0.1"`` for all, or ``"mix"``: alternating in the
+    sorted order of the ids, the first 1.6.
+
+    Raises:
+        LiveError: ``ocpp`` not one of :data:`OCPP_CHOICES`.
+    """
+    if ocpp not in OCPP_CHOICES:
+        raise LiveError(f"--ocpp: {ocpp!r} is not one of {', '.join(OCPP_CHOICES)}")
+    ids = sorted(set(cp_ids))
+    if ocpp == "mix":
+        return {cp: ("1.6", "2.0.1")[k % 2] for k, cp in enumerate(ids)}
+    return dict.fromkeys(ids, ocpp)
+
+
+def schedule_limit_kw(schedule: dict, now: pd.Timestamp) -> float | None:
+    """The limit at ``now`` of a charging schedule (keys in snake_case: ``start_schedule``, ``duration``,
+    ``charging_schedule_period``; limits in W), kW; None where the schedule does not cover ``now``."""
+    offset = (now - pd.Timestamp(schedule["start_schedule"])).total_seconds()
+    if offset < 0 or offset >= schedule.get("duration", math.inf):
+        return None
+    limit = None
+    for period in schedule["charging_schedule_period"]:
+        if period["start_period"] <= offset:
+            limit = float(period["limit"])
+    return None if limit is None else limit / 1000.0
+
+
+def _wh_sample(wh: float, context: str) -> dict:
+    """A 2.0.1 sampled value of the energy register, Wh."""
+    return {"value": float(wh), "context": context, "measurand": ocpp201.REGISTER, "unit_of_measure": {"unit": "Wh"}}
+
+
+class SimProfiles:
+    """What both simulated charge points keep (a mixin before their version's ``ChargePoint``): the connection, the
+    last profile per connector or EVSE (:attr:`profiles`), an event set when one comes, and how many to reject
+    (:attr:`reject_next`) and were rejected."""
 
     def __init__(self, cp_id: str, connection, response_timeout: float = 60.0):
         super().__init__(cp_id, connection, response_timeout=response_timeout)
@@ -63,6 +106,15 @@ class SimChargePoint(ChargePoint):
         self.received = asyncio.Event()
         self.reject_next = 0
         self.rejected = 0
+
+
+class SimChargePoint(SimProfiles, ChargePoint):
+    """A simulated OCPP 1.6J charge point: keeps the last charging profile per connector (a later plan's replaces an
+    earlier's) and answers ``Rejected`` once where told to (:attr:`reject_next`); :meth:`boot`, :meth:`begin`,
+    :meth:`meter`, :meth:`end` and :meth:`heartbeat` send what a charger sends (the same methods as
+    :class:`SimChargePoint201`'s)."""
+
+    SUBPROTOCOL = ocpp16.SUBPROTOCOL
 
     @on(Action.set_charging_profile)
     def on_set_profile(self, connector_id: int, cs_charging_profiles: dict):
@@ -88,15 +140,159 @@ class SimChargePoint(ChargePoint):
         p = self.profiles.get(connector_id)
         if p is None or p.get("transaction_id") != transaction_id:
             return None
-        sched = p["charging_schedule"]
-        offset = (now - pd.Timestamp(sched["start_schedule"])).total_seconds()
-        if offset < 0 or offset >= sched.get("duration", math.inf):
+        return schedule_limit_kw(p["charging_schedule"], now)
+
+    async def boot(self) -> str:
+        """``BootNotification``; returns the registration status."""
+        res = await self.call(call.BootNotification(charge_point_vendor="evhub-sim", charge_point_model="socket"))
+        return res.status
+
+    async def heartbeat(self) -> None:
+        """``Heartbeat``."""
+        await self.call(call.Heartbeat())
+
+    async def begin(
+        self, connector: int, id_tag: str, meter_wh: int, now: pd.Timestamp, need_kwh: float,
+        departure: pd.Timestamp, session_id: str | None, socket_kw: float,
+    ) -> int:  # fmt: skip
+        """A car plugs in at ``connector``: ``StartTransaction`` (``meter_wh``: the register, whole Wh), then
+        ``DataTransfer`` ``DriverNeeds`` (the departure, the need in kWh, the session's id where given); returns the
+        transaction's id (the central system's).
+
+        Raises:
+            LiveError: the central system did not accept the driver's needs.
+        """
+        res = await self.call(
+            call.StartTransaction(connector_id=connector, id_tag=id_tag, meter_start=int(meter_wh), timestamp=_iso(now))
+        )
+        tx = int(res.transaction_id)
+        body = {"transactionId": tx, "departure": _iso(departure), "energyKWh": need_kwh}
+        if session_id is not None:
+            body["sessionId"] = session_id
+        answer = await self.call(call.DataTransfer(vendor_id=VENDOR, message_id="DriverNeeds", data=json.dumps(body)))
+        if answer.status != "Accepted":
+            raise LiveError(f"DriverNeeds of {self.id}: {answer.status} ({answer.data})")
+        return tx
+
+    async def meter(self, connector: int, tx: int, wh: float, now: pd.Timestamp) -> None:
+        """``MeterValues``: the register of a transaction's connector, Wh."""
+        sample = {"value": repr(float(wh)), "measurand": ocpp201.REGISTER, "unit": "Wh"}
+        mv = [{"timestamp": _iso(now), "sampledValue": [sample]}]
+        await self.call(call.MeterValues(connector_id=connector, meter_value=mv, transaction_id=tx))
+
+    async def end(self, connector: int, tx: int, wh: float, now: pd.Timestamp) -> None:
+        """The car leaves: ``StopTransaction`` (the register rounded to whole Wh)."""
+        await self.call(call.StopTransaction(meter_stop=int(round(wh)), timestamp=_iso(now), transaction_id=tx))
+
+
+class SimChargePoint201(SimProfiles, v201.ChargePoint):
+    """A simulated OCPP 2.0.1 charge point (one connector per EVSE: EVSE ``N`` is connector ``N``): names its
+    transactions itself, keeps the last ``TxProfile`` per EVSE and answers ``Rejected`` once where told to, as
+    :class:`SimChargePoint` does; its car tells its needs with ``NotifyEVChargingNeeds`` (ISO 15118: AC charging
+    parameters, DC above 22 kW)."""
+
+    SUBPROTOCOL = ocpp201.SUBPROTOCOL
+
+    def __init__(self, cp_id: str, connection, response_timeout: float = 60.0):
+        super().__init__(cp_id, connection, response_timeout)
+        self.seq: dict[str, int] = {}
+
+    @on(v201.enums.Action.set_charging_profile)
+    def on_set_profile(self, evse_id: int, charging_profile: dict, **kwargs):
+        if self.reject_next > 0:
+            self.reject_next -= 1
+            self.rejected += 1
+            return v201.call_result.SetChargingProfile(status=v201.enums.ChargingProfileStatusEnumType.rejected)
+        old = self.profiles.get(evse_id)
+        start = charging_profile["charging_schedule"][0]["start_schedule"]
+        if old is None or pd.Timestamp(start) >= pd.Timestamp(old["charging_schedule"][0]["start_schedule"]):
+            self.profiles[evse_id] = charging_profile
+        self.received.set()
+        return v201.call_result.SetChargingProfile(status=v201.enums.ChargingProfileStatusEnumType.accepted)
+
+    @on(v201.enums.Action.clear_charging_profile)
+    def on_clear_profile(self, charging_profile_id: int | None = None, charging_profile_criteria=None, **kwargs):
+        evse = (charging_profile_criteria or {}).get("evse_id")
+        for e, p in list(self.profiles.items()):
+            if p["id"] == charging_profile_id or (charging_profile_id is None and e == evse):
+                del self.profiles[e]
+        return v201.call_result.ClearChargingProfile(status=v201.enums.ClearChargingProfileStatusEnumType.accepted)
+
+    def limit_kw(self, connector_id: int, now: pd.Timestamp, transaction_id: str) -> float | None:
+        """The EVSE's limit at ``now`` by its profile (kW), None without a profile of that transaction (the charger's
+        id) covering ``now``."""
+        p = self.profiles.get(connector_id)
+        if p is None or p.get("transaction_id") != transaction_id:
             return None
-        limit = None
-        for period in sched["charging_schedule_period"]:
-            if period["start_period"] <= offset:
-                limit = float(period["limit"])
-        return None if limit is None else limit / 1000.0
+        return schedule_limit_kw(p["charging_schedule"][0], now)
+
+    async def boot(self) -> str:
+        """``BootNotification``; returns the registration status."""
+        station = {"model": "socket", "vendor_name": "evhub-sim"}
+        res = await self.call(v201.call.BootNotification(charging_station=station, reason="PowerUp"))
+        return res.status
+
+    async def heartbeat(self) -> None:
+        """``Heartbeat``."""
+        await self.call(v201.call.Heartbeat())
+
+    async def event(self, kind: str, tx: str, now: pd.Timestamp, trigger: str, wh: float, context: str, **more):
+        """A ``TransactionEvent`` of ``kind`` with the register's reading (Wh) and the transaction's next ``seqNo``."""
+        seq = self.seq.get(tx, -1) + 1
+        self.seq[tx] = seq
+        info = {"transaction_id": tx} | more.pop("info", {})
+        mv = [{"timestamp": _iso(now), "sampled_value": [_wh_sample(wh, context)]}]
+        return await self.call(
+            v201.call.TransactionEvent(
+                event_type=kind, timestamp=_iso(now), trigger_reason=trigger, seq_no=seq, transaction_info=info,
+                meter_value=mv, **more,
+            )
+        )  # fmt: skip
+
+    async def begin(
+        self, connector: int, id_tag: str, meter_wh: int, now: pd.Timestamp, need_kwh: float,
+        departure: pd.Timestamp, session_id: str | None, socket_kw: float,
+    ) -> str:  # fmt: skip
+        """A car plugs in at EVSE ``connector``: ``TransactionEvent`` ``Started`` (the register, Wh), then
+        ``NotifyEVChargingNeeds`` (the departure; the need to the nearest Wh, ``energyAmount`` being whole Wh: the
+        session data's energies are whole Wh, kept as float32; the session's id in a ``customData`` of vendor
+        :data:`pipeline.live.ocpp16.VENDOR` where given); returns the transaction's id (the charger's).
+
+        Raises:
+            LiveError: the central system did not accept the car's needs.
+        """
+        tx = f"{id_tag}-{now.strftime('%Y%m%d%H%M')}"
+        await self.event(
+            "Started", tx, now, "CablePluggedIn", meter_wh, "Transaction.Begin", info={"charging_state": "EVConnected"},
+            evse={"id": connector, "connector_id": 1}, id_token={"id_token": id_tag, "type": "Local"},
+        )  # fmt: skip
+        wh = round(need_kwh * 1000.0)
+        if socket_kw > 22.0:  # beyond AC's three phases: a DC charger
+            mode, params = "DC", {"dc_charging_parameters": {"energy_amount": wh, "ev_max_current": math.ceil(
+                socket_kw * 1000.0 / 400.0), "ev_max_voltage": 400}}  # fmt: skip
+        else:
+            mode, params = "AC_single_phase", {"ac_charging_parameters": {"energy_amount": wh, "ev_min_current": 6,
+                "ev_max_current": math.ceil(socket_kw * 1000.0 / 240.0), "ev_max_voltage": 240}}  # fmt: skip
+        needs = {"requested_energy_transfer": mode, "departure_time": _iso(departure)} | params
+        custom = None if session_id is None else {"vendor_id": VENDOR, "session_id": session_id}
+        answer = await self.call(
+            v201.call.NotifyEVChargingNeeds(charging_needs=needs, evse_id=connector, custom_data=custom)
+        )
+        if answer.status != "Accepted":
+            raise LiveError(f"NotifyEVChargingNeeds of {self.id}: {answer.status} ({answer.status_info})")
+        return tx
+
+    async def meter(self, connector: int, tx: str, wh: float, now: pd.Timestamp) -> None:
+        """``TransactionEvent`` ``Updated``: the register of a transaction's EVSE, Wh."""
+        await self.event("Updated", tx, now, "MeterValuePeriodic", wh, "Sample.Periodic",
+                         info={"charging_state": "Charging"})  # fmt: skip
+
+    async def end(self, connector: int, tx: str, wh: float, now: pd.Timestamp) -> None:
+        """The car leaves: ``TransactionEvent`` ``Ended`` (the register, Wh)."""
+        await self.event(
+            "Ended", tx, now, "EVDeparted", wh, "Transaction.End", info={"stopped_reason": "EVDisconnected"}
+        )
+        self.seq.pop(tx, None)
 
 
 @dataclass
@@ -114,14 +310,15 @@ class SimResult:
     rejected: int = 0
     fallbacks: int = 0
     wall_s: float = 0.0
-    transactions: list[int] = field(default_factory=list)
+    transactions: list[int | str] = field(default_factory=list)
 
 
 @dataclass
 class Open:
-    """A socket's car as the simulated site tracks it: its transaction and the steps it has left at the next step."""
+    """A socket's car as the simulated site tracks it: its transaction (1.6: the central system's id; 2.0.1: the
+    charger's) and the steps it has left at the next step."""
 
-    tx: int
+    tx: int | str
     left_next: int
 
 
@@ -137,12 +334,17 @@ class SimSite:
         tls: the client's TLS context for ``wss://``.
         hooks: ``{step: coroutine function(sim)}`` run at the start of that step (faults: a restart of the central
             system, a dropped charge point).
+        ocpp: what the charge points speak (:func:`ocpp_versions`): ``"1.6"``, ``"2.0.1"`` or ``"mix"``; the site
+            controller speaks 1.6J.
+
+    Raises:
+        LiveError: ``ocpp`` is not one of :data:`OCPP_CHOICES`.
     """
 
     def __init__(
         self, site: Site, url: str, passwords: dict[str, str], site_id: str = "site", split: str = "test",
         hours: float | None = None, mapping: dict | None = None, tls: ssl.SSLContext | None = None,
-        hooks: dict[int, Callable[[SimSite], Awaitable[None]]] | None = None,
+        hooks: dict[int, Callable[[SimSite], Awaitable[None]]] | None = None, ocpp: str = "1.6",
     ):  # fmt: skip
         self.site, self.url, self.passwords, self.site_id, self.tls = site, url.rstrip("/"), passwords, site_id, tls
         self.data = site.split(split)
@@ -150,12 +352,13 @@ class SimSite:
         self.steps = n if hours is None else min(timestep.steps(hours, site.config.dt_h, at_least=0), n)
         self.mapping = mapping or default_mapping(site)
         self.socket_of = {cp: (cp_id, conn) for (cp_id, conn), cp in self.mapping.items()}
+        self.versions = ocpp_versions([cp for cp, _ in self.mapping], ocpp)
         self.hooks = hooks or {}
         self.env = EVHubVectorEnv(
             1, site=site, split=split, action_mode="socket", full_split=True, dtype=torch.float64,
             bess_action="setpoint",
         )  # fmt: skip
-        self.cps: dict[str, SimChargePoint] = {}
+        self.cps: dict[str, SimChargePoint | SimChargePoint201] = {}
         self.pending_rejects: dict[str, int] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.open: dict[int, Open] = {}
@@ -167,15 +370,17 @@ class SimSite:
         self.session_ids = {(int(r.arrival_step), int(r.socket)): str(r.session_id) for r in ses.itertuples()}
 
     # ------------------------------------------------------------------------------------------ connections
-    async def connect(self, cp_id: str, wait_s: float = 120.0) -> SimChargePoint:
-        """Connect ``cp_id`` (retrying while the central system is down, up to ``wait_s``) and boot it."""
+    async def connect(self, cp_id: str, wait_s: float = 120.0) -> SimChargePoint | SimChargePoint201:
+        """Connect ``cp_id`` in its version of OCPP (retrying while the central system is down, up to ``wait_s``) and
+        boot it."""
         from websockets.asyncio.client import connect
 
+        kind = SimChargePoint201 if self.versions.get(cp_id) == "2.0.1" else SimChargePoint
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 ws = await connect(
-                    f"{self.url}/{cp_id}", subprotocols=[SUBPROTOCOL], ssl=self.tls, compression=None,
+                    f"{self.url}/{cp_id}", subprotocols=[kind.SUBPROTOCOL], ssl=self.tls, compression=None,
                     additional_headers={"Authorization": basic_auth(cp_id, self.passwords[cp_id])}, open_timeout=10,
                 )  # fmt: skip
                 break
@@ -183,17 +388,17 @@ class SimSite:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
-        cp = SimChargePoint(cp_id, ws)
+        cp = kind(cp_id, ws)
         old = self.cps.get(cp_id)
         if old is not None:
             cp.reject_next, cp.rejected = old.reject_next, old.rejected
         cp.reject_next += self.pending_rejects.pop(cp_id, 0)
         self.cps[cp_id] = cp
         self.tasks[cp_id] = asyncio.create_task(self.listen(cp))
-        await cp.call(call.BootNotification(charge_point_vendor="evhub-sim", charge_point_model="socket"))
+        await cp.boot()
         return cp
 
-    async def listen(self, cp: SimChargePoint) -> None:
+    async def listen(self, cp: SimChargePoint | SimChargePoint201) -> None:
         """Run a charge point's session until its connection closes."""
         from websockets.exceptions import ConnectionClosed
 
@@ -272,32 +477,21 @@ class SimSite:
                 self.open[i].left_next = int(left[i]) - 1
 
     async def begin(self, i: int, t: int, now: pd.Timestamp, need_kwh: float, departure: pd.Timestamp) -> None:
-        """A car plugs in at socket ``i``: StartTransaction, then DriverNeeds."""
+        """A car plugs in at socket ``i``: its transaction starts and it tells its needs (module docstring)."""
         cp_id, conn = self.socket_of[i]
-        cp = self.cps[cp_id]
         self.register_wh[i] = float(math.ceil(self.register_wh[i]))
-        res = await cp.call(
-            call.StartTransaction(
-                connector_id=conn, id_tag=f"car-{t}-{i}", meter_start=int(self.register_wh[i]), timestamp=_iso(now)
-            )
-        )
-        self.open[i] = Open(int(res.transaction_id), 0)
+        tx = await self.cps[cp_id].begin(
+            conn, f"car-{t}-{i}", int(self.register_wh[i]), now, need_kwh, departure, self.session_ids.get((t, i)),
+            float(self.data.socket_kw[i]),
+        )  # fmt: skip
+        self.open[i] = Open(tx, 0)
         self.result.started += 1
-        self.result.transactions.append(int(res.transaction_id))
-        body = {"transactionId": int(res.transaction_id), "departure": _iso(departure), "energyKWh": need_kwh}
-        if (t, i) in self.session_ids:
-            body["sessionId"] = self.session_ids[(t, i)]
-        answer = await cp.call(call.DataTransfer(vendor_id=VENDOR, message_id="DriverNeeds", data=json.dumps(body)))
-        if answer.status != "Accepted":
-            raise LiveError(f"DriverNeeds of {cp_id}: {answer.status} ({answer.data})")
+        self.result.transactions.append(tx)
 
     async def stop(self, i: int, now: pd.Timestamp) -> None:
-        """The car at socket ``i`` leaves: StopTransaction."""
-        cp_id, _ = self.socket_of[i]
-        tx = self.open.pop(i).tx
-        await self.cps[cp_id].call(
-            call.StopTransaction(meter_stop=int(round(self.register_wh[i])), timestamp=_iso(now), transaction_id=tx)
-        )
+        """The car at socket ``i`` leaves: its transaction ends."""
+        cp_id, conn = self.socket_of[i]
+        await self.cps[cp_id].end(conn, self.open.pop(i).tx, float(self.register_wh[i]), now)
         self.result.stopped += 1
 
     async def stop_all(self, now: pd.Timestamp) -> None:
@@ -311,13 +505,7 @@ class SimSite:
             cp_id, conn = self.socket_of[i]
             if not self.online(cp_id):  # a charge point off line reports when it is back
                 continue
-            sample = {
-                "value": repr(float(self.register_wh[i])),
-                "measurand": "Energy.Active.Import.Register",
-                "unit": "Wh",
-            }
-            mv = [{"timestamp": _iso(now), "sampledValue": [sample]}]
-            await self.cps[cp_id].call(call.MeterValues(connector_id=conn, meter_value=mv, transaction_id=o.tx))
+            await self.cps[cp_id].meter(conn, o.tx, float(self.register_wh[i]), now)
         soc = float(self.env.energy_kwh[0]) / self.site.config.bess.capacity_kwh
         body = json.dumps({"soc": soc, "time": _iso(now)})
         await self.cps[self.site_id].call(call.DataTransfer(vendor_id=VENDOR, message_id="BatteryStatus", data=body))
@@ -415,7 +603,7 @@ def register(store, passwords: dict[str, str], site_id: str = "site") -> None:
 
 async def run_local(
     site: Site, db, controller: str = "mpc", split: str = "test", hours: float | None = None,
-    feed=None, hooks: dict | None = None, reject: dict[str, int] | None = None, options=None,
+    feed=None, hooks: dict | None = None, reject: dict[str, int] | None = None, options=None, ocpp: str = "1.6",
 ) -> tuple[SimResult, object]:  # fmt: skip
     """A central system (site clock, the site's data as its MOER feed) and this simulated site in one event loop on
     localhost; returns the simulated site's result and the central system (its store open).
@@ -425,6 +613,7 @@ async def run_local(
         feed: its MOER feed (default :class:`pipeline.live.sources.SiteDataFeed`).
         hooks: as :class:`SimSite`'s. reject: ``{charge point: n}``: it answers Rejected to its next ``n`` profiles.
         options: the :class:`pipeline.live.planning.CsmsOptions` (``controller`` is set from ``controller``).
+        ocpp: what the charge points speak: ``"1.6"``, ``"2.0.1"`` or ``"mix"`` (:func:`ocpp_versions`).
     """
     from pipeline.live.csms import CentralSystem, CsmsOptions
     from pipeline.live.sources import SiteClock, SiteDataFeed
@@ -438,7 +627,7 @@ async def run_local(
     central = CentralSystem(site, store, SiteClock(), feed or SiteDataFeed(site, split), default_mapping(site), options)
     server = await central.start("127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    sim = SimSite(site, f"ws://127.0.0.1:{port}", passwords, split=split, hours=hours, hooks=hooks)
+    sim = SimSite(site, f"ws://127.0.0.1:{port}", passwords, split=split, hours=hours, hooks=hooks, ocpp=ocpp)
     for cp_id, n in (reject or {}).items():
         sim.pending_rejects[cp_id] = n
     try:
@@ -450,7 +639,7 @@ async def run_local(
 
 @dataclass
 class Args:
-    """The simulated site: the site's charge points as OCPP 1.6J clients replaying a split against a running
+    """The simulated site: the site's charge points as OCPP 1.6J or 2.0.1 clients replaying a split against a running
     evhub-csms (started with --clock site), in accelerated time (docs/live.md)."""
 
     site: str = "caltech"
@@ -465,6 +654,9 @@ class Args:
     """hours to replay, whole steps of the site (default: the whole split)"""
     cafile: Path | None = None
     """with wss://: the certificate to trust (PEM)"""
+    ocpp: Literal["1.6", "2.0.1", "mix"] = "1.6"
+    """what the charge points speak: 1.6 (OCPP 1.6J), 2.0.1, or mix (alternating in the order of their ids, the first
+    1.6); the site controller speaks 1.6J"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,8 +676,9 @@ def main(argv: list[str] | None = None) -> int:
         if not site_ids:
             raise LiveError(f"--credentials: {args.credentials}: no id with the role site (the site controller)")
         tls = ssl.create_default_context(cafile=str(args.cafile)) if args.cafile else None
+        passwords = {i: p for i, p, _ in rows}
         sim = SimSite(
-            load_site(args.site), args.url, {i: p for i, p, _ in rows}, site_ids[0], args.split, args.hours, tls=tls
+            load_site(args.site), args.url, passwords, site_ids[0], args.split, args.hours, tls=tls, ocpp=args.ocpp
         )
         res = asyncio.run(sim.run())
         print(json.dumps({k: v for k, v in vars(res).items() if k != "transactions"}, indent=2), flush=True)
