@@ -1,11 +1,13 @@
 """A week of a site through the central system (``evhub-csms``) against the study's run of the same controller.
 
-What is run: the central system (site clock, the site's data as its MOER feed, its store in a temporary folder) and
-the simulated site (:mod:`pipeline.live.simsite`: the site's charge points as OCPP 1.6J clients on localhost) over the
-first ``days`` days of the split, in one event loop. The reference is the study's own run of the controller
-(:meth:`pipeline.control.registry.Controller.simulate`) over a copy of the site whose split ends two days after the
-week (the plans of the week never reach that end, so they are the full split's), the CO2 of its steps in the first
-``days * 24`` hours. Both run at the site's step (its TOML's ``dt_h``).
+What is run: the central system (site clock, its MOER feed the site's data files or, with ``--feed watttime``, a
+client of the grid-carbon service's local stand-in serving the site's MOER record on a free port, its time the
+site's: :mod:`pipeline.live.watttime_standin`; its store in a temporary folder) and the simulated site
+(:mod:`pipeline.live.simsite`: the site's charge points as OCPP clients on localhost, 1.6J, 2.0.1 or a mix of both:
+``--ocpp``) over the first ``days`` days of the split, in one event loop. The reference is the study's
+own run of the controller (:meth:`pipeline.control.registry.Controller.simulate`) over a copy of the site whose split
+ends two days after the week (the plans of the week never reach that end, so they are the full split's), the CO2 of
+its steps in the first ``days * 24`` hours. Both run at the site's step (its TOML's ``dt_h``).
 
 Run ``python -m benchmarks.csms_week --help``; the table goes to ``outputs/bench/csms_week.parquet``.
 """
@@ -13,22 +15,26 @@ Run ``python -m benchmarks.csms_week --help``; the table goes to ``outputs/bench
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pandas as pd
 
 from benchmarks.common import machine_info, save_table
 
 COLUMNS = (
-    "site", "controller", "hours", "csms_co2_kg", "study_co2_kg", "diff_kg", "csms_unserved_kwh", "study_unserved_kwh",
-    "transactions", "plans", "plan_p50_s", "plan_p99_s", "wall_s",
+    "site", "controller", "ocpp", "feed", "hours", "csms_co2_kg", "study_co2_kg", "diff_kg", "csms_unserved_kwh",
+    "study_unserved_kwh", "sessions", "transactions", "transactions_201", "plans", "plan_p50_s", "plan_p99_s", "wall_s",
 )  # fmt: skip
-"""Columns: the site, controller and hours run; the week's CO2 (kg) and unserved energy (kWh) through the central
-system and in the study's run; the transactions the central system saw, its plans (new plans: between them the last
-one holds), their latency (s) and the run's wall time (s)."""
+"""Columns: the site, controller, what the charge points spoke (``1.6``, ``2.0.1``, ``mix``), the MOER feed (``files``,
+``watttime``) and the hours run; the
+week's CO2 (kg) and unserved energy (kWh) through the central system and in the study's run; the sessions of the
+week (those the site took), the transactions the central system recorded (of them, 2.0.1's), its plans (new plans:
+between them the last one holds), their latency (s) and the run's wall time (s)."""
 
 
 def study_week(site, controller: str, split: str, hours: float) -> tuple[float, float]:
@@ -49,42 +55,82 @@ def study_week(site, controller: str, split: str, hours: float) -> tuple[float, 
     return float(week.co2_kg.sum()), float(week.unserved_kwh.sum())
 
 
+@contextlib.contextmanager
+def moer_service(site, feed: str, split: str, hours: float):
+    """The run's MOER feed and the simulated site's hooks: ``(None, None)`` for the site's files; for ``watttime`` the
+    feed of a client of the stand-in serving the site's record (fresh credentials, a free port) and the hooks that set
+    the stand-in's time to each step's (:func:`pipeline.live.watttime_standin.following`).
+
+    Raises:
+        LiveError: ``feed`` neither ``files`` nor ``watttime``.
+    """
+    from envs import timestep
+    from pipeline.live.state import LiveError
+
+    if feed == "files":
+        yield None, None
+        return
+    if feed != "watttime":
+        raise LiveError(f"--feed: {feed!r} is neither files nor watttime")
+    from pipeline.live.watttime_standin import following, local_service
+
+    with local_service(site, split) as (standin, moer):
+        yield moer, following(standin, timestep.steps(hours, site.config.dt_h))
+
+
 def run(
-    site: str = "caltech", controller: str = "mpc", days: int = 7, split: str = "test", out_dir: str | None = None
-) -> pd.DataFrame:
-    """Run the week both ways; print one line and write the table."""
+    site: str = "caltech", controller: str = "mpc", days: int = 7, split: str = "test", out_dir: str | None = None,
+    ocpp: str = "1.6", feed: str = "files",
+) -> pd.DataFrame:  # fmt: skip
+    """Run the week both ways; print one line and write the table.
+
+    Raises:
+        LiveError: ``ocpp`` not one of ``1.6``, ``2.0.1``, ``mix``.
+    """
     import numpy as np
 
+    from envs import timestep
     from envs.site import load_site
-    from pipeline.live.simsite import run_local
+    from pipeline.live.simsite import ocpp_versions, run_local
 
     s = load_site(site)
+    ocpp_versions([], ocpp)  # a bad choice ends here, before the run
     hours = 24 * days
-    with tempfile.TemporaryDirectory() as tmp:
-        res, central = asyncio.run(run_local(s, Path(tmp) / "csms.sqlite", controller, split, hours))
-        transactions = len(central.store.transactions())
+    with tempfile.TemporaryDirectory() as tmp, moer_service(s, feed, split, hours) as (moer, hooks):
+        res, central = asyncio.run(run_local(s, Path(tmp) / "csms.sqlite", controller, split, hours, feed=moer,
+                                             hooks=hooks, ocpp=ocpp))  # fmt: skip
+        txs = central.store.transactions()
         central.store.close()
+    transactions, tx201 = len(txs), sum(t["charger_tx_id"] is not None for t in txs)
+    ses = s.split(split).sessions
+    sessions = int((~ses.rejected & (ses.arrival_step < timestep.steps(hours, s.config.dt_h))).sum())
     co2, unserved = study_week(s, controller, split, hours)
     lat = np.asarray(central.plan_latency_s)
     row = {
         "site": s.config.name,
         "controller": controller,
+        "ocpp": ocpp,
+        "feed": feed,
         "hours": res.hours,
         "csms_co2_kg": res.co2_kg,
         "study_co2_kg": co2,
         "diff_kg": res.co2_kg - co2,
         "csms_unserved_kwh": res.unserved_kwh,
         "study_unserved_kwh": unserved,
+        "sessions": sessions,
         "transactions": transactions,
+        "transactions_201": tx201,
         "plans": len(lat),
         "plan_p50_s": float(np.percentile(lat, 50)),
         "plan_p99_s": float(np.percentile(lat, 99)),
         "wall_s": res.wall_s,
     }
     print(
-        f"{controller} on {s.config.name}, first {res.hours:g} h of {split}: CO2 {res.co2_kg:.3f} kg through the "
-        f"central system, {co2:.3f} kg in the study's run (difference {res.co2_kg - co2:+.4f} kg); unserved "
-        f"{res.unserved_kwh:.4f} / {unserved:.4f} kWh; {transactions} transactions, {len(lat)} plans (p50 "
+        f"{controller} on {s.config.name}, first {res.hours:g} h of {split}, OCPP {ocpp}, MOER {feed}: CO2 "
+        f"{res.co2_kg:.3f} kg through the central system, {co2:.3f} kg in the study's run (difference "
+        f"{res.co2_kg - co2:+.4f} kg); "
+        f"unserved {res.unserved_kwh:.4f} / {unserved:.4f} kWh; {sessions} sessions, {transactions} transactions "
+        f"({tx201} of 2.0.1), {len(lat)} plans (p50 "
         f"{row['plan_p50_s']:.3f} s, p99 {row['plan_p99_s']:.3f} s), {res.wall_s:.1f} s",
         flush=True,
     )
@@ -108,6 +154,11 @@ class Args:
     """the split replayed"""
     out_dir: str | None = None
     """folder of csms_week.parquet (None: outputs/bench/)"""
+    ocpp: Literal["1.6", "2.0.1", "mix"] = "1.6"
+    """what the site's charge points speak: OCPP 1.6J, 2.0.1, or a mix (alternating in the order of their ids)"""
+    feed: Literal["files", "watttime"] = "files"
+    """the MOER feed: the site's data files, or a client of the grid-carbon service's stand-in (WattTime's API v3)
+    serving the site's MOER record on a free port"""
 
 
 def main(args: Args | None = None) -> pd.DataFrame:
@@ -116,7 +167,7 @@ def main(args: Args | None = None) -> pd.DataFrame:
         import tyro
 
         args = tyro.cli(Args)
-    return run(args.site, args.controller, args.days, args.split, args.out_dir)
+    return run(args.site, args.controller, args.days, args.split, args.out_dir, args.ocpp, args.feed)
 
 
 if __name__ == "__main__":
