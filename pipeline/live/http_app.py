@@ -3,8 +3,9 @@ and the site's app's) and the site's app (:class:`SiteApp`).
 
 With an HTTP port (``evhub-csms --http-port``) the central system serves the site's app, with the site controller's
 credentials (Basic auth): ``POST /drivers/<charge point>/<connector>`` with ``{"departure": ISO 8601, "need_kwh":
-kWh}`` sets the needs of the connector's open transaction (as ``DriverNeeds`` does), and ``GET /battery`` gives the
-battery's set-point for the step.
+kWh}`` sets the needs of the connector's open transaction (as ``DriverNeeds`` does), ``GET /battery`` gives the
+battery's set-point for the step, and ``GET /`` is the operator's page, its data at ``GET /status.json``
+(:mod:`pipeline.live.operator`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import contextlib
 import hashlib
 import hmac
 import json
+from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import unquote, urlparse
 
+from pipeline.live.operator import ConnectedIds, OperatorPage
 from pipeline.live.planning import PlanningLoop
 from pipeline.live.state import LiveError
 from pipeline.live.store import Store, check_password
@@ -29,6 +32,18 @@ HTTP_TIMEOUT_S = 10.0
 
 Verdict = tuple[str | None, HTTPStatus | None, str]
 """What a request's credentials say: ``(id, None, "")`` for the id they authenticate, or ``(None, status, why)``."""
+PAGE_POLICY = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:"
+)
+"""The operator's page's Content-Security-Policy: its own inline script and style, ``status.json``, nothing else."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An answer that is not JSON: its body and content type."""
+
+    body: bytes
+    content_type: str
 
 
 def basic_credentials(header: str | None) -> tuple[str, str] | None:
@@ -91,20 +106,24 @@ class Credentials:
 
 
 class SiteApp:
-    """The HTTP endpoint of the site's app (module docstring): one request a connection, answered with JSON.
+    """The HTTP endpoint of the site's app (module docstring): one request a connection, answered with JSON (the
+    operator's page with HTML).
 
     Args:
         planning: the central system's planning loop (its store, the battery's set-point, a driver's needs).
         credentials: the site controller's check.
+        connected: the ids connected now, for the operator's page (:data:`pipeline.live.operator.ConnectedIds`;
+            default: none known).
     """
 
-    def __init__(self, planning: PlanningLoop, credentials: Credentials):
+    def __init__(self, planning: PlanningLoop, credentials: Credentials, connected: ConnectedIds | None = None):
         self.planning, self.credentials = planning, credentials
+        self.operator = OperatorPage(planning, connected)
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One request (an ``asyncio.start_server`` callback), answered with JSON and the connection closed: 200, or
-        400 (a bad request or body), 401, 404 (no such endpoint, or no open transaction at the connector), 408, 411
-        (no ``Content-Length``), 413 (a body over :data:`HTTP_MAX_BODY`)."""
+        """One request (an ``asyncio.start_server`` callback), answered with JSON (or the operator's page) and the
+        connection closed: 200, or 400 (a bad request or body), 401, 404 (no such endpoint, or no open transaction at
+        the connector), 408, 411 (no ``Content-Length``), 413 (a body over :data:`HTTP_MAX_BODY`); never cached."""
         try:
             status, doc = await asyncio.wait_for(self.answer(reader), HTTP_TIMEOUT_S)
         except TimeoutError:
@@ -113,9 +132,15 @@ class SiteApp:
             status, doc = HTTPStatus.BAD_REQUEST, {"error": "not an HTTP/1.1 request"}
         if status != HTTPStatus.OK:
             self.planning.store.log(self.planning.time_or_now(), "http_refused", f"{int(status)}: {doc.get('error')}")
-        body = (json.dumps(doc) + "\n").encode()
-        head = f"HTTP/1.1 {int(status)} {status.phrase}\r\nContent-Type: application/json\r\n"
-        head += f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        if isinstance(doc, Reply):
+            body, kind = doc.body, doc.content_type
+        else:
+            body, kind = (json.dumps(doc) + "\n").encode(), "application/json"
+        head = f"HTTP/1.1 {int(status)} {status.phrase}\r\nContent-Type: {kind}\r\n"
+        head += f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nX-Content-Type-Options: nosniff\r\n"
+        head += "Connection: close\r\n"
+        if kind.startswith("text/html"):
+            head += f"Content-Security-Policy: {PAGE_POLICY}\r\n"
         if status == HTTPStatus.UNAUTHORIZED:
             head += 'WWW-Authenticate: Basic realm="evhub-csms"\r\n'
         with contextlib.suppress(ConnectionError):
@@ -123,8 +148,9 @@ class SiteApp:
             await writer.drain()
             writer.close()
 
-    async def answer(self, reader: asyncio.StreamReader) -> tuple[HTTPStatus, dict]:
-        """Read one request and act on it: ``(status, JSON document)``.
+    async def answer(self, reader: asyncio.StreamReader) -> tuple[HTTPStatus, dict | Reply]:
+        """Read one request and act on it: ``(status, JSON document)``, or the operator's page (``GET /``, a
+        :class:`Reply`; its data: ``GET /status.json``).
 
         Raises:
             ValueError, UnicodeDecodeError, asyncio.IncompleteReadError, asyncio.LimitOverrunError: not HTTP.
@@ -139,8 +165,15 @@ class SiteApp:
         parts = path.strip("/").split("/")
         if method == "GET" and path == "/battery":
             return HTTPStatus.OK, self.planning.battery_doc or {}
+        if method == "GET" and path == "/":
+            return HTTPStatus.OK, Reply(self.operator.html(), "text/html; charset=utf-8")
+        if method == "GET" and path == "/status.json":
+            return HTTPStatus.OK, await self.operator.status()
         if method != "POST" or len(parts) != 3 or parts[0] != "drivers" or not parts[2].isdigit():
-            return HTTPStatus.NOT_FOUND, {"error": f"{method} {path}: give POST /drivers/<charge point>/<connector>"}
+            return HTTPStatus.NOT_FOUND, {
+                "error": f"{method} {path}: give POST /drivers/<charge point>/<connector>, GET /battery, GET / (the "
+                "operator's page) or GET /status.json"
+            }
         length = headers.get("content-length", "")
         if not length.isdigit():
             return HTTPStatus.LENGTH_REQUIRED, {"error": "no Content-Length"}
