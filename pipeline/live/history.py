@@ -1,5 +1,12 @@
 """The live history as a site of its own (:func:`history`): its ``test`` split starts at the history's first local
-midnight, everything after the state's time blanked, so a controller that read the future would plan on NaN."""
+midnight, everything after the state's time blanked, so a controller that read the future would plan on NaN.
+
+Each session of the history is filed under a socket: the one its row gives (the optional column
+:data:`SESSION_SOCKET`: where a central system's mapping put the car, whatever its charge point is called), else its
+station's (:func:`envs.site.station_sockets`, the site model's rule). In the history's site every socket has one
+station named after it (:func:`socket_station`) and each group's stations are its sockets' names, so a session keeps
+that socket's group, power and place, as the site's own split gives them.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,10 @@ from pipeline.live.state import (
     as_timestamp,
     blank_unrealised,
 )
+
+SESSION_SOCKET = "socket"
+"""An optional column of a history's sessions: the socket (0-based index) the session was at; missing or NaN: its
+station's socket."""
 
 
 # ------------------------------------------------------------------------------------------------ the history
@@ -86,6 +97,7 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     hcfg = cfg.replace(
         splits={"train": (before, before), "test": (first_day.isoformat(), last_day.isoformat())},
         episode={"session_keep_min": 1.0},
+        ev={"sockets": _socket_groups(cfg)},
     )
     grid = pd.date_range(origin, end, freq=dt, inclusive="left")
     hh = state.series.assign(time=times).drop_duplicates("time", keep="last").set_index("time").reindex(grid)
@@ -94,14 +106,15 @@ def history(site: Site, state: LiveState, horizon_steps: int) -> History:
     _check_known(hh, t, horizon_steps, state, dt)
     series = hh.rename_axis("time").reset_index()
 
-    sessions = _sessions(state.sessions, origin, now, dt, t)
-    known = set(map(str, site.sessions.station_id.unique())) | set(sessions.station_id)
+    sessions = _sessions(state.sessions, origin, now, dt, t, cfg.ev.n_sockets)
+    by_name = sessions[SESSION_SOCKET].isna()
+    known = set(map(str, site.sessions.station_id.unique())) | set(sessions.station_id[by_name])
     src = {
         "config": site.source.get("config", cfg.name),
         "series": "the state's series",
         "sessions": "the state's sessions",
     }
-    hsite = Site(hcfg, series, _with_stations(sessions, known, origin, dt), src)
+    hsite = Site(hcfg, series, _filed(cfg, sessions, station_sockets(cfg, known), origin, dt), src)
     data = hsite.split("test")
     need, left, stations, connectors, transactions = _plugged(cfg, state, known, now)
     b = cfg.bess
@@ -145,20 +158,56 @@ def _window(
     return times, origin, end.tz_convert("UTC"), int(pos)
 
 
-def _with_stations(sessions: pd.DataFrame, known: set[str], origin: pd.Timestamp, dt: pd.Timedelta) -> pd.DataFrame:
-    """``sessions`` and one row per ``known`` station two days before ``origin`` (the station list, no arrival), the
-    times ``datetime64[ns, UTC]``."""
-    stamp = origin - pd.Timedelta(days=2)  # one row per station, before the split: the station list, no arrival
+def socket_station(socket: int, n_sockets: int) -> str:
+    """The name of socket ``socket``'s one station in a history's site (``socket-007`` of 128 sockets): the names sort
+    in the sockets' order."""
+    return f"socket-{socket:0{len(str(max(n_sockets - 1, 0)))}d}"
+
+
+def _socket_groups(cfg) -> list[dict]:
+    """The site's socket groups (their count and power) with each group's stations its sockets' names
+    (:func:`socket_station`), as ``ev.sockets`` tables."""
+    first, out = 0, []
+    for g in cfg.ev.groups:
+        names = [socket_station(i, cfg.ev.n_sockets) for i in range(first, first + g.count)]
+        out.append({"count": g.count, "kw": g.kw, "stations": names})
+        first += g.count
+    return out
+
+
+def _filed(
+    cfg, sessions: pd.DataFrame, by_station: dict[str, int], origin: pd.Timestamp, dt: pd.Timedelta
+) -> pd.DataFrame:
+    """``sessions`` filed under their sockets (module docstring): each one's station id the name of its socket (the
+    column :data:`SESSION_SOCKET` where given, else its station's, ``by_station``), and one row per socket two days
+    before ``origin`` (the station list, no arrival); the times ``datetime64[ns, UTC]``.
+
+    Raises:
+        LiveError: a session without a socket whose station matches no socket group of the site.
+    """
+    N = cfg.ev.n_sockets
+    socket = sessions[SESSION_SOCKET].copy()
+    by_name = socket.isna()
+    socket[by_name] = sessions.station_id[by_name].map(by_station)
+    if socket.isna().any():
+        r = sessions[socket.isna()].iloc[0]
+        patterns = ", ".join(repr(p) for g in cfg.ev.groups for p in g.stations)
+        raise LiveError(
+            f"sessions: session {r.session_id!r}: station {r.station_id!r} matches no socket group of the site "
+            f"({patterns}): give its socket (column {SESSION_SOCKET!r}) or a station of the site"
+        )
+    filed = sessions[list(SESSION_COLUMNS)].assign(station_id=[socket_station(int(i), N) for i in socket])
+    stamp = origin - pd.Timedelta(days=2)  # one row per socket, before the split: the station list, no arrival
     phantoms = pd.DataFrame(
         {
-            "session_id": [f"live-station-{i}" for i in range(len(known))],
-            "station_id": sorted(known),
+            "session_id": [f"live-station-{i}" for i in range(N)],
+            "station_id": [socket_station(i, N) for i in range(N)],
             "arrival": stamp,
             "departure": stamp + dt,
             "energy_kwh": 0.0,
         }
     )
-    all_sessions = pd.concat([sessions[list(SESSION_COLUMNS)], phantoms], ignore_index=True)
+    all_sessions = pd.concat([filed, phantoms], ignore_index=True)
     all_sessions["arrival"] = pd.to_datetime(all_sessions.arrival, utc=True).astype("datetime64[ns, UTC]")
     all_sessions["departure"] = pd.to_datetime(all_sessions.departure, utc=True).astype("datetime64[ns, UTC]")
     return all_sessions
@@ -256,17 +305,31 @@ def _check_known(hh: pd.DataFrame, t: int, H: int, state: LiveState, dt: pd.Time
             raise LiveError(f"series: {col} missing at {at.isoformat()}{stale}: the history needs {what}")
 
 
-def _sessions(s: pd.DataFrame, origin: pd.Timestamp, now: pd.Timestamp, dt: pd.Timedelta, t: int) -> pd.DataFrame:
-    """The history's sessions that arrived in its span, checked: none after the state's time."""
+def _sessions(
+    s: pd.DataFrame, origin: pd.Timestamp, now: pd.Timestamp, dt: pd.Timedelta, t: int, n_sockets: int
+) -> pd.DataFrame:
+    """The history's sessions that arrived in its span, checked: none after the state's time, a socket given (column
+    :data:`SESSION_SOCKET`, NaN where not given: added when missing) one of the site's."""
     missing = [c for c in SESSION_COLUMNS if c not in s]
     if missing:
         raise LiveError(f"sessions: column(s) {', '.join(missing)} missing (sessions.parquet's columns are needed)")
+    given = s[SESSION_SOCKET] if SESSION_SOCKET in s else None
     s = s[list(SESSION_COLUMNS)].copy()
     for c in ("arrival", "departure"):
         s[c] = pd.to_datetime(s[c], utc=True)
     s["session_id"] = s.session_id.astype(str)
     s["station_id"] = s.station_id.astype(str)
     s["energy_kwh"] = s.energy_kwh.astype(np.float64)
+    s[SESSION_SOCKET] = np.nan
+    if given is not None:
+        sock = pd.to_numeric(given, errors="coerce").to_numpy(np.float64)
+        bad = np.flatnonzero(given.notna().to_numpy() & ~np.isin(sock, np.arange(n_sockets)))
+        if len(bad):
+            raise LiveError(
+                f"sessions: session {s.session_id.iloc[bad[0]]!r}: socket {given.iloc[bad[0]]} is not a socket of "
+                f"the site (0..{n_sockets - 1})"
+            )
+        s[SESSION_SOCKET] = sock
     step = np.rint((s.arrival - origin) / dt).to_numpy()
     late = np.flatnonzero(step > t)
     if len(late):

@@ -248,3 +248,46 @@ def expected_session(
             stay_h = max(stay_h, 1.0)
             return pd.Timedelta(hours=stay_h), min(energy, socket_kw * stay_h)
     return pd.Timedelta(hours=4), socket_kw * 2.0
+
+
+# ------------------------------------------------------------------------------------------------ the start-up check
+def feed_span(feed: MoerFeed) -> tuple[pd.Timestamp, pd.Timestamp, str] | None:
+    """The times a MOER feed has data for: ``(start, end, what)``, UTC, ``end`` excluded, ``what`` naming the data;
+    None for a feed without a fixed span (a live service). :class:`SiteDataFeed`: its split; :class:`LateFeed`: its
+    feed's; any other feed: what its own ``span()`` method gives (the same triple, or None), if it has one."""
+    if isinstance(feed, SiteDataFeed):
+        return feed.start, feed.end, f"the {feed.split} split of the site {feed.site.config.name!r}"
+    if isinstance(feed, LateFeed):
+        return feed_span(feed.feed)
+    span = getattr(feed, "span", None)
+    return span() if callable(span) else None
+
+
+def check_clock_meets_feed(clock: Clock, feed: MoerFeed, dt_h: float) -> None:
+    """The central system's start-up check: a wall clock must read a time the MOER feed has data for
+    (:func:`feed_span`), or no step would ever plan. A site clock passes (the site sets its time, and each step's plan
+    says when the feed has nothing for it), as does a feed without a fixed span.
+
+    Args:
+        clock: the central system's clock. feed: its MOER feed. dt_h: the site's step, hours.
+
+    Raises:
+        LiveError: the wall clock's step lies outside the feed's span; the one-line message names both and what to do.
+    """
+    span = feed_span(feed) if isinstance(clock, WallClock) else None
+    if span is None:
+        return
+    start, end, what = span
+    now = clock.now().tz_convert("UTC").floor(pd.Timedelta(timestep.step_timedelta(dt_h)))
+    if start <= now < end:
+        return
+
+    def utc(t: pd.Timestamp) -> str:
+        return t.tz_convert("UTC").strftime("%Y-%m-%d %H:%M UTC")
+
+    never = "and the wall clock never goes back" if now >= end else "and the first of them is still to come"
+    raise LiveError(
+        f"clock: the wall clock reads {utc(now)}, outside what the MOER feed has ({what}: {utc(start)} .. "
+        f"{utc(end)}), {never}: no step could be planned; run with --clock site (a simulated site sets the time), or "
+        "give a MOER feed that covers the time now"
+    )
