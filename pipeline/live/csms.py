@@ -1,42 +1,50 @@
-"""``evhub-csms``: the central system (CSMS) of a site, OCPP 1.6J over WebSocket, one asyncio process.
+"""``evhub-csms``: the central system (CSMS) of a site, OCPP 1.6J and 2.0.1 over WebSocket, one asyncio process.
 
-Charge points connect to ``ws[s]://host:port/<id>`` with the ``ocpp1.6`` subprotocol and HTTP Basic auth (OCPP
-security profile 1: the user is the id of the path, the password's salted hash is in the store); TLS (profile 2) with
-``--certfile``/``--keyfile``. Unknown ids get 404, missing or wrong credentials 401, at the handshake; frames over
-``max_frame_bytes`` close the connection (1009); a frame that is not OCPP, or an action not supported, gets a
-CALLERROR. Everything learnt is written to the store (:class:`pipeline.live.store.Store`) before it is acted on.
+Charge points connect to ``ws[s]://host:port/<id>`` with the ``ocpp2.0.1`` or ``ocpp1.6`` subprotocol and HTTP Basic
+auth (OCPP security profile 1: the user is the id of the path, the password's salted hash is in the store); TLS
+(profile 2) with ``--certfile``/``--keyfile``, the same handshake for both versions. Unknown ids get 404, missing or
+wrong credentials 401, at the handshake; frames over ``max_frame_bytes`` close the connection (1009); a frame that is
+not OCPP, or an action not supported, gets a CALLERROR. Everything learnt is written to the store
+(:class:`pipeline.live.store.Store`) before it is acted on.
 
 Its parts, each a module:
 
-- :mod:`pipeline.live.ocpp16`: the protocol, OCPP 1.6J's handlers and calls (a session per connection); the
-  subprotocols served are those of :data:`SESSIONS`;
+- :mod:`pipeline.live.ocpp16` and :mod:`pipeline.live.ocpp201`: the protocols, OCPP 1.6J's and 2.0.1's handlers and
+  calls (a session per connection); the subprotocols served are those of :data:`SESSIONS`;
 - :mod:`pipeline.live.planning`: the planning loop: at each step of its clock, and after each StartTransaction,
   StopTransaction or driver's message, it takes the step (the live state from the store, the history from the MOER
   feed, :func:`pipeline.live.make_plan` given its last plan) and, where the controller plans anew, sends each
   connector with a car its ``SetChargingProfile``; between plans the chargers hold the profiles they were sent;
 - :mod:`pipeline.live.http_app`: the HTTP side: Basic auth, and with an HTTP port (``--http-port``) the site's app
-  (``POST /drivers/<charge point>/<connector>``, ``GET /battery``);
+  (``POST /drivers/<charge point>/<connector>``, ``GET /battery``) and the operator's page (``GET /``,
+  :mod:`pipeline.live.operator`);
 - here: the WebSocket server and its handshake, the connections, the delivery of profiles (retried when rejected,
-  sent again when a charge point reconnects, cleared when a transaction ends), and the command.
+  sent again when a charge point reconnects, cleared when a transaction ends), the command, and its console
+  (:func:`console`: what happens, one line each on stderr with the site's time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
+import os
 import ssl
+import sys
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
+from typing import Literal
 from urllib.parse import unquote, urlparse
 
+import pandas as pd
 from ocpp.exceptions import OCPPError
 
 from envs import timestep
 from envs.site import Site
-from pipeline.live import ocpp16
+from pipeline.live import ocpp16, ocpp201
 from pipeline.live.http_app import Credentials, SiteApp, Verdict
 from pipeline.live.planning import CsmsOptions, PlanningLoop
 from pipeline.live.profiles import LivePlan
@@ -48,9 +56,10 @@ SUBPROTOCOL = ocpp16.SUBPROTOCOL
 """The WebSocket subprotocol a charge point speaks (OCPP 1.6J)."""
 VENDOR = ocpp16.VENDOR
 """The ``vendorId`` of the central system's ``DataTransfer`` messages (:data:`pipeline.live.ocpp16.VENDOR`)."""
-SESSIONS = {ocpp16.SUBPROTOCOL: ocpp16.Session}
-"""The session class of each subprotocol served (a protocol module's, such as :class:`pipeline.live.ocpp16.Session`);
-the handshake offers them in this order."""
+SESSIONS = {ocpp201.SUBPROTOCOL: ocpp201.Session, ocpp16.SUBPROTOCOL: ocpp16.Session}
+"""The session class of each subprotocol served (a protocol module's: :class:`pipeline.live.ocpp201.Session`,
+:class:`pipeline.live.ocpp16.Session`); the handshake takes the first of them that the charge point offers (2.0.1 before
+1.6J)."""
 MAX_FRAME_BYTES = 1 << 20
 """The largest frame taken (1 MiB); a larger one closes the connection with 1009."""
 log = logging.getLogger("evhub.csms")
@@ -71,11 +80,11 @@ class CentralSystem:
     ):
         self.site, self.store, self.clock, self.feed, self.mapping = site, store, clock, feed, mapping
         self.options = options or CsmsOptions()
-        self.connected: dict[str, ocpp16.Session] = {}
+        self.connected: dict[str, ocpp16.Session | ocpp201.Session] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.planning = PlanningLoop(site, store, clock, feed, mapping, self.options, self)
         self.credentials = Credentials(store)
-        self.app = SiteApp(self.planning, self.credentials)
+        self.app = SiteApp(self.planning, self.credentials, connected=lambda: list(self.connected))
         self.http_server: asyncio.Server | None = None
 
     @property
@@ -142,7 +151,7 @@ class CentralSystem:
         """The handshake's hook: refuse strangers (404 / 401), serve ``GET /battery``, else let the upgrade go on."""
         cp_id, status, why = await self.authorised(request)
         if status is not None:
-            self.store.log(self.planning.time_or_now(), "refused", f"{request.path}: {why}")
+            self.store.log(self.planning.time_or_now(), "refused", f"{request.path}: {int(status)} {why}")
             response = connection.respond(status, f"{why}\n")
             if status == HTTPStatus.UNAUTHORIZED:
                 response.headers["WWW-Authenticate"] = 'Basic realm="evhub-csms"'
@@ -241,6 +250,109 @@ class CentralSystem:
                 self.store.mark_cleared(tx["id"])
 
 
+# ------------------------------------------------------------------------------------------------ the console
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""The console's levels (``--log-level``): ``debug`` also says each step that holds the last plan and each OCPP
+frame, ``info`` each plan and each charge point that connects, ``warning`` only what went wrong."""
+CHARGE_POINT: contextvars.ContextVar[str | None] = contextvars.ContextVar("charge_point", default=None)
+"""The charge point whose frame the ``ocpp`` package handles in this task (set from its own log of each frame)."""
+_WEBSOCKETS = f"{os.sep}websockets{os.sep}"
+
+
+class SiteTimeFormatter(logging.Formatter):
+    """A record in one line: the site's time (the record's ``site_time`` where it has one, else ``now()``) in the
+    site's time zone, the level, the message (its line breaks made spaces); a record with a traceback (a bug) keeps it
+    on the lines after.
+
+    Args:
+        now: the time when a record carries none (the planning loop's clock). tz: the site's time zone.
+    """
+
+    def __init__(self, now, tz: str):
+        super().__init__()
+        self.now, self.tz = now, tz
+
+    def format(self, record: logging.LogRecord) -> str:
+        try:
+            when = pd.Timestamp(getattr(record, "site_time", None) or self.now())
+        except (TypeError, ValueError):  # a time a charger wrote badly: the clock's
+            when = pd.Timestamp(self.now())
+        when = (when.tz_localize("UTC") if when.tz is None else when).tz_convert(self.tz)
+        line = f"{when.isoformat(timespec='seconds')} {record.levelname} {' '.join(record.getMessage().split())}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class OcppOneLine(logging.Filter):
+    """The ``ocpp`` package's log as lines of the central system's: its line per frame only at ``debug`` (each one
+    names the charge point of the task, :data:`CHARGE_POINT`); a CALLERROR it sends or receives, and a frame it cannot
+    parse, one WARNING line of :data:`log` (who, which action, the error's code and cause) in place of its tracebacks;
+    a handler's exception that is not an OCPP error (a bug) keeps its traceback."""
+
+    def __init__(self, verbose: bool):
+        super().__init__()
+        self.verbose = verbose
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None and record.levelno < logging.WARNING:
+            if "receive message" in str(record.msg) and record.args:
+                CHARGE_POINT.set(str(record.args[0]))
+            return self.verbose
+        if exc is not None and not isinstance(exc, OCPPError):
+            return True
+        who = CHARGE_POINT.get() or "a charge point"
+        first = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        if isinstance(exc, OCPPError):
+            action = getattr(first, "action", None)
+            cause = (exc.details or {}).get("cause") if isinstance(exc.details, dict) else None
+            what = f"{action} answered with CALLERROR" if action else "a frame that is not OCPP:"
+            log.warning("%s: %s %s: %s", who, what, exc.code, cause or exc.description)
+        elif hasattr(first, "error_code"):
+            log.warning("%s: a call answered with CALLERROR %s: %s", who, first.error_code, first.error_description)
+        else:
+            log.warning("%s: %s", who, record.getMessage())
+        return False
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """The central system's console: stderr, :class:`SiteTimeFormatter`'s lines (:func:`console`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Drop the ``websockets`` package's own notes (a connection opened, closed, refused: the central system says
+        what matters) below WARNING unless the console says DEBUG."""
+        if record.levelno < logging.WARNING and _WEBSOCKETS in record.pathname and self.level > logging.DEBUG:
+            return False
+        return super().filter(record)
+
+
+def console(central: CentralSystem, level: str = "info") -> ConsoleHandler:
+    """Say what the central system does on stderr, one line each with the site's time (the module's logger, the
+    store's events, the ``ocpp`` package's log through :class:`OcppOneLine`) at ``level`` (:data:`LOG_LEVELS`);
+    replaces a console set before. Returns its handler (``logging.getLogger().removeHandler`` ends it).
+
+    Raises:
+        LiveError: a level not in :data:`LOG_LEVELS`.
+    """
+    if level not in LOG_LEVELS:
+        raise LiveError(f"--log-level: {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    root, value = logging.getLogger(), getattr(logging, level.upper())
+    for old in [h for h in root.handlers if isinstance(h, ConsoleHandler)]:
+        root.removeHandler(old)
+    handler = ConsoleHandler(sys.stderr)
+    handler.setLevel(value)
+    handler.setFormatter(SiteTimeFormatter(central.planning.time_or_now, central.site.config.timezone))
+    root.addHandler(handler)  # the other packages' warnings too, in the same lines
+    log.setLevel(value)
+    ocpp_log = logging.getLogger("ocpp")
+    ocpp_log.setLevel(logging.DEBUG if value <= logging.DEBUG else logging.INFO)  # its frames name the charge point
+    for f in [f for f in ocpp_log.filters if isinstance(f, OcppOneLine)]:
+        ocpp_log.removeFilter(f)
+    ocpp_log.addFilter(OcppOneLine(verbose=value <= logging.DEBUG))
+    return handler
+
+
 # ------------------------------------------------------------------------------------------------ the command
 @dataclass
 class Args:
@@ -278,10 +390,25 @@ class Args:
     """wall: plan at each step of the real time; site: the site controller sets the time (a simulated site)"""
     split: str = "test"
     """the split of the site's data the MOER feed reads (the site's data files stand for the grid's feed)"""
+    feed: Literal["files", "watttime"] = "files"
+    """where the MOER comes from: files, the site's data files (--split); watttime, a grid-carbon service speaking
+    WattTime's API v3 (--moer-url, --moer-region; its user and password from WATTTIME_USERNAME and
+    WATTTIME_PASSWORD, or --moer-credentials), the PV outlook and the sessions still the site's files (docs/live.md)"""
+    moer_url: str = "https://api.watttime.org"
+    """with --feed watttime: the service's address"""
+    moer_region: str | None = None
+    """with --feed watttime: the grid region of the site (e.g. CAISO_NORTH)"""
+    moer_credentials: Path | None = None
+    """with --feed watttime: a file of the lines WATTTIME_USERNAME=... and WATTTIME_PASSWORD=... (default: the
+    environment)"""
     output_dir: str = "outputs"
     """the study's output folder (its results and tuning)"""
     experiment: str = ""
     """the study's experiment folder in it (default: the site's name)"""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """what the console (stderr) says, one line each with the site's time: info each plan and each charge point that
+    connects, and what went wrong; warning only what went wrong; debug also each step that holds the last plan and
+    each OCPP frame (docs/live.md)"""
 
 
 def read_credentials(path: Path) -> list[tuple[str, str, str]]:
@@ -332,8 +459,9 @@ def build(args: Args) -> CentralSystem:
     """
     from envs.site import load_site
     from pipeline.live.controllers import answer, check_controller
-    from pipeline.live.sources import SiteDataFeed, WallClock, default_mapping, read_mapping
+    from pipeline.live.sources import WallClock, default_mapping, read_mapping
     from pipeline.live.store import StoreError
+    from pipeline.live.watttime import moer_feed
 
     if args.clock not in ("wall", "site"):
         raise LiveError(f"--clock: {args.clock!r} is neither wall nor site")
@@ -342,6 +470,7 @@ def build(args: Args) -> CentralSystem:
     check_controller(controller)
     if args.split not in ("train", "test"):
         raise LiveError(f"--split: {args.split!r} is neither train nor test")
+    feed = moer_feed(site, args.feed, args.split, args.moer_url, args.moer_region, args.moer_credentials)
     store = Store(args.db)
     if args.credentials is not None:
         try:
@@ -359,13 +488,21 @@ def build(args: Args) -> CentralSystem:
         step_timer=args.clock == "wall",
     )
     clock = SiteClock() if args.clock == "site" else WallClock()
-    return CentralSystem(site, store, clock, SiteDataFeed(site, args.split), mapping, options)
+    return CentralSystem(site, store, clock, feed, mapping, options)
 
 
 async def serve_forever(
     central: CentralSystem, host: str, port: int, tls: ssl.SSLContext | None, http_port: int | None = None
 ) -> None:
-    """Serve until cancelled."""
+    """Serve until cancelled, once the clock and the MOER feed can meet
+    (:func:`pipeline.live.sources.check_clock_meets_feed`); the addresses served go to stdout.
+
+    Raises:
+        LiveError: a wall clock outside the feed's data (nothing is served).
+    """
+    from pipeline.live.sources import check_clock_meets_feed
+
+    check_clock_meets_feed(central.clock, central.feed, central.site.config.dt_h)
     server = await central.start(host, port, tls, http_port)
     scheme = "wss" if tls else "ws"
     print(f"evhub-csms: listening on {scheme}://{host}:{server.sockets[0].getsockname()[1]}/<charge point id>",
@@ -384,7 +521,8 @@ async def serve_forever(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``evhub-csms`` (tyro): parse :class:`Args`, serve; an expected error prints one line and returns 1."""
+    """``evhub-csms`` (tyro): parse :class:`Args`, serve with its :func:`console` on stderr; an expected error
+    (a bad option, a clock the feed cannot meet) prints one line and returns 1."""
     import tyro
 
     from envs.errors import exit_code
@@ -394,8 +532,12 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         tls = server_tls(args.certfile, args.keyfile)
         central = build(args)
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve_forever(central, args.host, args.port, tls, args.http_port))
+        handler = console(central, args.log_level)
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                asyncio.run(serve_forever(central, args.host, args.port, tls, args.http_port))
+        finally:
+            logging.getLogger().removeHandler(handler)
 
     return exit_code(run)
 

@@ -11,6 +11,12 @@ sends each connector with a car its ``SetChargingProfile`` (through :class:`Char
 the profiles of ended transactions, and publishes the battery's set-point (a JSON file written atomically, and ``GET
 /battery``); between plans the chargers hold the profiles they were sent (nothing is sent again) and the battery's
 set-point for the step is the last plan's.
+
+What it does is said on the logger ``evhub.csms``, one line each: a plan (INFO: the controller, the profiles sent and
+accepted, its wall time), a step that holds the last plan (DEBUG), a profile not accepted (WARNING), a step that
+failed (the store's ``plan_failed`` event: one line; a failure the central system does not expect, a bug, also gets
+its traceback). Each record carries the step's time (``site_time``) for the console
+(:func:`pipeline.live.csms.console`).
 """
 
 from __future__ import annotations
@@ -26,14 +32,22 @@ import numpy as np
 import pandas as pd
 
 from envs import timestep
+from envs.errors import is_expected
 from envs.files import write_text
-from envs.site import Site
+from envs.site import Site, station_sockets
+from pipeline.live.history import SESSION_SOCKET
 from pipeline.live.profiles import LivePlan, make_plan
 from pipeline.live.sources import Clock, FeedHistory, MoerFeed, SiteClock, expected_session, fill_late
 from pipeline.live.state import DayStart, LiveError, LiveState, PluggedEV, as_timestamp
 from pipeline.live.store import Store, StoreError, utc_text
 
 log = logging.getLogger("evhub.csms")
+NOT_ACCEPTED = {
+    "rejected": " (refused at every try: the charger keeps the profile it had)",
+    "timeout": " (no answer at any try: the charger keeps the profile it had)",
+    "offline": " (the charge point is not connected: it gets the profile when it reconnects)",
+}
+"""What a profile's status other than ``accepted`` means, as the console says it."""
 
 
 @dataclass
@@ -167,16 +181,22 @@ class PlanningLoop:
             try:
                 await self.plan_once()
                 self.last_error = None
-            except LiveError as exc:
-                self.last_error = str(exc)
-                self.store.log(self.time_or_now(), "plan_failed", str(exc))
             except Exception as exc:  # noqa: BLE001 - the service keeps running; the error is logged and answered
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.exception("plan failed")
-                self.store.log(self.time_or_now(), "plan_failed", self.last_error)
+                self.failed(exc)
             async with self.finished:
                 self.done = n
                 self.finished.notify_all()
+
+    def failed(self, exc: Exception) -> None:
+        """A step that failed: its reason kept (:attr:`last_error`) and recorded (event ``plan_failed``, said in one
+        line). A reason the central system expects (a :class:`pipeline.live.state.LiveError`, a feed or config error,
+        :func:`envs.errors.is_expected`; an ``OSError``: a service out of reach) is that line alone; any other is a
+        bug, and its traceback follows."""
+        expected = isinstance(exc, LiveError | OSError) or is_expected(exc)
+        self.last_error = str(exc) if isinstance(exc, LiveError) else f"{type(exc).__name__}: {exc}"
+        self.store.log(self.time_or_now(), "plan_failed", self.last_error)
+        if not expected:
+            log.error("the failure above is not one the central system expects (a bug); its traceback:", exc_info=exc)
 
     async def stepper(self) -> None:
         """Ask for a plan at each step of the clock (a wall clock)."""
@@ -189,13 +209,16 @@ class PlanningLoop:
     # ------------------------------------------------------------------------------------------ a driver's needs
     def driver_needs(self, tx: int, departure, need_kwh, session_id: str | None = None) -> None:
         """Record a driver's departure (ISO 8601 with its UTC offset, or a Timestamp) and energy need (kWh) for
-        transaction ``tx``, and ask for a plan.
+        transaction ``tx``, and ask for a plan. The need is kept at the precision of the site's session data (float32
+        kWh, :mod:`envs.schemas`): OCPP 2.0.1's ``energyAmount`` is whole Wh, and 36,762 Wh read as the float32 of
+        36.762 kWh is the session's own figure, where a float64 36.762 would differ from it by 1e-6 kWh, enough to tip
+        a plan between two of nearly equal CO2.
 
         Raises:
             LiveError: a need that is not a finite energy >= 0, a departure that is not a time or has no UTC
                 offset (:func:`pipeline.live.state.as_timestamp`), an unknown transaction.
         """
-        need = float(need_kwh)
+        need = float(np.float32(need_kwh))
         if not np.isfinite(need) or need < 0:
             raise LiveError(f"energy need: {need_kwh!r} is not an energy >= 0 (kWh)")
         if not isinstance(departure, str | pd.Timestamp):
@@ -211,14 +234,16 @@ class PlanningLoop:
     def live_state(self, now: pd.Timestamp, hist: FeedHistory, issued: pd.Timestamp) -> LiveState:
         """The live state at step ``now`` from the store (module docstring) and the feed's history."""
         cfg, store = self.site.config, self.store
-        evs = []
+        evs, seen = [], None
         for tx in store.open_transactions():
             socket = self.mapping.get((tx["charge_point"], tx["connector"]))
             if socket is None:
                 continue
             if tx["need_kwh"] is None:  # the driver said nothing: the session model's expectation, recorded
-                stay, need = expected_session(hist.sessions, pd.Timestamp(tx["start_time"]), self.socket_kw(socket))
-                store.set_needs(tx["id"], pd.Timestamp(tx["start_time"]) + stay, need, None, "expected")
+                seen = self.sessions(hist, now) if seen is None else seen
+                start = pd.Timestamp(tx["start_time"])
+                stay, need = expected_session(self.group_sessions(seen, socket), start, self.socket_kw(socket))
+                store.set_needs(tx["id"], start + stay, need, None, "expected")
                 tx = store.transaction(tx["id"]) | {"energy_wh": tx["energy_wh"]}
             delivered = max(0.0, ((tx["energy_wh"] or tx["meter_start_wh"]) - tx["meter_start_wh"]) / 1000.0)
             departure = max(pd.Timestamp(tx["departure"]), now + self.dt)
@@ -251,13 +276,33 @@ class PlanningLoop:
             k -= g.count
         return float(self.site.config.ev.socket_kw)
 
+    def group_sessions(self, sessions: pd.DataFrame, socket: int) -> pd.DataFrame:
+        """The rows of ``sessions`` (:meth:`sessions`' frame) at a socket of ``socket``'s group: by the column
+        :data:`pipeline.live.history.SESSION_SOCKET` where a row has it, else by its station
+        (:func:`envs.site.station_sockets` over the site's stations and these)."""
+        if not len(sessions):
+            return sessions
+        cfg = self.site.config
+        stations = sessions.station_id.astype(str)
+        by_station = station_sockets(cfg, set(self.site.sessions.station_id.astype(str)) | set(stations))
+        at = stations.map(by_station).astype(np.float64)
+        if SESSION_SOCKET in sessions:
+            at = sessions[SESSION_SOCKET].astype(np.float64).fillna(at)
+        group = np.append(cfg.ev.group_of_socket(), -1)  # -1: a station of no group
+        mine = group[at.fillna(cfg.ev.n_sockets).to_numpy(np.int64)] == group[socket]
+        return sessions[mine]
+
     def sessions(self, hist: FeedHistory, now: pd.Timestamp) -> pd.DataFrame:
-        """The feed's sessions and those the central system saw that the feed does not have (by session id)."""
+        """The feed's sessions and those the central system saw that the feed does not have (by session id); each of
+        these is filed under the socket its connector is mapped to (column
+        :data:`pipeline.live.history.SESSION_SOCKET`), whatever its charge point is called (a transaction at a
+        connector the mapping no longer has is left out)."""
         known = set(hist.sessions.session_id.astype(str)) if len(hist.sessions) else set()
         rows = []
         for tx in self.store.transactions():
             sid = tx["session_id"] or f"tx-{tx['id']}"
-            if sid in known or tx["departure"] is None:
+            socket = self.mapping.get((tx["charge_point"], tx["connector"]))
+            if sid in known or tx["departure"] is None or socket is None:
                 continue
             arrival = min(pd.Timestamp(tx["start_time"]), now)
             end = pd.Timestamp(tx["stop_time"] or tx["departure"])
@@ -269,6 +314,7 @@ class PlanningLoop:
                     "arrival": arrival,
                     "departure": max(end, arrival + pd.Timedelta(minutes=1)),
                     "energy_kwh": max(0.0, (stop - tx["meter_start_wh"]) / 1000.0),
+                    SESSION_SOCKET: socket,
                 }
             )
         if not rows:
@@ -286,7 +332,7 @@ class PlanningLoop:
             LiveError: the clock is not set, the feed has no history for the step, or the state is refused.
         """
         now = self.clock.now().tz_convert("UTC").floor(self.dt)
-        hist = self.feed.history(now)
+        hist = await asyncio.to_thread(self.feed.history, now)  # a service's time-outs and retries leave the loop free
         series, issued, late = fill_late(hist.series, now, self.site.config.dt_h)
         if late:
             self.store.log(now, "moer_feed_late", f"no new MOER forecast at {now.isoformat()}: planning on the one "
@@ -305,6 +351,8 @@ class PlanningLoop:
         self.publish_battery(now, plan)
         if plan.holds is not None:
             self.held += 1
+            log.debug("held: the plan of %s holds, the battery at %+.2f kW", plan.holds.issued_at.strftime("%H:%M"),
+                      float(plan.battery_kw[0]), extra={"site_time": now})  # fmt: skip
             await self.chargers.clear_ended()
             return plan
         rows = [
@@ -313,8 +361,21 @@ class PlanningLoop:
             for e in plan.charging_profiles
         ]  # fmt: skip
         await self.chargers.clear_ended()  # first: a connector's next car's profile has the same id
-        await asyncio.gather(*(self.chargers.send_profile(e["station_id"], row) for e, row in rows))
+        statuses = await asyncio.gather(*(self.chargers.send_profile(e["station_id"], row) for e, row in rows))
+        self.say(now, plan, [(e, status) for (e, _), status in zip(rows, statuses, strict=True)])
         return plan
+
+    def say(self, now: pd.Timestamp, plan: LivePlan, sent: list[tuple[dict, str]]) -> None:
+        """Say a plan in one line (INFO: the controller, the profiles sent and accepted, the plan's wall time) and each
+        profile not accepted in one more (WARNING), at step ``now``; ``sent``: each profile's entry and status."""
+        at = {"site_time": now}
+        accepted = sum(status == "accepted" for _, status in sent)
+        log.info("plan: %s, %d profile(s) sent, %d accepted, %.0f ms", plan.controller, len(sent), accepted,
+                 1000.0 * plan.wall_s, extra=at)  # fmt: skip
+        for e, status in sent:
+            if status != "accepted":
+                where, why = f"{e['station_id']} connector {e['connector_id']}", NOT_ACCEPTED.get(status, "")
+                log.warning("profile to %s: %s%s", where, status, why, extra=at)
 
     def publish_battery(self, now: pd.Timestamp, plan: LivePlan) -> None:
         """The battery's set-point for the step: kept for ``GET /battery`` and written to the battery file."""

@@ -1,8 +1,9 @@
 """The central system's record (:class:`Store`): one SQLite file in WAL mode, one commit per event, written before the
 central system acts on it: the charge points and their password hashes, the transactions (with the driver's departure
-and need), the meter values, the plans made (their wall time), every charging profile sent and what became of it,
-the battery's SOC reports and set-points, and a log of what went wrong. A central system killed at any instant
-restarts from it.
+and need; one table whatever the version of OCPP: each has the central system's integer id, and a 2.0.1 transaction
+the charger's own id as well), the meter values, the plans made (their wall time), every charging profile sent and
+what became of it, the battery's SOC reports and set-points, and a log of what went wrong. A central system killed at
+any instant restarts from it.
 
 Times are stored as ISO 8601 strings in UTC; energy in Wh (meters) or kWh (needs); power in kW.
 """
@@ -12,12 +13,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import sqlite3
 from pathlib import Path
 
 import pandas as pd
 
+console = logging.getLogger("evhub.csms")
+"""Where :meth:`Store.log` says each event in one line (the central system's console:
+:func:`pipeline.live.csms.console`)."""
+NOTICE_EVENTS = frozenset({"connected", "profile_resent"})
+"""The events of :meth:`Store.log` that say things go as they should: said at INFO, every other kind at WARNING."""
 ROLES = ("charge_point", "site")
 """Who may connect: a ``charge_point`` (its connectors get charging profiles) or the ``site`` controller (the
 battery's management system: it reports the SOC, reads the set-point; with the site clock, it sets the time)."""
@@ -31,7 +38,7 @@ CREATE TABLE IF NOT EXISTS transactions (
     id_tag TEXT NOT NULL, start_time TEXT NOT NULL, meter_start_wh REAL NOT NULL,
     stop_time TEXT, meter_stop_wh REAL, stop_reason TEXT,
     departure TEXT, need_kwh REAL, session_id TEXT, needs_source TEXT NOT NULL DEFAULT 'expected',
-    cleared INTEGER NOT NULL DEFAULT 0
+    cleared INTEGER NOT NULL DEFAULT 0, charger_tx_id TEXT
 );
 CREATE TABLE IF NOT EXISTS meter_values (
     transaction_id INTEGER NOT NULL, time TEXT NOT NULL, energy_wh REAL NOT NULL
@@ -51,6 +58,10 @@ CREATE TABLE IF NOT EXISTS plans (
 );
 CREATE TABLE IF NOT EXISTS events (
     time TEXT NOT NULL, kind TEXT NOT NULL, detail TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS connector_status (
+    charge_point TEXT NOT NULL, connector INTEGER NOT NULL, status TEXT NOT NULL, time TEXT NOT NULL,
+    error_code TEXT, PRIMARY KEY (charge_point, connector)
 );
 """
 
@@ -113,6 +124,7 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        self.upgrade_transactions()
 
     def close(self) -> None:
         """Close the database."""
@@ -147,14 +159,38 @@ class Store:
         return (row["password_hash"], row["role"]) if row else None
 
     # ------------------------------------------------------------------------------------------ transactions
-    def start_transaction(self, cp_id: str, connector: int, id_tag: str, time, meter_start_wh: float) -> int:
-        """Record a StartTransaction; returns the new transaction's id (> 0)."""
+    def upgrade_transactions(self) -> None:
+        """Bring a store file written before 2.0.1 up to date: add the column ``charger_tx_id`` (the charger's own
+        transaction id) when missing, and its index; a file already up to date is left as it is."""
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(transactions)").fetchall()}
+        with self.db:
+            if "charger_tx_id" not in columns:
+                self.db.execute("ALTER TABLE transactions ADD COLUMN charger_tx_id TEXT")
+            self.db.execute(
+                "CREATE INDEX IF NOT EXISTS tx_by_charger_id ON transactions (charge_point, charger_tx_id) "
+                "WHERE charger_tx_id IS NOT NULL"
+            )
+
+    def start_transaction(
+        self, cp_id: str, connector: int, id_tag: str, time, meter_start_wh: float | None,
+        charger_tx_id: str | None = None,
+    ) -> int:  # fmt: skip
+        """Record a transaction's start (1.6's StartTransaction, 2.0.1's TransactionEvent ``Started``); returns its
+        id (> 0): the central system's, whatever the version.
+
+        Args:
+            meter_start_wh: the energy register at the start, Wh; None: not given (a 2.0.1 ``Started`` without it):
+                the transaction's first meter reading (:meth:`meter_value`) becomes its start.
+            charger_tx_id: the charger's own id of the transaction (2.0.1's ``transactionId``, a string); None for
+                1.6, whose transaction id is the central system's.
+        """
         cur = self._write(
-            "INSERT INTO transactions (charge_point, connector, id_tag, start_time, meter_start_wh) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (cp_id, int(connector), id_tag, utc_text(time), float(meter_start_wh)),
+            "INSERT INTO transactions (charge_point, connector, id_tag, start_time, meter_start_wh, charger_tx_id) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (cp_id, int(connector), id_tag, utc_text(time), float(meter_start_wh or 0.0), charger_tx_id),
         )
-        self.meter_value(cur.lastrowid, time, meter_start_wh)
+        if meter_start_wh is not None:
+            self.meter_value(cur.lastrowid, time, meter_start_wh)
         return int(cur.lastrowid)
 
     def transaction(self, tx_id: int) -> dict | None:
@@ -162,15 +198,33 @@ class Store:
         row = self.db.execute("SELECT * FROM transactions WHERE id = ?", (int(tx_id),)).fetchone()
         return dict(row) if row else None
 
-    def stop_transaction(self, tx_id: int, time, meter_stop_wh: float, reason: str | None = None) -> None:
-        """Record a StopTransaction (its meter reading too).
+    def charger_transaction(self, cp_id: str, charger_tx_id: str) -> dict | None:
+        """The transaction a charge point knows by its own id (2.0.1's ``transactionId``): its row as a dict, the
+        latest one where a charger used the id twice; None: unknown there."""
+        row = self.db.execute(
+            "SELECT * FROM transactions WHERE charge_point = ? AND charger_tx_id = ? ORDER BY id DESC LIMIT 1",
+            (cp_id, str(charger_tx_id)),
+        ).fetchone()
+        return dict(row) if row else None
+
+    def stop_transaction(self, tx_id: int, time, meter_stop_wh: float | None, reason: str | None = None) -> None:
+        """Record a transaction's end (1.6's StopTransaction, 2.0.1's TransactionEvent ``Ended``) and its meter
+        reading (None: not given; the stop is then the latest reading, or the start without one).
 
         Raises:
             StoreError: an unknown transaction id.
         """
         if self.transaction(tx_id) is None:
             raise StoreError(f"transaction {tx_id}: unknown transaction id")
-        self.meter_value(tx_id, time, meter_stop_wh)
+        if meter_stop_wh is None:
+            latest = self.db.execute(
+                "SELECT m.energy_wh FROM meter_values m WHERE m.transaction_id = ? ORDER BY m.time DESC, m.rowid DESC "
+                "LIMIT 1",
+                (int(tx_id),),
+            ).fetchone()
+            meter_stop_wh = latest["energy_wh"] if latest else self.transaction(tx_id)["meter_start_wh"]
+        else:
+            self.meter_value(tx_id, time, meter_stop_wh)
         self._write(
             "UPDATE transactions SET stop_time = ?, meter_stop_wh = ?, stop_reason = ? WHERE id = ?",
             (utc_text(time), float(meter_stop_wh), reason, int(tx_id)),
@@ -212,11 +266,16 @@ class Store:
         self._write("UPDATE transactions SET cleared = 1 WHERE id = ?", (int(tx_id),))
 
     def meter_value(self, tx_id: int, time, energy_wh: float) -> None:
-        """Record a meter reading of a transaction's connector (Wh, the register)."""
-        self._write(
-            "INSERT INTO meter_values (transaction_id, time, energy_wh) VALUES (?, ?, ?)",
-            (int(tx_id), utc_text(time), float(energy_wh)),
-        )
+        """Record a meter reading of a transaction's connector (Wh, the register); a transaction's first reading is
+        its start where its start gave none (:meth:`start_transaction`)."""
+        args = (int(tx_id), utc_text(time), float(energy_wh))
+        with self.db:
+            self.db.execute(
+                "UPDATE transactions SET meter_start_wh = ? WHERE id = ? "
+                "AND NOT EXISTS (SELECT 1 FROM meter_values WHERE transaction_id = ?)",
+                (args[2], args[0], args[0]),
+            )
+            self.db.execute("INSERT INTO meter_values (transaction_id, time, energy_wh) VALUES (?, ?, ?)", args)
 
     # ------------------------------------------------------------------------------------------ profiles
     def profile_planned(self, plan_time, cp_id: str, connector: int, tx_id: int | None, payload: dict) -> int:
@@ -275,8 +334,11 @@ class Store:
         return (pd.Timestamp(row["time"]), float(row["value"])) if row else None
 
     def log(self, time, kind: str, detail: str) -> None:
-        """Record an event worth a look (a rejected profile, a late MOER feed, an unknown transaction)."""
+        """Record an event worth a look (a rejected profile, a late MOER feed, an unknown transaction) and say it in
+        one line, ``kind: detail`` at ``time``, on :data:`console` (INFO for :data:`NOTICE_EVENTS`, else WARNING)."""
         self._write("INSERT INTO events (time, kind, detail) VALUES (?, ?, ?)", (utc_text(time), kind, detail))
+        level = logging.INFO if kind in NOTICE_EVENTS else logging.WARNING
+        console.log(level, "%s: %s", kind, detail, extra={"site_time": time})
 
     def events(self, kind: str | None = None) -> list[dict]:
         """The log, in order (only ``kind``'s when given)."""
@@ -284,3 +346,32 @@ class Store:
         if kind is not None:
             sql, args = "SELECT * FROM events WHERE kind = ? ORDER BY rowid", (kind,)
         return [dict(r) for r in self.db.execute(sql, args).fetchall()]
+
+    # ------------------------------------------------------------------------------------------ connectors' status
+    def set_connector_status(
+        self, cp_id: str, connector: int, status: str, time, error_code: str | None = None
+    ) -> None:
+        """Record a connector's status as its charge point last told it (a StatusNotification: ``Available``,
+        ``Charging``, ``Faulted``...; connector 0 is the charge point as a whole), with its ``error_code`` where the
+        protocol gives one (OCPP 1.6's; ``NoError`` when all is well). A status older than the one recorded (a late
+        notification) is kept out.
+
+        Raises:
+            StoreError: an empty status or a negative connector.
+        """
+        if not status:
+            raise StoreError(f"charge point {cp_id!r} connector {connector}: empty status")
+        if int(connector) < 0:
+            raise StoreError(f"charge point {cp_id!r}: connector {connector} is negative")
+        self._write(
+            "INSERT INTO connector_status (charge_point, connector, status, time, error_code) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT(charge_point, connector) DO UPDATE SET status = excluded.status, time = excluded.time, "
+            "error_code = excluded.error_code WHERE excluded.time >= connector_status.time",
+            (cp_id, int(connector), str(status), utc_text(time), error_code),
+        )
+
+    def connector_statuses(self) -> list[dict]:
+        """Each connector's last status: ``{"charge_point", "connector", "status", "time", "error_code"}``, by charge
+        point and connector."""
+        rows = self.db.execute("SELECT * FROM connector_status ORDER BY charge_point, connector").fetchall()
+        return [dict(r) for r in rows]
