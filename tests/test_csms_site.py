@@ -68,9 +68,9 @@ class NoSessionsFeed:
         return FeedHistory(got.series, got.sessions.iloc[:0], got.window_end)
 
 
-async def _replay(site, db, mapping: dict, feed):
+async def _replay(site, db, mapping: dict, feed, ocpp: str = "1.6"):
     """The central system with ``mapping`` (site clock) and the simulated site's charge points under the same names,
-    over the whole test split; returns the result and the central system."""
+    over the whole test split, speaking ``ocpp``; returns the result and the central system."""
     from pipeline.live.simsite import SimSite, register, site_passwords
 
     store = _store(db)
@@ -80,7 +80,7 @@ async def _replay(site, db, mapping: dict, feed):
     server = await central.start("127.0.0.1", 0)
     url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
-        return await SimSite(site, url, passwords, mapping=mapping).run(), central
+        return await SimSite(site, url, passwords, mapping=mapping, ocpp=ocpp).run(), central
     finally:
         await central.stop()
 
@@ -95,9 +95,11 @@ def _last_history(central, site):
 
 
 # ------------------------------------------------------------------------------------------------ the mapping
-def test_charge_point_names_are_names_the_mapping_decides(tmp_path):
-    """A site's charge points named as it likes (no station pattern of the site matches them; one is the DC charger):
-    the whole 2-day test split through the central system and the simulated site (StartTransaction then DriverNeeds),
+@pytest.mark.parametrize("ocpp", ["1.6", "2.0.1"])
+def test_charge_point_names_are_names_the_mapping_decides(tmp_path, ocpp):
+    """A site's charge points named as it likes (no station pattern of the site matches them; one is the DC charger),
+    speaking OCPP 1.6J or 2.0.1: the whole 2-day test split through the central system and the simulated site
+    (StartTransaction then DriverNeeds, or TransactionEvent Started then NotifyEVChargingNeeds),
     the feed a grid-carbon service without sessions, so the history's sessions are the central system's: every plan
     succeeds, each transaction is filed in the history under its mapped socket (the DC car under the DC group), the
     DC charger's profiles go above a Level-2 socket's power, and the run gives the default mapping's CO2 (the names
@@ -105,8 +107,8 @@ def test_charge_point_names_are_names_the_mapping_decides(tmp_path):
     site = _site()
     default = default_mapping(site)
     assert set(default.values()) == set(NAMES.values()) and default != NAMES
-    base, _ = asyncio.run(_replay(site, tmp_path / "default.sqlite", default, NoSessionsFeed(site)))
-    res, central = asyncio.run(_replay(site, tmp_path / "named.sqlite", NAMES, NoSessionsFeed(site)))
+    base, _ = asyncio.run(_replay(site, tmp_path / "default.sqlite", default, NoSessionsFeed(site), ocpp))
+    res, central = asyncio.run(_replay(site, tmp_path / "named.sqlite", NAMES, NoSessionsFeed(site), ocpp))
     assert not central.store.events("plan_failed")
     assert res.steps == base.steps == site.split("test").num_steps
     assert len(central.plans) == res.steps
