@@ -29,12 +29,15 @@ from benchmarks.common import machine_info, save_table
 COLUMNS = (
     "site", "controller", "ocpp", "feed", "hours", "csms_co2_kg", "study_co2_kg", "diff_kg", "csms_unserved_kwh",
     "study_unserved_kwh", "sessions", "transactions", "transactions_201", "plans", "plan_p50_s", "plan_p99_s", "wall_s",
+    "outage_h", "feed_late_steps", "plans_failed",
 )  # fmt: skip
 """Columns: the site, controller, what the charge points spoke (``1.6``, ``2.0.1``, ``mix``), the MOER feed (``files``,
 ``watttime``) and the hours run; the
 week's CO2 (kg) and unserved energy (kWh) through the central system and in the study's run; the sessions of the
 week (those the site took), the transactions the central system recorded (of them, 2.0.1's), its plans (new plans:
-between them the last one holds), their latency (s) and the run's wall time (s)."""
+between them the last one holds), their latency (s) and the run's wall time (s); with ``--outage-h``, the hour the
+service went down (NaN: none), the steps planned on the fall-back (the store's ``moer_feed_late`` events) and the plans
+that failed."""
 
 
 def study_week(site, controller: str, split: str, hours: float) -> tuple[float, float]:
@@ -56,10 +59,12 @@ def study_week(site, controller: str, split: str, hours: float) -> tuple[float, 
 
 
 @contextlib.contextmanager
-def moer_service(site, feed: str, split: str, hours: float):
+def moer_service(site, feed: str, split: str, hours: float, outage_h: float | None = None):
     """The run's MOER feed and the simulated site's hooks: ``(None, None)`` for the site's files; for ``watttime`` the
     feed of a client of the stand-in serving the site's record (fresh credentials, a free port) and the hooks that set
-    the stand-in's time to each step's (:func:`pipeline.live.watttime_standin.following`).
+    the stand-in's time to each step's (:func:`pipeline.live.watttime_standin.following`). ``outage_h``: the service
+    is down (503) for the hour from that many hours after the split's start, late by an hour over the next one, then
+    back.
 
     Raises:
         LiveError: ``feed`` neither ``files`` nor ``watttime``.
@@ -72,20 +77,25 @@ def moer_service(site, feed: str, split: str, hours: float):
         return
     if feed != "watttime":
         raise LiveError(f"--feed: {feed!r} is neither files nor watttime")
-    from pipeline.live.watttime_standin import following, local_service
+    from pipeline.live.watttime_standin import Outage, following, local_service
 
-    with local_service(site, split) as (standin, moer):
+    outages = ()
+    if outage_h is not None:
+        t0 = site.config.split_bounds(split)[0] + pd.Timedelta(hours=outage_h)
+        h = pd.Timedelta(hours=1)
+        outages = (Outage(t0, t0 + h, "down"), Outage(t0 + h, t0 + 2 * h, "late", lag=h))
+    with local_service(site, split, outages=outages) as (standin, moer):
         yield moer, following(standin, timestep.steps(hours, site.config.dt_h))
 
 
 def run(
     site: str = "caltech", controller: str = "mpc", days: int = 7, split: str = "test", out_dir: str | None = None,
-    ocpp: str = "1.6", feed: str = "files",
+    ocpp: str = "1.6", feed: str = "files", outage_h: float | None = None,
 ) -> pd.DataFrame:  # fmt: skip
     """Run the week both ways; print one line and write the table.
 
     Raises:
-        LiveError: ``ocpp`` not one of ``1.6``, ``2.0.1``, ``mix``.
+        LiveError: ``ocpp`` not one of ``1.6``, ``2.0.1``, ``mix``; an outage without ``feed="watttime"``.
     """
     import numpy as np
 
@@ -95,11 +105,16 @@ def run(
 
     s = load_site(site)
     ocpp_versions([], ocpp)  # a bad choice ends here, before the run
+    if outage_h is not None and feed != "watttime":
+        from pipeline.live.state import LiveError
+
+        raise LiveError("--outage-h: give --feed watttime (the outage is the grid-carbon service's)")
     hours = 24 * days
-    with tempfile.TemporaryDirectory() as tmp, moer_service(s, feed, split, hours) as (moer, hooks):
+    with tempfile.TemporaryDirectory() as tmp, moer_service(s, feed, split, hours, outage_h) as (moer, hooks):
         res, central = asyncio.run(run_local(s, Path(tmp) / "csms.sqlite", controller, split, hours, feed=moer,
                                              hooks=hooks, ocpp=ocpp))  # fmt: skip
         txs = central.store.transactions()
+        late, failed = len(central.store.events("moer_feed_late")), len(central.store.events("plan_failed"))
         central.store.close()
     transactions, tx201 = len(txs), sum(t["charger_tx_id"] is not None for t in txs)
     ses = s.split(split).sessions
@@ -124,6 +139,9 @@ def run(
         "plan_p50_s": float(np.percentile(lat, 50)),
         "plan_p99_s": float(np.percentile(lat, 99)),
         "wall_s": res.wall_s,
+        "outage_h": float("nan") if outage_h is None else float(outage_h),
+        "feed_late_steps": late,
+        "plans_failed": failed,
     }
     print(
         f"{controller} on {s.config.name}, first {res.hours:g} h of {split}, OCPP {ocpp}, MOER {feed}: CO2 "
@@ -131,7 +149,13 @@ def run(
         f"{res.co2_kg - co2:+.4f} kg); "
         f"unserved {res.unserved_kwh:.4f} / {unserved:.4f} kWh; {sessions} sessions, {transactions} transactions "
         f"({tx201} of 2.0.1), {len(lat)} plans (p50 "
-        f"{row['plan_p50_s']:.3f} s, p99 {row['plan_p99_s']:.3f} s), {res.wall_s:.1f} s",
+        f"{row['plan_p50_s']:.3f} s, p99 {row['plan_p99_s']:.3f} s), {res.wall_s:.1f} s"
+        + (
+            f"; the service down from hour {outage_h:g} for an hour, then late for one: {late} steps planned on the "
+            f"fall-back, {failed} plans failed"
+            if outage_h is not None
+            else ""
+        ),
         flush=True,
     )
     df = pd.DataFrame([row], columns=list(COLUMNS))
@@ -159,6 +183,9 @@ class Args:
     feed: Literal["files", "watttime"] = "files"
     """the MOER feed: the site's data files, or a client of the grid-carbon service's stand-in (WattTime's API v3)
     serving the site's MOER record on a free port"""
+    outage_h: float | None = None
+    """with --feed watttime: the service down (503) for the hour from this many hours after the split's start, an hour
+    late over the next one, then back (None: no outage)"""
 
 
 def main(args: Args | None = None) -> pd.DataFrame:
@@ -167,7 +194,7 @@ def main(args: Args | None = None) -> pd.DataFrame:
         import tyro
 
         args = tyro.cli(Args)
-    return run(args.site, args.controller, args.days, args.split, args.out_dir, args.ocpp, args.feed)
+    return run(args.site, args.controller, args.days, args.split, args.out_dir, args.ocpp, args.feed, args.outage_h)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,33 @@ def test_fill_late_moves_the_last_forecast_on():
     np.testing.assert_allclose(out.loc[2, ["moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]].tolist(), [0.425, 0.525, 0.6])
 
 
+def test_fill_late_plans_through_an_hour_without_the_feed_and_refuses_more():
+    """At 15-minute steps a feed silent for an hour (four steps): each step since the last forecast gets it moved on
+    by its steps (an hour on: the next hour's values), the realised MOER of the silent steps its forecast; a fifth
+    silent step is refused as stale (left as it is)."""
+    t = pd.date_range("2019-05-01", periods=6, freq="15min", tz="UTC")
+    nan = float("nan")
+    h = pd.DataFrame(
+        {
+            "time": t,
+            "pv_kw_per_kwp": [0.0] * 6,
+            "moer_kg_per_kwh": [0.3] + [nan] * 5,
+            "moer_fc_h0": [0.4] + [nan] * 5,
+            "moer_fc_h1": [0.8] + [nan] * 5,
+            "moer_fc_h2": [0.6] + [nan] * 5,
+        }
+    )
+    out, issued, late = fill_late(h, t[4], 0.25)
+    assert late and issued == t[0]
+    fc = out[["moer_fc_h0", "moer_fc_h1", "moer_fc_h2"]].to_numpy()
+    np.testing.assert_allclose(fc[4], [0.8, 0.6, 0.6])  # an hour on
+    np.testing.assert_allclose(fc[2], [0.6, 0.7, 0.6])  # half an hour on: halfway to each next hour
+    np.testing.assert_allclose(out.moer_kg_per_kwh[:4], [0.3, 0.5, 0.6, 0.7])  # the silent steps' forecast
+    assert np.isnan(out.moer_kg_per_kwh[4])  # the step planned: not realised yet
+    same, issued, late = fill_late(h, t[5], 0.25)
+    assert late and issued == t[5] and same is h
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -183,7 +183,7 @@ def test_down_for_more_than_a_step_is_one_clear_error_and_then_it_catches_up():
         got = feed.history(down.start)
         assert_frame_equal(got.series, late.history(down.start).series, check_exact=True)  # a LateFeed's late step
         standin.set_time(down.start + feed.dt)
-        with pytest.raises(LiveError, match="nothing for the step .* nor the one before .*503") as err:
+        with pytest.raises(LiveError, match="nothing for the step .* nor for the 1 h before it .*503") as err:
             feed.history(down.start + feed.dt)
         assert "\n" not in str(err.value) and standin.url in str(err.value)
         files = SiteDataFeed(site)

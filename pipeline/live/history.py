@@ -21,7 +21,7 @@ from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site, SplitData, plug_socket, station_sockets
 from pipeline.live.state import (
     FORECAST_COLUMNS,
-    MAX_FORECAST_AGE_STEPS,
+    MAX_FORECAST_AGE_H,
     SESSION_COLUMNS,
     DayStart,
     LiveError,
@@ -281,11 +281,11 @@ def _check_known(hh: pd.DataFrame, t: int, H: int, state: LiveState, dt: pd.Time
             raise LiveError(
                 f"moer_forecast.issued_at: {issued.isoformat()} is after the state's time {state.time.isoformat()}"
             )
-        if age > MAX_FORECAST_AGE_STEPS * dt:
+        if age > pd.Timedelta(hours=MAX_FORECAST_AGE_H):
             raise LiveError(
                 f"moer_forecast.issued_at: {issued.isoformat()} is {age / pd.Timedelta(hours=1):g} h before the "
-                f"state's time {state.time.isoformat()}: the MOER forecast is stale (at most "
-                f"{MAX_FORECAST_AGE_STEPS} step of {dt / pd.Timedelta(hours=1):g} h old)"
+                f"state's time {state.time.isoformat()}: the MOER forecast is stale (at most {MAX_FORECAST_AGE_H:g} h "
+                "old)"
             )
     checks = [("moer_kg_per_kwh", slice(0, t), "the realised MOER of every step before the state's time")]
     checks += [

@@ -17,7 +17,7 @@ import pandas as pd
 from envs import timestep
 from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site, station_sockets
-from pipeline.live.state import FORECAST_COLUMNS, LiveError, realised_history
+from pipeline.live.state import FORECAST_COLUMNS, MAX_FORECAST_AGE_H, LiveError, realised_history
 
 
 # ------------------------------------------------------------------------------------------------ the clock
@@ -144,43 +144,60 @@ class LateFeed:
 
 
 def fill_late(series: pd.DataFrame, now: pd.Timestamp, dt_h: float) -> tuple[pd.DataFrame, pd.Timestamp, bool]:
-    """Plan on the last forecast when the feed brought none for the step ``now``: the forecast issued a step before,
-    moved on by one step (each hour's value becomes ``(1 - dt_h)`` of it and ``dt_h`` of the next hour's, the last one
-    held: at hourly steps its next hour becomes this hour's), its 5-minute values and, for the step before, the
-    forecast in place of the realised MOER.
+    """Plan on the last forecast when the feed brought none for the step ``now``: the forecast issued ``k`` steps
+    before (the latest one there is, at most :data:`pipeline.live.state.MAX_FORECAST_AGE_H` old), moved on to each
+    step since: at ``j`` steps on, each hour's value becomes the hourly forecast read ``j * dt_h`` hours later, linear
+    between its hours, the last one held (a step on at 15 minutes: ``0.75`` of it and ``0.25`` of the next hour's; at
+    hourly steps its next hour's); its 5-minute values; and for the steps since it, the forecast in place of the
+    realised MOER that did not come.
 
     Args:
         series: the feed's history at the site's step. now: the step planned. dt_h: the site's step, hours.
 
     Returns:
         ``(series, issued_at, late)``: the history to plan on, when its current forecast was issued, and whether
-        the feed was late. A feed late by more than a step is left as it is (the plan then refuses it as stale).
+        the feed was late. A feed late by more than that is left as it is (the plan then refuses it as stale).
     """
     dt = pd.Timedelta(timestep.step_timedelta(dt_h))
     f = timestep.exact_dt_h(dt_h)  # the step's share of an hour
+    per_hour = timestep.steps(1.0, dt_h)
     now = pd.Timestamp(now).tz_convert("UTC")
     h = series.copy()
     h["time"] = pd.to_datetime(h.time, utc=True)
     row = np.flatnonzero((h.time == now).to_numpy())
-    prev = np.flatnonzero((h.time == now - dt).to_numpy())
     if len(row) and np.isfinite(float(h.loc[row[0], FORECAST_COLUMNS[0]])):
         return series, now, False
-    if not len(prev) or not np.isfinite(float(h.loc[prev[0], FORECAST_COLUMNS[0]])):
+    k = next(
+        (k for k in range(1, max(1, timestep.steps(MAX_FORECAST_AGE_H, dt_h)) + 1)
+         if np.isfinite(h.loc[(h.time == now - k * dt).to_numpy(), FORECAST_COLUMNS[0]].astype(float)).any()),
+        None,
+    )  # fmt: skip
+    if k is None:
         return series, now, True
-    p = prev[0]
-    if not len(row):
-        h = pd.concat([h, pd.DataFrame({"time": [now]})], ignore_index=True)
-        row = [len(h) - 1]
-    r = row[0]
+    missing = [now - j * dt for j in range(k - 1, -1, -1) if not (h.time == now - j * dt).any()]
+    if missing:
+        h = pd.concat([h, pd.DataFrame({"time": missing})], ignore_index=True).sort_values("time", ignore_index=True)
+    at = {t: i for i, t in enumerate(h.time)}
+    p = at[now - k * dt]
     last = [float(h.loc[p, c]) for c in FORECAST_COLUMNS]
-    for k, c in enumerate(FORECAST_COLUMNS):
-        h.loc[r, c] = (1.0 - f) * last[k] + f * last[min(k + 1, len(last) - 1)]
-    for c in MOER_5MIN_COLUMNS:
-        if c in h:
-            h.loc[r, c] = h.loc[p, c]
-    if not np.isfinite(float(h.loc[p, "moer_kg_per_kwh"])):
-        h.loc[p, "moer_kg_per_kwh"] = last[0]
-    return h, now - dt, True
+    n = len(last)
+
+    def later(lead_steps: int) -> float:  # the forecast read lead_steps steps on, linear between its hours
+        i, rem = divmod(lead_steps, per_hour)
+        return (1.0 - rem * f) * last[min(i, n - 1)] + rem * f * last[min(i + 1, n - 1)]
+
+    for j in range(k + 1):
+        r = at[now - (k - j) * dt]
+        if j < k and not np.isfinite(float(h.loc[r, "moer_kg_per_kwh"])):
+            h.loc[r, "moer_kg_per_kwh"] = later(j)
+        if j == 0:
+            continue
+        for m, c in enumerate(FORECAST_COLUMNS):
+            h.loc[r, c] = later(m * per_hour + j)
+        for c in MOER_5MIN_COLUMNS:
+            if c in h:
+                h.loc[r, c] = h.loc[p, c]
+    return h, now - k * dt, True
 
 
 # ------------------------------------------------------------------------------------------------ the connectors

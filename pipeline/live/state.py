@@ -23,8 +23,11 @@ FORECAST_COLUMNS = ("moer_fc_h0", "moer_fc_h1", "moer_fc_h2")
 after: leads in hours at every step)."""
 SESSION_COLUMNS = ("session_id", "station_id", "arrival", "departure", "energy_kwh")
 """The sessions columns a history needs (``sessions.parquet``'s, ``requested_energy_kwh`` optional)."""
-MAX_FORECAST_AGE_STEPS = 1
-"""A MOER forecast issued more than this many steps before the state's time is stale."""
+MAX_FORECAST_AGE_H = 1.0
+"""A MOER forecast issued more than this many hours before the state's time is stale (a step at hourly steps, four at
+15 minutes): the forecast covers three hours (:data:`FORECAST_COLUMNS`), so moved on by an hour it still covers two,
+and a grid-carbon service down for an hour is planned through on its last forecast
+(:func:`pipeline.live.sources.fill_late`)."""
 
 
 class LiveError(InputError):
@@ -278,7 +281,7 @@ STATE_SCHEMA: dict = {
             "properties": {
                 "issued_at": {
                     "type": "string",
-                    "description": "When it was issued: at most one step before time (else it is stale).",
+                    "description": "When it was issued: at most an hour before time (else it is stale).",
                 },
                 "kg_per_kwh": {
                     "type": "array",

@@ -31,10 +31,11 @@ Fall-backs. Each call times out (:attr:`WattTimeClient.timeout_s`); a call that 
 tried again after an exponential back-off (:attr:`WattTimeClient.retries`, :attr:`WattTimeClient.backoff_s`); a 401
 logs in again once (the token expired), as does a token near its 30 minutes. When the step's forecast is not there
 (the service is late: its newest forecast was issued a step before or earlier, or it is down), the feed gives the
-history as it stood a step before, as :class:`pipeline.live.sources.LateFeed` does: the planning loop then plans on
-that forecast moved on (:func:`pipeline.live.sources.fill_late`) and logs ``moer_feed_late``. Down or late by more
-than that step: a :class:`pipeline.live.state.LiveError` saying since when (the planning loop records the step as
-failed and the chargers keep the profiles they have). Wrong credentials, an unknown region or any other refusal: a
+history as it stood at the last step it holds, at most :data:`pipeline.live.state.MAX_FORECAST_AGE_H` (an hour)
+before, as :class:`pipeline.live.sources.LateFeed` does a step before: the planning loop then plans on that forecast
+moved on (:func:`pipeline.live.sources.fill_late`) and logs ``moer_feed_late``. Down or late by more than that: a
+:class:`pipeline.live.state.LiveError` saying since when (the planning loop records the step as failed and the
+chargers keep the profiles they have). Wrong credentials, an unknown region or any other refusal: a
 :class:`~pipeline.live.state.LiveError` at once, in one line.
 
 Credentials come from the environment (``WATTTIME_USERNAME``, ``WATTTIME_PASSWORD``) or a file of those two
@@ -76,7 +77,13 @@ from pipeline.data.sources import (
     step_bins,
 )
 from pipeline.live.sources import FeedHistory, SiteDataFeed
-from pipeline.live.state import FORECAST_COLUMNS, LiveError, blank_unrealised, realised_history
+from pipeline.live.state import (
+    FORECAST_COLUMNS,
+    MAX_FORECAST_AGE_H,
+    LiveError,
+    blank_unrealised,
+    realised_history,
+)
 
 KG_PER_KWH_PER_LBS_PER_MWH = CARBON_UNITS["lb/MWh"]
 """kg CO2/kWh per lbs CO2/MWh: 0.45359237 kg per lb over 1000 kWh per MWh."""
@@ -441,7 +448,7 @@ class WattTimeFeed:
 
         Raises:
             LiveError: a time that is not a step of the split; the service refused a call; the service late or down
-                for more than a step (the message says since when and why).
+                for more than an hour (the message says since when and why).
         """
         t = self.files.step(now)
         now = self.start + t * self.dt
@@ -479,29 +486,34 @@ class WattTimeFeed:
         self.issued[got.generated_at] = got
 
     def known_at(self, now: pd.Timestamp) -> pd.Timestamp:
-        """The step the feed's history stands at: ``now``, or the step before when the service is late (or down) at
-        ``now``.
+        """The step the feed's history stands at: ``now``, or when the service is late (or down) at ``now`` the latest
+        step before it whose forecast and realised MOER are held, at most
+        :data:`pipeline.live.state.MAX_FORECAST_AGE_H` before ``now``.
 
         Raises:
-            LiveError: neither is held.
+            LiveError: none is held.
         """
         if self.fresh(now) and self.realised_before(now):
             return now
-        prev = now - self.dt
         newest = self.newest(now)
         since = f"the newest forecast got was issued at {newest.generated_at.isoformat()}" if newest else "no forecast"
         why = f"{self.last_error}; {since}" if self.last_error else since
-        if prev >= self.start and self.fresh(prev) and self.realised_before(prev):
-            if self.late[-1:] != [now]:  # said once a step (a step may be planned more than once)
-                self.late.append(now)
-                log.warning(
-                    "MOER service %s (%s): nothing new for the step %s (%s): the step falls back on the forecast "
-                    "issued a step before", self.client.url, self.region, now.isoformat(), why,
-                )  # fmt: skip
-            return prev
+        for k in range(1, max(1, timestep.steps(MAX_FORECAST_AGE_H, self.site.config.dt_h)) + 1):
+            prev = now - k * self.dt
+            if prev < self.start:
+                break
+            if self.fresh(prev) and self.realised_before(prev):
+                if self.late[-1:] != [now]:  # said once a step (a step may be planned more than once)
+                    self.late.append(now)
+                    log.warning(
+                        "MOER service %s (%s): nothing new for the step %s (%s): the step falls back on the forecast "
+                        "issued %d step(s) before", self.client.url, self.region, now.isoformat(), why, k,
+                    )  # fmt: skip
+                return prev
         raise LiveError(
-            f"MOER service {self.client.url} ({self.region}): nothing for the step {now.isoformat()} nor the one "
-            f"before ({why}): the fall-back plans on a forecast at most one step old"
+            f"MOER service {self.client.url} ({self.region}): nothing for the step {now.isoformat()} nor for the "
+            f"{MAX_FORECAST_AGE_H:g} h before it ({why}): the fall-back plans on a forecast at most "
+            f"{MAX_FORECAST_AGE_H:g} h old"
         )
 
     # ------------------------------------------------------------------------------------------ asking the service
