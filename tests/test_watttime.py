@@ -146,16 +146,19 @@ def test_the_csms_through_the_service_gives_the_files_co2(tmp_path):
     assert_served(site, res, central)
 
 
-def test_down_late_and_refused_for_an_hour_each_the_csms_falls_back_and_serves_every_car(tmp_path, caplog):
+@pytest.mark.parametrize("dt_h", [1.0, 0.25])
+def test_down_late_and_refused_for_an_hour_each_the_csms_falls_back_and_serves_every_car(tmp_path, caplog, dt_h):
     """The service answers 503 for an hour, is an hour late (its last forecast not updated), refuses connections for
-    an hour, and is back in between: at each of those three steps the central system plans on the forecast of the
-    step before moved on and logs it (``moer_feed_late``), and every car is served."""
-    site = csms_site(days=1)
+    an hour, and is back in between: at each step of those three hours (one step each at hourly steps, four at 15
+    minutes) the central system plans on the last forecast it holds moved on and logs it (``moer_feed_late``), and
+    every car is served."""
+    site = csms_site(days=1, dt_h=dt_h)
     start = site.config.split_bounds("test")[0]
-    at = [start + pd.Timedelta(hours=h) for h in (9, 12, 15)]
-    hour = pd.Timedelta(hours=1)
-    outages = [Outage(at[0], at[0] + hour, "down"), Outage(at[1], at[1] + hour, "late", hour),
-               Outage(at[2], at[2] + hour, "refused")]  # fmt: skip
+    hour, dt = pd.Timedelta(hours=1), pd.Timedelta(hours=dt_h)
+    first = [start + pd.Timedelta(hours=h) for h in (9, 12, 15)]
+    at = [t + k * dt for t in first for k in range(round(1 / dt_h))]
+    outages = [Outage(first[0], first[0] + hour, "down"), Outage(first[1], first[1] + hour, "late", hour),
+               Outage(first[2], first[2] + hour, "refused")]  # fmt: skip
     steps = site.split("test").num_steps
     with local_service(site, outages=outages, **FAST) as (standin, feed):
         res, central = asyncio.run(run_local(site, csms_store(tmp_path / "csms.sqlite"), feed=feed,
@@ -163,7 +166,8 @@ def test_down_late_and_refused_for_an_hour_each_the_csms_falls_back_and_serves_e
     logged = central.store.events("moer_feed_late")
     assert [pd.Timestamp(e["time"]) for e in logged] == at == feed.late
     assert all("planning on the one issued at" in e["detail"] for e in logged)
-    assert standin.calls.count(("/v3/historical", 503)) == FAST["retries"] + 1  # down: every try answered 503
+    down_steps = round(1 / dt_h)
+    assert standin.calls.count(("/v3/historical", 503)) == down_steps * (FAST["retries"] + 1)  # every try: 503
     assert "Connection refused" in caplog.text  # refused: its port closed
     assert_served(site, res, central)
     assert central.store.events("plan_failed") == []
