@@ -17,7 +17,9 @@ This module imports nothing from the rest of the project.
 
 from __future__ import annotations
 
-__all__ = ["ExpectedError", "InputError", "exit_code", "is_expected", "one_message"]
+import json
+
+__all__ = ["ExpectedError", "InputError", "exit_code", "is_expected", "json_object", "one_message"]
 
 
 class ExpectedError(Exception):
@@ -54,3 +56,18 @@ def exit_code(action) -> int:
         print(f"error: {one_message(exc)}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def json_object(text: str, what: str) -> dict:
+    """``text`` read as a JSON object.
+
+    Raises:
+        InputError: not JSON, or JSON that is not an object (the message begins with ``what``: the option or file).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{what}: not a JSON object ({exc})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{what}: not a JSON object but a JSON {type(value).__name__}")
+    return value

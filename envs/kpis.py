@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from envs.errors import json_object
 from envs.evhub import BESS_ACTIONS, DEFAULT_BESS_ACTION, INFO_KEYS, EVHubVectorEnv
 from envs.files import write_parquet, write_text  # noqa: F401  (write_parquet re-exported for the algos)
 from envs.site import Site, SplitData
@@ -286,12 +287,7 @@ def read_policy_spec(run_dir: str | Path) -> dict[str, str]:
         torch.export.load(str(program), extra_files=extra)
         text, path = extra[POLICY_SPEC] or None, program
     if text is not None:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        raw = json_object(text, str(path))
         spec |= {k: raw[k] for k in spec if k in raw}
     if spec["action_mode"] not in ("hub", "socket"):
         raise ValueError(f"{path}: action_mode must be 'hub' or 'socket', got {spec['action_mode']!r}")

@@ -20,7 +20,7 @@ import tyro
 
 import envs
 from envs import timestep
-from envs.errors import InputError, is_expected, one_message
+from envs.errors import InputError, is_expected, json_object, one_message
 from envs.evhub import DEFAULT_BESS_ACTION
 from envs.vector import EVHUB_ID, RecordEpisodeStatistics, env_name, is_evhub, make_vec
 
@@ -235,13 +235,7 @@ def env_kwargs_of(text: str) -> dict[str, Any]:
     if not text:
         return {}
     if text[0] in '{["':  # JSON
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"--env-kwargs {text!r} is not a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise InputError(f"--env-kwargs {text!r} is not a JSON object")
-        return value
+        return json_object(text, f"--env-kwargs {text!r}")
     out: dict[str, Any] = {}
     for pair in text.split(","):
         key, sep, raw = pair.partition("=")
