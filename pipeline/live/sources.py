@@ -143,6 +143,12 @@ class LateFeed:
         return got
 
 
+def late_steps(dt_h: float) -> int:
+    """How many steps a feed may be late and still be planned through (:func:`fill_late`): the steps of
+    :data:`pipeline.live.state.MAX_FORECAST_AGE_H` at a step of ``dt_h`` hours, at least one."""
+    return max(1, timestep.steps(MAX_FORECAST_AGE_H, dt_h))
+
+
 def fill_late(series: pd.DataFrame, now: pd.Timestamp, dt_h: float) -> tuple[pd.DataFrame, pd.Timestamp, bool]:
     """Plan on the last forecast when the feed brought none for the step ``now``: the forecast issued ``k`` steps
     before (the latest one there is, at most :data:`pipeline.live.state.MAX_FORECAST_AGE_H` old), moved on to each
@@ -168,7 +174,7 @@ def fill_late(series: pd.DataFrame, now: pd.Timestamp, dt_h: float) -> tuple[pd.
     if len(row) and np.isfinite(float(h.loc[row[0], FORECAST_COLUMNS[0]])):
         return series, now, False
     k = next(
-        (k for k in range(1, max(1, timestep.steps(MAX_FORECAST_AGE_H, dt_h)) + 1)
+        (k for k in range(1, late_steps(dt_h) + 1)
          if np.isfinite(h.loc[(h.time == now - k * dt).to_numpy(), FORECAST_COLUMNS[0]].astype(float)).any()),
         None,
     )  # fmt: skip

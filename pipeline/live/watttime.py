@@ -76,7 +76,7 @@ from pipeline.data.sources import (
     WeatherSource,
     step_bins,
 )
-from pipeline.live.sources import FeedHistory, SiteDataFeed
+from pipeline.live.sources import FeedHistory, SiteDataFeed, late_steps
 from pipeline.live.state import (
     FORECAST_COLUMNS,
     MAX_FORECAST_AGE_H,
@@ -498,7 +498,7 @@ class WattTimeFeed:
         newest = self.newest(now)
         since = f"the newest forecast got was issued at {newest.generated_at.isoformat()}" if newest else "no forecast"
         why = f"{self.last_error}; {since}" if self.last_error else since
-        for k in range(1, max(1, timestep.steps(MAX_FORECAST_AGE_H, self.site.config.dt_h)) + 1):
+        for k in range(1, late_steps(self.site.config.dt_h) + 1):
             prev = now - k * self.dt
             if prev < self.start:
                 break
