@@ -1,7 +1,7 @@
 """Training throughput and time to quality: our PPO and SAC against Stable-Baselines3's, on EVHub-v0.
 
-Every configuration trains in its own subprocess (so peak memory is its own) on the caltech site's train
-split, with the BESS action ``surplus`` for both libraries, and evaluates its deterministic policy on the
+Every configuration trains in its own subprocess (so peak memory is its own) on a site's train split (``--site``,
+default caltech), with the BESS action ``surplus`` for both libraries, and evaluates its deterministic policy on the
 test split at regular env-step intervals. The training clock leaves those evaluations out. Measured per
 configuration:
 
@@ -168,8 +168,10 @@ def reference_co2(site: str = "caltech", split: str = "test") -> dict[str, float
 
 
 # ------------------------------------------------------------------------------------------- one run
-def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int, seed: int, out: Path) -> pd.DataFrame:
-    """Train our script in this process; returns its eval curve (global_step, train_wall_s, co2_kg)."""
+def _run_ours(
+    cfg: Config, device: str, budget_steps: int, eval_every_steps: int, seed: int, out: Path, site: str
+) -> pd.DataFrame:
+    """Train our script on ``site`` in this process; returns its eval curve (global_step, train_wall_s, co2_kg)."""
     import importlib
 
     module = importlib.import_module(f"algos.{cfg.algo}")
@@ -183,6 +185,8 @@ def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int
         str(out),
         "--checkpoint-every",
         "0",
+        "--site",
+        site,
         "--cuda" if device == "cuda" else "--no-cuda",
     ]
     args = harness.cli(module.Args, module.PRESETS, module.ENV_DEFAULTS, argv)
@@ -200,9 +204,10 @@ def _run_ours(cfg: Config, device: str, budget_steps: int, eval_every_steps: int
 
 
 def _run_sb3(
-    cfg: Config, device: str, budget_steps: int, budget_s: float, eval_every_steps: int, seed: int
+    cfg: Config, device: str, budget_steps: int, budget_s: float, eval_every_steps: int, seed: int, site_name: str
 ) -> pd.DataFrame:
-    """Train Stable-Baselines3 in this process; returns its eval curve (global_step, train_wall_s, co2_kg)."""
+    """Train Stable-Baselines3 on ``site_name`` in this process; returns its eval curve (global_step, train_wall_s,
+    co2_kg)."""
     from stable_baselines3 import PPO, SAC
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
@@ -211,11 +216,11 @@ def _run_sb3(
     from envs.evhub import EVHubEnv
     from envs.kpis import evaluate_policy
 
-    site = load_site("caltech")
+    site = load_site(site_name)
 
     def make_env():
         torch.set_num_threads(1)
-        return EVHubEnv(site="caltech", bess_action="surplus")
+        return EVHubEnv(site=site_name, bess_action="surplus")
 
     rows: list[dict] = []
 
@@ -298,9 +303,17 @@ def _run_sb3(
 
 
 def run_one(
-    name: str, device: str, budget_steps: int, budget_s: float, eval_every_steps: int, seed: int, out_dir: Path
+    name: str,
+    device: str,
+    budget_steps: int,
+    budget_s: float,
+    eval_every_steps: int,
+    seed: int,
+    out_dir: Path,
+    site: str = "caltech",
 ) -> dict:
-    """Run configuration ``name`` in this process and return its summary (JSON-able) with its eval curve.
+    """Run configuration ``name`` on ``site`` (a shipped site's name or a site TOML's path) in this process and return
+    its summary (JSON-able) with its eval curve.
 
     Raises:
         KeyError: unknown configuration name.
@@ -311,9 +324,9 @@ def run_one(
         torch.cuda.reset_peak_memory_stats(dev)
     run_dir = out_dir / "runs" / f"{name}_{device}"
     if cfg.library == "ours":
-        curve = _run_ours(cfg, device, budget_steps, eval_every_steps, seed, run_dir)
+        curve = _run_ours(cfg, device, budget_steps, eval_every_steps, seed, run_dir, site)
     else:
-        curve = _run_sb3(cfg, device, budget_steps, budget_s, eval_every_steps, seed)
+        curve = _run_sb3(cfg, device, budget_steps, budget_s, eval_every_steps, seed, site)
     return {
         "config": name,
         **{k: float(v) for k, v in curve.attrs.items()},
@@ -357,6 +370,7 @@ def run(
     out_dir: str | Path | None = None,
     timeout_s: float = 1200.0,
     reference: dict[str, float] | None = None,
+    site: str = "caltech",
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Run the training benchmark, one subprocess per configuration, and write its tables.
 
@@ -368,7 +382,9 @@ def run(
         scale: multiplies every budget of :data:`BUDGETS` (tests use a tiny one).
         out_dir: folder of ``training.parquet`` and ``training_curves.parquet`` (default ``outputs/bench``).
         timeout_s: wall limit of one configuration's subprocess.
-        reference: ``{"uncontrolled_kg", "oracle_kg"}`` of the test split (default: :func:`reference_co2`).
+        reference: ``{"uncontrolled_kg", "oracle_kg"}`` of the test split (default: :func:`reference_co2` of
+            ``site``).
+        site: a shipped site's name or a site TOML's path, the site every configuration trains and evaluates on.
 
     Returns:
         ``(summary, curves)``: one summary row per configuration (``config, library, algo, settings,
@@ -389,7 +405,7 @@ def run(
         if device not in CONFIGS[n].devices:
             raise ValueError(f"config {n!r} does not run on {device!r} (only {CONFIGS[n].devices})")
     out = Path(out_dir or BENCH_DIR)
-    ref = reference or reference_co2()
+    ref = reference or reference_co2(site)
     target = ref["uncontrolled_kg"] - target_share * (ref["uncontrolled_kg"] - ref["oracle_kg"])
     print(
         f"training benchmark on {device}: target test CO2 <= {target:.1f} kg ({target_share:.0%} of the oracle's "
@@ -402,7 +418,7 @@ def run(
         steps, secs, every = BUDGETS[(cfg.settings, cfg.algo, device)]
         steps, secs, every = max(int(steps * scale), 1), secs * scale, max(int(every * scale), 1)
         cmd = ["--one", n, "--device", device, "--seed", str(seed), "--budget-steps", str(steps), "--budget-s"]
-        cmd += [str(secs), "--eval-every-steps", str(every), "--out-dir", str(out)]
+        cmd += [str(secs), "--eval-every-steps", str(every), "--out-dir", str(out), "--site", site]
         print(
             f"[{n} on {device}] {steps:,} env steps (SB3: at most {secs:.0f} s of training), evaluation every "
             f"{every:,} steps",
@@ -518,6 +534,8 @@ class Args:
     """folder of the Parquet tables (None: outputs/bench)"""
     timeout_s: float = 1200.0
     """wall limit of one configuration, seconds"""
+    site: str = "caltech"
+    """the site every configuration trains and evaluates on: a shipped site's name or a site TOML's path"""
     one: str | None = None
     """(internal) run only this configuration in this process and print its result as JSON"""
     budget_steps: int = 0
@@ -542,11 +560,19 @@ def main() -> None:
             args.eval_every_steps,
             args.seed,
             Path(args.out_dir or BENCH_DIR),
+            args.site,
         )
         print(RESULT_PREFIX + json.dumps(res), flush=True)
         return
     summary, _ = run(
-        args.configs or None, device, args.seed, args.target_share, args.scale, args.out_dir, args.timeout_s
+        args.configs or None,
+        device,
+        args.seed,
+        args.target_share,
+        args.scale,
+        args.out_dir,
+        args.timeout_s,
+        site=args.site,
     )
     print(markdown(summary))
 
