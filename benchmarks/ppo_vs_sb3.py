@@ -78,34 +78,49 @@ EVAL_SEED = 10_000
 EVAL_SPLIT = "test"
 """EVHub-v0's evaluation split (its windows for the returns, the whole split for the CO2)."""
 
+
+def _ppo(
+    iterations: int,
+    num_envs: int,
+    num_steps: int,
+    minibatch_size: int,
+    gamma: float,
+    learning_rate: float,
+    normalise: bool,
+    **env: str,
+) -> dict:
+    """One env's PPO settings: ``iterations`` rollouts of ``num_envs x num_steps`` env steps, each learned from for 10
+    epochs in minibatches of ``minibatch_size`` steps, GAE's lambda 0.95, observations and rewards normalised or not;
+    ``env``: the env's own options."""
+    return {
+        "total_timesteps": iterations * num_envs * num_steps,
+        "num_envs": num_envs,
+        "num_steps": num_steps,
+        "num_minibatches": num_envs * num_steps // minibatch_size,
+        "update_epochs": 10,
+        "gamma": gamma,
+        "gae_lambda": 0.95,
+        "learning_rate": learning_rate,
+        "norm_obs": normalise,
+        "norm_reward": normalise,
+        **env,
+    }
+
+
 SETTINGS: dict[str, dict] = {
-    "Pendulum-v1": {
-        "total_timesteps": 25 * 4 * 1024,
-        "num_envs": 4,
-        "num_steps": 1024,
-        "num_minibatches": 64,  # minibatches of 64
-        "update_epochs": 10,
-        "gamma": 0.9,
-        "gae_lambda": 0.95,
-        "learning_rate": 1e-3,
-        "norm_obs": False,
-        "norm_reward": False,
-    },
-    "EVHub-v0": {
-        "total_timesteps": 12 * 8 * 512,
-        "num_envs": 8,
-        "num_steps": 512,
-        "num_minibatches": 16,  # minibatches of 256
-        "update_epochs": 10,
-        "gamma": 0.98,  # per hour of site time
-        "gae_lambda": 0.95,
-        "learning_rate": 3e-4,
-        "norm_obs": True,
-        "norm_reward": True,
-        "site": "caltech",
-        "action_mode": "hub",
-        "bess_action": "surplus",
-    },
+    "Pendulum-v1": _ppo(25, 4, 1024, 64, gamma=0.9, learning_rate=1e-3, normalise=False),
+    "EVHub-v0": _ppo(
+        12,
+        8,
+        512,
+        256,
+        gamma=0.98,  # per hour of site time
+        learning_rate=3e-4,
+        normalise=True,
+        site="caltech",
+        action_mode="hub",
+        bess_action="surplus",
+    ),
 }
 """Each env's configuration, as overrides of our script's ``Args`` (gamma and lambda per hour on EVHub-v0)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import numpy as np
@@ -650,6 +651,17 @@ async def csms_refused(url: str, headers: dict, subprotocol: str = "ocpp1.6") ->
         async with connect(url, subprotocols=[subprotocol], additional_headers=headers):
             pass
     return err.value.response.status_code
+
+
+async def csms_callerror(ws, frame: str, want: str) -> None:
+    """Send ``frame`` over the open connection ``ws`` and check the answer is a CALLERROR (message type 4) for the
+    frame's id ``"7"`` (``"-1"`` where the frame could not be read) whose error code starts with ``want``."""
+    import json
+
+    await ws.send(frame)
+    answer = json.loads(await asyncio.wait_for(ws.recv(), 10))
+    assert answer[0] == 4 and answer[1] in ("7", "-1"), answer
+    assert answer[2].startswith(want), answer
 
 
 def self_signed_cert(folder) -> tuple:

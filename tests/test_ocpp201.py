@@ -18,6 +18,7 @@ from conftest import (
     CSMS_HOURS,
     assert_served,
     csms_boots,
+    csms_callerror,
     csms_refused,
     csms_serving,
     csms_site,
@@ -306,11 +307,8 @@ def test_bad_201_frames_get_a_callerror_and_the_service_goes_on(tmp_path, case):
                     "a 1.6 action": '[2, "7", "StartTransaction", {"connectorId": 1}]',
                     "bad payload": '[2, "7", "TransactionEvent", {"eventType": "Begun"}]',
                 }[case]
-                await ws.send(frame)
-                answer = json.loads(await asyncio.wait_for(ws.recv(), 10))
-                assert answer[0] == 4 and answer[1] in ("7", "-1"), answer
                 want = {"malformed JSON": "Format", "bad payload": ""}.get(case, "NotSupported")
-                assert answer[2].startswith(want), answer
+                await csms_callerror(ws, frame, want)
                 await ws.send('[2, "8", "Heartbeat", {}]')
                 assert json.loads(await asyncio.wait_for(ws.recv(), 10))[:2] == [3, "8"]  # the connection goes on
             assert await csms_boots(url, cp, pw[cp], ocpp="2.0.1") == "Accepted"
