@@ -31,7 +31,8 @@ from ocpp.exceptions import OCPPError
 from ocpp.messages import Call, validate_payload
 
 from pipeline.live import charging_profile, csms
-from pipeline.live.ocpp201 import SUBPROTOCOL, profile_request, register_readings
+from pipeline.live.ocpp16 import register_readings
+from pipeline.live.ocpp201 import SUBPROTOCOL, profile_request
 from pipeline.live.simsite import SimChargePoint201, basic_auth, ocpp_versions, run_local
 from pipeline.live.sources import default_mapping
 from pipeline.live.state import LiveError
@@ -141,8 +142,8 @@ def test_the_plans_profile_becomes_a_valid_201_request():
 
 
 def test_register_readings_take_the_energy_register_in_wh():
-    """The energy register in Wh or kWh (with a multiplier), the default measurand counted, other measurands, units
-    and single phases skipped."""
+    """Both versions' spellings: the energy register in Wh or kWh (with a multiplier), the default measurand counted,
+    other measurands, units and single phases skipped."""
     mv = [
         {
             "timestamp": "t",
@@ -158,6 +159,18 @@ def test_register_readings_take_the_energy_register_in_wh():
     ]
     assert register_readings(mv) == [("t", 1200.5), ("t", 2500.0), ("t", 3000.0)]
     assert register_readings(None) == []
+    v16 = [  # OCPP 1.6J's spelling: the unit a string, no multiplier; a phase's reading is not the total
+        {
+            "timestamp": "u",
+            "sampled_value": [
+                {"value": "1200.5"},
+                {"value": "2.5", "unit": "kWh"},
+                {"value": "9", "unit": "kWh", "phase": "L1"},
+                {"value": "9", "unit": "kW", "measurand": "Power.Active.Import"},
+            ],
+        }
+    ]
+    assert register_readings(v16) == [("u", 1200.5), ("u", 2500.0)]
 
 
 def test_ocpp_versions_alternate_in_a_mix():

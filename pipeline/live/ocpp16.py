@@ -39,6 +39,29 @@ SUBPROTOCOL = "ocpp1.6"
 """The WebSocket subprotocol of OCPP 1.6J."""
 
 
+REGISTER = "Energy.Active.Import.Register"
+"""The measurand of the energy register (OCPP 1.6J and 2.0.1), the one meter reading the central system keeps."""
+
+
+def register_readings(meter_value: list[dict] | None) -> list[tuple[str, float]]:
+    """``(timestamp, Wh)`` of each reading of the energy register in a ``meterValue`` list of OCPP 1.6J or 2.0.1 (keys
+    in snake_case, as the ``ocpp`` package gives them): the sampled values whose measurand is :data:`REGISTER` (or
+    none), of no single phase, in ``Wh`` or ``kWh`` (1.6J's ``unit``; 2.0.1's ``unit_of_measure``, times
+    ``10 ** multiplier``); other units are skipped."""
+    out = []
+    for mv in meter_value or []:
+        for sv in mv.get("sampled_value", []):
+            if sv.get("measurand", REGISTER) != REGISTER or sv.get("phase") is not None:
+                continue
+            unit = sv.get("unit_of_measure") or {"unit": sv.get("unit", "Wh")}  # 2.0.1's, else 1.6J's
+            name, multiplier = unit.get("unit", "Wh"), unit.get("multiplier", 0)
+            scale = {"Wh": 1.0, "kWh": 1000.0}.get(name)
+            if scale is None:
+                continue
+            out.append((mv["timestamp"], float(sv["value"]) * scale * 10.0 ** int(multiplier)))
+    return out
+
+
 async def refused_frame(session, raw_msg: str) -> bool:
     """Whether ``raw_msg`` is not an OCPP message; if so it is recorded (``bad_frame``) and answered with a CALLERROR
     naming what is wrong (``FormatViolation`` or the like; the ``ocpp`` package drops it silently). ``session``: a
@@ -152,17 +175,12 @@ class Session(ChargePoint):
     def on_meter_values(self, connector_id: int, meter_value: list, transaction_id: int | None = None):
         store = self.planning.store
         if transaction_id is None:
-            here = (self.id, connector_id)
-            found = [t for t in store.open_transactions() if (t["charge_point"], t["connector"]) == here]
-            transaction_id = found[0]["id"] if found else None
+            found = store.open_transaction_at(self.id, connector_id)
+            transaction_id = found["id"] if found else None
         if transaction_id is None or store.transaction(transaction_id) is None:
             return call_result.MeterValues()
-        for mv in meter_value:
-            for sv in mv.get("sampled_value", []):
-                if sv.get("measurand", "Energy.Active.Import.Register") != "Energy.Active.Import.Register":
-                    continue
-                wh = float(sv["value"]) * (1000.0 if sv.get("unit") == "kWh" else 1.0)
-                store.meter_value(transaction_id, mv["timestamp"], wh)
+        for when, wh in register_readings(meter_value):
+            store.meter_value(transaction_id, when, wh)
         return call_result.MeterValues()
 
     @on(Action.data_transfer)

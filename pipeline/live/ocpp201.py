@@ -42,15 +42,13 @@ from ocpp.v201.enums import (
     RegistrationStatusEnumType,
 )
 
-from pipeline.live.ocpp16 import VENDOR, refused_frame
+from pipeline.live.ocpp16 import VENDOR, refused_frame, register_readings
 from pipeline.live.planning import PlanningLoop
 from pipeline.live.state import LiveError, as_timestamp
 from pipeline.live.store import utc_text
 
 SUBPROTOCOL = "ocpp2.0.1"
 """The WebSocket subprotocol of OCPP 2.0.1."""
-REGISTER = "Energy.Active.Import.Register"
-"""The measurand read: the energy register (a sampled value without one is this, as the standard says)."""
 
 
 def profile_request(payload: dict, transaction_id: str | None) -> dict:
@@ -75,23 +73,6 @@ def profile_request(payload: dict, transaction_id: str | None) -> dict:
     if transaction_id is not None:
         profile["transactionId"] = str(transaction_id)
     return {"evseId": int(payload["connectorId"]), "chargingProfile": profile}
-
-
-def register_readings(meter_value: list[dict] | None) -> list[tuple[str, float]]:
-    """``(timestamp, Wh)`` of each reading of the energy register in a 2.0.1 ``meterValue`` list (keys in snake_case,
-    as the ``ocpp`` package gives them): the sampled values whose measurand is :data:`REGISTER` (or none), of no single
-    phase, in ``Wh`` or ``kWh`` times ``10 ** multiplier``; other units are skipped."""
-    out = []
-    for mv in meter_value or []:
-        for sv in mv.get("sampled_value", []):
-            if sv.get("measurand", REGISTER) != REGISTER or sv.get("phase") is not None:
-                continue
-            unit = sv.get("unit_of_measure") or {}
-            scale = {"Wh": 1.0, "kWh": 1000.0}.get(unit.get("unit", "Wh"))
-            if scale is None:
-                continue
-            out.append((mv["timestamp"], float(sv["value"]) * scale * 10.0 ** int(unit.get("multiplier", 0))))
-    return out
 
 
 class Session(ChargePoint):
@@ -150,12 +131,6 @@ class Session(ChargePoint):
                 description=f"evseId {evse_id} of charge point {self.id!r} is not in the site's mapping"
             )
         return int(evse_id)
-
-    def open_at(self, evse_id: int) -> dict | None:
-        """The open transaction at EVSE ``evse_id`` of this charge point (the latest), else None."""
-        here = [t for t in self.planning.store.open_transactions() if (t["charge_point"], t["connector"]) == (
-            self.id, int(evse_id))]  # fmt: skip
-        return here[-1] if here else None
 
     @on(Action.boot_notification)
     def on_boot(self, charging_station: dict, reason: str, **kwargs):
@@ -216,9 +191,10 @@ class Session(ChargePoint):
 
     @on(Action.meter_values)
     def on_meter_values(self, evse_id: int, meter_value: list, **kwargs):
-        tx = self.open_at(evse_id) if evse_id else None  # EVSE 0: the station's own meter
+        store = self.planning.store
+        tx = store.open_transaction_at(self.id, evse_id) if evse_id else None  # EVSE 0: the station's own meter
         for when, wh in register_readings(meter_value) if tx is not None else []:
-            self.planning.store.meter_value(tx["id"], when, wh)
+            store.meter_value(tx["id"], when, wh)
         return call_result.MeterValues()
 
     @on(Action.notify_ev_charging_needs)
@@ -227,7 +203,7 @@ class Session(ChargePoint):
         ``sessionId`` of a ``customData`` of vendor :data:`pipeline.live.ocpp16.VENDOR`, where given, names its
         session); ``Rejected`` (and logged), with the reason, when there is no open transaction there, no departure or
         no energy amount."""
-        tx = self.open_at(evse_id)
+        tx = self.planning.store.open_transaction_at(self.id, evse_id)
         params = charging_needs.get("ac_charging_parameters") or charging_needs.get("dc_charging_parameters") or {}
         try:
             if tx is None:

@@ -91,7 +91,7 @@ def schedule_limit_kw(schedule: dict, now: pd.Timestamp) -> float | None:
 
 def _wh_sample(wh: float, context: str) -> dict:
     """A 2.0.1 sampled value of the energy register, Wh."""
-    return {"value": float(wh), "context": context, "measurand": ocpp201.REGISTER, "unit_of_measure": {"unit": "Wh"}}
+    return {"value": float(wh), "context": context, "measurand": ocpp16.REGISTER, "unit_of_measure": {"unit": "Wh"}}
 
 
 class SimProfiles:
@@ -176,7 +176,7 @@ class SimChargePoint(SimProfiles, ChargePoint):
 
     async def meter(self, connector: int, tx: int, wh: float, now: pd.Timestamp) -> None:
         """``MeterValues``: the register of a transaction's connector, Wh."""
-        sample = {"value": repr(float(wh)), "measurand": ocpp201.REGISTER, "unit": "Wh"}
+        sample = {"value": repr(float(wh)), "measurand": ocpp16.REGISTER, "unit": "Wh"}
         mv = [{"timestamp": _iso(now), "sampledValue": [sample]}]
         await self.call(call.MeterValues(connector_id=connector, meter_value=mv, transaction_id=tx))
 

@@ -252,6 +252,17 @@ class Store:
         ).fetchall()
         return [dict(r) for r in rows]
 
+    def open_transaction_at(self, charge_point: str, connector: int) -> dict | None:
+        """The open transaction at ``connector`` of ``charge_point`` (the latest, where a stale one was never
+        stopped), with ``energy_wh`` as in :meth:`open_transactions`; None where there is none."""
+        row = self.db.execute(
+            "SELECT t.*, (SELECT energy_wh FROM meter_values m WHERE m.transaction_id = t.id "
+            "ORDER BY m.time DESC, m.rowid DESC LIMIT 1) AS energy_wh FROM transactions t WHERE stop_time IS NULL "
+            "AND charge_point = ? AND connector = ? ORDER BY t.id DESC LIMIT 1",
+            (charge_point, int(connector)),
+        ).fetchone()
+        return None if row is None else dict(row)
+
     def transactions(self) -> list[dict]:
         """Every transaction, in order."""
         return [dict(r) for r in self.db.execute("SELECT * FROM transactions ORDER BY id").fetchall()]
