@@ -37,7 +37,7 @@ from envs.config import SiteConfig
 from envs.site import Site
 from pipeline.live.planning import PlanningLoop
 from pipeline.live.sources import SiteClock
-from pipeline.live.state import LiveError
+from pipeline.live.state import LiveError, schedule_limit_kw
 from pipeline.live.store import Store, utc_text
 
 REFRESH_S = 5
@@ -64,14 +64,8 @@ def profile_limit_kw(payload: dict, now: pd.Timestamp) -> float | None:
     schedule = (payload.get("csChargingProfiles") or {}).get("chargingSchedule") or {}
     if "startSchedule" not in schedule or schedule.get("chargingRateUnit", "W") != "W":
         return None
-    offset = (pd.Timestamp(now) - pd.Timestamp(schedule["startSchedule"])).total_seconds()
-    if offset < 0 or offset >= schedule.get("duration", math.inf):
-        return None
-    limit = None
-    for period in schedule.get("chargingSchedulePeriod", []):
-        if period["startPeriod"] <= offset:
-            limit = float(period["limit"])
-    return None if limit is None else limit / 1000.0
+    periods = [(p["startPeriod"], p["limit"]) for p in schedule.get("chargingSchedulePeriod", [])]
+    return schedule_limit_kw(schedule["startSchedule"], schedule.get("duration"), periods, now)
 
 
 def accepted_profiles(store: Store) -> dict[tuple[str, int], dict]:

@@ -45,7 +45,7 @@ from envs.site import Site
 from pipeline.live import ocpp16, ocpp201
 from pipeline.live.ocpp16 import VENDOR
 from pipeline.live.sources import default_mapping
-from pipeline.live.state import LiveError
+from pipeline.live.state import LiveError, schedule_limit_kw
 
 PROFILE_WAIT_S = 10.0
 """How long a car waits for its charging profile after the step is planned before it charges at full power (a
@@ -76,17 +76,11 @@ def ocpp_versions(cp_ids, ocpp: str = "1.6") -> dict[str, str]:
     return dict.fromkeys(ids, ocpp)
 
 
-def schedule_limit_kw(schedule: dict, now: pd.Timestamp) -> float | None:
-    """The limit at ``now`` of a charging schedule (keys in snake_case: ``start_schedule``, ``duration``,
-    ``charging_schedule_period``; limits in W), kW; None where the schedule does not cover ``now``."""
-    offset = (now - pd.Timestamp(schedule["start_schedule"])).total_seconds()
-    if offset < 0 or offset >= schedule.get("duration", math.inf):
-        return None
-    limit = None
-    for period in schedule["charging_schedule_period"]:
-        if period["start_period"] <= offset:
-            limit = float(period["limit"])
-    return None if limit is None else limit / 1000.0
+def _limit_kw(schedule: dict, now: pd.Timestamp) -> float | None:
+    """The limit at ``now`` of a charging schedule as the ``ocpp`` package gives it (keys in snake_case, limits in W),
+    kW (:func:`pipeline.live.state.schedule_limit_kw`)."""
+    periods = [(p["start_period"], p["limit"]) for p in schedule["charging_schedule_period"]]
+    return schedule_limit_kw(schedule["start_schedule"], schedule.get("duration"), periods, now)
 
 
 def _wh_sample(wh: float, context: str) -> dict:
@@ -140,7 +134,7 @@ class SimChargePoint(SimProfiles, ChargePoint):
         p = self.profiles.get(connector_id)
         if p is None or p.get("transaction_id") != transaction_id:
             return None
-        return schedule_limit_kw(p["charging_schedule"], now)
+        return _limit_kw(p["charging_schedule"], now)
 
     async def boot(self) -> str:
         """``BootNotification``; returns the registration status."""
@@ -224,7 +218,7 @@ class SimChargePoint201(SimProfiles, v201.ChargePoint):
         p = self.profiles.get(connector_id)
         if p is None or p.get("transaction_id") != transaction_id:
             return None
-        return schedule_limit_kw(p["charging_schedule"][0], now)
+        return _limit_kw(p["charging_schedule"][0], now)
 
     async def boot(self) -> str:
         """``BootNotification``; returns the registration status."""

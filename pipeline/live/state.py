@@ -5,6 +5,7 @@ rebuilt from a site's own data (:func:`state_at`) or read from and written to it
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,20 @@ def as_timestamp(value, where: str) -> pd.Timestamp:
     if ts is pd.NaT or ts.tzinfo is None:
         raise LiveError(f"{where}: {value!r} has no UTC offset: give one, e.g. 2021-08-23T08:00:00-07:00")
     return ts
+
+
+def schedule_limit_kw(start, duration_s: float | None, periods, now: pd.Timestamp) -> float | None:
+    """The limit a charging schedule sets at ``now``, kW: the last of ``periods`` (``(start_period s, limit W)`` pairs,
+    in order) started by then; None before ``start``, from ``start + duration_s`` on (None: no end), or before the
+    first period. The schedule's fields as either OCPP version and spelling carries them, read by the caller."""
+    offset = (pd.Timestamp(now) - pd.Timestamp(start)).total_seconds()
+    if offset < 0 or offset >= (math.inf if duration_s is None else duration_s):
+        return None
+    limit = None
+    for start_period, limit_w in periods:
+        if start_period <= offset:
+            limit = float(limit_w)
+    return None if limit is None else limit / 1000.0
 
 
 def _split_of(site: Site, ts: pd.Timestamp) -> str:

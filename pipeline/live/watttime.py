@@ -130,10 +130,13 @@ class ServiceCredentials:
     password: str = field(repr=False)
 
 
-def service_credentials(path: str | Path | None = None, environ: dict | None = None) -> ServiceCredentials:
+def service_credentials(
+    path: str | Path | None = None, environ: dict | None = None, option: str = "--moer-credentials"
+) -> ServiceCredentials:
     """The service's credentials: from the file ``path`` (lines ``WATTTIME_USERNAME=...`` and
     ``WATTTIME_PASSWORD=...``; blank lines and ``#`` comments skipped), else from the environment variables of those
-    names (``environ``: default ``os.environ``).
+    names (``environ``: default ``os.environ``). ``option``: the command-line option that gives the file, named in
+    the errors.
 
     Raises:
         LiveError: no such file, a line that is not ``KEY=VALUE``, or a user or password missing (the message names
@@ -143,7 +146,7 @@ def service_credentials(path: str | Path | None = None, environ: dict | None = N
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except FileNotFoundError:
-            raise LiveError(f"--moer-credentials: {path}: no such file") from None
+            raise LiveError(f"{option}: {path}: no such file") from None
         values = {}
         for k, line in enumerate(lines, 1):
             line = line.strip()
@@ -151,18 +154,18 @@ def service_credentials(path: str | Path | None = None, environ: dict | None = N
                 continue
             key, eq, value = line.partition("=")
             if not eq or not key.strip():
-                raise LiveError(f"--moer-credentials: {path} line {k}: give KEY=VALUE ({USER_VARIABLE}, "
+                raise LiveError(f"{option}: {path} line {k}: give KEY=VALUE ({USER_VARIABLE}, "
                                 f"{PASSWORD_VARIABLE})")  # fmt: skip
             values[key.strip()] = value.strip()
-        where = f"--moer-credentials: {path}"
+        where = f"{option}: {path}"
     else:
         values = os.environ if environ is None else environ
-        where = "--feed watttime: the environment"
+        where = "the environment"
     missing = [v for v in (USER_VARIABLE, PASSWORD_VARIABLE) if not values.get(v)]
     if missing:
         raise LiveError(
             f"{where} has no {' and no '.join(missing)}: set {USER_VARIABLE} and {PASSWORD_VARIABLE} in the "
-            "environment, or give --moer-credentials FILE with those two KEY=VALUE lines"
+            f"environment, or give {option} FILE with those two KEY=VALUE lines"
         )
     return ServiceCredentials(values[USER_VARIABLE], values[PASSWORD_VARIABLE])
 

@@ -28,8 +28,6 @@ password: ``WATTTIME_USERNAME`` / ``WATTTIME_PASSWORD`` of the environment, or `
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import dataclasses
 import hmac
@@ -53,6 +51,7 @@ from envs.schemas import MOER_5MIN_COLUMNS
 from envs.site import Site
 from pipeline.data.readers import load_carbon
 from pipeline.data.sources import MOER_FORECAST_COLUMNS, SourceError, files_of, load_sources
+from pipeline.live.http_app import basic_credentials
 from pipeline.live.state import FORECAST_COLUMNS, LiveError, as_timestamp
 from pipeline.live.watttime import (
     FORECAST_POINTS,
@@ -214,7 +213,7 @@ class WattTimeStandIn:
         token_life_s: float = 1800.0, host: str = "127.0.0.1", port: int = 0, record: pd.DataFrame | None = None,
     ):  # fmt: skip
         record = service_record(site, files) if record is None else record
-        self.site_name, self.username, self.password, self.region = site.config.name, username, password, region
+        self.username, self.password, self.region = username, password, region
         self.times = pd.DatetimeIndex(record.index).tz_convert("UTC")
         self.moer = record["moer"].to_numpy(np.float64)
         self.fc = record[list(MOER_FORECAST_COLUMNS)].to_numpy(np.float64)
@@ -348,10 +347,7 @@ class WattTimeStandIn:
 
     def login(self, authorization: str | None) -> tuple[int, dict]:
         """``/login``: a token for the right Basic credentials, else 401."""
-        user, password = "", ""
-        if authorization and authorization.startswith("Basic "):
-            with contextlib.suppress(binascii.Error, UnicodeDecodeError):
-                user, _, password = base64.b64decode(authorization[6:], validate=True).decode().partition(":")
+        user, password = basic_credentials(authorization) or ("", "")
         ok = hmac.compare_digest(user.encode(), self.username.encode())
         ok &= hmac.compare_digest(password.encode(), self.password.encode())
         if not ok:
@@ -525,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     args = tyro.cli(Args, args=argv)
 
     def run() -> None:
-        creds = service_credentials(args.credentials)
+        creds = service_credentials(args.credentials, option="--credentials")
         clock = None
         if args.start is not None:
             t0, origin = time.monotonic(), utc(as_timestamp(args.start, "--start"))
