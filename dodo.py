@@ -21,6 +21,7 @@ Settings, as doit variables after the command or as environment variables::
     doit run pipeline dt_h=1                      # EVHUB_DT_H: the study's step in hours (default: the site TOML's,
                                                   # 0.25 for the shipped sites); experiment <site>_60min
     doit run pipeline scheduler=tcp://host:8786   # DASK_SCHEDULER_ADDRESS (default: a LocalCluster)
+    doit run pipeline workers=1                   # EVHUB_WORKERS: the LocalCluster's processes (default: one per core)
     doit run pipeline algo_args="--compile --cudagraphs"   # EVHUB_ALGO_ARGS (extra flags of every agent script)
     doit run pipeline agent_budget=large                   # EVHUB_AGENT_BUDGET: the agents at their gpu presets
     doit run pipeline agent_inputs=context                 # EVHUB_AGENT_INPUTS: context features and the DC prior
@@ -35,7 +36,7 @@ processed data as they are.
     doit run sizing kwp=0,20,40,80 bess_kwh=0,40,80,160   # EVHUB_SIZING_KWP, EVHUB_SIZING_BESS_KWH
     doit run sizing bess_kw_per_kwh=0.5                   # EVHUB_SIZING_BESS_KW_PER_KWH (BESS kW per kWh)
     doit run sizing controllers=rule_based,oracle         # EVHUB_SIZING_CONTROLLERS (uncontrolled always runs)
-    doit run sizing workers=2                             # EVHUB_WORKERS (LocalCluster worker processes)
+    doit run sizing workers=2                             # EVHUB_WORKERS, as for the pipeline
 
 ``doit run value_of_information`` (not part of ``pipeline``) runs the planner of ``mpc_rl_start`` given the true MOER,
 the true arrivals or both, on both splits (``pipeline.study.information``), into
@@ -119,7 +120,7 @@ def _stage(stage: str, cfg=CFG, task: str | None = None):
     def action():
         from pipeline.study.graph import run  # the controllers (torch, HiGHS): imported where a stage runs
 
-        quiet_worker_failures(cfg.scheduler_address)
+        quiet_worker_failures(cfg.scheduler_address, cfg.workers)
         run(cfg, stages={stage})
 
     return timed(task or stage, doit_action(action, also=(ValueError,) if stage == "validate" else ()))
@@ -402,11 +403,11 @@ def task_sizing():
     from doit.tools import config_changed
 
     from pipeline.study.sizing import outputs as sizing_outputs
-    from pipeline.study.sizing import sizing_spec, workers_setting
+    from pipeline.study.sizing import sizing_spec
     from pipeline.study.sizing_page import run_sizing
 
     try:
-        spec, workers = sizing_spec(SITE_TOML), workers_setting()
+        spec = sizing_spec(SITE_TOML)
     except (ValueError, FileNotFoundError) as exc:
         if COMMAND and any(t.split(":")[0] == "sizing" for t in COMMAND.tasks):
             raise InvalidDodoFile(str(exc)) from None
@@ -415,7 +416,9 @@ def task_sizing():
     targets = [str(p) for p in sizing_outputs(CFG.root)]
 
     def action():
-        run_sizing(SITE_TOML, CFG.root / "sizing", spec=spec, workers=workers, scheduler_address=CFG.scheduler_address)
+        run_sizing(
+            SITE_TOML, CFG.root / "sizing", spec=spec, workers=CFG.workers, scheduler_address=CFG.scheduler_address
+        )
 
     return {
         "actions": [doit_action(action)],
@@ -443,8 +446,8 @@ def task_value_of_information():
     from pipeline.study import information
 
     def action():
-        quiet_worker_failures(CFG.scheduler_address)
-        information.run(SITE_TOML, CFG.root, scheduler_address=CFG.scheduler_address)
+        quiet_worker_failures(CFG.scheduler_address, CFG.workers)
+        information.run(SITE_TOML, CFG.root, scheduler_address=CFG.scheduler_address, workers=CFG.workers)
 
     return {
         "actions": [timed("value_of_information", doit_action(action))],
@@ -473,7 +476,7 @@ def task_online():
     def action():
         from pipeline.study import online  # torch: imported where the stage runs
 
-        quiet_worker_failures(CFG.scheduler_address)
+        quiet_worker_failures(CFG.scheduler_address, CFG.workers)
         online.run(cfg)
 
     return {
@@ -544,7 +547,7 @@ def task_bench():
 def _config_changed():
     from doit.tools import config_changed
 
-    return config_changed({k: v for k, v in SETTINGS.items() if k not in ("scheduler_address",)})
+    return config_changed({k: v for k, v in SETTINGS.items() if k not in ("scheduler_address", "workers")})
 
 
 def task_wheelhouse():

@@ -209,6 +209,14 @@ def write_site(site: Site, folder, physics: bool = True):
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 
+def machinery_site(folder, days: int = 7, seed: int = 0):
+    """A ``days``-day synthetic site written to ``folder`` (its TOML's path) whose study is the uncontrolled site, the
+    rule, the oracle and the agents: the MPC family off (``[mpc] enabled = false``) and no 5-minute physics. For the
+    tests of the pipeline's machinery (locks, clusters, kills and resumes); the MPC rows and the physics stages run in
+    the end-to-end test (``test_pipeline.py``)."""
+    return write_site(make_site(days=days, seed=seed, mpc={"enabled": False}), folder, physics=False)
+
+
 def load_algo(name: str):
     """Import ``algos/<name>.py`` as a module (the algos are scripts, not a package)."""
     import importlib.util
@@ -269,7 +277,8 @@ def assert_compile_reproduces_eager(name: str, site_toml, tmp_path, total_timest
 
 def doit(args: list[str], site_toml, out, cwd=None, **env):
     """Run ``python -m doit <args>`` for the site ``site_toml`` with outputs under ``out`` (its doit database
-    beside ``out``), a training budget of 4096 steps and an embedded Dask cluster; returns the CompletedProcess.
+    beside ``out``), a training budget of 4096 steps and an embedded Dask cluster of one worker process (the suite's
+    workers already fill the cores: a second process would only add its start-up); returns the CompletedProcess.
 
     ``args`` is the doit command and its arguments, e.g. ``["run", "pipeline", "algos=ppo"]``; ``env`` adds
     environment variables; ``cwd`` runs it in another copy of the project (its code first on ``PYTHONPATH``, so every
@@ -285,6 +294,7 @@ def doit(args: list[str], site_toml, out, cwd=None, **env):
         "EVHUB_SITE": str(site_toml),
         "EVHUB_OUTPUT_DIR": str(out),
         "EVHUB_TOTAL_TIMESTEPS": "4096",
+        "EVHUB_WORKERS": "1",
         **env,
     }
     environ.pop("DASK_SCHEDULER_ADDRESS", None)
@@ -329,7 +339,7 @@ def tiny_pipeline_env(
     algo_args: str = TINY_PPO_ARGS,
 ) -> dict:
     """Environment of a ``doit run pipeline`` that trains only ``algo`` (seed 1; PPO with :data:`TINY_PPO_ARGS`
-    unless told otherwise)."""
+    unless told otherwise), on ``scheduler``'s cluster or an embedded one of one worker process (as :func:`doit`)."""
     import os
 
     env = {
@@ -340,6 +350,7 @@ def tiny_pipeline_env(
         "EVHUB_SEEDS": "1",
         "EVHUB_TOTAL_TIMESTEPS": str(total_timesteps),
         "EVHUB_ALGO_ARGS": algo_args,
+        "EVHUB_WORKERS": "1",
     }
     env.pop("DASK_SCHEDULER_ADDRESS", None)
     if scheduler:

@@ -235,6 +235,15 @@ def test_algos_from_the_environment_and_a_typo_in_a_doit_variable(monkeypatch):
     monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"seeds": "1,x"})
     with pytest.raises(ValueError, match=r"doit variable seeds='1,x'"):
         from_environment(site="caltech")
+    for bad in ("0", "two"):  # the embedded cluster's size (the pipeline's and the sizing's)
+        monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {"workers": bad})
+        with pytest.raises(ValueError, match=f"doit variable workers='{bad}': workers must be a positive integer"):
+            from_environment(site="caltech")
+    monkeypatch.setattr(doit_cmd, "_CMDLINE_VARS", {})
+    monkeypatch.setenv("EVHUB_WORKERS", "3")
+    assert from_environment(site="caltech").workers == 3
+    monkeypatch.delenv("EVHUB_WORKERS")
+    assert from_environment(site="caltech").workers is None  # one per core (pipeline.study.cluster.local_workers)
 
 
 def test_reversed_split_dates_and_a_split_without_sessions(tmp_path):

@@ -21,11 +21,10 @@ import pytest
 import torch
 from conftest import (
     assert_resumed_once_to_the_end,
-    make_site,
+    machinery_site,
     tiny_pipeline_env,
     training_process,
     wait_for_checkpoint,
-    write_site,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +35,17 @@ def _start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
     )
+
+
+def _scheduler_address(scheduler_file: Path, log: Path, timeout_s: float = 60) -> str:
+    """The address in the scheduler's file, once it is whole: the scheduler writes it in place, so an early read can
+    find it empty or half written."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        with contextlib.suppress(FileNotFoundError, json.JSONDecodeError, KeyError):
+            return json.loads(scheduler_file.read_text())["address"]
+        time.sleep(0.2)
+    raise AssertionError(f"no address in {scheduler_file} after {timeout_s} s:\n{log.read_text()}")
 
 
 @contextlib.contextmanager
@@ -58,11 +68,7 @@ def cluster(tmp_path: Path):
         )
     ]
     try:
-        deadline = time.time() + 60
-        while not scheduler_file.is_file() and time.time() < deadline:
-            time.sleep(0.2)
-        assert scheduler_file.is_file(), (tmp_path / "scheduler.log").read_text()
-        address = json.loads(scheduler_file.read_text())["address"]
+        address = _scheduler_address(scheduler_file, tmp_path / "scheduler.log")
         for i in range(2):
             procs.append(
                 _start(
@@ -100,7 +106,7 @@ def cluster(tmp_path: Path):
 @pytest.mark.slow
 def test_pipeline_on_an_existing_cluster_with_gpu_resources(tmp_path):
     with cluster(tmp_path) as address:
-        site_toml = write_site(make_site(days=7), tmp_path / "site", physics=False)
+        site_toml = machinery_site(tmp_path / "site")
         out = tmp_path / "outputs"
         env = {
             **os.environ,
@@ -150,9 +156,7 @@ def test_a_worker_killed_mid_training_is_rescheduled_and_the_run_resumes(tmp_pat
     total = 4 * 48 * 50  # PPO: 50 iterations of 4 envs x 48 steps, a checkpoint every 2
     with cluster(tmp_path) as address:
         out = tmp_path / "outputs"
-        env = tiny_pipeline_env(
-            write_site(make_site(days=7), tmp_path / "site", physics=False), out, total, scheduler=address
-        )
+        env = tiny_pipeline_env(machinery_site(tmp_path / "site"), out, total, scheduler=address)
         cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]
         doit_log = tmp_path / "doit.log"
         pipeline = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(doit_log, "w"), stderr=subprocess.STDOUT)

@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, make_site, tiny_pipeline_env, write_site
+from conftest import ROOT, machinery_site, tiny_pipeline_env
 
 from pipeline.study.runstate import LOCK_FILE, STATE_FILE, DamagedState, ExperimentBusy, ExperimentLock, check_state
 
@@ -46,10 +46,7 @@ def _wait_for_holder(folder, proc, timeout: float = 120) -> dict:
 @pytest.mark.slow
 def test_two_experiments_run_side_by_side_and_a_second_run_of_one_is_refused(tmp_path):
     out = tmp_path / "outputs"
-    sites = {
-        n: write_site(make_site(days=7, seed=seed), tmp_path / f"site_{n}", physics=False)
-        for n, seed in (("a", 0), ("b", 1))
-    }
+    sites = {n: machinery_site(tmp_path / f"site_{n}", seed=seed) for n, seed in (("a", 0), ("b", 1))}
     logs = {name: (tmp_path / f"{name}.log").open("w") for name in sites}
     runs = {
         name: subprocess.Popen(
@@ -117,7 +114,7 @@ def test_two_experiments_run_side_by_side_and_a_second_run_of_one_is_refused(tmp
 @pytest.mark.slow
 def test_a_sigkilled_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "outputs"
-    env = _env(write_site(make_site(days=7), tmp_path / "site", physics=False), out, "k")
+    env = _env(machinery_site(tmp_path / "site"), out, "k")
     first = subprocess.Popen(
         [*DOIT, "run", "pipeline"],
         cwd=ROOT,
@@ -161,7 +158,7 @@ def _truncated(path) -> None:
 @pytest.mark.parametrize("damage", [_garbage, _bad_record, _truncated], ids=["garbage", "bad-record", "truncated"])
 def test_a_damaged_state_database_stops_doit_with_the_way_out(tmp_path, damage):
     out = tmp_path / "outputs"
-    env = _env(write_site(make_site(days=7), tmp_path / "site", physics=False), out, "d")
+    env = _env(machinery_site(tmp_path / "site"), out, "d")
     state = out / "d" / STATE_FILE
     state.parent.mkdir(parents=True)
     damage(state)

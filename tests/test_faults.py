@@ -25,12 +25,11 @@ import torch
 from conftest import (
     ROOT,
     assert_resumed_once_to_the_end,
-    make_site,
+    machinery_site,
     run_algo,
     tiny_pipeline_env,
     training_process,
     wait_for_checkpoint,
-    write_site,
 )
 
 from envs.files import atomic_write, write_parquet
@@ -239,7 +238,7 @@ def test_a_pipeline_killed_mid_training_resumes_to_the_rows_of_an_uninterrupted_
     then the same command again: every row of the report equals an uninterrupted pipeline's."""
     total = 8 * 750  # DQN: 750 iterations of 8 env steps, a checkpoint every 16
     dqn_args = " ".join(CASES["dqn"].args) + " --no-cuda"
-    site = write_site(make_site(days=7), tmp_path / "site", physics=False)
+    site = machinery_site(tmp_path / "site")
     out, whole = tmp_path / "outputs", tmp_path / "uninterrupted"
     env = tiny_pipeline_env(site, out, total, algo="dqn", algo_args=dqn_args)
     cmd = [sys.executable, "-m", "doit", "run", "--db-file", str(tmp_path / "doit.db"), "pipeline"]

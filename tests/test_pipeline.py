@@ -25,13 +25,15 @@ def _copy_project(dst):
 @pytest.mark.slow
 def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_after_an_env_edit(tmp_path):
     """The whole study through doit and Dask on a small synthetic site: enough train days for the learned planners
-    (15), the ``tiny`` tuning budget, an on- and an off-policy agent. The report has every row on both splits, none
-    below the oracle, the learned planners serve every car and stand beside their starts; a second run finds every
-    task up to date and tunes and trains nothing; a changed site config makes what depends on it stale (and the same
-    text again, up to date); an edit of a file of ``envs/`` makes the cached tuning stale, so ``tune`` runs CMA-ES
-    again."""
+    (15) and a short test split (4 days), the ``tiny`` tuning budget, an on- and an off-policy agent. The report has
+    every row on both splits, none below the oracle, the learned planners serve every car and stand beside their
+    starts; a second run finds every task up to date and tunes and trains nothing; a changed site config makes what
+    depends on it stale (and the same text again, up to date); an edit of a file of ``envs/`` makes the cached tuning
+    stale, so ``tune`` runs CMA-ES again."""
     project = _copy_project(tmp_path / "project")  # a copy whose envs/ the test may edit
-    site_toml = write_site(make_site(days=15, n_sockets=4, mpc={"horizon_h": 6}), tmp_path / "site")
+    # 15 train days (what the learned planners need), a test split of 4 of the 15 days after them
+    test_days = {"test": ["2019-05-16", "2019-05-19"]}
+    site_toml = write_site(make_site(days=15, n_sockets=4, mpc={"horizon_h": 6}, splits=test_days), tmp_path / "site")
     out = tmp_path / "outputs"
     env = {"EVHUB_ALGOS": "ppo,dqn", "EVHUB_TOTAL_TIMESTEPS": "1024", "EVHUB_TUNE_BUDGET": "tiny"}
     first = doit(["run", "pipeline"], site_toml, out, cwd=project, **env)

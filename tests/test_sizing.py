@@ -26,7 +26,6 @@ from pipeline.study.sizing import (
     parse_sizing,
     report_summary,
     sizing_spec,
-    workers_setting,
 )
 
 COSTS = {
@@ -246,8 +245,6 @@ def test_bad_variables_name_the_variable_and_a_bad_table_stops_doit_run_sizing(t
     given = {"bess_kwh": ("-40", "environment variable EVHUB_SIZING_BESS_KWH='-40'")}
     with pytest.raises(ConfigError, match=r"EVHUB_SIZING_BESS_KWH='-40' must be >= 0 kWh"):
         sizing_spec(toml, given.get)
-    with pytest.raises(ValueError, match="doit variable workers='0'"):
-        workers_setting({"workers": ("0", "doit variable workers='0'")}.get)
     spec = sizing_spec(toml, {"kwp": ("10,20", "doit variable kwp='10,20'")}.get)
     assert spec.kwp == (0.0, 10.0, 20.0) and spec.notes  # the reference point (0, 0) is always in the grid
 

@@ -88,6 +88,9 @@ class PipelineConfig:
         seeds: training seeds; each agent trains once per seed.
         total_timesteps: override of each script's default training budget (None: script default).
         scheduler_address: address of an existing Dask scheduler; None starts a LocalCluster.
+        workers: worker processes of that LocalCluster (None: one per core,
+            :func:`pipeline.study.cluster.local_workers`); ignored with a scheduler address; doit variable ``workers`` /
+            ``EVHUB_WORKERS``. Not part of what a task's results depend on: changing it makes nothing stale.
         tune_budget: budget of the learned planners' tuning and ``mpc_rl``'s training on the train split
             (:data:`pipeline.control.tuning.BUDGETS`): ``small`` inside ``doit run pipeline``, ``full`` for ``doit run
             tune``, ``tiny`` for tests; doit variable ``tune_budget`` / ``EVHUB_TUNE_BUDGET``. A result cached with a
@@ -110,6 +113,7 @@ class PipelineConfig:
     seeds: tuple[int, ...] = (1,)
     total_timesteps: int | None = None
     scheduler_address: str | None = None
+    workers: int | None = None
     extra_algo_args: tuple[str, ...] = field(default=())
     tune_budget: str = "small"
     agent_budget: str = "preset"
@@ -223,7 +227,7 @@ VARIABLES = {
     "dest": "EVHUB_WHEEL_DEST",
 }
 """Every doit variable of ``dodo.py`` and the environment variable standing in for it (``part`` belongs
-to ``doit bench``; ``kwp``, ``bess_kwh``, ``bess_kw_per_kwh``, ``controllers`` and ``workers`` to ``doit run
+to ``doit bench``; ``kwp``, ``bess_kwh``, ``bess_kw_per_kwh`` and ``controllers`` to ``doit run
 sizing``, see :mod:`pipeline.study.sizing`; ``gpu_slots`` to the embedded cluster of a CUDA machine,
 :func:`pipeline.study.cluster.gpu_slots`; ``python``, ``platform``, ``exclude`` and ``dest`` to ``doit wheelhouse``,
 :mod:`pipeline.wheelhouse`; the others to the study)."""
@@ -309,6 +313,13 @@ def from_environment(**overrides) -> PipelineConfig:
         kw["extra_algo_args"] = tuple(shlex.split(v))
     if (v := var("scheduler")) is not None:
         kw["scheduler_address"] = v or None
+    if (v := var("workers")) is not None and v.strip():
+        try:
+            kw["workers"] = int(v)
+        except ValueError:
+            kw["workers"] = 0
+        if kw["workers"] < 1:
+            raise ValueError(f"{origin['workers']}: workers must be a positive integer (Dask worker processes)")
     if (v := var("tune_budget")) is not None:
         kw["tune_budget"] = v
     if (v := var("agent_budget")) is not None:

@@ -56,12 +56,13 @@ def _install_worker_filter() -> None:
         log.addFilter(_NoComputeFailed())
 
 
-def quiet_worker_failures(scheduler_address: str | None) -> None:
-    """On the embedded ``LocalCluster`` (``scheduler_address`` None; :func:`pipeline.study.cluster.get_client`),
-    stop its workers logging a failed task to this terminal: the client re-raises the error, which is then
-    reported once. Workers of a scheduler the user runs are left as they are (their logs are their own)."""
+def quiet_worker_failures(scheduler_address: str | None, workers: int | None = None) -> None:
+    """On the embedded ``LocalCluster`` of ``workers`` processes (``scheduler_address`` None;
+    :func:`pipeline.study.cluster.get_client`, the cluster the stage then runs on), stop its workers logging a failed
+    task to this terminal: the client re-raises the error, which is then reported once. Workers of a scheduler the
+    user runs are left as they are (their logs are their own)."""
     if scheduler_address:
         return
     from pipeline.study.cluster import get_client
 
-    get_client(None).run(_install_worker_filter)
+    get_client(None, workers).run(_install_worker_filter)

@@ -8,9 +8,9 @@ outputs of the stages left out are taken from disk (this is how ``dodo.py`` runs
 decides what is out of date and Dask fans out the work inside a stage).
 
 The cluster is :func:`pipeline.study.cluster.get_client`'s: ``cfg.scheduler_address`` (or
-``DASK_SCHEDULER_ADDRESS``) if given, else an embedded ``LocalCluster``; where training tasks run is
-:func:`pipeline.study.cluster.training_placement`'s (a GPU each on a cluster with GPU workers, side by side on a
-CPU-only machine); every task's Dask priority is :data:`pipeline.study.cluster.PRIORITY`'s. The simulated
+``DASK_SCHEDULER_ADDRESS``) if given, else an embedded ``LocalCluster`` of ``cfg.workers`` processes; where training
+tasks run is :func:`pipeline.study.cluster.training_placement`'s (a GPU each on a cluster with GPU workers, side by
+side on a CPU-only machine); every task's Dask priority is :data:`pipeline.study.cluster.PRIORITY`'s. The simulated
 controllers are the registry's (:mod:`pipeline.control.registry`), their files named by
 :mod:`pipeline.study.results`.
 
@@ -54,7 +54,7 @@ def run(cfg: PipelineConfig, stages=STAGES, client=None) -> dict[str, object]:
     unknown = stages - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stage(s) {sorted(unknown)}: stages are {STAGES}")
-    g = _Graph(cfg, stages, client or get_client(cfg.scheduler_address))
+    g = _Graph(cfg, stages, client or get_client(cfg.scheduler_address, cfg.workers))
     validated = g.validate()
     baseline_files = g.baselines(validated)
     g.tune()

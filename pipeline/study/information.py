@@ -334,6 +334,7 @@ def run(
     scheduler_address: str | None = None,
     client=None,
     log: Callable[[str], None] = print,
+    workers: int | None = None,
 ) -> list[Path]:
     """Make the value-of-information table of a site on both splits: one Dask task per run of :func:`controllers` x
     split (:func:`run_row`, into ``<root>/information/``) that :func:`reusable` finds no current row of in
@@ -346,6 +347,7 @@ def run(
         scheduler_address: an existing Dask scheduler; None: :func:`pipeline.study.cluster.get_client`'s LocalCluster.
         client: a Dask client to use instead.
         log: where progress lines go.
+        workers: the LocalCluster's worker processes (None: one per core).
 
     Returns:
         :func:`outputs`.
@@ -374,7 +376,7 @@ def run(
     reused = ", ".join(f"{c} {s}" for c, s in kpi_files) or "none"
     log(f"value of information {cfg.name}: {len(todo)} runs as Dask tasks; rows read from the study: {reused}")
     if todo:
-        client = client or get_client(scheduler_address)
+        client = client or get_client(scheduler_address, workers)
         futures = {
             client.submit(
                 run_row, str(path), c, s, str(root / "information"), priority=PRIORITY["simulate"], retries=1,

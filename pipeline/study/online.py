@@ -243,7 +243,7 @@ def run(cfg, client=None, log=print) -> list[Path]:
                 task = "tune:mpc_rl" if algo == "mpc_rl" else f"train:{algo}"
                 raise FileNotFoundError(f"{run_dir}: no checkpoint.pt; train {algo} first (doit run {task})")
             jobs += [(algo, seed, str(run_dir), split) for split in SPLITS]
-    client = client or get_client(cfg.scheduler_address)
+    client = client or get_client(cfg.scheduler_address, cfg.workers)
     futures = {
         client.submit(evaluate_online, a, s, r, str(cfg.site_toml), split, str(out), str(out / "runs"),
                       priority=PRIORITY["simulate"], pure=False): (a, s, split)

@@ -34,8 +34,8 @@ The grid and the costs come from the site TOML's ``[sizing]`` table (:func:`pars
 :data:`SIZING_KEYS`); the doit variables ``kwp=0,20,40,80``, ``bess_kwh=0,40,80,160``, ``bess_kw_per_kwh=0.5``
 and ``controllers=rule_based,oracle`` (environment variables ``EVHUB_SIZING_KWP``, ``EVHUB_SIZING_BESS_KWH``,
 ``EVHUB_SIZING_BESS_KW_PER_KWH``, ``EVHUB_SIZING_CONTROLLERS``) override its grid, and ``workers=N``
-(``EVHUB_WORKERS``) sizes the LocalCluster. The point ``(0, 0)`` is the reference: a 0 is added to an axis that
-lacks one.
+(``EVHUB_WORKERS``, :class:`pipeline.study.config.PipelineConfig`'s) sizes the LocalCluster. The point ``(0, 0)`` is
+the reference: a 0 is added to an axis that lacks one.
 
 Outputs, in ``<output_dir>/<experiment>/sizing/`` (:func:`outputs`): ``sizing.parquet`` (one row per point x
 controller x split, columns :data:`COLUMNS`), and the study's page (:mod:`pipeline.study.sizing_page`):
@@ -303,26 +303,6 @@ def sizing_spec(site: str | Path, variables: Callable[[str], tuple[str, str] | N
             text, origin = given
             overrides[name] = (_parse_variable(name, text, origin), origin)
     return parse_sizing(cfg.sizing, shown_path(path), overrides)
-
-
-def workers_setting(variables: Callable[[str], tuple[str, str] | None] | None = None) -> int | None:
-    """The ``workers`` doit variable (``EVHUB_WORKERS``): the LocalCluster's number of worker processes, or None.
-
-    Raises:
-        ValueError: not a positive integer (names the variable and the value).
-    """
-
-    given = (variables or variable)("workers")
-    if given is None or not given[0].strip():
-        return None
-    text, origin = given
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"{origin}: workers must be a positive integer (Dask worker processes)") from None
-    if n < 1:
-        raise ValueError(f"{origin}: workers must be a positive integer (Dask worker processes)")
-    return n
 
 
 # ------------------------------------------------------------------------------------------------ one point
