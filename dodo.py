@@ -68,7 +68,7 @@ from doit.exceptions import InvalidDodoFile
 from pipeline import depends
 from pipeline.study.config import PROJECT_ROOT, from_environment
 from pipeline.study.failures import ExpectedError, doit_action, one_message, quiet_worker_failures
-from pipeline.study.runstate import current_doit_command, doit_config, stage_table, timed
+from pipeline.study.runstate import STARTED_AT, current_doit_command, doit_config, stage_table, timed
 
 # a bad doit variable (from_environment raises ValueError naming it) or site config stops doit here, with one line,
 # before the study's graph and its controllers (torch, HiGHS, matplotlib) are imported: in about 1 s instead of 5
@@ -375,10 +375,15 @@ def _shown_results_changed():
 def task_pipeline():
     """The whole study (the default task): ingest, validate, baselines, tune, planners, train, evaluate, report.
 
-    Ends with the report's path and the wall time of each task this command ran (the stage clock)."""
+    Ends with the report's path, the wall time of each task this command ran (the stage clock) and the work of its
+    Dask tasks by kind (:func:`pipeline.study.cluster.work_table`)."""
 
     def action():
+        from pipeline.study.cluster import work_table
+
         print(f"report: {Path(_targets('report')[0])}\nwall time of this command's tasks:\n{stage_table()}")
+        if work := work_table(STARTED_AT):
+            print(f"work of this command's Dask tasks (compute time on the workers, by kind):\n{work}")
 
     return {
         "actions": [action],

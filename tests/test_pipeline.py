@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 from conftest import ROOT, doit, make_site, write_site
 
+WORK_HEADER = "work of this command's Dask tasks (compute time on the workers, by kind):\n"
+
 
 def _copy_project(dst):
     """The code and shipped sites of the project (what ``doit`` runs) copied to ``dst``; returns ``dst``."""
@@ -48,11 +50,20 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
     assert "ppo" in text and "oracle" in text and f"synthetic ({site_toml})" in text
     assert any(report.glob("*.png"))
     assert any((out / "synthetic" / "runs" / "ppo_seed1").glob("events.out.tfevents.*"))
-    clock = first.stdout.split("wall time of this command's tasks:\n")[1].splitlines()  # the run ends with its table
+    # the run ends with its tasks' wall times, then its Dask tasks' work by kind
+    clock, work = first.stdout.split("wall time of this command's tasks:\n")[1].split(WORK_HEADER)
+    clock, work = clock.splitlines(), work.strip().splitlines()
     tasks = {row.split()[0] for row in clock[1:]}
     assert tasks >= {"validate", "baselines", "train:ppo", "train:dqn", "evaluate:ppo", "evaluate:dqn", "report"}
     assert tasks >= {"physics_baselines", "physics_planners", "physics_agents:ppo", "physics_agents:dqn"}
     assert clock[-1].split()[:2] == ["whole", "command"], clock
+    kinds = {row.split()[0]: (int(row.split()[1]), float(row.split()[2])) for row in work[1:]}
+    # 2 agents x 2 splits x (site step, 5-minute physics); the simulated controllers x 2 splits; the three inputs
+    assert kinds["evaluate_agent"][0] == 8 and kinds["validate"][0] == 3, work
+    simulated = list((out / "synthetic" / "baselines").glob("*_test.parquet"))  # (a baseline the planners stage
+    assert kinds["simulate"][0] >= 2 * len(simulated) > 0, work  # asked for again before its file was there reruns)
+    assert {"train", "run_controller", "run_window", "_report"} <= set(kinds), work
+    assert kinds.pop("all")[0] == sum(n for n, _ in kinds.values()) and kinds["train"][1] > 0, work
     # every row scored again on the 5-minute site, none below that site's oracle
     physics = pd.read_parquet(report / "co2_physics_5min.parquet")
     assert sorted(zip(physics.controller, physics.split)) == sorted(zip(table.controller, table.split))
@@ -83,6 +94,7 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
         assert f"-- {task}" in second.stdout, second.stdout
     assert "-- report" in second.stdout, second.stdout
     assert "tune: seeds" not in second.stdout and "days of PPO" not in second.stdout
+    assert WORK_HEADER not in second.stdout  # no Dask task ran
 
     # a tuning that kept its start: mpc_tuned is mpc_tuned_start's run, read from the baselines' files (written for
     # the same site, data and code), not simulated again

@@ -65,8 +65,46 @@ def _get_client(scheduler_address: str | None, n_workers: int | None):
         cluster = local_cluster(n_workers or local_workers(), gpu_slots=gpu_slots() if local_cuda() else 0)
         client = Client(cluster)
         atexit.register(lambda: (client.close(), cluster.close()))
+    client.get_task_stream(count=0)  # the scheduler keeps its task stream from now on (for work_table)
     _CLIENTS[key] = client
     return client
+
+
+def task_kind(key) -> str:
+    """A Dask task's kind: its key's first word, the name of the function it runs (``run_controller``,
+    ``run_window``, ``evaluate_agent``, ...) or the word the study's own keys start with (``simulate``, ``train``,
+    ``validate``; :mod:`pipeline.study.graph`)."""
+    name = key[0] if isinstance(key, tuple) else key
+    return str(name).split("-", 1)[0]
+
+
+def work_table(since: float) -> str:
+    """The compute time of the Dask tasks that ended after ``since`` on the clusters of this process's clients
+    (:func:`get_client`'s), by kind (:func:`task_kind`): tasks, core-minutes (each task's compute time on its
+    worker's thread, from the scheduler's task stream, ``distributed.diagnostics.task_stream``) and share, most
+    first, then all of them; "" when none ran.
+
+    Args:
+        since: seconds since the epoch (the workers' clock), e.g. a command's start.
+    """
+    work: dict[str, list] = {}
+    with _LOCK:
+        clients = list(_CLIENTS.values())
+    for client in clients:
+        for record in client.get_task_stream(start=since):
+            seconds = sum(s["stop"] - s["start"] for s in record["startstops"] if s["action"] == "compute")
+            entry = work.setdefault(task_kind(record["key"]), [0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+    if not work:
+        return ""
+    total = sum(s for _, s in work.values())
+    width = max(len(k) for k in [*work, "all"])
+    lines = [f"{'kind':<{width}}  tasks  core-min  share"]
+    for kind, (n, s) in sorted(work.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{kind:<{width}}  {n:5d}  {s / 60:8.1f}  {s / max(total, 1e-9):5.0%}")
+    lines.append(f"{'all':<{width}}  {sum(n for n, _ in work.values()):5d}  {total / 60:8.1f}  {1:5.0%}")
+    return "\n".join(lines)
 
 
 def local_cluster(n_workers: int, gpu_slots: int = 0):

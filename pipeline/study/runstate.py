@@ -333,6 +333,9 @@ def _damaged_message(path: Path, detail: str, files: str = "") -> str:
 # ---------------------------------------------------------------------------------------------------- stage clock
 
 _STARTED = time.monotonic()  # this module is imported while doit loads dodo.py: the command's start
+STARTED_AT = time.time()
+"""The command's start (when doit loaded ``dodo.py``), seconds since the epoch: where the Dask work it reports
+begins (:func:`pipeline.study.cluster.work_table`)."""
 _CLOCK: list[tuple[str, float, float]] = []  # (task, start s, end s) after _STARTED, as the tasks end
 _CLOCK_LOCK = threading.Lock()
 
