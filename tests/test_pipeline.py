@@ -60,8 +60,10 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
     kinds = {row.split()[0]: (int(row.split()[1]), float(row.split()[2])) for row in work[1:]}
     # 2 agents x 2 splits x (site step, 5-minute physics); the simulated controllers x 2 splits; the three inputs
     assert kinds["evaluate_agent"][0] == 8 and kinds["validate"][0] == 3, work
-    simulated = list((out / "synthetic" / "baselines").glob("*_test.parquet"))  # (a baseline the planners stage
-    assert kinds["simulate"][0] >= 2 * len(simulated) > 0, work  # asked for again before its file was there reruns)
+    # each simulated controller on both splits (>=: a baseline the planners stage asks for before its file is written
+    # runs again)
+    simulated = list((out / "synthetic" / "baselines").glob("*_test.parquet"))
+    assert kinds["simulate"][0] >= 2 * len(simulated) > 0, work
     assert {"train", "run_controller", "run_window", "_report"} <= set(kinds), work
     assert kinds.pop("all")[0] == sum(n for n, _ in kinds.values()) and kinds["train"][1] > 0, work
     # every row scored again on the 5-minute site, none below that site's oracle

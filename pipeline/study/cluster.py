@@ -103,7 +103,7 @@ def work_table(since: float) -> str:
     lines = [f"{'kind':<{width}}  tasks  core-min  share"]
     for kind, (n, s) in sorted(work.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"{kind:<{width}}  {n:5d}  {s / 60:8.1f}  {s / max(total, 1e-9):5.0%}")
-    lines.append(f"{'all':<{width}}  {sum(n for n, _ in work.values()):5d}  {total / 60:8.1f}  {1:5.0%}")
+    lines.append(f"{'all':<{width}}  {sum(n for n, _ in work.values()):5d}  {total / 60:8.1f}  {'100%':>5}")
     return "\n".join(lines)
 
 
