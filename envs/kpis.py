@@ -114,7 +114,7 @@ def rollout_traces(
     T = env.data.num_steps
     rows: list[torch.Tensor] = []
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.inference_mode():  # no autograd bookkeeping: 5-20% off a CPU run of one env
         for _ in range(T):
             action = policy(obs, env)
             obs, _, _, _, info = env.step(action)

@@ -134,7 +134,7 @@ def run_controller(
     mpc = make(data)
     obs, _ = env.reset(seed=0, options={"start_steps": [start]})
     co2 = unserved = 0.0
-    with torch.no_grad():
+    with torch.inference_mode():  # as envs.kpis.rollout_traces
         for _ in range(steps):
             obs, _, _, _, info = env.step(mpc(obs, env))
             co2 += float(info["co2_kg"][0])
