@@ -58,7 +58,7 @@ def test_pipeline_end_to_end_then_up_to_date_then_a_config_change_then_retuned_a
     assert tasks >= {"physics_baselines", "physics_planners", "physics_agents:ppo", "physics_agents:dqn"}
     assert clock[-1].split()[:2] == ["whole", "command"], clock
     kinds = {row.split()[0]: (int(row.split()[1]), float(row.split()[2])) for row in work[1:]}
-    # 2 agents x 2 splits x (site step, 5-minute physics); the simulated controllers x 2 splits; the three inputs
+    # 2 agents x 2 splits x (site step, 5-minute physics); the three inputs
     assert kinds["evaluate_agent"][0] == 8 and kinds["validate"][0] == 3, work
     # each simulated controller on both splits (>=: a baseline the planners stage asks for before its file is written
     # runs again)
