@@ -151,6 +151,34 @@ def test_the_scenarios_lp_is_their_window_lps_stacked():
         assert lp.K == 5 and lp.off.defer is not None and lp.nonanticipativity_rows == 0
 
 
+def test_plans_within_the_hour_are_mpcs_deterministic_plans_and_hour_plans_stay_two_stage():
+    """At 15-minute steps a plan made within the hour (on an arrival) is ``mpc``'s deterministic plan of the same
+    planner parameters from the same state, bit for bit (both HiGHS cold on their first solve); a plan at the hour's
+    start is the two-stage one, as every plan is with ``deterministic_within_hour=False``."""
+    site = make_site(days=10, n_sockets=4, dt_h=0.25)
+    data = site.split("train")
+    params = scenario.base_params(data.config)
+    need = np.array([6.0, 0.0, 2.0, 9.0])
+    left = np.array([16, 0, 8, 30], dtype=np.int64)
+    hour = 8 * 96 + 4 * 7
+    within = hour + 2
+
+    def made(t, **kw):
+        m = ScenarioMPC(data, params, n_scenarios=4, presolve=False, **kw)
+        return m.plan(t, 10.0, need, left), m.lp_shape
+
+    det = MPCController(data, params, presolve=False).plan(within, 10.0, need, left)
+    p, one_block = made(within)
+    for name in ("action", "bess_kw_steps", "ev_kw_steps"):
+        np.testing.assert_array_equal(getattr(p, name), getattr(det, name), err_msg=name)
+    assert p.co2_planned_kg == det.co2_planned_kg
+    assert made(within, deterministic_within_hour=False)[1] != one_block  # the two-stage LP of four scenarios
+    (h, shape), (h2, shape2) = made(hour), made(hour, deterministic_within_hour=False)
+    assert shape == shape2 and shape[0] > 2 * one_block[0]  # four blocks and the rows that tie their step 0
+    for name in ("action", "bess_kw_steps", "ev_kw_steps"):
+        np.testing.assert_array_equal(getattr(h, name), getattr(h2, name), err_msg=name)
+
+
 def test_the_first_step_is_shared_and_the_rest_is_each_scenarios_own():
     """In the stacked LP's optimum every scenario's step 0 (battery, grid, curtailment, each plugged EV) is the same,
     while later steps differ; without the non-anticipativity rows the scenarios' step 0 would differ."""

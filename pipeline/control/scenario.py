@@ -1,11 +1,13 @@
 """Scenario MPC (``mpc_scenario``): a two-stage stochastic plan over futures drawn from the site's realised past.
 
-At each plan (each clock hour and each arrival, as ``mpc`` plans), :class:`ScenarioMPC` solves one linear program
-over ``K`` futures of the next ``horizon_h`` hours, future ``k`` with probability ``p_k``: a first step shared by all
-of them (the one carried out: the battery's charge and discharge, each plugged EV's power, the grid and curtailment
-of step 0) and each scenario's own recourse after it (EV charging of its own arrivals, battery, grid). It hedges
-against cars that may not come without ``mpc``'s hand-set expected-demand weight, whose right value moves with the
-regime.
+At each clock hour :class:`ScenarioMPC` solves one linear program over ``K`` futures of the next ``horizon_h``
+hours, future ``k`` with probability ``p_k``: a first step shared by all of them (the one carried out: the battery's
+charge and discharge, each plugged EV's power, the grid and curtailment of step 0) and each scenario's own recourse
+after it (EV charging of its own arrivals, battery, grid). It hedges against cars that may not come without
+``mpc``'s hand-set expected-demand weight, whose right value moves with the regime. Between clock hours (at
+sub-hourly steps) it plans again on each arrival, as ``mpc`` does, by ``mpc``'s deterministic window LP of its own
+planner parameters (the expected demand at their weight, one MOER outlook) until the next hour's two-stage plan
+(``deterministic_within_hour``; :data:`DETERMINISTIC_WITHIN_HOUR`).
 
 What the controller knows at step ``t``:
 
@@ -44,8 +46,10 @@ Parameters:
     moer_scenarios (bool), moer_revisions (float, dimensionless): the MOER scenarios above (:data:`MOER_SCENARIOS`,
         :data:`MOER_REVISIONS`: off).
     scenario_source (str): ``"past_days"`` or ``"session_model"`` (:data:`SCENARIO_SOURCE`, :data:`SESSION_MODEL`).
+    deterministic_within_hour (bool): the plans within the hour by the deterministic LP
+        (:data:`DETERMINISTIC_WITHIN_HOUR`).
     params (:class:`~pipeline.control.mpc.PlannerParams`): the planner's (:func:`base_params`); its expected-demand
-        weight and days have no role.
+        weight and days count only in the plans within the hour.
 
 Returns:
     Each plan, a :class:`~pipeline.control.mpc.Plan`: step 0 (shared) and, over the window, the probability-weighted
@@ -70,6 +74,7 @@ from envs.config import SiteConfig
 from envs.site import Site, SplitData, load_site
 from pipeline.control import tuning
 from pipeline.control.backtest import WindowResult, run_controller
+from pipeline.control.highs import LPSolver
 from pipeline.control.mpc import EVBounds, MPCController, Plan, PlannerParams, WindowLP, WindowSessions
 from pipeline.control.oracle import LP
 from pipeline.control.sessions import SessionModel
@@ -96,12 +101,16 @@ SCENARIO_SOURCE = "past_days"
 the train split (``docs/agents.md``)."""
 SESSION_MODEL = {"half_life_days": 112.0, "band_h": 3.0, "dispersion": True}
 """The session model's settings, chosen by its log-likelihood on held-out train-split weeks (``docs/agents.md``)."""
+DETERMINISTIC_WITHIN_HOUR = True
+"""Whether the plans made within an hour (on an arrival, at sub-hourly steps) solve ``mpc``'s deterministic window LP
+instead of the two-stage one, chosen on the train split at 15-minute steps (the same CO2 for 29% less time:
+``docs/lab/scenario-mpc.md``)."""
 
 
 TUNED_SPACE = tuple(p for p in tuning.SPACE if p.name in ("terminal_value", "moer_contrast", "moer_bias"))
 """The planner's parameters :func:`tune` searches for ``mpc_scenario`` (the ranges of
 :data:`pipeline.control.tuning.SPACE`): the ones it reads and no grid chose (``K``, the horizon and the day type were
-chosen on the train split by grids; the demand weight and days have no role)."""
+chosen on the train split by grids; the demand weight and days count only in its plans within the hour)."""
 NEAR_SPACE = (tuning.Param("moer_near_contrast_1_2h", 0.5, 2.0), tuning.Param("moer_near_contrast_3_5h", 0.5, 2.0))
 """The MOER outlook's contrast at leads 1-2 h and 3-5 h (:class:`~pipeline.control.mpc.PlannerParams`), chosen by the
 plan's CO2 (``tune(space=NEAR_SPACE)``): from half to twice the forecast's own deviation from the current hour, 1 (the
@@ -112,7 +121,7 @@ forecast as it is) the start and the centre on a log scale. Tuned on caltech and
 def base_params(site_config: SiteConfig) -> PlannerParams:
     """The planner ``mpc_scenario`` stands on: ``mpc``'s ``[mpc]`` values on the learned MOER forecast
     (:meth:`~pipeline.control.mpc.PlannerParams.learned_start`), past days drawn by day type, terminal value 1 (as
-    ``mpc_rl_start``'s planner; the demand weight is not used)."""
+    ``mpc_rl_start``'s planner; the demand weight counts only in the plans within the hour)."""
     return replace(PlannerParams.learned_start(site_config), demand_day_type=True, terminal_value=1.0)
 
 
@@ -138,6 +147,9 @@ class ScenarioMPC(MPCController):
         shared_bess_steps: the window's first steps whose battery charge and discharge every scenario shares (1: the
             first step alone, the two-stage plan; more: the battery's next hours are one schedule for every scenario,
             while the EVs, grid and curtailment after step 0 remain each scenario's own).
+        deterministic_within_hour: plan at steps within the hour (on arrivals, at sub-hourly steps) by ``mpc``'s
+            deterministic window LP, on a HiGHS of its own warm-started from the last such plan
+            (:data:`DETERMINISTIC_WITHIN_HOUR`); False: by the two-stage LP, as at each hour's start.
 
     Attributes:
         lp_shape: ``(rows, columns, nonzeros)`` of the last LP solved.
@@ -159,6 +171,7 @@ class ScenarioMPC(MPCController):
     seed: int = 1
     warm_start: bool = True
     shared_bess_steps: int = SHARED_BESS_STEPS
+    deterministic_within_hour: bool = DETERMINISTIC_WITHIN_HOUR
 
     def __post_init__(self):
         perfect = self.perfect or self.perfect_moer or self.perfect_arrivals
@@ -191,6 +204,8 @@ class ScenarioMPC(MPCController):
         self.lp_total = np.zeros(3, np.int64)
         self.prob = self.probabilities()
         self._group_of_socket = self.data.config.ev.group_of_socket()  # (N,)
+        self._within_hour = False  # whether the plan being made is one within the hour by the deterministic LP
+        self._within_hour_solver = LPSolver(self.presolve)
 
     # ---------------------------------------------------------------- what is known at step t
     def probabilities(self, t: int | None = None, days: np.ndarray | None = None) -> np.ndarray:
@@ -291,6 +306,20 @@ class ScenarioMPC(MPCController):
         return out
 
     # ---------------------------------------------------------------- one solve: the steps of MPCController.plan
+    def plan(self, t: int, energy_kwh: float, ev_need_kwh: np.ndarray, ev_steps_left: np.ndarray) -> Plan:
+        """:meth:`~pipeline.control.mpc.MPCController.plan` by the two-stage LP at an hour's start; at a step within
+        the hour with ``deterministic_within_hour``, by the deterministic window LP on its own HiGHS (the steps below
+        take their one-future branch)."""
+        self._within_hour = self.deterministic_within_hour and t % self.hour_steps != 0
+        hour_solver = self.solver
+        if self._within_hour:
+            self.solver = self._within_hour_solver
+        try:
+            return super().plan(t, energy_kwh, ev_need_kwh, ev_steps_left)
+        finally:
+            self.solver = hour_solver
+            self._within_hour = False
+
     def window_futures(
         self, t: int, H: int, moer: np.ndarray, need_all: np.ndarray, left_all: np.ndarray
     ) -> tuple[np.ndarray, WindowSessions]:
@@ -299,31 +328,37 @@ class ScenarioMPC(MPCController):
         from each socket's remaining energy and steps, ``(N,)`` each), as ``(moers, sessions)``: ``(K, H)`` kg/kWh and
         the scenarios' sessions one after another, scenario ``k``'s in block ``k``. Sets :attr:`prob`
         (:meth:`probabilities` at ``t``). With ``moer_scenarios`` or ``moer_revisions`` the outlook is kept for later
-        hours' scenarios."""
-        self.prob = self.probabilities(t)
+        hours' scenarios. Within the hour (:meth:`plan`): ``mpc``'s one future."""
         if self.moer_scenarios or self.moer_revisions > 0:
             self._issued[t] = moer
             self._issued.pop(t - (self.n_scenarios + 1) * self.day_steps - 1, None)
+        if self._within_hour:
+            return super().window_futures(t, H, moer, need_all, left_all)
+        self.prob = self.probabilities(t)
         moers = self.scenario_moer(t, H, moer)
         return moers, WindowSessions.concat(self.scenario_sessions(t, H, need_all, left_all), blocks=True)
 
     def decision_lp(self, w: WindowLP) -> LP:
-        """The two-stage LP of the scenarios' window LP ``w`` (:meth:`two_stage` with :attr:`prob`)."""
-        return self.two_stage(w, self.prob, self.shared_bess_steps)
+        """The two-stage LP of the scenarios' window LP ``w`` (:meth:`two_stage` with :attr:`prob`); within the hour
+        (:meth:`plan`), ``w``'s one LP."""
+        return w.lp if self._within_hour else self.two_stage(w, self.prob, self.shared_bess_steps)
 
     def window_plan(self, t: int, z: np.ndarray, lp: LP, w: WindowLP, moer: np.ndarray, ev_bounds: EVBounds) -> Plan:
         """The plan of the two-stage solution ``z``: step 0 (shared) and, over the window, the probability-weighted
         mean of the scenarios' battery and plugged-EV power and of their planned CO2 (each scenario's
         :meth:`~pipeline.control.mpc.MPCController.plan_of` for its MOER ``moer[k]``, ``moer`` ``(K, H)``); counts the
-        LP in :attr:`lp_shape` and :attr:`lp_total`."""
+        LP in :attr:`lp_shape` and :attr:`lp_total`. Within the hour (:meth:`plan`): the plan of ``w``'s one block for
+        the outlook ``moer`` (``(H,)``)."""
+        self.lp_shape = (*lp.A_eq.shape, lp.A_eq.nnz)
+        self.lp_total += self.lp_shape
+        if self._within_hour:
+            return self.plan_of(t, z, lp, w.blocks[0], moer, ev_bounds)
         prob = self.prob
         plans = [self.plan_of(t, z, lp, b, moer[m], ev_bounds) for m, b in enumerate(w.blocks)]
         plan = plans[0]
         plan.co2_planned_kg = float(sum(p * q.co2_planned_kg for p, q in zip(prob, plans)))
         plan.bess_kw_steps = sum(p * q.bess_kw_steps for p, q in zip(prob, plans))
         plan.ev_kw_steps = sum(p * q.ev_kw_steps for p, q in zip(prob, plans))
-        self.lp_shape = (*lp.A_eq.shape, lp.A_eq.nnz)
-        self.lp_total += self.lp_shape
         return plan
 
     @staticmethod
